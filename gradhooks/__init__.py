@@ -1,0 +1,44 @@
+"""gradhooks: exact per-sample gradients of an existing PyTorch model, through layer hooks.
+
+Public API::
+
+    gh = gradhooks.attach(model, loss_reduction="mean")   # or: with gradhooks.attach(model) as gh:
+    loss.backward()
+    gh.per_sample_grads()          # {name: (B, *param.shape)}; also param.grad_sample
+    gh.detach()
+
+    gradhooks.looped_per_sample_grads(model, loss_fn, inputs, targets)   # the reference
+    gradhooks.compare(model, loss_fn, inputs, targets)                    # check + time both
+"""
+from .hooks import GradHooks, attach
+from .reference import Comparison, ParamError, compare, looped_per_sample_grads, max_rel_error
+from .registry import (
+    BatchSizeError,
+    GradHooksError,
+    GradientMismatchError,
+    LayerRule,
+    NoBackwardError,
+    UnsupportedModuleError,
+    register_rule,
+    supported_types,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "attach",
+    "GradHooks",
+    "looped_per_sample_grads",
+    "compare",
+    "Comparison",
+    "ParamError",
+    "max_rel_error",
+    "register_rule",
+    "supported_types",
+    "LayerRule",
+    "GradHooksError",
+    "UnsupportedModuleError",
+    "BatchSizeError",
+    "NoBackwardError",
+    "GradientMismatchError",
+]

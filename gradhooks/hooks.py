@@ -1,0 +1,423 @@
+"""The hook manager: attach to a model, record activations and grad_outputs per call, detach.
+
+How it works (Goodfellow 2015, arXiv:1510.01799): for every module that has a rule, a forward
+hook records the call's input activations ``a`` and registers a tensor hook on the call's output
+(``output.register_hook``, curvlinops' approach: unlike ``register_full_backward_hook`` it works
+when an in-place op such as ``ReLU(inplace=True)`` follows the layer). In the backward the tensor
+hook receives the gradient w.r.t. that output, ``g``. Each call gets its own record, so a layer
+called several times in one forward pairs every input with its own grad_output. Per-sample
+gradients are formed from the records only when asked for (:meth:`GradHooks.per_sample_grads`).
+
+All state lives in the :class:`GradHooks` object; the only attribute put on user objects is
+``param.grad_sample``, removed by :meth:`GradHooks.detach`.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from . import rules as _rules  # noqa: F401  (registers the built-in rules)
+from .per_sample import check_loss_reduction, reduction_scale
+from .registry import (
+    BatchSizeError,
+    GradHooksError,
+    GradientMismatchError,
+    LayerRule,
+    NoBackwardError,
+    UnsupportedModuleError,
+    find_rule,
+    supported_types,
+)
+
+__all__ = ["attach", "GradHooks"]
+
+# Modules currently hooked by a live GradHooks (to refuse a second attach to the same layer).
+_HOOKED: "weakref.WeakKeyDictionary[nn.Module, GradHooks]" = weakref.WeakKeyDictionary()
+# > 0 while hooks must record nothing (the looped reference runs the model sample by sample).
+_PAUSED = 0
+
+_MISSING = object()
+
+# Relative tolerance of the sum check (see GradHooks.per_sample_grads), per dtype. The sum of B
+# per-sample values is compared with autograd's batch value, relative to sum_n |value_n|.
+_SUM_CHECK_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+_SUM_CHECK_PROBES = 256
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Context in which no GradHooks records anything (used by the looped reference)."""
+    global _PAUSED
+    _PAUSED += 1
+    try:
+        yield
+    finally:
+        _PAUSED -= 1
+
+
+def _is_functorch_wrapped(x: Tensor) -> bool:
+    fn = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return bool(fn is not None and fn(x))
+
+
+class _Layer:
+    """A hooked module: its path in the model, its rule and the parameters the rule handles."""
+
+    __slots__ = ("path", "module", "rule", "params")
+
+    def __init__(self, path: str, module: nn.Module, rule: LayerRule, params: Dict[str, nn.Parameter]):
+        self.path, self.module, self.rule, self.params = path, module, rule, params
+
+    def describe(self) -> str:
+        return f"{self.path or '<root>'!r} ({type(self.module).__name__})"
+
+
+class _Capture:
+    """One call of one hooked module: input activations and the grad_outputs it received."""
+
+    __slots__ = ("layer", "a", "version", "names", "grads", "step", "__weakref__")
+
+    def __init__(self, layer: _Layer, a: Tensor, names: Tuple[str, ...], step: int):
+        self.layer, self.a, self.version, self.names, self.step = layer, a, a._version, names, step
+        self.grads: List[Tensor] = []  # one grad_output per backward pass through this call
+
+    def release(self) -> None:
+        self.a = None
+        self.grads = []
+
+
+class GradHooks:
+    """Per-sample gradients of an existing model, through hooks on its layers.
+
+    Create it with :func:`attach`. Typical use::
+
+        with gradhooks.attach(model, loss_reduction="mean") as gh:
+            loss = F.cross_entropy(model(x), y)          # reduction="mean"
+            loss.backward()
+            grads = gh.per_sample_grads()                 # {name: (B, *param.shape)}
+
+    **Batches and backward passes.** A *batch* starts with the first forward (with autograd
+    enabled) after a backward pass, or after :meth:`clear`. All calls of hooked layers until the
+    next backward belong to that batch and must agree on the batch size ``B``. Several backward
+    passes through the same forward (``retain_graph=True``) *accumulate*: the per-sample
+    gradients are summed over them, like ``param.grad``. The next forward after a backward starts
+    a new batch and *replaces* the previous results (per-sample gradients of different batches
+    cannot be added sample by sample). :meth:`clear` drops everything recorded at once.
+
+    **Memory.** Inputs of calls whose output never reaches a backward are freed with the autograd
+    graph. Inputs and grad_outputs of calls the backward reached are kept until the next batch
+    starts, :meth:`clear` or :meth:`detach`, so that results can be read (again) at any time.
+
+    **Sum check.** When ``check=True`` (default) :meth:`per_sample_grads` verifies, on up to
+    256 coordinates of each parameter, that the per-sample gradients sum to the gradient autograd
+    computed for the parameter in the same backward passes. It catches a parameter that also
+    receives gradient outside its module (used functionally, ``x @ layer.weight.T``), an input
+    modified in place, or a backward that computed no parameter gradient (``torch.autograd.grad``
+    w.r.t. the input only). Its cost is a read of ``B x 256`` values per parameter.
+    """
+
+    def __init__(self, model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
+                 check: bool = True):
+        check_loss_reduction(loss_reduction)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"attach expects an nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.loss_reduction = loss_reduction
+        self.batch_first = bool(batch_first)
+        self.check = bool(check)
+        self._layers: List[_Layer] = []
+        self._handles: list = []
+        self._names: Dict[int, str] = {}  # id(param) -> name in model.named_parameters()
+        self._params: Dict[int, nn.Parameter] = {}
+        self._hooks_were_none: List[nn.Parameter] = []  # params whose _backward_hooks we created
+        self._saved_grad_sample: Dict[int, object] = {}
+        self._attached = False
+        self._step = 0
+        self._reset_batch()
+        self._attach()
+
+    # ------------------------------------------------------------------ attach / detach
+    def _attach(self) -> None:
+        for name, p in self.model.named_parameters():
+            self._names[id(p)] = name
+        unsupported = []
+        for path, module in self.model.named_modules():
+            own = dict(module.named_parameters(recurse=False))
+            if not own:
+                continue
+            rule = find_rule(module, path)
+            handled = {n: p for n, p in own.items() if rule is not None and n in rule.param_names}
+            extra = [n for n, p in own.items() if n not in handled and p.requires_grad]
+            if extra:
+                unsupported.append((path, module, extra))
+                continue
+            if handled:
+                if module in _HOOKED:
+                    raise GradHooksError(
+                        f"module {path or '<root>'!r} ({type(module).__name__}) is already hooked "
+                        f"by another GradHooks; call detach() on that one first"
+                    )
+                self._layers.append(_Layer(path, module, rule, handled))
+        if unsupported:
+            lines = "\n".join(
+                f"  {p or '<root>'!r} ({type(m).__qualname__}): parameters {', '.join(e)}"
+                for p, m, e in unsupported
+            )
+            raise UnsupportedModuleError(
+                "gradhooks has no per-sample gradient rule for these modules, which own trainable "
+                f"parameters:\n{lines}\nSupported types: {', '.join(supported_types())}. Freeze "
+                "those parameters (requires_grad_(False)) or register a rule with "
+                "@gradhooks.register_rule."
+            )
+        for layer in self._layers:
+            _HOOKED[layer.module] = self
+            self._handles.append(layer.module.register_forward_hook(
+                functools.partial(self._on_forward, layer), with_kwargs=True))
+            for p in layer.params.values():
+                if id(p) in self._params:
+                    continue  # tied: one hook per parameter
+                self._params[id(p)] = p
+                if self.check:
+                    if p._backward_hooks is None:
+                        self._hooks_were_none.append(p)
+                    self._handles.append(
+                        p.register_hook(functools.partial(self._on_param_grad, id(p))))
+                value = p.__dict__.get("grad_sample", _MISSING)
+                if value is not _MISSING:
+                    self._saved_grad_sample[id(p)] = value
+        self._attached = True
+
+    def detach(self) -> None:
+        """Remove every hook, record and ``grad_sample`` attribute; the model is as before attach.
+
+        Afterwards the model's hook dictionaries, ``state_dict()``, ``copy.deepcopy`` and
+        ``pickle`` behave exactly as before :func:`attach`. Calling it twice is harmless.
+        """
+        if not self._attached:
+            return
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for p in self._hooks_were_none:
+            if not p._backward_hooks:
+                p._backward_hooks = None
+        self._hooks_were_none.clear()
+        for pid, p in self._params.items():
+            if pid in self._saved_grad_sample:
+                p.grad_sample = self._saved_grad_sample[pid]
+            else:
+                p.__dict__.pop("grad_sample", None)
+        for layer in self._layers:
+            if _HOOKED.get(layer.module) is self:
+                del _HOOKED[layer.module]
+        self._reset_batch()
+        self._attached = False
+
+    def __enter__(self) -> "GradHooks":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    # ------------------------------------------------------------------ batch state
+    def _reset_batch(self) -> None:
+        for cap in getattr(self, "_reached", ()):
+            cap.release()
+        self._step += 1
+        self._reached: List[_Capture] = []
+        self._batch_size: Optional[int] = None
+        self._batch_source: Optional[str] = None
+        self._backward_seen = False
+        self._param_grads: Dict[int, Tensor] = {}
+        self._result: Optional[Dict[str, Tensor]] = None
+
+    def clear(self) -> None:
+        """Drop everything recorded (activations, grad_outputs, results) and set every
+        ``param.grad_sample`` to ``None``. The next forward starts a new batch."""
+        self._reset_batch()
+        for p in self._params.values():
+            if "grad_sample" in p.__dict__:
+                p.grad_sample = None
+
+    @property
+    def batch_size(self) -> Optional[int]:
+        """Batch size ``B`` of the current batch, or ``None`` before its first forward."""
+        return self._batch_size
+
+    # ------------------------------------------------------------------ hooks
+    def _on_forward(self, layer: _Layer, module: nn.Module, args, kwargs, output) -> None:
+        if _PAUSED or not torch.is_grad_enabled():
+            return
+        if not isinstance(output, Tensor) or not output.requires_grad:
+            return
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        if not isinstance(x, Tensor) or _is_functorch_wrapped(x):
+            return
+        names = tuple(n for n, p in layer.params.items() if p.requires_grad)
+        if not names:
+            return
+        if self._backward_seen:
+            self.clear()
+        try:
+            b = layer.rule.batch_size(module, x, self.batch_first)
+        except BatchSizeError as e:
+            raise BatchSizeError(f"module {layer.describe()}: {e}") from None
+        if self._batch_size is None:
+            self._batch_size, self._batch_source = b, layer.describe()
+        elif b != self._batch_size:
+            raise BatchSizeError(
+                f"module {layer.describe()} sees batch size {b}, but {self._batch_source} saw "
+                f"{self._batch_size} in the same forward. Per-sample gradients need every hooked "
+                f"layer to see the whole batch on the batch dim (batch_first={self.batch_first}); "
+                f"check the input layout, or pass batch_first=False for (T, B, ...) inputs."
+            )
+        cap = _Capture(layer, x.detach(), names, self._step)
+        output.register_hook(functools.partial(self._on_grad_output, cap))
+
+    def _on_grad_output(self, cap: _Capture, grad: Tensor) -> None:
+        if _PAUSED:
+            return None
+        if cap.step != self._step:
+            raise GradHooksError(
+                f"a backward pass reached module {cap.layer.describe()} through a graph built "
+                f"before the current batch started; per-sample results are per forward: run the "
+                f"backward passes of a forward before the next forward"
+            )
+        if not cap.grads:
+            self._reached.append(cap)
+        cap.grads.append(grad)
+        self._backward_seen = True
+        self._result = None
+        return None
+
+    def _on_param_grad(self, pid: int, grad: Tensor) -> None:
+        if _PAUSED:
+            return None
+        prev = self._param_grads.get(pid)
+        self._param_grads[pid] = grad if prev is None else prev + grad
+        return None
+
+    # ------------------------------------------------------------------ results
+    def per_sample_grads(self) -> Dict[str, Tensor]:
+        """Per-sample gradients of every trainable parameter the backward reached.
+
+        Returns:
+            ``{name: tensor}`` keyed by the parameter's name in ``model.named_parameters()``
+            (a parameter tied between modules appears once, summed over them), in that order.
+            Each tensor has shape ``(B, *param.shape)`` and the parameter's dtype; entry ``n`` is
+            the gradient of sample ``n``'s own loss: with ``loss_reduction="mean"`` the recorded
+            gradients are multiplied by ``B``, so the result does not depend on the batch size.
+            The same tensor is set as ``param.grad_sample``; ``param.grad`` is left as autograd
+            computed it. The result is computed on first call and cached until the next
+            backward pass or batch.
+
+        Raises:
+            NoBackwardError: if no backward pass reached a hooked layer since the batch started.
+            GradientMismatchError: if the sum check fails (see the class docstring), or an input
+                recorded in the forward was modified in place afterwards.
+        """
+        if self._result is not None:
+            return self._result
+        if not self._reached:
+            raise NoBackwardError(
+                "no backward pass has reached a hooked layer since the last forward: call "
+                "loss.backward() before per_sample_grads() (forwards under torch.no_grad() or "
+                "inference_mode() record nothing)"
+            )
+        raw: Dict[int, Tensor] = {}
+        for cap in self._reached:
+            layer = cap.layer
+            if cap.a._version != cap.version:
+                raise GradientMismatchError(
+                    f"the input of module {layer.describe()} was modified in place after its "
+                    f"forward; per-sample gradients would be wrong. Avoid in-place ops on the "
+                    f"layer's input (e.g. use ReLU(inplace=False) after the layer that feeds it)"
+                )
+            g = cap.grads[0] if len(cap.grads) == 1 else torch.stack(cap.grads).sum(0)
+            grads = layer.rule.per_sample_grads(layer.module, cap.a, g, self.batch_first, cap.names)
+            for local, t in grads.items():
+                pid = id(layer.params[local])
+                raw[pid] = t if pid not in raw else raw[pid] + t
+        if self.check:
+            for pid, t in raw.items():
+                self._check_sum(pid, t)
+        scale = reduction_scale(self.loss_reduction, self._batch_size)
+        result = {}
+        order = {pid: i for i, pid in enumerate(self._names)}
+        for pid in sorted(raw, key=order.__getitem__):
+            p = self._params[pid]
+            t = raw[pid]
+            if scale is not None:
+                t.mul_(scale)  # rules return tensors they own
+            if t.dtype != p.dtype:
+                t = t.to(p.dtype)
+            result[self._names[pid]] = t
+            p.grad_sample = t
+        self._result = result
+        return result
+
+    def _check_sum(self, pid: int, t: Tensor) -> None:
+        name = self._names[pid]
+        total = self._param_grads.get(pid)
+        if total is None:
+            raise GradientMismatchError(
+                f"grad_outputs were recorded for the module owning {name!r}, but autograd "
+                f"computed no gradient for {name!r} in those backward passes (e.g. "
+                f"torch.autograd.grad with respect to the input only); per-sample gradients of "
+                f"the parameters are not defined for such a pass"
+            )
+        flat = t.reshape(t.shape[0], -1)
+        numel = flat.shape[1]
+        if numel > _SUM_CHECK_PROBES:
+            idx = torch.linspace(0, numel - 1, _SUM_CHECK_PROBES, device=t.device).long()
+            flat, ref = flat[:, idx], total.reshape(-1)[idx]
+        else:
+            ref = total.reshape(-1)
+        flat = flat.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
+        err = (flat.sum(0) - ref.to(flat.dtype)).abs()
+        rtol = _SUM_CHECK_RTOL.get(t.dtype, 1e-4)
+        bad = err > rtol * flat.abs().sum(0) + torch.finfo(flat.dtype).tiny
+        if bool(bad.any()):
+            raise GradientMismatchError(
+                f"the per-sample gradients of {name!r} do not sum to the gradient autograd "
+                f"computed for it (largest difference {err.max().item():.3g}). The parameter "
+                f"receives gradient outside the module that owns it (a functional use such as "
+                f"x @ layer.weight.T, or a module gradhooks does not hook); per-sample gradients "
+                f"would be wrong. Use the parameter only through its module."
+            )
+
+
+def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
+           check: bool = True) -> GradHooks:
+    """Attach per-sample-gradient hooks to every supported layer of an existing model.
+
+    Registers a forward hook on each module that has a rule (``nn.Linear``, ``nn.Conv1d/2d/3d``;
+    see :func:`gradhooks.supported_types`) and a gradient hook on each of their parameters, and
+    changes nothing else: nested containers, residual connections and functional ops between the
+    layers work as they are.
+
+    Args:
+        model: the ``nn.Module``.
+        loss_reduction: ``"mean"`` or ``"sum"``: how the batch loss was reduced over samples.
+            With ``"mean"`` per-sample gradients are multiplied by ``B`` (gradient of each
+            sample's own loss).
+        batch_first: ``True`` if the batch is dim 0 of every layer input; ``False`` for torch's
+            sequence layout ``(T, B, ..., features)`` (a 2-D ``(B, features)`` input is then still
+            read as batch-first). Convolutions always take the batch on dim 0.
+        check: run the sum check of :class:`GradHooks` when results are read.
+
+    Returns:
+        A :class:`GradHooks`, also a context manager that detaches on exit.
+
+    Raises:
+        ValueError: if ``loss_reduction`` is not ``"mean"`` or ``"sum"``.
+        UnsupportedModuleError: if a module owns trainable parameters and has no rule; the
+            message names each such module's path and type and lists the supported types.
+        GradHooksError: if a layer is already hooked by another live :class:`GradHooks`.
+    """
+    return GradHooks(model, loss_reduction=loss_reduction, batch_first=batch_first, check=check)

@@ -1,0 +1,81 @@
+"""Per-sample gradients from the canonical form, and the one place ``loss_reduction`` is applied.
+
+Canonical form (curvlinops' convention, extended by a group axis): every linear-like layer
+reshapes what the hooks recorded into
+
+* ``a``: ``(N, G, S, I)`` -- input activations (for a convolution: unfolded patches),
+* ``g``: ``(N, G, S, O)`` -- gradient of the loss w.r.t. the layer output (grad_output),
+
+with ``n`` the sample, ``g`` the group (``G = 1`` except for grouped convolutions), ``s`` the
+weight-sharing position (``S = 1`` for a Linear on ``(B, in)``), ``i``/``o`` in/out features.
+The layer computes ``y[n, g, s] = W[g] a[n, g, s] (+ b[g])``, hence (Goodfellow 2015,
+arXiv:1510.01799, sec. 3; Rochette et al. 2019, arXiv:1912.06015, sec. 3 for convolutions)::
+
+    dL_n/dW[g] = sum_s g[n, g, s] a[n, g, s]^T      (einsum 'ngsi,ngso->ngoi')
+    dL_n/db[g] = sum_s g[n, g, s]
+
+where ``L_n`` is sample ``n``'s share of the loss as the user reduced it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import Tensor
+
+__all__ = ["weight_grad", "bias_grad", "reduction_scale", "LOSS_REDUCTIONS"]
+
+#: The values ``loss_reduction`` may take.
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+def weight_grad(a: Tensor, g: Tensor) -> Tensor:
+    """Per-sample weight gradient from the canonical form.
+
+    Args:
+        a: ``(N, G, S, I)`` input activations.
+        g: ``(N, G, S, O)`` grad_output.
+
+    Returns:
+        ``(N, G, O, I)``: ``sum_s g[n,g,s,o] a[n,g,s,i]``. With ``S = 1`` this is an outer
+        product (one broadcast multiply); otherwise a batched matmul over ``(N, G)`` contracting
+        ``S``.
+    """
+    if a.shape[2] == 1:
+        return g[:, :, 0, :, None] * a[:, :, 0, None, :]
+    return g.transpose(-1, -2) @ a
+
+
+def bias_grad(g: Tensor) -> Tensor:
+    """Per-sample bias gradient from the canonical form.
+
+    Args:
+        g: ``(N, G, S, O)`` grad_output.
+
+    Returns:
+        ``(N, G, O)``: ``sum_s g[n, g, s, o]``.
+    """
+    return g.sum(dim=2)
+
+
+def reduction_scale(loss_reduction: str, batch_size: int) -> Optional[float]:
+    """Factor that turns gradients of the reduced batch loss into per-sample-loss gradients.
+
+    With ``loss_reduction="mean"`` the batch loss is ``(1/B) sum_n l_n``, so what the hooks see
+    for sample ``n`` is ``(1/B) dl_n``; multiplying by ``B`` gives ``dl_n``, the gradient of the
+    sample's own loss, independent of the batch size (Opacus' convention). With ``"sum"`` no
+    scaling is needed and ``None`` is returned.
+
+    Raises:
+        ValueError: if ``loss_reduction`` is not ``"mean"`` or ``"sum"``.
+    """
+    check_loss_reduction(loss_reduction)
+    return float(batch_size) if loss_reduction == "mean" else None
+
+
+def check_loss_reduction(loss_reduction: str) -> None:
+    """Raise ``ValueError`` unless ``loss_reduction`` is ``"mean"`` or ``"sum"``."""
+    if loss_reduction not in LOSS_REDUCTIONS:
+        raise ValueError(
+            f"loss_reduction must be 'mean' or 'sum' (how the batch loss was reduced over "
+            f"samples), got {loss_reduction!r}"
+        )

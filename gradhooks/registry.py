@@ -1,0 +1,170 @@
+"""Layer rules: the registry, the base class every rule derives from, and the typed errors.
+
+A *rule* knows one family of layers (``nn.Linear``, the ``nn.ConvNd`` ...). Given what the
+hooks recorded for one call of a module -- its input activations ``a`` and the gradient of the
+loss w.r.t. its output ``g`` (grad_output, "backprops") -- it forms the per-sample gradient of
+each parameter the module owns. Adding a layer family means adding one file under
+``gradhooks/rules/`` with a class decorated by :func:`register_rule`; nothing else changes.
+
+Lookup is by exact type first, then by the class's parents (``type(module).__mro__``) so that
+subclasses are covered, but only if the subclass keeps the parent's ``forward``: a subclass that
+overrides ``forward`` computes something else, and the parent's rule would silently give wrong
+numbers, so :func:`find_rule` refuses it with :class:`UnsupportedModuleError`.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterable, Optional, Tuple, Type
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "GradHooksError",
+    "UnsupportedModuleError",
+    "BatchSizeError",
+    "NoBackwardError",
+    "GradientMismatchError",
+    "LayerRule",
+    "register_rule",
+    "find_rule",
+    "supported_types",
+]
+
+
+# --------------------------------------------------------------------------- errors
+class GradHooksError(RuntimeError):
+    """Base class of every error gradhooks raises on purpose."""
+
+
+class UnsupportedModuleError(GradHooksError, TypeError):
+    """A module owns trainable parameters that no rule can give per-sample gradients for.
+
+    Raised by :func:`gradhooks.attach`; the message names the module's path in the model, its
+    type, and the supported types.
+    """
+
+
+class BatchSizeError(GradHooksError, ValueError):
+    """A layer's input has no batch dimension, or layers of one forward disagree on its size."""
+
+
+class NoBackwardError(GradHooksError):
+    """Per-sample results were asked for before any backward pass reached a hooked layer."""
+
+
+class GradientMismatchError(GradHooksError):
+    """The per-sample gradients do not sum to the gradient autograd computed for a parameter.
+
+    This happens when a parameter also receives gradient outside the module that owns it (for
+    instance used functionally, ``x @ layer.weight.T``), or when the captured input was modified
+    in place after the forward. The result would be wrong, so it is refused.
+    """
+
+
+# --------------------------------------------------------------------------- rules
+class LayerRule:
+    """Base class of a per-layer rule.
+
+    Index conventions used by every rule: ``n`` sample (batch), ``s`` weight-sharing position
+    (token, pixel, time step; ``S = 1`` for a plain Linear on ``(B, in)``), ``g`` group (``G = 1``
+    except for grouped convolutions), ``i`` input feature, ``o`` output feature.
+
+    Subclasses set :attr:`param_names` (the direct parameters of the module they handle) and
+    implement :meth:`batch_size` and :meth:`per_sample_grads`. Rules are stateless; one instance
+    serves every module of its types.
+    """
+
+    #: Names of the module's own parameters this rule computes per-sample gradients for.
+    param_names: Tuple[str, ...] = ("weight", "bias")
+
+    def batch_size(self, module: nn.Module, x: Tensor, batch_first: bool) -> int:
+        """Return the batch size ``B`` of the input ``x`` of ``module``.
+
+        Raises:
+            BatchSizeError: if ``x`` has no batch dimension (an unbatched input).
+        """
+        raise NotImplementedError
+
+    def per_sample_grads(
+        self,
+        module: nn.Module,
+        a: Tensor,
+        g: Tensor,
+        batch_first: bool,
+        names: Iterable[str],
+    ) -> Dict[str, Tensor]:
+        """Per-sample gradients of the *summed* loss for one call of ``module``.
+
+        Args:
+            module: the layer.
+            a: its input activations, as recorded in the forward (layout as the layer takes it).
+            g: the gradient of the loss w.r.t. its output (grad_output), same layout as the output.
+            batch_first: the layout flag given to :func:`gradhooks.attach`.
+            names: which of :attr:`param_names` are wanted (the trainable ones).
+
+        Returns:
+            ``{name: tensor of shape (B, *param.shape)}``; entry ``n`` is ``d loss / d param``
+            restricted to sample ``n`` (no ``loss_reduction`` scaling: that is applied once, in
+            :mod:`gradhooks.per_sample`). The tensors must be new (owned by the caller, which
+            scales them in place), never views of ``a`` or ``g``.
+        """
+        raise NotImplementedError
+
+
+_RULES: Dict[Type[nn.Module], LayerRule] = {}
+
+
+def register_rule(*module_types: Type[nn.Module]) -> Callable[[type], type]:
+    """Class decorator: register a :class:`LayerRule` subclass for ``module_types``.
+
+    Example::
+
+        @register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
+        class ConvRule(LayerRule): ...
+
+    Raises:
+        TypeError: if a type is not an ``nn.Module`` subclass or the class is not a LayerRule.
+    """
+    for t in module_types:
+        if not (isinstance(t, type) and issubclass(t, nn.Module)):
+            raise TypeError(f"register_rule expects nn.Module subclasses, got {t!r}")
+
+    def decorate(cls: type) -> type:
+        if not (isinstance(cls, type) and issubclass(cls, LayerRule)):
+            raise TypeError(f"register_rule decorates LayerRule subclasses, got {cls!r}")
+        rule = cls()
+        for t in module_types:
+            _RULES[t] = rule
+        return cls
+
+    return decorate
+
+
+def supported_types() -> Tuple[str, ...]:
+    """Names of the module types that have a rule, sorted (e.g. ``('Conv1d', ..., 'Linear')``)."""
+    return tuple(sorted(t.__name__ for t in _RULES))
+
+
+def find_rule(module: nn.Module, path: str = "") -> Optional[LayerRule]:
+    """Return the rule for ``module``'s type, or ``None`` if it has none.
+
+    Exact type first, then the parents in method resolution order.
+
+    Raises:
+        UnsupportedModuleError: if ``module`` is a subclass of a supported type that overrides
+            ``forward`` (the parent's rule would not match what it computes).
+    """
+    cls = type(module)
+    if cls in _RULES:
+        return _RULES[cls]
+    for parent in cls.__mro__[1:]:
+        if parent in _RULES:
+            if cls.forward is not parent.forward:
+                raise UnsupportedModuleError(
+                    f"module {path or '<root>'!r} of type {cls.__qualname__} subclasses "
+                    f"{parent.__name__} but overrides forward(), so the {parent.__name__} rule "
+                    f"does not describe it. Register a rule for it with "
+                    f"@gradhooks.register_rule({cls.__name__}), or do not override forward."
+                )
+            return _RULES[parent]
+    return None

@@ -1,0 +1,118 @@
+"""Rule for ``nn.Conv1d``, ``nn.Conv2d`` and ``nn.Conv3d`` with every option torch has.
+
+Index conventions: ``n`` sample, ``g`` group, ``c`` input channel within a group, ``k`` kernel
+offset (all spatial dims flattened), ``s`` output position (all spatial dims flattened), ``o``
+output channel within a group.
+
+Forward, with ``P`` the padded input (zeros / reflect / replicate / circular, asymmetric for
+``padding='same'`` exactly as torch pads) and ``U`` its unfolded patches (im2col, with stride and
+dilation)::
+
+    y[n, g, o, s] = sum_{c,k} W[g, o, c, k] U[n, g, c, k, s] + b[g, o]
+
+so the per-sample gradient is the canonical-form product (Goodfellow 2015, arXiv:1510.01799;
+Rochette et al. 2019, arXiv:1912.06015, sec. 3; Grosse & Martens 2016, arXiv:1602.01407, sec. 3
+for the unfolded form)::
+
+    dL_n/dW[g, o, c, k] = sum_s g[n, g, o, s] U[n, g, c, k, s]      dL_n/db[g, o] = sum_s g[n, g, o, s]
+
+The patches are reshaped by group *before* the contraction, so a grouped or depthwise convolution
+costs ``1/groups`` of a dense one (no cross-group product that is thrown away).
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Tuple
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..per_sample import bias_grad, weight_grad
+from ..registry import BatchSizeError, LayerRule, register_rule
+
+
+def padding_pairs(module: nn.Module) -> List[Tuple[int, int]]:
+    """``(before, after)`` padding for each spatial dim of a ``nn.ConvNd``, as torch applies it.
+
+    ``'valid'`` is no padding; ``'same'`` pads ``dilation * (kernel - 1)`` in total, the smaller
+    half before (torch's ``_ConvNd.__init__``); an int or tuple pads both sides equally.
+    """
+    k, d = module.kernel_size, module.dilation
+    if module.padding == "valid":
+        return [(0, 0)] * len(k)
+    if module.padding == "same":
+        pairs = []
+        for ki, di in zip(k, d):
+            total = di * (ki - 1)
+            pairs.append((total // 2, total - total // 2))
+        return pairs
+    return [(p, p) for p in module.padding]
+
+
+def unfold(module: nn.Module, x: Tensor) -> Tensor:
+    """Unfolded input patches of a ``nn.ConvNd`` in canonical form.
+
+    Args:
+        module: a ``nn.Conv1d/2d/3d``.
+        x: its input, ``(N, C_in, *spatial)``.
+
+    Returns:
+        ``(N, G, S, C_in/G * prod(kernel_size))`` with ``S`` the number of output positions; the
+        last dim is ordered like ``weight[o].flatten()``, i.e. ``(c, k1, k2, ...)``.
+    """
+    dims = len(module.kernel_size)
+    pairs = padding_pairs(module)
+    if any(p for pair in pairs for p in pair):
+        flat = [p for pair in reversed(pairs) for p in pair]  # F.pad wants last dim first
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x = F.pad(x, flat, mode=mode)
+    for i, (k, d, s) in enumerate(zip(module.kernel_size, module.dilation, module.stride)):
+        x = x.unfold(2 + i, d * (k - 1) + 1, s)  # appends the window dim at the end
+    if any(d > 1 for d in module.dilation):
+        x = x[(Ellipsis,) + tuple(slice(None, None, d) for d in module.dilation)]
+    # x: (N, C, O_1..O_d, K_1..K_d)
+    n, c = x.shape[:2]
+    groups = module.groups
+    out_sizes = x.shape[2 : 2 + dims]
+    x = x.reshape(n, groups, c // groups, *x.shape[2:])
+    perm = (0, 1, *range(3, 3 + dims), 2, *range(3 + dims, 3 + 2 * dims))
+    s = 1
+    for o in out_sizes:
+        s *= o
+    return x.permute(perm).reshape(n, groups, s, -1)
+
+
+@register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
+class ConvRule(LayerRule):
+    """``nn.Conv1d/2d/3d``: ``a`` is ``(B, C_in, *spatial)``, ``g`` is ``(B, C_out, *spatial_out)``.
+
+    Returns ``weight``: ``(B, C_out, C_in/groups, *kernel_size)``, ``bias``: ``(B, C_out)``.
+    The batch dim is always dim 0 (torch's convolution layout), whatever ``batch_first``.
+    """
+
+    def batch_size(self, module: nn.Module, x: Tensor, batch_first: bool) -> int:
+        dims = len(module.kernel_size)
+        if x.dim() != dims + 2:
+            raise BatchSizeError(
+                f"got an input of shape {tuple(x.shape)}; per-sample gradients need a batched "
+                f"input (B, C_in, *spatial) with {dims + 2} dims (e.g. x.unsqueeze(0))"
+            )
+        return x.shape[0]
+
+    def canonical(self, module: nn.Module, a: Tensor, g: Tensor):
+        """Canonical form: ``a`` ``(N, G, S, C_in/G * K)`` patches, ``g`` ``(N, G, S, C_out/G)``."""
+        n, groups = g.shape[0], module.groups
+        g = g.reshape(n, groups, module.out_channels // groups, -1).transpose(-1, -2)
+        return (unfold(module, a) if a is not None else None), g
+
+    def per_sample_grads(
+        self, module: nn.Module, a: Tensor, g: Tensor, batch_first: bool, names: Iterable[str]
+    ) -> Dict[str, Tensor]:
+        names = tuple(names)
+        a, g = self.canonical(module, a if "weight" in names else None, g)
+        n = g.shape[0]
+        out = {}
+        if "weight" in names:
+            out["weight"] = weight_grad(a, g).reshape(n, *module.weight.shape)
+        if "bias" in names:
+            out["bias"] = bias_grad(g).reshape(n, module.out_channels)
+        return out
