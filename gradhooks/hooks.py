@@ -136,6 +136,7 @@ class GradHooks:
         self._params: Dict[int, nn.Parameter] = {}
         self._hooks_were_none: List[nn.Parameter] = []  # params whose _backward_hooks we created
         self._saved_grad_sample: Dict[int, object] = {}
+        self._watched: set = set()  # ids of params with a gradient hook (sum check)
         self._attached = False
         self._step = 0
         self._reset_batch()
@@ -182,11 +183,6 @@ class GradHooks:
                 if id(p) in self._params:
                     continue  # tied: one hook per parameter
                 self._params[id(p)] = p
-                if self.check:
-                    if p._backward_hooks is None:
-                        self._hooks_were_none.append(p)
-                    self._handles.append(
-                        p.register_hook(functools.partial(self._on_param_grad, id(p))))
                 value = p.__dict__.get("grad_sample", _MISSING)
                 if value is not _MISSING:
                     self._saved_grad_sample[id(p)] = value
@@ -207,6 +203,7 @@ class GradHooks:
             if not p._backward_hooks:
                 p._backward_hooks = None
         self._hooks_were_none.clear()
+        self._watched.clear()
         for pid, p in self._params.items():
             if pid in self._saved_grad_sample:
                 p.grad_sample = self._saved_grad_sample[pid]
@@ -261,6 +258,9 @@ class GradHooks:
         names = tuple(n for n, p in layer.params.items() if p.requires_grad)
         if not names:
             return
+        if self.check:
+            for n in names:
+                self._watch_param(layer.params[n])
         if self._backward_seen:
             self.clear()
         try:
@@ -294,6 +294,16 @@ class GradHooks:
         self._backward_seen = True
         self._result = None
         return None
+
+    def _watch_param(self, p: nn.Parameter) -> None:
+        # Gradient hook for the sum check, registered at the first forward in which ``p`` is
+        # trainable (torch refuses hooks on tensors that do not require grad).
+        if id(p) in self._watched:
+            return
+        self._watched.add(id(p))
+        if p._backward_hooks is None:
+            self._hooks_were_none.append(p)
+        self._handles.append(p.register_hook(functools.partial(self._on_param_grad, id(p))))
 
     def _on_param_grad(self, pid: int, grad: Tensor) -> None:
         if _PAUSED:

@@ -1,0 +1,96 @@
+"""Shared test helpers: an independent looped-autograd reference and the tolerance check.
+
+The loop here deliberately does not use gradhooks.looped_per_sample_grads, so the library's own
+reference is tested against it as well.
+"""
+import pytest
+import torch
+
+import gradhooks
+
+# Relative error bounds, relative to the largest entry of the reference (the issue's criterion).
+RTOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def weighted_square_loss(reduction="mean", batch_dim=0):
+    """loss = reduce_n( w_n * sum(out_n ** 2) ): nonlinear, and every sample weighs differently.
+
+    ``targets`` is the per-sample weight ``w``, shape ``(B,)``; ``out`` is batched on
+    ``batch_dim``. Returns the loss reduced over samples by ``reduction``.
+    """
+    def loss_fn(out, w):
+        shape = [1] * out.dim()
+        shape[batch_dim] = -1
+        total = (w.view(shape) * out ** 2).sum()
+        return total / out.shape[batch_dim] if reduction == "mean" else total
+    return loss_fn
+
+
+def loop_grads(model, loss_fn, x, y, batch_dim=0):
+    """Reference per-sample gradients: one forward + loss.backward() per sample.
+
+    Returns {name: (B, *shape)} for trainable parameters the backward reached.
+    """
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    b = x.shape[batch_dim]
+    out = {n: [None] * b for n in params}
+    for i in range(b):
+        for p in params.values():
+            p.grad = None
+        xi = x.narrow(batch_dim, i, 1)
+        yi = y.narrow(0, i, 1)
+        loss_fn(model(xi), yi).backward()
+        for n, p in params.items():
+            out[n][i] = p.grad
+    for p in params.values():
+        p.grad = None
+    res = {}
+    for n, gs in out.items():
+        if all(g is None for g in gs):
+            continue
+        res[n] = torch.stack([torch.zeros_like(params[n]) if g is None else g for g in gs])
+    return res
+
+
+def assert_close_to_loop(ours, ref, dtype):
+    """Same keys, same shapes, max|diff| <= RTOL[dtype] * max|ref| for every parameter."""
+    assert list(ours) == list(ref), (list(ours), list(ref))
+    for name in ref:
+        assert ours[name].shape == ref[name].shape, name
+        assert ours[name].dtype == ref[name].dtype, name
+        scale = ref[name].abs().max()
+        diff = (ours[name] - ref[name]).abs().max()
+        assert diff <= RTOL[dtype] * scale, f"{name}: max diff {diff:.3e} vs max |ref| {scale:.3e}"
+
+
+def check_against_loop(model, x, y, *, loss_reduction, dtype, batch_first=True, loss_fn=None):
+    """Attach, run one batch, and compare per_sample_grads() with the loop."""
+    batch_dim = 0 if batch_first or x.dim() < 3 else 1
+    loss_fn = loss_fn or weighted_square_loss(loss_reduction, batch_dim)
+    model = model.to(dtype)
+    x = x.to(dtype)
+    y = y.to(dtype) if y.is_floating_point() else y
+    ref = loop_grads(model, loss_fn, x, y, batch_dim)
+    with gradhooks.attach(model, loss_reduction=loss_reduction, batch_first=batch_first) as gh:
+        loss_fn(model(x), y).backward()
+        ours = gh.per_sample_grads()
+        for name, p in model.named_parameters():
+            if name in ours:
+                assert p.grad_sample is ours[name]
+    assert_close_to_loop(ours, ref, dtype)
+    return ours
+
+
+@pytest.fixture(params=[torch.float64, torch.float32], ids=["f64", "f32"])
+def dtype(request):
+    return request.param
+
+
+@pytest.fixture(params=["mean", "sum"])
+def loss_reduction(request):
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

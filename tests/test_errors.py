@@ -1,0 +1,182 @@
+"""Bad input gets a clear, typed error that names the module -- never a wrong number."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+from conftest import weighted_square_loss
+
+
+class WithPReLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(3, 3), nn.PReLU())
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def test_unsupported_module_named_at_attach():
+    with pytest.raises(gradhooks.UnsupportedModuleError) as e:
+        gradhooks.attach(WithPReLU())
+    msg = str(e.value)
+    assert "'body.1'" in msg and "PReLU" in msg and "weight" in msg
+    assert "Linear" in msg and "Conv2d" in msg  # lists the supported types
+    assert "'head'" not in msg
+
+
+def test_raw_parameter_on_root_module():
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.s = nn.Parameter(torch.ones(3))
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.lin(x) * self.s
+
+    with pytest.raises(gradhooks.UnsupportedModuleError, match=r"'<root>' \(.*Scale\): parameters s"):
+        gradhooks.attach(Scale())
+
+
+def test_frozen_unsupported_module_is_fine():
+    model = WithPReLU()
+    model.body[1].weight.requires_grad_(False)
+    with gradhooks.attach(model) as gh:
+        weighted_square_loss()(model(torch.randn(2, 3)), torch.ones(2)).backward()
+        assert "body.1.weight" not in gh.per_sample_grads()
+
+
+def test_subclass_overriding_forward_is_refused():
+    class Standardized(nn.Conv2d):
+        def forward(self, x):
+            w = (self.weight - self.weight.mean()) / (self.weight.std() + 1e-5)
+            return F.conv2d(x, w, self.bias)
+
+    with pytest.raises(gradhooks.UnsupportedModuleError, match="overrides forward"):
+        gradhooks.attach(nn.Sequential(Standardized(1, 2, 3)))
+
+
+def test_subclass_keeping_forward_is_supported():
+    class MyLinear(nn.Linear):
+        pass
+
+    model = MyLinear(3, 2).double()
+    from conftest import check_against_loop
+    check_against_loop(model, torch.randn(3, 3), torch.ones(3), loss_reduction="mean", dtype=torch.float64)
+
+
+def test_extra_parameter_on_supported_module_is_refused():
+    lin = nn.Linear(3, 2)
+    lin.register_parameter("gain", nn.Parameter(torch.ones(2)))
+    with pytest.raises(gradhooks.UnsupportedModuleError, match="parameters gain"):
+        gradhooks.attach(lin)
+
+
+def test_per_sample_grads_before_backward():
+    model = nn.Linear(3, 2)
+    with gradhooks.attach(model) as gh:
+        with pytest.raises(gradhooks.NoBackwardError, match="loss.backward"):
+            gh.per_sample_grads()
+        model(torch.randn(4, 3))
+        with pytest.raises(gradhooks.NoBackwardError):
+            gh.per_sample_grads()
+
+
+def test_layers_seeing_different_batch_sizes():
+    class Mixer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.b(self.a(x).reshape(-1, 8))  # merges pairs of samples
+
+    model = Mixer()
+    with gradhooks.attach(model):
+        with pytest.raises(gradhooks.BatchSizeError, match=r"'b' \(Linear\) sees batch size 2.*'a' \(Linear\) saw 4"):
+            model(torch.randn(4, 4))
+
+
+def test_unbatched_inputs_are_refused():
+    with gradhooks.attach(nn.Linear(3, 2)) as gh:
+        with pytest.raises(gradhooks.BatchSizeError, match="unbatched"):
+            gh.model(torch.randn(3))
+    with gradhooks.attach(nn.Conv2d(1, 2, 3)) as gh:
+        with pytest.raises(gradhooks.BatchSizeError, match=r"\(B, C_in, \*spatial\) with 4 dims"):
+            gh.model(torch.randn(1, 5, 5))
+
+
+@pytest.mark.parametrize("bad", ["none", "batchmean", None])
+def test_bad_loss_reduction(bad):
+    with pytest.raises(ValueError, match="loss_reduction must be 'mean' or 'sum'"):
+        gradhooks.attach(nn.Linear(2, 2), loss_reduction=bad)
+    with pytest.raises(ValueError, match="loss_reduction"):
+        gradhooks.looped_per_sample_grads(nn.Linear(2, 2), lambda o, t: o.sum(), torch.randn(2, 2),
+                                          torch.zeros(2), loss_reduction=bad)
+
+
+def test_functional_use_of_a_parameter_is_detected():
+    class TiedHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = torch.tanh(self.enc(x))
+            return h @ self.enc.weight.T  # the weight is used outside its module
+
+    model = TiedHead()
+    with gradhooks.attach(model) as gh:
+        weighted_square_loss()(model(torch.randn(3, 4)), torch.ones(3)).backward()
+        with pytest.raises(gradhooks.GradientMismatchError, match="'enc.weight'.*outside the module"):
+            gh.per_sample_grads()
+        # the bias is only used through the module, but the error is raised before any result
+    with gradhooks.attach(model, check=False) as gh:  # opting out of the check gives numbers
+        weighted_square_loss()(model(torch.randn(3, 4)), torch.ones(3)).backward()
+        assert "enc.weight" in gh.per_sample_grads()
+
+
+def test_input_modified_in_place_after_forward():
+    model = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    with gradhooks.attach(model) as gh:
+        weighted_square_loss()(model(x), torch.ones(4)).backward()
+        x.mul_(2)  # e.g. a reused input buffer
+        with pytest.raises(gradhooks.GradientMismatchError, match="modified in place"):
+            gh.per_sample_grads()
+
+
+def test_input_gradient_only_backward_is_refused():
+    model = nn.Linear(3, 2)
+    x = torch.randn(4, 3, requires_grad=True)
+    with gradhooks.attach(model) as gh:
+        (gx,) = torch.autograd.grad(model(x).pow(2).sum(), x)
+        with pytest.raises(gradhooks.GradientMismatchError, match="no gradient"):
+            gh.per_sample_grads()
+
+
+def test_second_attach_is_refused():
+    model = nn.Sequential(nn.Linear(2, 2))
+    with gradhooks.attach(model):
+        with pytest.raises(gradhooks.GradHooksError, match="already hooked"):
+            gradhooks.attach(model[0])
+        with pytest.raises(gradhooks.GradHooksError, match="detach"):
+            gradhooks.compare(model, lambda o, t: o.sum(), torch.randn(2, 2), torch.zeros(2))
+
+
+def test_backward_through_a_previous_batch_graph():
+    model = nn.Linear(2, 2)
+    with gradhooks.attach(model):
+        out1 = model(torch.randn(3, 2))
+        out1.sum().backward(retain_graph=True)
+        model(torch.randn(3, 2))  # new batch
+        with pytest.raises(gradhooks.GradHooksError, match="before the current batch"):
+            out1.sum().backward()
+
+
+def test_attach_rejects_non_modules():
+    with pytest.raises(TypeError, match="nn.Module"):
+        gradhooks.attach(lambda x: x)

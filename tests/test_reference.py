@@ -1,0 +1,113 @@
+"""The looped reference and compare(): checked against closed forms, not against themselves."""
+import pytest
+import torch
+from torch import nn
+
+import gradhooks
+from conftest import assert_close_to_loop, loop_grads
+
+F64 = torch.float64
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+def test_looped_reference_closed_form(batch, loss_reduction):
+    """MSE on a Linear layer: dl_n/dW = 2 (W x_n + b - y_n) x_n^T / out_features."""
+    lin = nn.Linear(3, 2).double()
+    x, y = torch.randn(batch, 3, dtype=F64), torch.randn(batch, 2, dtype=F64)
+    ref = gradhooks.looped_per_sample_grads(lin, nn.MSELoss(reduction=loss_reduction), x, y,
+                                            loss_reduction=loss_reduction)
+    scale = 2.0 / 2 if loss_reduction == "mean" else 2.0  # MSE 'mean' also averages the 2 outputs
+    r = (lin(x) - y).detach() * scale
+    torch.testing.assert_close(ref["weight"], r[:, :, None] * x[:, None, :], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(ref["bias"], r, rtol=1e-12, atol=1e-14)
+    assert lin.weight.grad is None
+
+
+def test_looped_reference_matches_plain_loop_on_tuple_inputs():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 2), nn.Linear(4, 2)
+
+        def forward(self, u, v):
+            return torch.tanh(self.a(u)) * self.b(v)
+
+    model = Two().double()
+    u, v, y = torch.randn(4, 3, dtype=F64), torch.randn(4, 4, dtype=F64), torch.randn(4, 2, dtype=F64)
+    loss_fn = nn.MSELoss()
+    ref = gradhooks.looped_per_sample_grads(model, loss_fn, (u, v), y)
+    expected = {}
+    for i in range(4):
+        model.zero_grad()
+        loss_fn(model(u[i:i + 1], v[i:i + 1]), y[i:i + 1]).backward()
+        for n, p in model.named_parameters():
+            expected.setdefault(n, []).append(p.grad.clone())
+    assert_close_to_loop(ref, {n: torch.stack(g) for n, g in expected.items()}, F64)
+
+
+def test_looped_reference_detects_wrong_reduction():
+    lin = nn.Linear(3, 2).double()
+    x, y = torch.randn(4, 3, dtype=F64), torch.randn(4, 2, dtype=F64)
+    with pytest.raises(ValueError, match="matches loss_reduction='sum'"):
+        gradhooks.looped_per_sample_grads(lin, nn.MSELoss(reduction="sum"), x, y, loss_reduction="mean")
+    with pytest.raises(ValueError, match="inputs have batch size 4 but targets 3"):
+        gradhooks.looped_per_sample_grads(lin, nn.MSELoss(), x, y[:3])
+
+
+def test_looped_reference_records_nothing_in_attached_hooks():
+    lin = nn.Linear(3, 2).double()
+    x, y = torch.randn(4, 3, dtype=F64), torch.randn(4, 2, dtype=F64)
+    with gradhooks.attach(lin) as gh:
+        nn.MSELoss()(lin(x), y).backward()
+        ours = gh.per_sample_grads()
+        ref = gradhooks.looped_per_sample_grads(lin, nn.MSELoss(), x[:2], y[:2])
+        assert gh.per_sample_grads() is ours and gh.batch_size == 4
+    assert ref["weight"].shape == (2, 2, 3)
+
+
+def test_compare_reports_errors_and_times():
+    model = nn.Sequential(nn.Conv1d(2, 3, 3), nn.Flatten(), nn.Linear(3 * 4, 2)).double()
+    x, y = torch.randn(5, 2, 6, dtype=F64), torch.randint(0, 2, (5,))
+    before = [p.grad for p in model.parameters()]
+    report = gradhooks.compare(model, nn.CrossEntropyLoss(), x, y, repeats=2)
+    assert report.ok and report.rtol == 1e-10 and not report.missing
+    assert [p.name for p in report.params] == [n for n, _ in model.named_parameters()]
+    assert report.max_rel_error < 1e-12
+    assert report.hooks_seconds > 0 and report.loop_seconds > 0
+    text = str(report)
+    assert "0.weight" in text and "OK" in text
+    assert [p.grad for p in model.parameters()] == before  # grads restored
+    assert not model[0]._forward_hooks_with_kwargs  # detached again
+
+
+def test_compare_flags_a_mismatch():
+    """A deliberately broken rule must make compare() report MISMATCH (the check can fail)."""
+    from gradhooks.rules.linear import LinearRule
+
+    class Broken(LinearRule):
+        def per_sample_grads(self, module, a, g, batch_first, names):
+            out = super().per_sample_grads(module, a, g, batch_first, names)
+            out["bias"] = out["bias"].roll(1, dims=0)  # swap samples: sums still agree
+            return out
+
+    class MyLinear(nn.Linear):
+        pass
+
+    gradhooks.register_rule(MyLinear)(Broken)
+    try:
+        model = MyLinear(3, 2).double()
+        report = gradhooks.compare(model, nn.MSELoss(), torch.randn(4, 3, dtype=F64),
+                                   torch.randn(4, 2, dtype=F64))
+    finally:
+        gradhooks.registry._RULES.pop(MyLinear)
+    assert not report.ok and "MISMATCH" in str(report)
+    assert report.params[1].name == "bias" and report.params[1].max_rel_error > 1e-3
+
+
+def test_max_rel_error():
+    e = torch.tensor([1.0, -4.0])
+    assert gradhooks.max_rel_error(e, e) == 0.0
+    assert gradhooks.max_rel_error(torch.tensor([1.0, -3.0]), e) == 0.25
+    assert gradhooks.max_rel_error(torch.zeros(2), torch.zeros(2)) == 0.0
+    assert gradhooks.max_rel_error(torch.ones(2), torch.zeros(2)) == float("inf")

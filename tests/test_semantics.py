@@ -1,0 +1,254 @@
+"""Behaviour of the hook manager: reuse, tying, freezing, several backward passes, detach, memory."""
+import copy
+import gc
+import io
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+from conftest import assert_close_to_loop, check_against_loop, loop_grads, weighted_square_loss
+
+F64 = torch.float64
+
+
+class Reuse(nn.Module):
+    """The same Linear called twice in one forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.lin(torch.tanh(self.lin(x)))))
+
+
+class PythonRNN(nn.Module):
+    """A recurrence written in Python: h_t = tanh(W_x x_t + W_h h_{t-1})."""
+
+    def __init__(self, d=3, h=5):
+        super().__init__()
+        self.inp, self.rec, self.out = nn.Linear(d, h), nn.Linear(h, h, bias=False), nn.Linear(h, 2)
+
+    def forward(self, x):  # (B, T, d)
+        h = torch.zeros(x.shape[0], self.rec.in_features, dtype=x.dtype)
+        for t in range(x.shape[1]):
+            h = torch.tanh(self.inp(x[:, t]) + self.rec(h))
+        return self.out(h)
+
+
+class Residual(nn.Module):
+    """Residual block with functional ops and an in-place activation between layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 3, 3, padding=1)
+        self.conv2 = nn.Conv2d(3, 3, 3, padding=1, bias=False)
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = F.relu(self.conv1(x), inplace=True)
+        h = x + self.conv2(h) * 0.5
+        return self.fc(h.mean(dim=(2, 3)))
+
+
+@pytest.mark.parametrize("batch", [1, 4], ids=["B1", "B4"])
+@pytest.mark.parametrize("make,shape", [
+    (Reuse, (4,)), (PythonRNN, (6, 3)), (Residual, (3, 5, 5)),
+], ids=["reuse", "python-rnn", "residual-inplace"])
+def test_multi_call_models_match_loop(make, shape, batch, loss_reduction, dtype):
+    model = make()
+    x = torch.randn(batch, *shape)
+    check_against_loop(model, x, torch.rand(batch) + 0.5, loss_reduction=loss_reduction, dtype=dtype)
+
+
+def test_tied_weights_one_entry_summed(loss_reduction, dtype):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    model[2].weight = model[0].weight
+    ours = check_against_loop(model, torch.randn(3, 4), torch.rand(3) + 0.5,
+                              loss_reduction=loss_reduction, dtype=dtype)
+    assert "2.weight" not in ours and "0.weight" in ours and "2.bias" in ours
+
+
+def test_frozen_and_unreached_get_no_entry():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.unused = nn.Linear(3, 3), nn.Linear(3, 2), nn.Linear(3, 2)
+
+        def forward(self, x):
+            h = self.a(x)
+            self.unused(h)  # computed but never part of the loss
+            return self.b(h)
+
+    model = Branchy().double()
+    model.a.weight.requires_grad_(False)
+    ours = check_against_loop(model, torch.randn(4, 3), torch.rand(4) + 0.5,
+                              loss_reduction="mean", dtype=F64)
+    assert list(ours) == ["a.bias", "b.weight", "b.bias"]
+    assert not hasattr(model.a.weight, "grad_sample")
+
+
+def test_param_grad_is_untouched():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, w = torch.randn(5, 3, dtype=F64), torch.rand(5, dtype=F64)
+    loss_fn = weighted_square_loss("mean")
+    loss_fn(model(x), w).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with gradhooks.attach(model) as gh:
+        loss_fn(model(x), w).backward()
+        per = gh.per_sample_grads()
+    for (name, p), e in zip(model.named_parameters(), expected):
+        torch.testing.assert_close(p.grad, e, rtol=0, atol=0)
+        torch.testing.assert_close(per[name].mean(0), e, rtol=1e-12, atol=1e-14)
+
+
+def test_several_backward_passes_accumulate_then_next_forward_replaces():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, w = torch.randn(4, 3, dtype=F64), torch.rand(4, dtype=F64) + 0.5
+    f1 = weighted_square_loss("sum")
+    f2 = lambda out, w: (w[:, None] * out).sum()  # noqa: E731
+    both = lambda out, w: f1(out, w) + f2(out, w)  # noqa: E731
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        out = model(x)
+        f1(out, w).backward(retain_graph=True)
+        first = {k: v.clone() for k, v in gh.per_sample_grads().items()}
+        f2(out, w).backward()
+        assert_close_to_loop(gh.per_sample_grads(), loop_grads(model, both, x, w), F64)
+        assert_close_to_loop(first, loop_grads(model, f1, x, w), F64)
+        # a new forward starts a new batch: results are replaced, not added
+        x2 = torch.randn(4, 3, dtype=F64)
+        f1(model(x2), w).backward()
+        assert_close_to_loop(gh.per_sample_grads(), loop_grads(model, f1, x2, w), F64)
+        gh.clear()
+        assert all(p.grad_sample is None for p in model.parameters())
+        with pytest.raises(gradhooks.NoBackwardError):
+            gh.per_sample_grads()
+
+
+def test_new_batch_may_have_another_batch_size():
+    model = nn.Linear(3, 2).double()
+    with gradhooks.attach(model) as gh:
+        for b in (4, 3):
+            weighted_square_loss()(model(torch.randn(b, 3, dtype=F64)), torch.ones(b, dtype=F64)).backward()
+            assert gh.per_sample_grads()["weight"].shape == (b, 2, 3)
+            assert gh.batch_size == b
+
+
+def test_no_grad_forward_records_nothing():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).double()
+    x, w = torch.randn(4, 3, dtype=F64), torch.ones(4, dtype=F64)
+    with gradhooks.attach(model) as gh:
+        with torch.no_grad():
+            model(x)
+        with torch.inference_mode():
+            model(x)
+        with pytest.raises(gradhooks.NoBackwardError):
+            gh.per_sample_grads()
+        weighted_square_loss()(model(x), w).backward()
+        before = gh.per_sample_grads()
+        with torch.no_grad():
+            model(torch.randn(7, 3, dtype=F64))  # another batch size, but records nothing
+        assert gh.per_sample_grads() is before
+        assert gh.batch_size == 4
+
+
+def _hook_state(model):
+    state = []
+    for m in model.modules():
+        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                     "_backward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+            state.append(dict(getattr(m, attr)))
+    for p in model.parameters():
+        state.append((p._backward_hooks, sorted(p.__dict__)))
+    return state
+
+
+def test_detach_restores_model_exactly():
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(2 * 3 * 3, 2))
+    before_hooks = _hook_state(model)
+    before_pickle = pickle.dumps(model)
+    before_state = {k: v.clone() for k, v in model.state_dict().items()}
+    gh = gradhooks.attach(model)
+    x = torch.randn(3, 1, 5, 5)
+    weighted_square_loss()(model(x), torch.ones(3)).backward()
+    gh.per_sample_grads()
+    assert _hook_state(model) != before_hooks
+    model.zero_grad(set_to_none=True)
+    gh.detach()
+    gh.detach()  # harmless
+    assert _hook_state(model) == before_hooks
+    assert pickle.dumps(model) == before_pickle
+    assert list(model.state_dict()) == list(before_state)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before_state[k])
+    clone = copy.deepcopy(model)
+    assert _hook_state(clone) == before_hooks
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    # after detach, a forward/backward records nothing and sets no attribute
+    weighted_square_loss()(model(x), torch.ones(3)).backward()
+    assert not any(hasattr(p, "grad_sample") for p in model.parameters())
+
+
+def test_context_manager_detaches_and_keeps_a_users_grad_sample():
+    model = nn.Linear(2, 2)
+    model.weight.grad_sample = "mine"
+    with gradhooks.attach(model) as gh:
+        weighted_square_loss()(model(torch.randn(3, 2)), torch.ones(3)).backward()
+        gh.per_sample_grads()
+        assert isinstance(model.weight.grad_sample, torch.Tensor)
+    assert model.weight.grad_sample == "mine"
+    assert not hasattr(model.bias, "grad_sample")
+    assert not model._forward_hooks and not model._forward_hooks_with_kwargs
+    gradhooks.attach(model).detach()  # can attach again after detach
+
+
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_memory_does_not_grow_over_100_steps():
+    """Each step records ~3 MB of activations and makes ~8 MB of per-sample gradients; a leak
+    of either would add over 1 GB in 100 steps."""
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 32 * 32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step(gh):
+        loss = weighted_square_loss()(model(torch.randn(64, 4, 32, 32)), torch.ones(64))
+        opt.zero_grad()
+        loss.backward()
+        gh.per_sample_grads()
+        opt.step()
+
+    with gradhooks.attach(model) as gh:
+        for _ in range(10):
+            step(gh)
+        gc.collect()
+        start = _rss_bytes()
+        for _ in range(100):
+            step(gh)
+        gc.collect()
+        grown = _rss_bytes() - start
+        assert len(gh._reached) == 2  # only the last batch's two calls are held
+    assert grown < 60e6, f"RSS grew by {grown / 1e6:.1f} MB over 100 steps"
+
+
+def test_forward_without_backward_frees_its_activations():
+    """50 forwards of 4 MB inputs whose outputs are dropped: nothing may be kept."""
+    model = nn.Linear(4096, 8)
+    with gradhooks.attach(model):
+        model(torch.randn(256, 4096))
+        gc.collect()
+        start = _rss_bytes()
+        for _ in range(50):
+            model(torch.randn(256, 4096))  # output discarded: graph and recorded input go with it
+        gc.collect()
+        grown = _rss_bytes() - start
+    assert grown < 40e6, f"RSS grew by {grown / 1e6:.1f} MB"
