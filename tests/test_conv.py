@@ -6,6 +6,14 @@ from hypothesis import strategies as st
 from torch import nn
 
 from conftest import check_against_loop
+from gradhooks.rules.conv import ConvRule
+
+
+@pytest.fixture(params=["conv", "unfold"], autouse=True)
+def method(request, monkeypatch):
+    """Both exact weight-gradient methods run every case (auto picks one of them per shape)."""
+    monkeypatch.setattr(ConvRule, "method", request.param)
+    return request.param
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 

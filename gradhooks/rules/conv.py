@@ -18,15 +18,24 @@ for the unfolded form)::
 
 The patches are reshaped by group *before* the contraction, so a grouped or depthwise convolution
 costs ``1/groups`` of a dense one (no cross-group product that is thrown away).
+
+Two exact ways to evaluate the weight gradient, chosen per call by :func:`choose_method`:
+
+* ``"unfold"``: im2col patches in canonical form, then a batched matmul over ``(n, g)``;
+* ``"conv"``: the same sum written as the weight gradient of one convolution whose groups are
+  ``(sample, group)`` pairs: input ``(1, N*C_in, *spatial)``, grad_output ``(1, N*C_out, ...)``,
+  ``groups = N*G``; torch's own convolution backward kernel (oneDNN on CPU, cuDNN on GPU) then
+  returns the ``(N*C_out, C_in/G, *kernel)`` per-sample weights without any patch matrix.
 """
 from __future__ import annotations
 
 from typing import Dict, Iterable, List, Tuple
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..per_sample import bias_grad, weight_grad
+from ..per_sample import weight_grad
 from ..registry import BatchSizeError, LayerRule, register_rule
 
 
@@ -81,6 +90,56 @@ def unfold(module: nn.Module, x: Tensor) -> Tensor:
     return x.permute(perm).reshape(n, groups, s, -1)
 
 
+# Measured by benchmarks/conv_methods.py (2 CPU cores, torch 2.13, B=64, 3x3 kernels): the grouped
+# convolution ("conv") is 2-9x faster than "unfold" while the per-group weight
+# C_in/G * C_out/G * K has at most 2**16 entries (C=64: 2.4 vs 5.2 ms at 8x8 outputs, 5.9 vs 23.9
+# ms at 18x18); beyond that its kernel slows down sharply (C=128, 4x4 outputs: 40 vs 13 ms) until
+# the output has enough positions (C=128, 18x18: 52 vs 112 ms).
+CONV_METHOD_MAX_GROUP_WEIGHT = 2 ** 16
+CONV_METHOD_MIN_POSITIONS = 256
+
+
+def choose_method(module: nn.Module, positions: int) -> str:
+    """``"conv"`` or ``"unfold"`` for a convolution whose output has ``positions`` positions."""
+    k = 1
+    for ki in module.kernel_size:
+        k *= ki
+    per_group = module.in_channels * module.out_channels * k // module.groups ** 2
+    if per_group <= CONV_METHOD_MAX_GROUP_WEIGHT or positions >= CONV_METHOD_MIN_POSITIONS:
+        return "conv"
+    return "unfold"
+
+
+def conv_weight_grad(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
+    """Per-sample weight gradient as the weight gradient of a ``(sample, group)``-grouped conv.
+
+    Args:
+        module: a ``nn.ConvNd``.
+        x: its input ``(N, C_in, *spatial)``.
+        g: grad_output ``(N, C_out, *spatial_out)``.
+
+    Returns:
+        ``(N, C_out, C_in/G, *kernel_size)``.
+    """
+    n = x.shape[0]
+    pairs = padding_pairs(module)
+    if module.padding_mode == "zeros" and all(a == b for a, b in pairs):
+        padding = [a for a, _ in pairs]
+    else:  # asymmetric 'same' or reflect/replicate/circular: pad as torch does, then no padding
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x = F.pad(x, [p for pair in reversed(pairs) for p in pair], mode=mode)
+        padding = [0] * len(pairs)
+    shape = (n * module.out_channels, *module.weight.shape[1:])
+    _, gw, _ = torch.ops.aten.convolution_backward(
+        g.reshape(1, -1, *g.shape[2:]),
+        x.reshape(1, -1, *x.shape[2:]),
+        g.new_zeros(()).expand(shape),  # only its shape is read
+        None, list(module.stride), padding, list(module.dilation), False, [0] * len(padding),
+        n * module.groups, [False, True, False],
+    )
+    return gw.view(n, *module.weight.shape)
+
+
 @register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 class ConvRule(LayerRule):
     """``nn.Conv1d/2d/3d``: ``a`` is ``(B, C_in, *spatial)``, ``g`` is ``(B, C_out, *spatial_out)``.
@@ -88,6 +147,9 @@ class ConvRule(LayerRule):
     Returns ``weight``: ``(B, C_out, C_in/groups, *kernel_size)``, ``bias``: ``(B, C_out)``.
     The batch dim is always dim 0 (torch's convolution layout), whatever ``batch_first``.
     """
+
+    #: ``"auto"`` (per call, :func:`choose_method`), ``"conv"`` or ``"unfold"``.
+    method = "auto"
 
     def batch_size(self, module: nn.Module, x: Tensor, batch_first: bool) -> int:
         dims = len(module.kernel_size)
@@ -107,12 +169,17 @@ class ConvRule(LayerRule):
     def per_sample_grads(
         self, module: nn.Module, a: Tensor, g: Tensor, batch_first: bool, names: Iterable[str]
     ) -> Dict[str, Tensor]:
-        names = tuple(names)
-        a, g = self.canonical(module, a if "weight" in names else None, g)
         n = g.shape[0]
         out = {}
         if "weight" in names:
-            out["weight"] = weight_grad(a, g).reshape(n, *module.weight.shape)
+            method = self.method
+            if method == "auto":
+                method = choose_method(module, g[0, 0].numel())
+            if method == "conv":
+                out["weight"] = conv_weight_grad(module, a, g)
+            else:
+                a_c, g_c = self.canonical(module, a, g)
+                out["weight"] = weight_grad(a_c, g_c).reshape(n, *module.weight.shape)
         if "bias" in names:
-            out["bias"] = bias_grad(g).reshape(n, module.out_channels)
+            out["bias"] = g.reshape(n, module.out_channels, -1).sum(-1)
         return out
