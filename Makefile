@@ -1,0 +1,27 @@
+# Everything a fresh machine needs, in a virtual environment of the project's own.
+# torch is pinned to the CPU build that installs offline here (constraints.txt keeps it there).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install bench test clean
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg setup.py constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[job,test]"
+	touch $(STAMP)
+
+# The main job: per-sample gradients on real digits and diabetes data, checked against the loop.
+bench: $(STAMP)
+	$(BIN)/python -m gradhooks bench $(ARGS)
+
+# The test suite.
+test: $(STAMP)
+	$(BIN)/python -m pytest $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
