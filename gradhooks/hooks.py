@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from . import rules as _rules  # noqa: F401  (registers the built-in rules)
-from .per_sample import check_loss_reduction, reduction_scale
+from .per_sample import call_grads, check_loss_reduction, reduction_scale
 from .registry import (
     BatchSizeError,
     GradHooksError,
@@ -339,6 +339,7 @@ class GradHooks:
                 "loss.backward() before per_sample_grads() (forwards under torch.no_grad() or "
                 "inference_mode() record nothing)"
             )
+        scale = reduction_scale(self.loss_reduction, self._batch_size)
         raw: Dict[int, Tensor] = {}
         for cap in self._reached:
             layer = cap.layer
@@ -348,22 +349,19 @@ class GradHooks:
                     f"forward; per-sample gradients would be wrong. Avoid in-place ops on the "
                     f"layer's input (e.g. use ReLU(inplace=False) after the layer that feeds it)"
                 )
-            g = cap.grads[0] if len(cap.grads) == 1 else torch.stack(cap.grads).sum(0)
-            grads = layer.rule.per_sample_grads(layer.module, cap.a, g, self.batch_first, cap.names)
+            grads = call_grads(layer.rule, layer.module, cap.a, cap.grads, self.batch_first,
+                               cap.names, scale)
             for local, t in grads.items():
                 pid = id(layer.params[local])
                 raw[pid] = t if pid not in raw else raw[pid] + t
         if self.check:
             for pid, t in raw.items():
-                self._check_sum(pid, t)
-        scale = reduction_scale(self.loss_reduction, self._batch_size)
+                self._check_sum(pid, t, scale)
         result = {}
         order = {pid: i for i, pid in enumerate(self._names)}
         for pid in sorted(raw, key=order.__getitem__):
             p = self._params[pid]
             t = raw[pid]
-            if scale is not None:
-                t.mul_(scale)  # rules return tensors they own
             if t.dtype != p.dtype:
                 t = t.to(p.dtype)
             result[self._names[pid]] = t
@@ -371,7 +369,7 @@ class GradHooks:
         self._result = result
         return result
 
-    def _check_sum(self, pid: int, t: Tensor) -> None:
+    def _check_sum(self, pid: int, t: Tensor, scale: Optional[float]) -> None:
         name = self._names[pid]
         total = self._param_grads.get(pid)
         if total is None:
@@ -389,7 +387,8 @@ class GradHooks:
         else:
             ref = total.reshape(-1)
         flat = flat.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
-        err = (flat.sum(0) - ref.to(flat.dtype)).abs()
+        ref = ref.to(flat.dtype) * (scale or 1.0)
+        err = (flat.sum(0) - ref).abs()
         rtol = _SUM_CHECK_RTOL.get(t.dtype, 1e-4)
         bad = err > rtol * flat.abs().sum(0) + torch.finfo(flat.dtype).tiny
         if bool(bad.any()):

@@ -18,11 +18,12 @@ where ``L_n`` is sample ``n``'s share of the loss as the user reduced it.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Iterable, List, Optional
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
-__all__ = ["weight_grad", "bias_grad", "reduction_scale", "LOSS_REDUCTIONS"]
+__all__ = ["weight_grad", "bias_grad", "reduction_scale", "call_grads", "LOSS_REDUCTIONS"]
 
 #: The values ``loss_reduction`` may take.
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -79,3 +80,35 @@ def check_loss_reduction(loss_reduction: str) -> None:
             f"loss_reduction must be 'mean' or 'sum' (how the batch loss was reduced over "
             f"samples), got {loss_reduction!r}"
         )
+
+
+def call_grads(rule, module: nn.Module, a: Tensor, grads: List[Tensor], batch_first: bool,
+               names: Iterable[str], scale: Optional[float]) -> Dict[str, Tensor]:
+    """Per-sample gradients of one recorded call, with the ``loss_reduction`` scale applied.
+
+    Args:
+        rule: the module's :class:`~gradhooks.registry.LayerRule`.
+        module: the layer.
+        a: the call's input activations.
+        grads: the grad_outputs of every backward pass through the call (summed: the
+            gradients are linear in the grad_output).
+        batch_first: as given to :func:`gradhooks.attach`.
+        names: the parameters wanted.
+        scale: from :func:`reduction_scale` (``None``: no scaling).
+
+    Returns:
+        ``{name: (B, *param.shape)}``, scaled. The scale is applied to whichever is smaller,
+        the grad_output or the per-sample result (for a Linear on ``(B, in)`` the grad_output
+        is ``in`` times smaller, which saves a full pass over the result).
+    """
+    names = tuple(names)
+    g = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
+    out_numel = g.shape[0] * sum(getattr(module, n).numel() for n in names)
+    scale_g = scale is not None and g.numel() <= out_numel
+    if scale_g:
+        g = g * scale
+    out = rule.per_sample_grads(module, a, g, batch_first, names)
+    if scale is not None and not scale_g:
+        for t in out.values():
+            t.mul_(scale)  # rules return tensors they own
+    return out

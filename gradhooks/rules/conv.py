@@ -90,22 +90,25 @@ def unfold(module: nn.Module, x: Tensor) -> Tensor:
     return x.permute(perm).reshape(n, groups, s, -1)
 
 
-# Measured by benchmarks/conv_methods.py (2 CPU cores, torch 2.13, B=64, 3x3 kernels): the grouped
-# convolution ("conv") is 2-9x faster than "unfold" while the per-group weight
-# C_in/G * C_out/G * K has at most 2**16 entries (C=64: 2.4 vs 5.2 ms at 8x8 outputs, 5.9 vs 23.9
-# ms at 18x18); beyond that its kernel slows down sharply (C=128, 4x4 outputs: 40 vs 13 ms) until
-# the output has enough positions (C=128, 18x18: 52 vs 112 ms).
-CONV_METHOD_MAX_GROUP_WEIGHT = 2 ** 16
-CONV_METHOD_MIN_POSITIONS = 256
+# Measured by benchmarks/conv_methods.py (2 CPU cores, torch 2.13, B=64, Conv2d(C, C, 3), medians):
+# the grouped convolution ("conv") wins whenever the per-group weight W = C_in/G * C_out/G * K is
+# small (C=16 dense, every depthwise conv: 2-40x faster), and otherwise once the output has enough
+# positions S: C=64 (W=36864): unfold 1.4 vs conv 8.0 ms at S=16, 10.1 vs 10.7 at S=64, 10.8 vs 3.3
+# at S=144, 75.6 vs 10.7 at S=576; C=128 (W=147456): 13.8 vs 37.1 at S=16, 50.6 vs 47.5 at S=144,
+# 102 vs 54 at S=324. "conv" iff W <= 4096 or S >= W / 512 picks the faster one (or a tie within
+# 10%) at every measured point.
+CONV_METHOD_SMALL_WEIGHT = 4096
+CONV_METHOD_WEIGHT_PER_POSITION = 512
 
 
 def choose_method(module: nn.Module, positions: int) -> str:
-    """``"conv"`` or ``"unfold"`` for a convolution whose output has ``positions`` positions."""
+    """``"conv"`` or ``"unfold"`` for a convolution whose output has ``positions`` positions
+    per sample and channel (see the measurements above this function)."""
     k = 1
     for ki in module.kernel_size:
         k *= ki
     per_group = module.in_channels * module.out_channels * k // module.groups ** 2
-    if per_group <= CONV_METHOD_MAX_GROUP_WEIGHT or positions >= CONV_METHOD_MIN_POSITIONS:
+    if per_group <= CONV_METHOD_SMALL_WEIGHT or positions * CONV_METHOD_WEIGHT_PER_POSITION >= per_group:
         return "conv"
     return "unfold"
 

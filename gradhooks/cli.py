@@ -1,0 +1,347 @@
+"""Command line: ``python -m gradhooks bench`` (or ``gradhooks bench``), the main job.
+
+Computes per-sample gradients of two small models on real data bundled with scikit-learn, by
+four methods, times them, and checks gradhooks and ``torch.func`` against looped autograd::
+
+    gradhooks bench [--workloads cnn,mlp] [--repeats 10] [--loop-repeats 3]
+                    [--dtype float32|float64] [--threads N] [--tol T] [--json PATH] [--seed S]
+
+Exit code 0 if every error is within the tolerance, 1 if one is not, 2 if the optional
+dependencies (``pip install gradhooks[job]``: scikit-learn, tqdm) are missing. This module is
+not imported by ``import gradhooks``; scikit-learn and tqdm are imported only when it runs.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import gradhooks
+
+__all__ = ["main", "DigitsCNN", "make_mlp", "Workload", "WORKLOADS", "Result", "median_ms", "format_table"]
+
+Grads = Dict[str, Tensor]
+DEFAULT_TOL = {"float32": 1e-4, "float64": 1e-10}
+
+
+class DigitsCNN(nn.Module):
+    """The CNN of PyTorch's per-sample-gradients tutorial: ``(B, 1, 28, 28) -> logits (B, 10)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.fc1 = nn.Linear(9216, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x``: ``(B, 1, 28, 28)``; returns logits ``(B, 10)``."""
+        x = F.relu(self.conv2(F.relu(self.conv1(x))))
+        x = torch.flatten(F.max_pool2d(x, 2), 1)
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def load_digits_batch(dtype: torch.dtype, batch: int = 64) -> Tuple[Tensor, Tensor]:
+    """The first ``batch`` handwritten digits of scikit-learn's ``load_digits``, MNIST-like.
+
+    The 8x8 images (values 0..16) are scaled to [0, 1], upsampled bilinearly to 28x28 and
+    normalised with MNIST's mean/std. Returns images ``(batch, 1, 28, 28)`` of ``dtype`` and
+    labels ``(batch,)`` (int64).
+    """
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.as_tensor(digits.images[:batch], dtype=dtype).unsqueeze(1) / 16.0
+    x = F.interpolate(x, size=(28, 28), mode="bilinear", align_corners=False)
+    return (x - 0.1307) / 0.3081, torch.as_tensor(digits.target[:batch], dtype=torch.long)
+
+
+def load_diabetes_batch(dtype: torch.dtype, batch: int = 256) -> Tuple[Tensor, Tensor]:
+    """The first ``batch`` rows of scikit-learn's ``load_diabetes``: features ``(batch, 10)`` and
+    targets ``(batch,)``, both of ``dtype``."""
+    from sklearn.datasets import load_diabetes
+
+    data = load_diabetes()
+    return (torch.as_tensor(data.data[:batch], dtype=dtype),
+            torch.as_tensor(data.target[:batch], dtype=dtype))
+
+
+def make_mlp() -> nn.Sequential:
+    """The MLP of the Julia forum thread: ``(B, 10) -> (B, 10)``, three Linear layers, no
+    activations."""
+    return nn.Sequential(nn.Linear(10, 32), nn.Linear(32, 32), nn.Linear(32, 10))
+
+
+def _sum_of_outputs(out: Tensor, targets: Tensor) -> Tensor:
+    return out.sum()
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A model, a batch of real data and its loss, as benchmarked by ``gradhooks bench``.
+
+    Attributes:
+        name: the name used by ``--workloads``.
+        description: one line for the report.
+        make_model: builds the model (initialised from torch's global RNG).
+        load: ``load(dtype) -> (inputs, targets)``, both batched on dim 0.
+        loss_fn: ``loss_fn(outputs, targets) -> scalar`` batch loss.
+        loss_reduction: how ``loss_fn`` reduces over samples, ``"mean"`` or ``"sum"``.
+    """
+
+    name: str
+    description: str
+    make_model: Callable[[], nn.Module]
+    load: Callable[[torch.dtype], Tuple[Tensor, Tensor]]
+    loss_fn: Callable[[Tensor, Tensor], Tensor]
+    loss_reduction: str
+
+
+WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
+    Workload("cnn", "tutorial CNN, 64 sklearn digits upsampled to 28x28, cross-entropy (mean)",
+             DigitsCNN, load_digits_batch, F.cross_entropy, "mean"),
+    Workload("mlp", "Linear(10,32)-Linear(32,32)-Linear(32,10), 256 sklearn diabetes rows, "
+             "sum of outputs", make_mlp, load_diabetes_batch, _sum_of_outputs, "sum"),
+)}
+
+
+# ---------------------------------------------------------------------------------- methods
+# Each method is a context manager: set up (untimed), yield ``run() -> per-sample grads or None``.
+@contextlib.contextmanager
+def _plain(wl: Workload, model: nn.Module, x: Tensor, y: Tensor) -> Iterator[Callable[[], None]]:
+    yield lambda: wl.loss_fn(model(x), y).backward()
+
+
+@contextlib.contextmanager
+def _hooks(wl: Workload, model: nn.Module, x: Tensor, y: Tensor) -> Iterator[Callable[[], Grads]]:
+    with gradhooks.attach(model, loss_reduction=wl.loss_reduction) as gh:
+        def run() -> Grads:
+            wl.loss_fn(model(x), y).backward()
+            return gh.per_sample_grads()
+        yield run
+
+
+@contextlib.contextmanager
+def _vmap(wl: Workload, model: nn.Module, x: Tensor, y: Tensor) -> Iterator[Callable[[], Grads]]:
+    from torch.func import functional_call, grad, vmap
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def sample_loss(p: Grads, xn: Tensor, yn: Tensor) -> Tensor:
+        return wl.loss_fn(functional_call(model, p, (xn.unsqueeze(0),)), yn.unsqueeze(0))
+
+    per_sample = vmap(grad(sample_loss), in_dims=(None, 0, 0))
+    yield lambda: per_sample(params, x, y)
+
+
+@contextlib.contextmanager
+def _loop(wl: Workload, model: nn.Module, x: Tensor, y: Tensor) -> Iterator[Callable[[], Grads]]:
+    yield lambda: gradhooks.looped_per_sample_grads(model, wl.loss_fn, x, y,
+                                                    loss_reduction=wl.loss_reduction)
+
+
+PLAIN, LOOP = "plain batch gradient", "looped autograd"
+METHODS = {PLAIN: _plain, "gradhooks": _hooks, "torch.func vmap(grad)": _vmap, LOOP: _loop}
+
+
+# ---------------------------------------------------------------------------------- running
+@dataclasses.dataclass
+class Result:
+    """One row of the report: a method on a workload.
+
+    ``max_rel_error`` is the largest :func:`gradhooks.max_rel_error` over the parameters against
+    the looped result (``inf`` if the parameter sets differ); ``None`` for the plain gradient
+    and the loop itself. ``ratio`` is ``median_ms`` over the plain batch gradient's.
+    """
+
+    workload: str
+    method: str
+    median_ms: float
+    ratio: float = 1.0
+    max_rel_error: Optional[float] = None
+    ok: bool = True
+
+
+def median_ms(fn: Callable[[], object], repeats: int, *, reset: Callable[[], None] = lambda: None,
+              tick: Callable[[], None] = lambda: None) -> Tuple[float, object]:
+    """Call ``fn`` once to warm up, then ``repeats`` times under ``time.perf_counter``.
+
+    ``reset`` runs (untimed) before every call and ``tick`` after it. Returns the median time of
+    the timed calls in milliseconds and the last call's result.
+    """
+    times, out = [], None
+    for i in range(repeats + 1):
+        reset()
+        t0 = time.perf_counter()
+        out = fn()
+        if i:
+            times.append(time.perf_counter() - t0)
+        tick()
+    return statistics.median(times) * 1e3, out
+
+
+def _max_error(ours: Grads, ref: Grads) -> float:
+    if list(ours) != list(ref) or any(ours[k].shape != ref[k].shape for k in ref):
+        return math.inf
+    return max(gradhooks.max_rel_error(ours[k], ref[k]) for k in ref)
+
+
+def run_workload(wl: Workload, dtype: torch.dtype, repeats: int, loop_repeats: int, tol: float,
+                 seed: int, progress: Callable[[str, int], None]) -> List[Result]:
+    """Time every method of :data:`METHODS` on ``wl`` and check the per-sample ones against the
+    loop. ``progress(label, calls_done)`` is called with 0 when a method starts and with 1 after
+    each of its calls. Returns one :class:`Result` per method, in :data:`METHODS` order."""
+    torch.manual_seed(seed)
+    model = wl.make_model().to(dtype)
+    x, y = wl.load(dtype)
+
+    def reset() -> None:
+        for p in model.parameters():
+            p.grad = None
+
+    times, grads = {}, {}
+    for name, method in METHODS.items():
+        label = f"{wl.name}: {name}"
+        progress(label, 0)
+        with method(wl, model, x, y) as fn:
+            times[name], grads[name] = median_ms(
+                fn, loop_repeats if name == LOOP else repeats, reset=reset,
+                tick=lambda: progress(label, 1))
+    reset()
+    results = []
+    for name in METHODS:
+        err = None if name in (PLAIN, LOOP) else _max_error(grads[name], grads[LOOP])
+        results.append(Result(wl.name, name, times[name], times[name] / times[PLAIN], err,
+                              err is None or err <= tol))
+    return results
+
+
+def format_table(results: Sequence[Result]) -> str:
+    """The results as a markdown table: workload, method, median ms, ratio to the plain batch
+    gradient and max relative error against the loop ("-" where not applicable)."""
+    header = ("workload", "method", "median ms", "x plain", "max rel err vs loop")
+    rows = [(r.workload, r.method, f"{r.median_ms:.2f}", f"{r.ratio:.1f}x",
+             "-" if r.max_rel_error is None else f"{r.max_rel_error:.2e}") for r in results]
+    widths = [max(map(len, col)) for col in zip(header, *rows)]
+    right = (False, False, True, True, True)
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(c.rjust(w) if r else c.ljust(w)
+                                 for c, w, r in zip(cells, widths, right)) + " |"
+
+    rule = "|" + "|".join("-" * (w + 1) + (":" if r else "-") for w, r in zip(widths, right)) + "|"
+    return "\n".join([line(header), rule, *map(line, rows)])
+
+
+# ---------------------------------------------------------------------------------- CLI
+def _workload_list(text: str) -> List[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown workload(s) {', '.join(unknown) or '(none given)'}; choose from "
+            f"{', '.join(WORKLOADS)}")
+    return names
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``gradhooks`` command (subcommand ``bench``)."""
+    parser = argparse.ArgumentParser(
+        prog="gradhooks", description="gradhooks: exact per-sample gradients through layer hooks.")
+    sub = parser.add_subparsers(dest="command")
+    bench = sub.add_parser(
+        "bench", help="time and check per-sample gradients on real data (the default)",
+        description="Per-sample gradients of a CNN on sklearn digits and an MLP on sklearn "
+                    "diabetes data: plain batch gradient, gradhooks, torch.func vmap(grad) and "
+                    "looped autograd; errors are checked against the loop.")
+    bench.add_argument("--workloads", type=_workload_list, default=list(WORKLOADS),
+                       help=f"comma-separated, from {','.join(WORKLOADS)} (default: all)")
+    bench.add_argument("--repeats", type=_positive_int, default=10,
+                       help="timed repetitions per method (median reported; default 10)")
+    bench.add_argument("--loop-repeats", type=_positive_int, default=3,
+                       help="timed repetitions of the looped reference (default 3)")
+    bench.add_argument("--dtype", choices=sorted(DEFAULT_TOL), default="float32")
+    bench.add_argument("--threads", type=_positive_int, default=None,
+                       help="torch.set_num_threads (default: torch's choice)")
+    bench.add_argument("--tol", type=float, default=None,
+                       help="max relative error allowed (default 1e-4 float32, 1e-10 float64)")
+    bench.add_argument("--json", metavar="PATH", default=None, help="also write results as JSON")
+    bench.add_argument("--seed", type=int, default=0, help="torch.manual_seed of the models")
+    return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    try:
+        import sklearn.datasets  # noqa: F401
+        from tqdm import tqdm
+    except ImportError as e:
+        print(f"gradhooks bench needs scikit-learn and tqdm ({e}); install them with: "
+              f"pip install 'gradhooks[job]'", file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    tol = DEFAULT_TOL[args.dtype] if args.tol is None else args.tol
+    workloads = [WORKLOADS[n] for n in args.workloads]
+
+    print(f"gradhooks {gradhooks.__version__} bench | torch {torch.__version__} | "
+          f"{torch.get_num_threads()} threads | {args.dtype} | medians of {args.repeats} "
+          f"(loop: {args.loop_repeats}) | tol {tol:g} | seed {args.seed}")
+    for wl in workloads:
+        print(f"- {wl.name}: {wl.description}")
+    total = len(workloads) * ((len(METHODS) - 1) * (args.repeats + 1) + args.loop_repeats + 1)
+    results: List[Result] = []
+    with tqdm(total=total, file=sys.stderr, unit="run", dynamic_ncols=True) as bar:
+        def progress(label: str, done: int) -> None:
+            bar.set_description(label, refresh=not done)
+            bar.update(done)
+
+        for wl in workloads:
+            results += run_workload(wl, dtype, args.repeats, args.loop_repeats, tol, args.seed,
+                                    progress)
+    print()
+    print(format_table(results))
+    print()
+    failed = [r for r in results if not r.ok]
+    for r in failed:
+        print(f"FAILED: {r.method} on {r.workload}: max rel error {r.max_rel_error:.3e} "
+              f"> tol {tol:g}")
+    if not failed:
+        print(f"OK: every per-sample gradient is within {tol:g} of looped autograd")
+    if args.json:
+        report = {"torch": torch.__version__, "gradhooks": gradhooks.__version__,
+                  "threads": torch.get_num_threads(), "dtype": args.dtype, "tol": tol,
+                  "repeats": args.repeats, "loop_repeats": args.loop_repeats, "seed": args.seed,
+                  "ok": not failed, "results": [dataclasses.asdict(r) for r in results]}
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 1 if failed else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``gradhooks`` / ``python -m gradhooks``; returns the exit code.
+
+    ``argv`` defaults to ``sys.argv[1:]``; without a subcommand, ``bench`` is assumed.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("bench", "-h", "--help"):
+        argv.insert(0, "bench")
+    args = build_parser().parse_args(argv)
+    return _bench(args)

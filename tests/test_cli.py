@@ -1,0 +1,74 @@
+"""The main job, ``gradhooks bench``: runs offline on real data and checks per-sample gradients."""
+import json
+import subprocess
+import sys
+
+from gradhooks import cli
+
+METHODS = ["plain batch gradient", "gradhooks", "torch.func vmap(grad)", "looped autograd"]
+PER_SAMPLE = {"gradhooks", "torch.func vmap(grad)"}
+FAST = ["--repeats", "2", "--loop-repeats", "1"]
+
+
+def _run(tmp_path, *args):
+    path = tmp_path / "r.json"
+    rc = cli.main([*args, *FAST, "--json", str(path)])
+    return rc, json.loads(path.read_text())
+
+
+def _check_rows(report, workloads):
+    rows = report["results"]
+    assert [(r["workload"], r["method"]) for r in rows] == [(w, m) for w in workloads for m in METHODS]
+    for r in rows:
+        assert r["median_ms"] > 0
+        if r["method"] in PER_SAMPLE:
+            assert 0 <= r["max_rel_error"] <= report["tol"], r
+        else:
+            assert r["max_rel_error"] is None
+        assert r["ok"]
+
+
+def test_bench_both_workloads(tmp_path, capsys):
+    rc, report = _run(tmp_path, "bench")
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert report["ok"] and report["dtype"] == "float32" and report["tol"] == 1e-4
+    _check_rows(report, ["cnn", "mlp"])
+    assert "| workload | method" in out and "max rel err vs loop" in out
+    for m in METHODS:
+        assert m in out
+    assert f"{report['threads']} threads" in out
+    assert "OK:" in out and "FAILED" not in out
+
+
+def test_float64_mlp_default_subcommand(tmp_path, capsys):
+    rc, report = _run(tmp_path, "--workloads", "mlp", "--dtype", "float64")  # no "bench": default
+    assert rc == 0
+    assert report["dtype"] == "float64" and report["tol"] == 1e-10
+    _check_rows(report, ["mlp"])
+    assert "float64" in capsys.readouterr().out
+
+
+def test_zero_tolerance_fails_iff_errors_nonzero(tmp_path, capsys):
+    rc, report = _run(tmp_path, "bench", "--workloads", "mlp", "--tol", "0")
+    out = capsys.readouterr().out
+    errors = {r["method"]: r["max_rel_error"] for r in report["results"] if r["method"] in PER_SAMPLE}
+    nonzero = [m for m, e in errors.items() if e > 0]
+    assert rc == (1 if nonzero else 0)
+    assert report["ok"] == (not nonzero)
+    for m in nonzero:
+        assert f"FAILED: {m} on mlp" in out
+
+
+def test_missing_extras_exit_code_2(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # makes `import tqdm` raise ImportError
+    assert cli.main(["bench"]) == 2
+    assert "gradhooks[job]" in capsys.readouterr().err
+
+
+def test_import_gradhooks_does_not_load_cli():
+    # torch itself may import tqdm (torch.hub) when it is installed: compare with torch alone.
+    code = ("import sys, torch; before = set(sys.modules); import gradhooks; "
+            "bad = [m for m in ('gradhooks.cli', 'sklearn', 'tqdm') "
+            "if m in sys.modules and m not in before]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
