@@ -252,3 +252,74 @@ def test_forward_without_backward_frees_its_activations():
         gc.collect()
         grown = _rss_bytes() - start
     assert grown < 40e6, f"RSS grew by {grown / 1e6:.1f} MB"
+
+
+class SeqHead(nn.Module):
+    """(T, B, d) -> per-step Linear -> last step (B, h) -> Linear head, torch's sequence layout."""
+
+    def __init__(self):
+        super().__init__()
+        self.step, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.step(x))[-1])
+
+
+@pytest.mark.parametrize("batch", [1, 3], ids=["B1", "B3"])
+def test_batch_second_sequence_with_2d_head(batch, loss_reduction, dtype):
+    x = torch.randn(5, batch, 3)
+    check_against_loop(SeqHead(), x, torch.rand(batch) + 0.5, loss_reduction=loss_reduction,
+                       dtype=dtype, batch_first=False, loss_fn=weighted_square_loss(loss_reduction))
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "transposed", "sliced"])
+def test_non_contiguous_inputs(layout, dtype):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1, padding_mode="replicate")
+            self.conv_b = nn.Conv2d(4, 2, 2, stride=2)
+            self.fc = nn.Linear(2, 2)
+
+        def forward(self, x):
+            h = self.conv_b(torch.relu(self.conv(x)))  # (B, 2, 3, 3)
+            return self.fc(h.transpose(1, 3))  # non-contiguous Linear input (B, 3, 3, 2)
+
+    x = torch.randn(4, 3, 6, 6)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "transposed":
+        x = x.transpose(2, 3).contiguous().transpose(2, 3)
+    else:
+        x = torch.randn(4, 3, 6, 12)[..., ::2]
+    assert not x.is_contiguous()
+    check_against_loop(Net(), x, torch.rand(4) + 0.5, loss_reduction="mean", dtype=dtype)
+
+
+def test_layer_called_with_keyword_input():
+    class KW(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.lin(input=x)
+
+    check_against_loop(KW(), torch.randn(4, 3), torch.rand(4) + 0.5, loss_reduction="sum", dtype=F64)
+
+
+def test_module_registered_twice_in_the_tree():
+    shared = nn.Linear(3, 3)
+    model = nn.Sequential(shared, nn.Tanh(), shared)  # one module under two names
+    ours = check_against_loop(model, torch.randn(4, 3), torch.rand(4) + 0.5,
+                              loss_reduction="mean", dtype=F64)
+    assert list(ours) == ["0.weight", "0.bias"]
+
+
+def test_frozen_weight_trainable_bias_input_without_grad():
+    model = nn.Sequential(nn.Conv1d(2, 3, 3), nn.Tanh(), nn.Conv1d(3, 2, 2))
+    model[0].weight.requires_grad_(False)
+    model[2].weight.requires_grad_(False)
+    ours = check_against_loop(model, torch.randn(3, 2, 7), torch.rand(3) + 0.5,
+                              loss_reduction="mean", dtype=F64)
+    assert list(ours) == ["0.bias", "2.bias"]
