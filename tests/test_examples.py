@@ -1,0 +1,29 @@
+"""The examples run as a user would run them, and say what they promise."""
+import pathlib
+import subprocess
+import sys
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+def _run(name, *args):
+    done = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_quickstart():
+    out = _run("quickstart.py")
+    assert "6.weight   per-sample gradient (32, 10, 256)" in out
+    assert "mean of per-sample == param.grad: True" in out
+
+
+def test_check_my_model():
+    out = _run("check_my_model.py")
+    assert "OK at rtol=1e-10" in out
+
+
+def test_gradient_noise_scale():
+    out = _run("gradient_noise_scale.py", "--steps", "20")
+    assert "gradient noise scale B_simple" in out
