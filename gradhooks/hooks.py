@@ -103,7 +103,9 @@ class GradHooks:
 
     **Batches and backward passes.** A *batch* starts with the first forward (with autograd
     enabled) after a backward pass, or after :meth:`clear`. All calls of hooked layers until the
-    next backward belong to that batch and must agree on the batch size ``B``. Several backward
+    next backward belong to that batch; within one forward of the model they must agree on the
+    batch size ``B`` (a forward that no backward reached may be followed by one of another size,
+    which starts a new batch). Several backward
     passes through the same forward (``retain_graph=True``) *accumulate*: the per-sample
     gradients are summed over them, like ``param.grad``. The next forward after a backward starts
     a new batch and *replaces* the previous results (per-sample gradients of different batches
@@ -139,6 +141,7 @@ class GradHooks:
         self._watched: set = set()  # ids of params with a gradient hook (sum check)
         self._attached = False
         self._step = 0
+        self._forward_id = 0
         self._reset_batch()
         self._attach()
 
@@ -175,6 +178,9 @@ class GradHooks:
                 "those parameters (requires_grad_(False)) or register a rule with "
                 "@gradhooks.register_rule."
             )
+        # A top-level forward starts here: layers of one forward must agree on the batch size,
+        # while a forward that never reached a backward may be followed by another batch size.
+        self._handles.append(self.model.register_forward_pre_hook(self._on_model_forward))
         for layer in self._layers:
             _HOOKED[layer.module] = self
             self._handles.append(layer.module.register_forward_hook(
@@ -229,6 +235,7 @@ class GradHooks:
         self._reached: List[_Capture] = []
         self._batch_size: Optional[int] = None
         self._batch_source: Optional[str] = None
+        self._batch_forward = -1  # the top-level forward in which the batch size was set
         self._backward_seen = False
         self._param_grads: Dict[int, Tensor] = {}
         self._result: Optional[Dict[str, Tensor]] = None
@@ -267,8 +274,10 @@ class GradHooks:
             b = layer.rule.batch_size(module, x, self.batch_first)
         except BatchSizeError as e:
             raise BatchSizeError(f"module {layer.describe()}: {e}") from None
+        if self._batch_size is not None and b != self._batch_size and self._forward_id != self._batch_forward:
+            self._reset_batch()  # an earlier forward that no backward reached: drop it
         if self._batch_size is None:
-            self._batch_size, self._batch_source = b, layer.describe()
+            self._batch_size, self._batch_source, self._batch_forward = b, layer.describe(), self._forward_id
         elif b != self._batch_size:
             raise BatchSizeError(
                 f"module {layer.describe()} sees batch size {b}, but {self._batch_source} saw "
@@ -279,14 +288,18 @@ class GradHooks:
         cap = _Capture(layer, x.detach(), names, self._step)
         output.register_hook(functools.partial(self._on_grad_output, cap))
 
+    def _on_model_forward(self, module: nn.Module, args) -> None:
+        self._forward_id += 1
+
     def _on_grad_output(self, cap: _Capture, grad: Tensor) -> None:
         if _PAUSED:
             return None
         if cap.step != self._step:
             raise GradHooksError(
                 f"a backward pass reached module {cap.layer.describe()} through a graph built "
-                f"before the current batch started; per-sample results are per forward: run the "
-                f"backward passes of a forward before the next forward"
+                f"before the current batch started (an earlier forward, or one with another batch "
+                f"size); per-sample results are per batch: run the backward passes of a forward "
+                f"before the next forward, and give one loss only outputs of one batch"
             )
         if not cap.grads:
             self._reached.append(cap)

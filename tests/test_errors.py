@@ -100,6 +100,28 @@ def test_layers_seeing_different_batch_sizes():
             model(torch.randn(4, 4))
 
 
+def test_unreached_forward_then_another_batch_size():
+    """A forward no backward reached (e.g. evaluation without no_grad) does not fix the size."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    with gradhooks.attach(model) as gh:
+        model(torch.randn(32, 3))
+        weighted_square_loss()(model(torch.randn(16, 3)), torch.ones(16)).backward()
+        assert gh.per_sample_grads()["0.weight"].shape == (16, 3, 3)
+        # but one loss over outputs of two batch sizes cannot have per-sample gradients
+        out4, out8 = model(torch.randn(4, 3)), model(torch.randn(8, 3))
+        with pytest.raises(gradhooks.GradHooksError, match="another batch size"):
+            (out4.sum() + out8.sum()).backward()
+
+
+def test_failed_forward_does_not_poison_the_next():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    with gradhooks.attach(model) as gh:
+        with pytest.raises(gradhooks.BatchSizeError):
+            model(torch.randn(3))  # unbatched
+        weighted_square_loss()(model(torch.randn(5, 3)), torch.ones(5)).backward()
+        assert gh.batch_size == 5
+
+
 def test_unbatched_inputs_are_refused():
     with gradhooks.attach(nn.Linear(3, 2)) as gh:
         with pytest.raises(gradhooks.BatchSizeError, match="unbatched"):
