@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from . import rules as _rules  # noqa: F401  (registers the built-in rules)
-from .per_sample import call_grads, check_loss_reduction, reduction_scale
+from .per_sample import call_grads, check_loss_reduction, check_sums, reduction_scale
 from .registry import (
     BatchSizeError,
     GradHooksError,
@@ -42,11 +42,6 @@ _HOOKED: "weakref.WeakKeyDictionary[nn.Module, GradHooks]" = weakref.WeakKeyDict
 _PAUSED = 0
 
 _MISSING = object()
-
-# Relative tolerance of the sum check (see GradHooks.per_sample_grads), per dtype. The sum of B
-# per-sample values is compared with autograd's batch value, relative to sum_n |value_n|.
-_SUM_CHECK_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
-_SUM_CHECK_PROBES = 256
 
 
 @contextlib.contextmanager
@@ -368,8 +363,8 @@ class GradHooks:
                 pid = id(layer.params[local])
                 raw[pid] = t if pid not in raw else raw[pid] + t
         if self.check:
-            for pid, t in raw.items():
-                self._check_sum(pid, t, scale)
+            check_sums([(self._names[pid], t, self._param_grads.get(pid)) for pid, t in raw.items()],
+                       scale)
         result = {}
         order = {pid: i for i, pid in enumerate(self._names)}
         for pid in sorted(raw, key=order.__getitem__):
@@ -381,37 +376,6 @@ class GradHooks:
             p.grad_sample = t
         self._result = result
         return result
-
-    def _check_sum(self, pid: int, t: Tensor, scale: Optional[float]) -> None:
-        name = self._names[pid]
-        total = self._param_grads.get(pid)
-        if total is None:
-            raise GradientMismatchError(
-                f"grad_outputs were recorded for the module owning {name!r}, but autograd "
-                f"computed no gradient for {name!r} in those backward passes (e.g. "
-                f"torch.autograd.grad with respect to the input only); per-sample gradients of "
-                f"the parameters are not defined for such a pass"
-            )
-        flat = t.reshape(t.shape[0], -1)
-        numel = flat.shape[1]
-        if numel > _SUM_CHECK_PROBES:
-            idx = torch.linspace(0, numel - 1, _SUM_CHECK_PROBES, device=t.device).long()
-            flat, ref = flat[:, idx], total.reshape(-1)[idx]
-        else:
-            ref = total.reshape(-1)
-        flat = flat.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
-        ref = ref.to(flat.dtype) * (scale or 1.0)
-        err = (flat.sum(0) - ref).abs()
-        rtol = _SUM_CHECK_RTOL.get(t.dtype, 1e-4)
-        bad = err > rtol * flat.abs().sum(0) + torch.finfo(flat.dtype).tiny
-        if bool(bad.any()):
-            raise GradientMismatchError(
-                f"the per-sample gradients of {name!r} do not sum to the gradient autograd "
-                f"computed for it (largest difference {err.max().item():.3g}). The parameter "
-                f"receives gradient outside the module that owns it (a functional use such as "
-                f"x @ layer.weight.T, or a module gradhooks does not hook); per-sample gradients "
-                f"would be wrong. Use the parameter only through its module."
-            )
 
 
 def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,

@@ -18,12 +18,16 @@ where ``L_n`` is sample ``n``'s share of the loss as the user reduced it.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional
+import functools
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["weight_grad", "bias_grad", "reduction_scale", "call_grads", "LOSS_REDUCTIONS"]
+from .registry import GradientMismatchError
+
+__all__ = ["weight_grad", "bias_grad", "reduction_scale", "call_grads", "check_sums",
+           "LOSS_REDUCTIONS"]
 
 #: The values ``loss_reduction`` may take.
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -37,7 +41,8 @@ def weight_grad(a: Tensor, g: Tensor) -> Tensor:
         g: ``(N, G, S, O)`` grad_output.
 
     Returns:
-        ``(N, G, O, I)``: ``sum_s g[n,g,s,o] a[n,g,s,i]``. With ``S = 1`` this is an outer
+        ``(N, G, O, I)``: ``sum_s g[n,g,s,o] a[n,g,s,i]`` (Goodfellow 2015, arXiv:1510.01799,
+        sec. 3; over shared positions: Rochette et al. 2019, sec. 3). With ``S = 1`` this is an outer
         product (one broadcast multiply); otherwise a batched matmul over ``(N, G)`` contracting
         ``S``.
     """
@@ -53,7 +58,7 @@ def bias_grad(g: Tensor) -> Tensor:
         g: ``(N, G, S, O)`` grad_output.
 
     Returns:
-        ``(N, G, O)``: ``sum_s g[n, g, s, o]``.
+        ``(N, G, O)``: ``sum_s g[n, g, s, o]`` (the bias sees an input of ones).
     """
     return g.sum(dim=2)
 
@@ -112,3 +117,72 @@ def call_grads(rule, module: nn.Module, a: Tensor, grads: List[Tensor], batch_fi
         for t in out.values():
             t.mul_(scale)  # rules return tensors they own
     return out
+
+
+# Relative tolerance of check_sums per dtype: the sum of B per-sample values may differ from
+# autograd's batch value by rounding, relative to sum_n |value_n| (B * eps in the worst case).
+SUM_CHECK_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+SUM_CHECK_PROBES = 256
+
+
+@functools.lru_cache(maxsize=256)
+def _probe_index(numel: int, probes: int, device: torch.device) -> Tensor:
+    return torch.linspace(0, numel - 1, probes, device=device).long()
+
+
+def check_sums(items: Sequence[Tuple[str, Tensor, Optional[Tensor]]], scale: Optional[float],
+               probes: int = SUM_CHECK_PROBES) -> None:
+    """Check that per-sample gradients sum to the batch gradient autograd computed.
+
+    ``sum_n grad_n == scale * batch_grad`` must hold for every parameter (linearity of the
+    gradient in the loss); it fails when a parameter also receives gradient outside the module
+    whose hooks produced ``grad_n``. Checked on ``probes`` evenly spaced coordinates per
+    parameter, all parameters of a device in one vectorised comparison, within
+    :data:`SUM_CHECK_RTOL` relative to ``sum_n |grad_n|`` per coordinate.
+
+    Args:
+        items: ``(name, per_sample (B, *shape), batch_grad (*shape) or None)`` per parameter;
+            ``batch_grad`` is what autograd computed in the same backward passes.
+        scale: the :func:`reduction_scale` already applied to ``per_sample``.
+        probes: coordinates checked per parameter.
+
+    Raises:
+        GradientMismatchError: naming the first parameter that fails, or that has per-sample
+            gradients but no autograd gradient (e.g. ``torch.autograd.grad`` w.r.t. the input).
+    """
+    groups: Dict[torch.device, list] = {}
+    for name, t, total in items:
+        if total is None:
+            raise GradientMismatchError(
+                f"grad_outputs were recorded for the module owning {name!r}, but autograd "
+                f"computed no gradient for {name!r} in those backward passes (e.g. "
+                f"torch.autograd.grad with respect to the input only); per-sample gradients of "
+                f"the parameters are not defined for such a pass"
+            )
+        flat, ref = t.reshape(t.shape[0], -1), total.reshape(-1)
+        if flat.shape[1] > probes:
+            idx = _probe_index(flat.shape[1], probes, t.device)
+            flat, ref = flat.index_select(1, idx), ref.index_select(0, idx)
+        groups.setdefault(t.device, []).append((name, flat, ref, SUM_CHECK_RTOL.get(t.dtype, 1e-4)))
+    for device, entries in groups.items():
+        acc = torch.float64 if any(e[1].dtype == torch.float64 for e in entries) else torch.float32
+        per = torch.cat([e[1].to(acc) for e in entries], 1)  # (B, K)
+        ref = torch.cat([e[2].to(acc) for e in entries])
+        rtol = max(e[3] for e in entries)  # the loosest dtype of the group
+        err = per.sum(0).sub_(ref, alpha=1.0 if scale is None else scale).abs_()
+        bad = err > per.abs().sum(0).mul_(rtol).add_(torch.finfo(acc).tiny)
+        if bool(bad.any()):
+            sizes = [e[1].shape[1] for e in entries]
+            first = int(bad.nonzero()[0, 0])
+            k = 0
+            for (name, *_), size in zip(entries, sizes):
+                k += size
+                if first < k:
+                    break
+            raise GradientMismatchError(
+                f"the per-sample gradients of {name!r} do not sum to the gradient autograd "
+                f"computed for it (largest difference {err.max().item():.3g}). The parameter "
+                f"receives gradient outside the module that owns it (a functional use such as "
+                f"x @ layer.weight.T, or a module gradhooks does not hook); per-sample gradients "
+                f"would be wrong. Use the parameter only through its module."
+            )
