@@ -202,3 +202,18 @@ def test_backward_through_a_previous_batch_graph():
 def test_attach_rejects_non_modules():
     with pytest.raises(TypeError, match="nn.Module"):
         gradhooks.attach(lambda x: x)
+
+
+def test_sum_check_tolerates_float32_rounding_and_names_the_culprit():
+    from gradhooks.per_sample import check_sums
+    torch.manual_seed(0)
+    a = torch.randn(4096, 300)                # many samples, > 256 coordinates: probed
+    b = torch.randn(4096, 7) * 1e-3           # a small parameter next to a large one
+    a_sum = a.double().sum(0).float()         # autograd's value, summed in another order
+    b_sum = b.double().sum(0).float()
+    check_sums([("a", a, a_sum), ("b", b, b_sum)], None)
+    check_sums([("a", a, a_sum / 4096)], 4096.0)  # mean reduction: autograd saw sum / B
+    with pytest.raises(gradhooks.GradientMismatchError, match="'b'"):
+        check_sums([("a", a, a_sum), ("b", b, b_sum + 0.05 * b.abs().sum(0))], None)
+    with pytest.raises(gradhooks.GradientMismatchError, match="no gradient for 'a'"):
+        check_sums([("a", a, None)], None)
