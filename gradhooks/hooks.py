@@ -55,9 +55,8 @@ def paused() -> Iterator[None]:
         _PAUSED -= 1
 
 
-def _is_functorch_wrapped(x: Tensor) -> bool:
-    fn = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    return bool(fn is not None and fn(x))
+# Inputs wrapped by torch.func transforms (vmap, grad) are not recorded.
+_is_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda x: False)
 
 
 class _Layer:
@@ -361,7 +360,10 @@ class GradHooks:
                                cap.names, scale)
             for local, t in grads.items():
                 pid = id(layer.params[local])
-                raw[pid] = t if pid not in raw else raw[pid] + t
+                if pid in raw:
+                    raw[pid].add_(t)  # another call, or a tied module (rules return owned tensors)
+                else:
+                    raw[pid] = t
         if self.check:
             check_sums([(self._names[pid], t, self._param_grads.get(pid)) for pid, t in raw.items()],
                        scale)

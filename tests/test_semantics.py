@@ -323,3 +323,22 @@ def test_frozen_weight_trainable_bias_input_without_grad():
     ours = check_against_loop(model, torch.randn(3, 2, 7), torch.rand(3) + 0.5,
                               loss_reduction="mean", dtype=F64)
     assert list(ours) == ["0.bias", "2.bias"]
+
+
+def test_torch_func_transforms_on_an_attached_model_record_nothing():
+    from torch.func import functional_call, grad, vmap
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=F64)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, xn):
+        return functional_call(model, p, (xn.unsqueeze(0),)).pow(2).sum()
+
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        per = vmap(grad(loss), in_dims=(None, 0))(params, x)
+        with pytest.raises(gradhooks.NoBackwardError):
+            gh.per_sample_grads()
+        model(x).pow(2).sum().backward()
+        ours = gh.per_sample_grads()
+    for k in per:
+        torch.testing.assert_close(ours[k], per[k], rtol=1e-10, atol=1e-12)
