@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Iterable, Optional, Tuple, Type
 
-import torch
 from torch import Tensor, nn
 
 __all__ = [

@@ -167,7 +167,7 @@ class ConvRule(LayerRule):
         """Canonical form: ``a`` ``(N, G, S, C_in/G * K)`` patches, ``g`` ``(N, G, S, C_out/G)``."""
         n, groups = g.shape[0], module.groups
         g = g.reshape(n, groups, module.out_channels // groups, -1).transpose(-1, -2)
-        return (unfold(module, a) if a is not None else None), g
+        return unfold(module, a), g
 
     def per_sample_grads(
         self, module: nn.Module, a: Tensor, g: Tensor, batch_first: bool, names: Iterable[str]
