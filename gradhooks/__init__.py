@@ -14,10 +14,14 @@ from .hooks import GradHooks, attach
 from .reference import Comparison, ParamError, compare, looped_per_sample_grads, max_rel_error
 from .registry import (
     BatchSizeError,
+    Call,
+    FallbackWarning,
     GradHooksError,
     GradientMismatchError,
+    HigherOrderGradError,
     LayerRule,
     NoBackwardError,
+    UnsupportedCallError,
     UnsupportedModuleError,
     register_rule,
     supported_types,
@@ -36,9 +40,13 @@ __all__ = [
     "register_rule",
     "supported_types",
     "LayerRule",
+    "Call",
     "GradHooksError",
     "UnsupportedModuleError",
     "BatchSizeError",
     "NoBackwardError",
     "GradientMismatchError",
+    "UnsupportedCallError",
+    "HigherOrderGradError",
+    "FallbackWarning",
 ]

@@ -15,24 +15,31 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 import weakref
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import rules as _rules  # noqa: F401  (registers the built-in rules)
 from .per_sample import call_grads, check_loss_reduction, check_sums, reduction_scale
 from .registry import (
     BatchSizeError,
+    Call,
+    FallbackWarning,
     GradHooksError,
     GradientMismatchError,
+    HigherOrderGradError,
     LayerRule,
     NoBackwardError,
+    UnsupportedCallError,
     UnsupportedModuleError,
     find_rule,
     supported_types,
 )
+from .rules.fallback import FALLBACK
 
 __all__ = ["attach", "GradHooks"]
 
@@ -59,6 +66,16 @@ def paused() -> Iterator[None]:
 _is_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda x: False)
 
 
+@contextlib.contextmanager
+def _no_autocast() -> Iterator[None]:
+    # Rules compute in the recorded dtypes (promoted to float32), whatever autocast is active.
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autocast("cpu", enabled=False))
+        if torch.cuda.is_available():
+            stack.enter_context(torch.autocast("cuda", enabled=False))
+        yield
+
+
 class _Layer:
     """A hooked module: its path in the model, its rule and the parameters the rule handles."""
 
@@ -72,17 +89,39 @@ class _Layer:
 
 
 class _Capture:
-    """One call of one hooked module: input activations and the grad_outputs it received."""
+    """One call of one hooked module: input activations and the grad_outputs it received.
 
-    __slots__ = ("layer", "a", "version", "names", "grads", "step", "__weakref__")
+    Single-output rules: ``a`` is the first input, ``grads`` one grad_output per backward pass.
+    ``multi_io`` rules: ``a`` is a :class:`Call`, ``grads`` holds per output tensor (leaf of
+    the output's pytree ``spec``) the grad_output summed over backward passes, or ``None``.
+    """
 
-    def __init__(self, layer: _Layer, a: Tensor, names: Tuple[str, ...], step: int):
-        self.layer, self.a, self.version, self.names, self.step = layer, a, a._version, names, step
-        self.grads: List[Tensor] = []  # one grad_output per backward pass through this call
+    __slots__ = ("layer", "a", "versions", "names", "grads", "step", "spec", "low", "__weakref__")
+
+    def __init__(self, layer: _Layer, a, names: Tuple[str, ...], step: int, spec=None, leaves: int = 0):
+        self.layer, self.a, self.names, self.step, self.spec = layer, a, names, step, spec
+        self.versions = [(t, t._version) for t in _tensors(a)]
+        self.grads: list = [None] * leaves if spec is not None else []
+        self.low: Optional[torch.dtype] = None  # grad_output dtype when below float32 (autocast)
+
+    def modified(self) -> bool:
+        return any(t._version != v for t, v in self.versions)
+
+    def grad_struct(self):
+        return tree_unflatten(self.grads, self.spec)
 
     def release(self) -> None:
         self.a = None
+        self.versions = []
         self.grads = []
+
+
+def _tensors(obj) -> List[Tensor]:
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, Tensor)]
+
+
+def _detached(obj):
+    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, obj)
 
 
 class GradHooks:
@@ -118,7 +157,7 @@ class GradHooks:
     """
 
     def __init__(self, model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
-                 check: bool = True):
+                 check: bool = True, strict: bool = False, allow_batchnorm_train: bool = False):
         check_loss_reduction(loss_reduction)
         if not isinstance(model, nn.Module):
             raise TypeError(f"attach expects an nn.Module, got {type(model).__name__}")
@@ -126,6 +165,8 @@ class GradHooks:
         self.loss_reduction = loss_reduction
         self.batch_first = bool(batch_first)
         self.check = bool(check)
+        self.strict = bool(strict)
+        self._options = {"allow_batchnorm_train": bool(allow_batchnorm_train)}
         self._layers: List[_Layer] = []
         self._handles: list = []
         self._names: Dict[int, str] = {}  # id(param) -> name in model.named_parameters()
@@ -143,13 +184,20 @@ class GradHooks:
     def _attach(self) -> None:
         for name, p in self.model.named_parameters():
             self._names[id(p)] = name
-        unsupported = []
+        unsupported, fallback = [], []
+        claimed: set = set()  # parameters handled by a module's rule (MHA claims out_proj.*)
         for path, module in self.model.named_modules():
             own = dict(module.named_parameters(recurse=False))
-            if not own:
+            if not own or all(id(p) in claimed for p in own.values()):
                 continue
             rule = find_rule(module, path)
-            handled = {n: p for n, p in own.items() if rule is not None and n in rule.param_names}
+            if rule is None and any(p.requires_grad for p in own.values()):
+                if self.strict:
+                    unsupported.append((path, module, [n for n, p in own.items() if p.requires_grad]))
+                    continue
+                rule = FALLBACK
+                fallback.append(f"{path or '<root>'!r} ({type(module).__qualname__})")
+            handled = rule.params_of(module) if rule is not None else {}
             extra = [n for n, p in own.items() if n not in handled and p.requires_grad]
             if extra:
                 unsupported.append((path, module, extra))
@@ -160,6 +208,7 @@ class GradHooks:
                         f"module {path or '<root>'!r} ({type(module).__name__}) is already hooked "
                         f"by another GradHooks; call detach() on that one first"
                     )
+                claimed.update(id(p) for p in handled.values())
                 self._layers.append(_Layer(path, module, rule, handled))
         if unsupported:
             lines = "\n".join(
@@ -168,9 +217,18 @@ class GradHooks:
             )
             raise UnsupportedModuleError(
                 "gradhooks has no per-sample gradient rule for these modules, which own trainable "
-                f"parameters:\n{lines}\nSupported types: {', '.join(supported_types())}. Freeze "
-                "those parameters (requires_grad_(False)) or register a rule with "
-                "@gradhooks.register_rule."
+                f"parameters:\n{lines}\nSupported types: {', '.join(supported_types())}. "
+                "attach(model, strict=False) covers them with the torch.func fallback (exact if "
+                "the module treats samples independently); or freeze those parameters "
+                "(requires_grad_(False)), or register a rule with @gradhooks.register_rule."
+            )
+        if fallback:
+            warnings.warn(
+                "gradhooks has no dedicated rule for these modules and uses its torch.func "
+                f"fallback (vmap of the module's vjp per sample) for them: {', '.join(fallback)}. "
+                "It is exact only if each module treats the samples of a batch independently "
+                "(see gradhooks.rules.fallback); attach(model, strict=True) refuses such modules.",
+                FallbackWarning, stacklevel=4,
             )
         # A top-level forward starts here: layers of one forward must agree on the batch size,
         # while a forward that never reached a backward may be followed by another batch size.
@@ -227,6 +285,8 @@ class GradHooks:
             cap.release()
         self._step += 1
         self._reached: List[_Capture] = []
+        self._reached_set: set = set()
+        self._higher_order: Optional[str] = None  # a layer a create_graph=True backward reached
         self._batch_size: Optional[int] = None
         self._batch_source: Optional[str] = None
         self._batch_forward = -1  # the top-level forward in which the batch size was set
@@ -251,23 +311,34 @@ class GradHooks:
     def _on_forward(self, layer: _Layer, module: nn.Module, args, kwargs, output) -> None:
         if _PAUSED or not torch.is_grad_enabled():
             return
-        if not isinstance(output, Tensor) or not output.requires_grad:
-            return
-        x = args[0] if args else next(iter(kwargs.values()), None)
-        if not isinstance(x, Tensor) or _is_functorch_wrapped(x):
-            return
+        rule = layer.rule
+        if rule.multi_io:
+            leaves, spec = tree_flatten(output)
+            reached = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
+            if not reached:
+                return
+            x = args[0] if args else next(iter(kwargs.values()), None)
+            if any(_is_functorch_wrapped(t) for t in _tensors((args, kwargs))):
+                return
+        else:
+            if not isinstance(output, Tensor) or not output.requires_grad:
+                return
+            x = args[0] if args else next(iter(kwargs.values()), None)
+            if not isinstance(x, Tensor) or _is_functorch_wrapped(x):
+                return
         names = tuple(n for n, p in layer.params.items() if p.requires_grad)
         if not names:
             return
+        try:
+            rule.check_call(module, args, kwargs, self._options)
+            b = rule.batch_size(module, x, self.batch_first)
+        except GradHooksError as e:
+            raise type(e)(f"module {layer.describe()}: {e}") from None
         if self.check:
             for n in names:
                 self._watch_param(layer.params[n])
         if self._backward_seen:
             self.clear()
-        try:
-            b = layer.rule.batch_size(module, x, self.batch_first)
-        except BatchSizeError as e:
-            raise BatchSizeError(f"module {layer.describe()}: {e}") from None
         if self._batch_size is not None and b != self._batch_size and self._forward_id != self._batch_forward:
             self._reset_batch()  # an earlier forward that no backward reached: drop it
         if self._batch_size is None:
@@ -279,13 +350,19 @@ class GradHooks:
                 f"layer to see the whole batch on the batch dim (batch_first={self.batch_first}); "
                 f"check the input layout, or pass batch_first=False for (T, B, ...) inputs."
             )
-        cap = _Capture(layer, x.detach(), names, self._step)
-        output.register_hook(functools.partial(self._on_grad_output, cap))
+        if rule.multi_io:
+            cap = _Capture(layer, Call(_detached(tuple(args)), _detached(dict(kwargs))), names,
+                           self._step, spec, len(leaves))
+            for i in reached:
+                leaves[i].register_hook(functools.partial(self._on_grad_output, cap, i))
+        else:
+            cap = _Capture(layer, x.detach(), names, self._step)
+            output.register_hook(functools.partial(self._on_grad_output, cap, None))
 
     def _on_model_forward(self, module: nn.Module, args) -> None:
         self._forward_id += 1
 
-    def _on_grad_output(self, cap: _Capture, grad: Tensor) -> None:
+    def _on_grad_output(self, cap: _Capture, leaf: Optional[int], grad: Tensor) -> None:
         if _PAUSED:
             return None
         if cap.step != self._step:
@@ -295,9 +372,19 @@ class GradHooks:
                 f"size); per-sample results are per batch: run the backward passes of a forward "
                 f"before the next forward, and give one loss only outputs of one batch"
             )
-        if not cap.grads:
+        if grad.requires_grad and self._higher_order is None:
+            self._higher_order = cap.layer.describe()
+        if cap not in self._reached_set:
             self._reached.append(cap)
-        cap.grads.append(grad)
+            self._reached_set.add(cap)
+        if grad.dtype in (torch.bfloat16, torch.float16):
+            cap.low = grad.dtype
+        grad = grad.detach()
+        if leaf is None:
+            cap.grads.append(grad)
+        else:
+            prev = cap.grads[leaf]
+            cap.grads[leaf] = grad if prev is None else prev + grad
         self._backward_seen = True
         self._result = None
         return None
@@ -335,6 +422,8 @@ class GradHooks:
 
         Raises:
             NoBackwardError: if no backward pass reached a hooked layer since the batch started.
+            HigherOrderGradError: if a backward pass ran with ``create_graph=True`` through a
+                hooked layer (a loss containing input derivatives).
             GradientMismatchError: if the sum check fails (see the class docstring), or an input
                 recorded in the forward was modified in place afterwards.
         """
@@ -346,27 +435,41 @@ class GradHooks:
                 "loss.backward() before per_sample_grads() (forwards under torch.no_grad() or "
                 "inference_mode() record nothing)"
             )
+        if self._higher_order is not None:
+            raise HigherOrderGradError(
+                f"a backward pass with create_graph=True reached module {self._higher_order}: the "
+                f"loss contains derivatives (a gradient penalty or a Laplacian built with "
+                f"torch.autograd.grad(..., create_graph=True)), so each parameter's gradient has "
+                f"terms through the derivative graph that grad_output-based per-sample rules do "
+                f"not see; the result would be wrong. Compute such per-sample gradients with "
+                f"torch.func (vmap over grad of the per-sample loss), or detach the derivative term"
+            )
         scale = reduction_scale(self.loss_reduction, self._batch_size)
         raw: Dict[int, Tensor] = {}
-        for cap in self._reached:
-            layer = cap.layer
-            if cap.a._version != cap.version:
-                raise GradientMismatchError(
-                    f"the input of module {layer.describe()} was modified in place after its "
-                    f"forward; per-sample gradients would be wrong. Avoid in-place ops on the "
-                    f"layer's input (e.g. use ReLU(inplace=False) after the layer that feeds it)"
-                )
-            grads = call_grads(layer.rule, layer.module, cap.a, cap.grads, self.batch_first,
-                               cap.names, scale)
-            for local, t in grads.items():
-                pid = id(layer.params[local])
-                if pid in raw:
-                    raw[pid].add_(t)  # another call, or a tied module (rules return owned tensors)
-                else:
-                    raw[pid] = t
+        low: Dict[int, torch.dtype] = {}
+        with _no_autocast():
+            for cap in self._reached:
+                layer = cap.layer
+                if cap.modified():
+                    raise GradientMismatchError(
+                        f"the input of module {layer.describe()} was modified in place after its "
+                        f"forward; per-sample gradients would be wrong. Avoid in-place ops on the "
+                        f"layer's input (e.g. use ReLU(inplace=False) after the layer that feeds it)"
+                    )
+                grads = cap.grad_struct() if cap.spec is not None else cap.grads
+                out = call_grads(layer.rule, layer.module, cap.a, grads, self.batch_first,
+                                 cap.names, scale)
+                for local, t in out.items():
+                    pid = id(layer.params[local])
+                    if cap.low is not None:
+                        low[pid] = cap.low
+                    if pid in raw:
+                        raw[pid].add_(t)  # another call, or a tied module (rules return owned tensors)
+                    else:
+                        raw[pid] = t
         if self.check:
-            check_sums([(self._names[pid], t, self._param_grads.get(pid)) for pid, t in raw.items()],
-                       scale)
+            check_sums([(self._names[pid], t, self._param_grads.get(pid), low.get(pid, t.dtype))
+                        for pid, t in raw.items()], scale)
         result = {}
         order = {pid: i for i, pid in enumerate(self._names)}
         for pid in sorted(raw, key=order.__getitem__):
@@ -381,7 +484,7 @@ class GradHooks:
 
 
 def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
-           check: bool = True) -> GradHooks:
+           check: bool = True, strict: bool = False, allow_batchnorm_train: bool = False) -> GradHooks:
     """Attach per-sample-gradient hooks to every supported layer of an existing model.
 
     Registers a forward hook on each module that has a rule (``nn.Linear``, ``nn.Conv1d/2d/3d``;
@@ -398,14 +501,22 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
             sequence layout ``(T, B, ..., features)`` (a 2-D ``(B, features)`` input is then still
             read as batch-first). Convolutions always take the batch on dim 0.
         check: run the sum check of :class:`GradHooks` when results are read.
+        strict: refuse modules that own trainable parameters but have no dedicated rule
+            (raise :class:`UnsupportedModuleError`) instead of covering them with the
+            ``torch.func`` fallback (:mod:`gradhooks.rules.fallback`, with one
+            :class:`FallbackWarning` listing them).
+        allow_batchnorm_train: accept ``BatchNorm`` in training mode; its per-sample results are
+            then each sample's *contribution* to the batch gradient with the batch statistics
+            held fixed (they sum to ``param.grad``), not gradients of each sample's own loss.
 
     Returns:
         A :class:`GradHooks`, also a context manager that detaches on exit.
 
     Raises:
         ValueError: if ``loss_reduction`` is not ``"mean"`` or ``"sum"``.
-        UnsupportedModuleError: if a module owns trainable parameters and has no rule; the
-            message names each such module's path and type and lists the supported types.
+        UnsupportedModuleError: with ``strict=True``, if a module owns trainable parameters and
+            has no rule; the message names each such module's path and type.
         GradHooksError: if a layer is already hooked by another live :class:`GradHooks`.
     """
-    return GradHooks(model, loss_reduction=loss_reduction, batch_first=batch_first, check=check)
+    return GradHooks(model, loss_reduction=loss_reduction, batch_first=batch_first, check=check,
+                     strict=strict, allow_batchnorm_train=allow_batchnorm_train)

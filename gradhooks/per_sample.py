@@ -23,6 +23,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from .registry import GradientMismatchError
 
@@ -87,16 +88,27 @@ def check_loss_reduction(loss_reduction: str) -> None:
         )
 
 
-def call_grads(rule, module: nn.Module, a: Tensor, grads: List[Tensor], batch_first: bool,
+def compute_dtype(*tensors: Tensor) -> torch.dtype:
+    """The dtype per-sample gradients are accumulated in: the promoted dtype of ``tensors``, at
+    least ``float32`` (an autocast forward records bfloat16/float16 grad_outputs)."""
+    dt = tensors[0].dtype
+    for t in tensors[1:]:
+        dt = torch.promote_types(dt, t.dtype)
+    return torch.promote_types(dt, torch.float32)
+
+
+def call_grads(rule, module: nn.Module, a, grads, batch_first: bool,
                names: Iterable[str], scale: Optional[float]) -> Dict[str, Tensor]:
     """Per-sample gradients of one recorded call, with the ``loss_reduction`` scale applied.
 
     Args:
         rule: the module's :class:`~gradhooks.registry.LayerRule`.
         module: the layer.
-        a: the call's input activations.
+        a: the call's input activations (a :class:`~gradhooks.registry.Call` for ``multi_io``
+            rules).
         grads: the grad_outputs of every backward pass through the call (summed: the
-            gradients are linear in the grad_output).
+            gradients are linear in the grad_output); for ``multi_io`` rules, the output's
+            structure holding each output tensor's summed grad_output or ``None``.
         batch_first: as given to :func:`gradhooks.attach`.
         names: the parameters wanted.
         scale: from :func:`reduction_scale` (``None``: no scaling).
@@ -104,10 +116,18 @@ def call_grads(rule, module: nn.Module, a: Tensor, grads: List[Tensor], batch_fi
     Returns:
         ``{name: (B, *param.shape)}``, scaled. The scale is applied to whichever is smaller,
         the grad_output or the per-sample result (for a Linear on ``(B, in)`` the grad_output
-        is ``in`` times smaller, which saves a full pass over the result).
+        is ``in`` times smaller, which saves a full pass over the result). Inputs and
+        grad_outputs of lower precision than float32 (autocast) are promoted to float32 first.
     """
     names = tuple(names)
+    if rule.multi_io:
+        if scale is not None:
+            grads = tree_map(lambda t: t * scale if isinstance(t, Tensor) else t, grads)
+        return rule.per_sample_grads(module, a, grads, batch_first, names)
     g = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
+    if a.dtype != g.dtype or a.dtype in _LOW_PRECISION:
+        dt = compute_dtype(a, g)
+        a, g = a.to(dt), g.to(dt)
     out_numel = g.shape[0] * sum(getattr(module, n).numel() for n in names)
     scale_g = scale is not None and g.numel() <= out_numel
     if scale_g:
@@ -117,6 +137,9 @@ def call_grads(rule, module: nn.Module, a: Tensor, grads: List[Tensor], batch_fi
         for t in out.values():
             t.mul_(scale)  # rules return tensors they own
     return out
+
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 # Relative tolerance of check_sums per dtype: the sum of B per-sample values may differ from
@@ -130,7 +153,7 @@ def _probe_index(numel: int, probes: int, device: torch.device) -> Tensor:
     return torch.linspace(0, numel - 1, probes, device=device).long()
 
 
-def check_sums(items: Sequence[Tuple[str, Tensor, Optional[Tensor]]], scale: Optional[float],
+def check_sums(items: Sequence[Tuple], scale: Optional[float],
                probes: int = SUM_CHECK_PROBES) -> None:
     """Check that per-sample gradients sum to the batch gradient autograd computed.
 
@@ -142,8 +165,10 @@ def check_sums(items: Sequence[Tuple[str, Tensor, Optional[Tensor]]], scale: Opt
     largest such bound, so that rounding in coordinates that cancel within a sample passes).
 
     Args:
-        items: ``(name, per_sample (B, *shape), batch_grad (*shape) or None)`` per parameter;
-            ``batch_grad`` is what autograd computed in the same backward passes.
+        items: ``(name, per_sample (B, *shape), batch_grad (*shape) or None[, tol_dtype])`` per
+            parameter; ``batch_grad`` is what autograd computed in the same backward passes;
+            ``tol_dtype`` (default: ``per_sample.dtype``) selects the tolerance, e.g. bfloat16
+            when the grad_outputs were bfloat16 (autocast).
         scale: the :func:`reduction_scale` already applied to ``per_sample``.
         probes: coordinates checked per parameter.
 
@@ -152,7 +177,7 @@ def check_sums(items: Sequence[Tuple[str, Tensor, Optional[Tensor]]], scale: Opt
             gradients but no autograd gradient (e.g. ``torch.autograd.grad`` w.r.t. the input).
     """
     groups: Dict[torch.device, list] = {}
-    for name, t, total in items:
+    for name, t, total, *tol_dtype in items:
         if total is None:
             raise GradientMismatchError(
                 f"grad_outputs were recorded for the module owning {name!r}, but autograd "
@@ -164,7 +189,7 @@ def check_sums(items: Sequence[Tuple[str, Tensor, Optional[Tensor]]], scale: Opt
         if flat.shape[1] > probes:
             idx = _probe_index(flat.shape[1], probes, t.device)
             flat, ref = flat.index_select(1, idx), ref.index_select(0, idx)
-        groups.setdefault(t.device, []).append((name, flat, ref, SUM_CHECK_RTOL.get(t.dtype, 1e-4)))
+        groups.setdefault(t.device, []).append((name, flat, ref, SUM_CHECK_RTOL.get(tol_dtype[0] if tol_dtype else t.dtype, 1e-4)))
     for device, entries in groups.items():
         acc = torch.float64 if any(e[1].dtype == torch.float64 for e in entries) else torch.float32
         per = torch.cat([e[1].to(acc) for e in entries], 1)  # (B, K)

@@ -13,7 +13,7 @@ numbers, so :func:`find_rule` refuses it with :class:`UnsupportedModuleError`.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, Optional, Tuple, Type
+from typing import Any, Callable, Dict, Iterable, NamedTuple, Optional, Tuple, Type
 
 from torch import Tensor, nn
 
@@ -21,9 +21,13 @@ __all__ = [
     "GradHooksError",
     "UnsupportedModuleError",
     "BatchSizeError",
+    "UnsupportedCallError",
+    "HigherOrderGradError",
+    "FallbackWarning",
     "NoBackwardError",
     "GradientMismatchError",
     "LayerRule",
+    "Call",
     "register_rule",
     "find_rule",
     "supported_types",
@@ -40,6 +44,24 @@ class UnsupportedModuleError(GradHooksError, TypeError):
 
     Raised by :func:`gradhooks.attach`; the message names the module's path in the model, its
     type, and the supported types.
+    """
+
+
+class UnsupportedCallError(GradHooksError, ValueError):
+    """A supported module was called in a way whose per-sample gradients are not defined.
+
+    Raised at the forward, naming the module: ``BatchNorm`` in training mode (batch statistics
+    mix the samples), a recurrent layer with inter-layer dropout in training mode (the dropout
+    masks cannot be replayed). The message says what to do instead.
+    """
+
+
+class HigherOrderGradError(GradHooksError):
+    """A backward pass ran with ``create_graph=True`` through a hooked layer.
+
+    The loss then contains derivatives (a gradient penalty, a Laplacian built with
+    ``torch.autograd.grad(..., create_graph=True)``), and the parameter gradient has terms that
+    grad_output-based rules do not see; per-sample results are refused rather than wrong.
     """
 
 
@@ -60,7 +82,22 @@ class GradientMismatchError(GradHooksError):
     """
 
 
+class FallbackWarning(UserWarning):
+    """Issued once per :func:`gradhooks.attach`, listing the modules the torch.func fallback covers."""
+
+
 # --------------------------------------------------------------------------- rules
+class Call(NamedTuple):
+    """The inputs of one recorded call of a ``multi_io`` rule's module: ``module(*args, **kwargs)``.
+
+    Tensors are detached copies (sharing storage) of what the module received; other values
+    (ints, ``None``, ``PackedSequence`` fields ...) are kept as they were.
+    """
+
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any]
+
+
 class LayerRule:
     """Base class of a per-layer rule.
 
@@ -75,6 +112,32 @@ class LayerRule:
 
     #: Names of the module's own parameters this rule computes per-sample gradients for.
     param_names: Tuple[str, ...] = ("weight", "bias")
+
+    #: ``False`` (Linear, Conv): the hooks record the first input ``a`` and the grad_output
+    #: ``g`` of the one output tensor. ``True`` (recurrent layers, attention, the fallback): the
+    #: hooks record every input and the grad_output of every output tensor, and
+    #: :meth:`per_sample_grads` receives ``a = Call(args, kwargs)`` (tensors detached) and
+    #: ``g`` = the output's structure (tuples, ``PackedSequence`` ...) with each tensor replaced
+    #: by its grad_output (summed over backward passes, ``loss_reduction`` scale applied) or
+    #: ``None`` where no backward pass reached it.
+    multi_io: bool = False
+
+    def params_of(self, module: nn.Module) -> Dict[str, nn.Parameter]:
+        """The parameters this rule handles for ``module``, by their name relative to it.
+
+        Default: the module's own parameters listed in :attr:`param_names`. A rule may claim
+        parameters of submodules with dotted names (``"out_proj.weight"``): those submodules
+        are then not hooked themselves.
+        """
+        return {n: p for n, p in module.named_parameters(recurse=False) if n in self.param_names}
+
+    def check_call(self, module: nn.Module, args: tuple, kwargs: dict, options: Dict[str, object]) -> None:
+        """Validate one forward call before it is recorded (default: accept everything).
+
+        ``options`` are the keyword options given to :func:`gradhooks.attach`. Raise a
+        :class:`GradHooksError` subclass (without the module path: the caller adds it) for calls
+        whose per-sample gradients would be wrong, e.g. ``BatchNorm`` in training mode.
+        """
 
     def batch_size(self, module: nn.Module, x: Tensor, batch_first: bool) -> int:
         """Return the batch size ``B`` of the input ``x`` of ``module``.

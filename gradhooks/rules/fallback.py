@@ -1,0 +1,125 @@
+"""The general fallback: exact per-sample gradients of any module through ``torch.func``.
+
+A module that owns trainable parameters but has no dedicated rule (a custom layer with a raw
+``nn.Parameter``, ``nn.PReLU``, a learned scale ...) is covered by replaying it per sample: with
+``x_n`` sample ``n``'s slice of every batched input and ``g_n`` its slice of every grad_output,
+the per-sample gradient of the module's own parameters ``θ`` is the vector-Jacobian product
+(the functorch recipe of ``torch.func``'s per-sample-gradient tutorial; Opacus' functorch mode)::
+
+    dL_n/dθ = vjp(θ ↦ module(x_n; θ), g_n)        for every n, vectorised with torch.func.vmap
+
+Each sample is replayed as a batch of one (``x_n`` keeps a batch dim of size 1), so modules that
+read ``x.shape[0]`` or expect a batch dim work unchanged.
+
+Assumptions (documented in the README):
+
+* The module treats the samples of a batch independently: output sample ``n`` depends only on
+  input sample ``n``. A module that mixes samples (batch statistics, attention across the batch)
+  gets each sample's replayed gradient, which then differs from its share of the batch
+  gradient; the sum check (``check=True``) detects this and raises ``GradientMismatchError``.
+* Every input and output tensor that carries the batch has it on the batch dim (dim 0, or dim 1
+  for inputs of 3 or more dims with ``batch_first=False``) with size ``B``; other tensor inputs
+  are broadcast to every sample. An output reached by the backward without such a batch dim
+  raises :class:`~gradhooks.registry.BatchSizeError`.
+* The forward is deterministic (no dropout in training mode): ``torch.func.vmap`` refuses random
+  operations, which is reported as :class:`~gradhooks.registry.UnsupportedCallError`.
+* Only the module's own (direct) parameters are differentiated; its submodules are replayed with
+  their parameters held fixed and get their per-sample gradients from their own rules.
+
+Cost: one vmapped forward and vjp of the module per read (about what ``torch.func`` costs).
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vjp, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..registry import BatchSizeError, Call, LayerRule, UnsupportedCallError
+
+__all__ = ["FallbackRule", "FALLBACK"]
+
+
+def _batch_dim(t: Tensor, batch_first: bool) -> int:
+    return 0 if batch_first or t.dim() < 3 else 1
+
+
+class FallbackRule(LayerRule):
+    """Any module: per-sample vjp of the module's own parameters with ``torch.func.vmap``.
+
+    ``a`` is the recorded :class:`~gradhooks.registry.Call`; ``g`` the output structure with the
+    grad_output of each output tensor (``(B, ...)`` on the batch dim). Returns
+    ``{name: (B, *param.shape)}`` for each of the module's own trainable parameters.
+    """
+
+    multi_io = True
+
+    def params_of(self, module: nn.Module) -> Dict[str, nn.Parameter]:
+        return dict(module.named_parameters(recurse=False))
+
+    def batch_size(self, module: nn.Module, x, batch_first: bool) -> int:
+        if not isinstance(x, Tensor) or x.dim() == 0:
+            raise BatchSizeError(
+                f"the torch.func fallback reads the batch size from the first input, a tensor "
+                f"with a batch dim; got {type(x).__name__}"
+                f"{tuple(x.shape) if isinstance(x, Tensor) else ''}"
+            )
+        return x.shape[_batch_dim(x, batch_first)]
+
+    def per_sample_grads(self, module: nn.Module, a: Call, g, batch_first: bool,
+                         names: Iterable[str]) -> Dict[str, Tensor]:
+        from ..hooks import paused  # late: hooks imports this module
+
+        names = tuple(names)
+        b = self.batch_size(module, a.args[0] if a.args else next(iter(a.kwargs.values())), batch_first)
+        in_leaves, in_spec = tree_flatten((a.args, a.kwargs))
+        batched = [i for i, t in enumerate(in_leaves) if isinstance(t, Tensor) and t.dim() > 0
+                   and t.shape[_batch_dim(t, batch_first)] == b]
+        g_leaves, _ = tree_flatten(g)
+        reached = [i for i, t in enumerate(g_leaves) if isinstance(t, Tensor)]
+        for i in reached:
+            t = g_leaves[i]
+            if t.dim() == 0 or t.shape[_batch_dim(t, batch_first)] != b:
+                raise BatchSizeError(
+                    f"output {i} of the module has shape {tuple(t.shape)} without a batch dim of "
+                    f"size {b}; the torch.func fallback needs every output the loss uses to be "
+                    f"batched like the input"
+                )
+        own = {n: getattr(module, n).detach() for n in names}
+
+        def one(params, xs: List[Tensor], gs: List[Tensor]):
+            leaves = list(in_leaves)
+            for i, x in zip(batched, xs):
+                leaves[i] = x.unsqueeze(_batch_dim_of(in_leaves[i]))
+            args, kwargs = tree_unflatten(leaves, in_spec)
+
+            def f(p):
+                out_leaves, _ = tree_flatten(functional_call(module, p, tuple(args), kwargs))
+                return [out_leaves[i] for i in reached]
+
+            _, pull = vjp(f, params)
+            return pull([gi.unsqueeze(_batch_dim_of(g_leaves[i])) for i, gi in zip(reached, gs)])[0]
+
+        def _batch_dim_of(t: Tensor) -> int:
+            return _batch_dim(t, batch_first)
+
+        xs = [in_leaves[i] for i in batched]
+        gs = [g_leaves[i] for i in reached]
+        in_dims = (None, [_batch_dim_of(x) for x in xs], [_batch_dim_of(t) for t in gs])
+        try:
+            with paused(), torch.enable_grad():
+                out = vmap(one, in_dims=in_dims)(own, xs, gs)
+        except RuntimeError as e:
+            if "randomness" in str(e):
+                raise UnsupportedCallError(
+                    f"the torch.func fallback cannot replay a random forward ({e}); put the module "
+                    f"in eval mode or move its dropout out of it"
+                ) from None
+            raise
+        return {n: out[n].detach().contiguous() for n in names}
+
+
+#: The one instance the hook manager uses for modules without a rule.
+FALLBACK = FallbackRule()
