@@ -1,2 +1,2 @@
-"""Per-layer rules, one file per layer family; importing this package registers them all."""
-from . import conv, linear  # noqa: F401  (registration side effect)
+"""Built-in layer rules, one module per layer family; importing this package registers them."""
+from . import attention, conv, conv_transpose, embedding, linear, norm, recurrent  # noqa: F401
