@@ -190,18 +190,20 @@ class GradHooks:
             own = dict(module.named_parameters(recurse=False))
             if not own or all(id(p) in claimed for p in own.values()):
                 continue
-            rule = find_rule(module, path)
-            if rule is None and any(p.requires_grad for p in own.values()):
+            try:
+                rule = find_rule(module, path)
+            except UnsupportedModuleError:  # a subclass overriding forward
                 if self.strict:
-                    unsupported.append((path, module, [n for n, p in own.items() if p.requires_grad]))
-                    continue
-                rule = FALLBACK
-                fallback.append(f"{path or '<root>'!r} ({type(module).__qualname__})")
+                    raise
+                rule = None
             handled = rule.params_of(module) if rule is not None else {}
             extra = [n for n, p in own.items() if n not in handled and p.requires_grad]
             if extra:
-                unsupported.append((path, module, extra))
-                continue
+                if self.strict:
+                    unsupported.append((path, module, extra))
+                    continue
+                rule, handled = FALLBACK, FALLBACK.params_of(module)
+                fallback.append(f"{path or '<root>'!r} ({type(module).__qualname__})")
             if handled:
                 if module in _HOOKED:
                     raise GradHooksError(
@@ -457,8 +459,11 @@ class GradHooks:
                         f"layer's input (e.g. use ReLU(inplace=False) after the layer that feeds it)"
                     )
                 grads = cap.grad_struct() if cap.spec is not None else cap.grads
-                out = call_grads(layer.rule, layer.module, cap.a, grads, self.batch_first,
-                                 cap.names, scale)
+                try:
+                    out = call_grads(layer.rule, layer.module, cap.a, grads, self.batch_first,
+                                     cap.names, scale)
+                except GradHooksError as e:
+                    raise type(e)(f"module {layer.describe()}: {e}") from None
                 for local, t in out.items():
                     pid = id(layer.params[local])
                     if cap.low is not None:

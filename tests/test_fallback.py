@@ -1,0 +1,134 @@
+"""The torch.func fallback: modules without a dedicated rule, against looped autograd."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+from conftest import check_against_loop
+
+
+class Affine(nn.Module):
+    """A custom layer with raw parameters and a nonlinearity inside: y = tanh(x * scale) + shift."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(d))
+        self.shift = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return torch.tanh(x * self.scale) + self.shift
+
+
+class GatedWithChild(nn.Module):
+    """Own parameter plus a hooked child (its own rule): y = lin(x) * sigmoid(gate) * x.sum(-1, keepdim)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.gate = nn.Parameter(torch.randn(d))
+
+    def forward(self, x, *, temperature=1.0):
+        return self.lin(x) * torch.sigmoid(self.gate / temperature) * x.sum(-1, keepdim=True)
+
+
+class Standardized(nn.Conv2d):
+    """Weight-standardised convolution: overrides forward, so the Conv rule does not apply."""
+
+    def forward(self, x):
+        w = (self.weight - self.weight.mean()) / (self.weight.std() + 1e-5)
+        return F.conv2d(x, w, self.bias, padding=1)
+
+
+class Kw(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.g = GatedWithChild(4)
+
+    def forward(self, x):
+        return self.g(x, temperature=2.0)
+
+
+CASES = {
+    "prelu": (lambda: nn.Sequential(nn.Linear(4, 5), nn.PReLU(5), nn.Linear(5, 2)), (4,)),
+    "prelu-shared": (lambda: nn.Sequential(nn.Linear(4, 5), nn.PReLU(), nn.Linear(5, 2)), (4,)),
+    "custom-affine-seq": (lambda: nn.Sequential(nn.Linear(4, 3), Affine(3)), (6, 4)),
+    "own-param-and-child": (lambda: nn.Sequential(GatedWithChild(4), nn.Linear(4, 2)), (4,)),
+    "kwargs": (Kw, (4,)),
+    "standardized-conv": (lambda: nn.Sequential(Standardized(2, 3, 3), nn.Flatten(), nn.Linear(48, 2)), (2, 4, 4)),
+}
+
+
+@pytest.mark.filterwarnings("ignore::gradhooks.FallbackWarning")
+@pytest.mark.parametrize("batch", [1, 3], ids=["B1", "B3"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fallback_matches_loop(case, batch, loss_reduction, dtype):
+    make, shape = CASES[case]
+    check_against_loop(make(), torch.randn(batch, *shape), torch.rand(batch),
+                       loss_reduction=loss_reduction, dtype=dtype)
+
+
+def test_fallback_warns_once_listing_the_modules():
+    model = nn.Sequential(nn.Linear(4, 3), Affine(3), nn.PReLU())
+    with pytest.warns(gradhooks.FallbackWarning) as rec:
+        gh = gradhooks.attach(model)
+    gh.detach()
+    assert len(rec) == 1
+    msg = str(rec[0].message)
+    assert "'1' (Affine)" in msg and "'2' (PReLU)" in msg and "'0'" not in msg and "strict=True" in msg
+
+
+def test_no_warning_when_every_module_has_a_rule():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gradhooks.attach(nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Conv1d(1, 1, 1))).detach()
+
+
+def test_strict_refuses_the_fallback_modules():
+    with pytest.raises(gradhooks.UnsupportedModuleError) as e:
+        gradhooks.attach(nn.Sequential(nn.Linear(4, 3), Affine(3)), strict=True)
+    assert "'1' (Affine): parameters scale, shift" in str(e.value)
+
+
+class MixesSamples(nn.Module):
+    """Violates the fallback's assumption: subtracts the batch mean before scaling."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return (x - x.mean(0, keepdim=True)) * self.w
+
+
+@pytest.mark.filterwarnings("ignore::gradhooks.FallbackWarning")
+def test_module_mixing_samples_is_detected_by_the_sum_check():
+    model = nn.Sequential(nn.Linear(3, 3), MixesSamples()).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with gradhooks.attach(model) as gh:
+        (model(x) ** 2).sum().backward()
+        with pytest.raises(gradhooks.GradientMismatchError, match="'1.w'"):
+            gh.per_sample_grads()
+
+
+class Noisy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return F.dropout(x, 0.5, self.training) * self.w
+
+
+@pytest.mark.filterwarnings("ignore::gradhooks.FallbackWarning")
+def test_random_forward_is_refused_with_advice():
+    model = Noisy()
+    with gradhooks.attach(model) as gh:
+        (model(torch.randn(4, 3)) ** 2).sum().backward()
+        with pytest.raises(gradhooks.UnsupportedCallError, match="module .<root>. .Noisy.*eval mode"):
+            gh.per_sample_grads()
+    model.eval()
+    check_against_loop(model, torch.randn(4, 3), torch.rand(4), loss_reduction="sum",
+                       dtype=torch.float64)
