@@ -1,9 +1,10 @@
 """Command line: ``python -m gradhooks bench`` (or ``gradhooks bench``), the main job.
 
-Computes per-sample gradients of two small models on real data bundled with scikit-learn, by
-four methods, times them, and checks gradhooks and ``torch.func`` against looped autograd::
+Computes per-sample gradients of four models on real data that ships with the installed packages
+(scikit-learn's digits and diabetes data, the text of Python's own ``argparse.py``), by four
+methods, times them, and checks gradhooks and ``torch.func`` against looped autograd::
 
-    gradhooks bench [--workloads cnn,mlp] [--repeats 10] [--loop-repeats 3]
+    gradhooks bench [--workloads cnn,mlp,lstm,transformer] [--repeats 10] [--loop-repeats 3]
                     [--dtype float32|float64] [--threads N] [--tol T] [--json PATH] [--seed S]
 
 Exit code 0 if every error is within the tolerance, 1 if one is not, 2 if the optional
@@ -28,7 +29,7 @@ from torch import Tensor, nn
 
 import gradhooks
 
-__all__ = ["main", "DigitsCNN", "make_mlp", "Workload", "WORKLOADS", "Result", "median_ms", "format_table"]
+__all__ = ["main", "DigitsCNN", "CharLSTM", "CharTransformer", "make_mlp", "Workload", "WORKLOADS", "Result", "median_ms", "format_table"]
 
 Grads = Dict[str, Tensor]
 DEFAULT_TOL = {"float32": 1e-4, "float64": 1e-10}
@@ -82,6 +83,79 @@ def make_mlp() -> nn.Sequential:
     return nn.Sequential(nn.Linear(10, 32), nn.Linear(32, 32), nn.Linear(32, 10))
 
 
+VOCAB = 100  # 99 most frequent characters + one for every other character
+
+
+def load_text_batch(dtype: torch.dtype, batch: int = 32, length: int = 32) -> Tuple[Tensor, Tensor]:
+    """Character windows of real English/Python text that ships with Python: the standard
+    library's ``argparse.py`` source (about 100 KB).
+
+    Characters are mapped to ids by frequency (the 99 most frequent get ``0..98``, every other
+    character ``99``). Returns ``batch`` windows taken at evenly spaced offsets: inputs
+    ``(batch, length)`` and next-character targets ``(batch, length)``, both int64 (``dtype``
+    is unused: token ids are integers).
+    """
+    import argparse as source
+    from collections import Counter
+
+    with open(source.__file__, encoding="utf-8") as f:
+        text = f.read()
+    ids = {c: i for i, (c, _) in enumerate(Counter(text).most_common(VOCAB - 1))}
+    tokens = torch.tensor([ids.get(c, VOCAB - 1) for c in text], dtype=torch.long)
+    starts = torch.linspace(0, len(tokens) - length - 2, batch).long()
+    windows = torch.stack([tokens[s:s + length + 1] for s in starts.tolist()])
+    return windows[:, :-1], windows[:, 1:]
+
+
+class CharLSTM(nn.Module):
+    """Character-level LSTM language model: ``Embedding(100, 64) -> 2-layer LSTM(64, 64) ->
+    Linear(64, 100)`` with the decoder weight tied to the embedding (Press & Wolf 2017).
+
+    ``(B, T)`` int64 token ids -> logits ``(B, T, 100)``.
+    """
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 64, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.lstm = nn.LSTM(dim, dim, layers, batch_first=True)
+        self.decoder = nn.Linear(dim, vocab)
+        self.decoder.weight = self.embed.weight
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """``tokens``: ``(B, T)`` int64; returns logits ``(B, T, vocab)``."""
+        return self.decoder(self.lstm(self.embed(tokens))[0])
+
+
+class CharTransformer(nn.Module):
+    """Causal Transformer encoder on characters: token + position ``Embedding`` -> one
+    ``TransformerEncoderLayer(128, 4 heads, 512, dropout=0, batch_first)`` -> ``Linear(128, 100)``.
+
+    ``(B, T)`` int64 token ids (``T <= 64``) -> next-character logits ``(B, T, 100)``.
+    """
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 128, heads: int = 4, max_len: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(max_len, dim)
+        self.encoder = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True),
+            num_layers=1, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """``tokens``: ``(B, T)`` int64; returns logits ``(B, T, vocab)``."""
+        t = tokens.shape[1]
+        positions = torch.arange(t, device=tokens.device).expand_as(tokens)
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=tokens.device)
+        h = self.encoder(self.embed(tokens) + self.pos(positions), mask=mask, is_causal=True)
+        return self.head(h)
+
+
+def _token_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    # mean over all B*T tokens = mean over samples of each sample's mean token loss
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 def _sum_of_outputs(out: Tensor, targets: Tensor) -> Tensor:
     return out.sum()
 
@@ -112,6 +186,13 @@ WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
              DigitsCNN, load_digits_batch, F.cross_entropy, "mean"),
     Workload("mlp", "Linear(10,32)-Linear(32,32)-Linear(32,10), 256 sklearn diabetes rows, "
              "sum of outputs", make_mlp, load_diabetes_batch, _sum_of_outputs, "sum"),
+    Workload("lstm", "char LSTM LM (Embedding-2xLSTM(64)-Linear, tied decoder), 32 windows of 32 "
+             "chars of Python's argparse.py, token cross-entropy (mean)", CharLSTM,
+             load_text_batch, _token_cross_entropy, "mean"),
+    Workload("transformer", "causal Transformer encoder layer (d=128, 4 heads), 16 windows of 64 "
+             "chars of Python's argparse.py, token cross-entropy (mean)", CharTransformer,
+             lambda dtype: load_text_batch(dtype, batch=16, length=64), _token_cross_entropy,
+             "mean"),
 )}
 
 
@@ -268,9 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     bench = sub.add_parser(
         "bench", help="time and check per-sample gradients on real data (the default)",
-        description="Per-sample gradients of a CNN on sklearn digits and an MLP on sklearn "
-                    "diabetes data: plain batch gradient, gradhooks, torch.func vmap(grad) and "
-                    "looped autograd; errors are checked against the loop.")
+        description="Per-sample gradients of a CNN on sklearn digits, an MLP on sklearn "
+                    "diabetes data, a char LSTM language model and a causal Transformer on the "
+                    "text of Python's argparse.py: plain batch gradient, gradhooks, torch.func "
+                    "vmap(grad) and looped autograd; errors are checked against the loop.")
     bench.add_argument("--workloads", type=_workload_list, default=list(WORKLOADS),
                        help=f"comma-separated, from {','.join(WORKLOADS)} (default: all)")
     bench.add_argument("--repeats", type=_positive_int, default=10,

@@ -243,6 +243,8 @@ class GradHooks:
                 if id(p) in self._params:
                     continue  # tied: one hook per parameter
                 self._params[id(p)] = p
+                if self.check and p.requires_grad:
+                    self._watch_param(p)  # also catches a module whose forward never runs
                 value = p.__dict__.get("grad_sample", _MISSING)
                 if value is not _MISSING:
                     self._saved_grad_sample[id(p)] = value
@@ -473,6 +475,16 @@ class GradHooks:
                     else:
                         raw[pid] = t
         if self.check:
+            missing = [name for pid, name in self._names.items()
+                       if pid in self._param_grads and pid in self._params and pid not in raw]
+            if missing:
+                raise GradientMismatchError(
+                    f"autograd computed gradients for {', '.join(map(repr, missing))}, but the "
+                    f"hooks saw no call of the module that owns them: the parameters are used "
+                    f"outside their module's forward (functionally, e.g. by a parent module that "
+                    f"reads child.weight directly). Their per-sample gradients are unknown; give "
+                    f"the parent a rule (gradhooks.register_rule) that claims them"
+                )
             check_sums([(self._names[pid], t, self._param_grads.get(pid), low.get(pid, t.dtype))
                         for pid, t in raw.items()], scale)
         result = {}

@@ -217,3 +217,20 @@ def test_sum_check_tolerates_float32_rounding_and_names_the_culprit():
         check_sums([("a", a, a_sum), ("b", b, b_sum + 0.05 * b.abs().sum(0))], None)
     with pytest.raises(gradhooks.GradientMismatchError, match="no gradient for 'a'"):
         check_sums([("a", a, None)], None)
+
+
+def test_parameter_of_a_module_whose_forward_never_runs_is_reported():
+    class Parent(nn.Module):  # reads its child's weight functionally (like MHA's out_proj)
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(3, 3)
+            self.child = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return F.linear(self.inner(x), self.child.weight, self.child.bias)
+
+    model = Parent()
+    with gradhooks.attach(model) as gh:
+        (model(torch.randn(4, 3)) ** 2).sum().backward()
+        with pytest.raises(gradhooks.GradientMismatchError, match="'child.weight', 'child.bias'.*saw no call"):
+            gh.per_sample_grads()
