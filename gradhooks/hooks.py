@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import rules as _rules  # noqa: F401  (registers the built-in rules)
-from .per_sample import call_grads, check_loss_reduction, check_sums, reduction_scale
+from .per_sample import (BufferPool, call_grads, check_loss_reduction, check_sums, reduction_scale,
+                         using_pool)
 from .registry import (
     BatchSizeError,
     Call,
@@ -175,6 +176,7 @@ class GradHooks:
         self._saved_grad_sample: Dict[int, object] = {}
         self._watched: set = set()  # ids of params with a gradient hook (sum check)
         self._attached = False
+        self._pool = BufferPool()
         self._step = 0
         self._forward_id = 0
         self._reset_batch()
@@ -275,6 +277,7 @@ class GradHooks:
             if _HOOKED.get(layer.module) is self:
                 del _HOOKED[layer.module]
         self._reset_batch()
+        self._pool.clear()
         self._attached = False
 
     def __enter__(self) -> "GradHooks":
@@ -296,6 +299,14 @@ class GradHooks:
         self._batch_forward = -1  # the top-level forward in which the batch size was set
         self._backward_seen = False
         self._param_grads: Dict[int, Tensor] = {}
+        self._drop_result()
+
+    def _drop_result(self) -> None:
+        # A superseded result's tensors may be reused for the next one (BufferPool), unless the
+        # user still holds them.
+        result = getattr(self, "_result", None)
+        if result:
+            self._pool.give(result.values())
         self._result: Optional[Dict[str, Tensor]] = None
 
     def clear(self) -> None:
@@ -390,7 +401,8 @@ class GradHooks:
             prev = cap.grads[leaf]
             cap.grads[leaf] = grad if prev is None else prev + grad
         self._backward_seen = True
-        self._result = None
+        if self._result is not None:
+            self._drop_result()
         return None
 
     def _watch_param(self, p: nn.Parameter) -> None:
@@ -451,7 +463,7 @@ class GradHooks:
         scale = reduction_scale(self.loss_reduction, self._batch_size)
         raw: Dict[int, Tensor] = {}
         low: Dict[int, torch.dtype] = {}
-        with _no_autocast():
+        with _no_autocast(), using_pool(self._pool):
             for cap in self._reached:
                 layer = cap.layer
                 if cap.modified():

@@ -342,3 +342,25 @@ def test_torch_func_transforms_on_an_attached_model_record_nothing():
         ours = gh.per_sample_grads()
     for k in per:
         torch.testing.assert_close(ours[k], per[k], rtol=1e-10, atol=1e-12)
+
+
+def test_result_buffers_are_reused_only_when_nothing_holds_them():
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 2)).double()
+
+    def step(x):
+        (model(x) ** 2).sum().backward()
+        return gh.per_sample_grads()
+
+    x1, x2, x3 = (torch.randn(4, 6, dtype=torch.float64) for _ in range(3))
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        kept = step(x1)["0.weight"]
+        snapshot = kept.clone()
+        view = step(x2)["1.weight"][0]  # a view keeps its storage alive
+        view_snapshot = view.clone()
+        ptr2 = gh.per_sample_grads()["0.weight"].data_ptr()
+        res3 = step(x3)
+        assert torch.equal(kept, snapshot) and torch.equal(view, view_snapshot)
+        assert res3["1.weight"].data_ptr() != view.data_ptr()
+        assert res3["0.weight"].data_ptr() == ptr2  # nobody held batch 2's tensor: reused
+        ref = loop_grads(model, lambda out, _: (out ** 2).sum(), x3, torch.zeros(4))
+        assert_close_to_loop(res3, ref, torch.float64)

@@ -182,7 +182,7 @@ class ConvRule(LayerRule):
                 out["weight"] = conv_weight_grad(module, a, g)
             else:
                 a_c, g_c = self.canonical(module, a, g)
-                out["weight"] = weight_grad(a_c, g_c).reshape(n, *module.weight.shape)
+                out["weight"] = weight_grad(a_c, g_c, (n, *module.weight.shape))
         if "bias" in names:
             out["bias"] = g.reshape(n, module.out_channels, -1).sum(-1)
         return out

@@ -47,9 +47,10 @@ class LinearRule(LayerRule):
         self, module: nn.Module, a: Tensor, g: Tensor, batch_first: bool, names: Iterable[str]
     ) -> Dict[str, Tensor]:
         a, g = self.canonical(a, g, batch_first)
+        n = a.shape[0]
         out = {}
         if "weight" in names:
-            out["weight"] = weight_grad(a, g)[:, 0]
+            out["weight"] = weight_grad(a, g, (n, *module.weight.shape))
         if "bias" in names:
-            out["bias"] = bias_grad(g)[:, 0]
+            out["bias"] = bias_grad(g, (n, *module.bias.shape))
         return out
