@@ -101,7 +101,7 @@ class _Capture:
 
     def __init__(self, layer: _Layer, a, names: Tuple[str, ...], step: int, spec=None, leaves: int = 0):
         self.layer, self.a, self.names, self.step, self.spec = layer, a, names, step, spec
-        self.versions = [(t, t._version) for t in _tensors(a)]
+        self.versions = [(a, a._version)] if isinstance(a, Tensor) else [(t, t._version) for t in _tensors(a)]
         self.grads: list = [None] * leaves if spec is not None else []
         self.low: Optional[torch.dtype] = None  # grad_output dtype when below float32 (autocast)
 
@@ -190,7 +190,12 @@ class GradHooks:
         claimed: set = set()  # parameters handled by a module's rule (MHA claims out_proj.*)
         for path, module in self.model.named_modules():
             own = dict(module.named_parameters(recurse=False))
-            if not own or all(id(p) in claimed for p in own.values()):
+            if not own:
+                rule = find_rule(module, path)
+                if rule is not None and rule.check_always:  # BatchNorm(affine=False)
+                    self._layers.append(_Layer(path, module, rule, {}))
+                continue
+            if all(id(p) in claimed for p in own.values()):
                 continue
             try:
                 rule = find_rule(module, path)
@@ -342,11 +347,13 @@ class GradHooks:
             if not isinstance(x, Tensor) or _is_functorch_wrapped(x):
                 return
         names = tuple(n for n, p in layer.params.items() if p.requires_grad)
-        if not names:
+        if not names and not rule.check_always:
             return
         try:
             rule.check_call(module, args, kwargs, self._options)
-            b = rule.batch_size(module, x, self.batch_first)
+            if not names:
+                return
+            b = rule.call_batch_size(module, args, kwargs, self.batch_first)
         except GradHooksError as e:
             raise type(e)(f"module {layer.describe()}: {e}") from None
         if self.check:
@@ -563,7 +570,8 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
             :class:`FallbackWarning` listing them).
         allow_batchnorm_train: accept ``BatchNorm`` in training mode; its per-sample results are
             then each sample's *contribution* to the batch gradient with the batch statistics
-            held fixed (they sum to ``param.grad``), not gradients of each sample's own loss.
+            held fixed (they sum to ``param.grad``), not gradients of each sample's own loss;
+            the layers before the BatchNorm then also get such contributions.
 
     Returns:
         A :class:`GradHooks`, also a context manager that detaches on exit.

@@ -285,6 +285,8 @@ def check_sums(items: Sequence[Tuple], scale: Optional[float],
                 f"torch.autograd.grad with respect to the input only); per-sample gradients of "
                 f"the parameters are not defined for such a pass"
             )
+        if total.layout != torch.strided:  # nn.Embedding(sparse=True): a sparse COO gradient
+            total = total.to_dense()
         flat, ref = t.reshape(t.shape[0], -1), total.reshape(-1)
         if flat.shape[1] > probes:
             idx = _probe_index(flat.shape[1], probes, t.device)

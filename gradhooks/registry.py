@@ -131,6 +131,17 @@ class LayerRule:
         """
         return {n: p for n, p in module.named_parameters(recurse=False) if n in self.param_names}
 
+    #: ``True`` if :meth:`check_call` must run for every forward with autograd on, even when
+    #: the module has no trainable parameters to record (``BatchNorm`` with ``affine=False`` or
+    #: frozen): such a forward can still mix samples and make every layer before it wrong.
+    check_always: bool = False
+
+    def call_batch_size(self, module: nn.Module, args: tuple, kwargs: dict, batch_first: bool) -> int:
+        """The batch size of the call ``module(*args, **kwargs)``; default: :meth:`batch_size` of
+        the first argument (override when it depends on others, e.g. ``EmbeddingBag`` offsets)."""
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        return self.batch_size(module, x, batch_first)
+
     def check_call(self, module: nn.Module, args: tuple, kwargs: dict, options: Dict[str, object]) -> None:
         """Validate one forward call before it is recorded (default: accept everything).
 

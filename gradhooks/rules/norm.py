@@ -1,1 +1,289 @@
-"""Placeholder: being written (issue 3)."""
+"""Rules for the normalisation layers with an elementwise affine map.
+
+Covered: ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, ``nn.InstanceNorm1d/2d/3d``
+(``affine=True``) and ``nn.BatchNorm1d/2d/3d`` (``affine=True``; per-sample only with running
+statistics, see below).
+
+Index conventions: ``n`` sample, ``s`` shared position (every element of sample ``n`` that is
+scaled by the same parameter entry: tokens and pixels, and for LayerNorm/RMSNorm every leading
+position), ``p`` parameter entry (an element of ``normalized_shape``, or a channel ``c``).
+
+Forward: a normalisation ``x̂`` of the input followed by an elementwise affine map::
+
+    y[n, s, p] = x̂[n, s, p] * weight[p] + bias[p]
+
+``x̂`` does not depend on ``weight`` or ``bias``, so with ``g = dL/dy`` (grad_output)::
+
+    dL_n/dweight[p] = sum_s g[n, s, p] x̂[n, s, p]          dL_n/dbias[p] = sum_s g[n, s, p]
+
+``x̂`` is recomputed from the recorded input exactly as torch normalises (torch docs of each
+layer; the variance is the biased one, ``correction=0``, everywhere)::
+
+    LayerNorm     x̂ = (x - mean) / sqrt(var + eps), over the trailing ``normalized_shape`` dims
+                  of each position (Ba et al. 2016, arXiv:1607.06450, sec. 3)
+    RMSNorm       x̂ = x / sqrt(mean(x^2) + eps), over the trailing dims; ``eps=None`` is
+                  ``torch.finfo(x.dtype).eps`` (Zhang & Sennrich 2019, arXiv:1910.07467, eq. 4)
+    GroupNorm     mean, var over the ``C/G`` channels of a group and all spatial positions of one
+                  sample (Wu & He 2018, arXiv:1803.08494, sec. 3.1, eq. 1-3)
+    InstanceNorm  mean, var over the spatial positions of one sample and channel (Ulyanov et al.
+                  2016, arXiv:1607.08022, eq. 4); with ``track_running_stats=True`` in eval mode
+                  the running statistics instead
+    BatchNorm     eval mode with running statistics:
+                  x̂ = (x - running_mean) / sqrt(running_var + eps) (Ioffe & Szegedy 2015,
+                  arXiv:1502.03167, alg. 2); training mode (or ``track_running_stats=False``) uses
+                  the statistics of the whole batch (alg. 1), so sample ``n``'s output depends on
+                  every other sample and per-sample gradients are not defined: refused at the
+                  forward with :class:`~gradhooks.registry.UnsupportedCallError` unless
+                  ``attach(model, allow_batchnorm_train=True)``, which returns each sample's
+                  *contribution* ``sum_s g[n, s, c] x̂_batch[n, s, c]`` with the batch statistics
+                  held fixed. The contributions sum to ``param.grad`` (the formula above is exact
+                  for the batch gradient, since ``x̂`` does not depend on ``weight``/``bias``), but
+                  they are not the gradients of each sample's own loss.
+
+Running statistics are read from the module when the results are computed: a layer whose running
+statistics change between the forward and :meth:`~gradhooks.GradHooks.per_sample_grads` (a
+no-grad forward in training mode in between) gets a different ``x̂``, which the sum check reports
+as :class:`~gradhooks.registry.GradientMismatchError`.
+
+Batch dim: LayerNorm and RMSNorm follow ``batch_first`` like ``nn.Linear`` (``(T, B, ...,
+*normalized_shape)`` with ``batch_first=False``; an input with only one dim before
+``normalized_shape`` is read as batch-first); the other layers always take the batch on dim 0 and
+the channels on dim 1 (torch's layout). Under autocast the inputs reach the rules promoted to
+float32 (:func:`gradhooks.per_sample.call_grads`), so ``x̂`` is computed in float32.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ..registry import BatchSizeError, LayerRule, UnsupportedCallError, register_rule
+
+__all__ = ["LayerNormRule", "RMSNormRule", "GroupNormRule", "InstanceNormRule", "BatchNormRule"]
+
+
+def _standardise(x: Tensor, dims, eps: float) -> Tensor:
+    """``(x - mean) / sqrt(var + eps)`` with the mean and biased variance over ``dims`` (new tensor)."""
+    var, mean = torch.var_mean(x, dim=dims, correction=0, keepdim=True)
+    return (x - mean).mul_(torch.rsqrt(var.add_(eps)))
+
+
+def _running_standardise(module: nn.Module, x: Tensor) -> Tensor:
+    """``(x - running_mean[c]) / sqrt(running_var[c] + eps)`` for ``x`` ``(B, C, *spatial)``."""
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    mean = module.running_mean.to(x.dtype).view(shape)
+    var = module.running_var.to(x.dtype).view(shape)
+    return (x - mean).mul_(torch.rsqrt(var + module.eps))
+
+
+class _AffineNormRule(LayerRule):
+    """Shared part: ``weight`` = sum over shared positions of ``g * x̂``, ``bias`` = sum of ``g``.
+
+    Subclasses implement :meth:`normalised` (``x̂``, same shape as the input) and
+    :meth:`per_entry` (sum a tensor shaped like the input over the shared positions of each
+    sample, giving ``(B, *param.shape)``).
+    """
+
+    def normalised(self, module: nn.Module, a: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def per_entry(self, module: nn.Module, t: Tensor, batch_first: bool) -> Tensor:
+        raise NotImplementedError
+
+    def per_sample_grads(
+        self, module: nn.Module, a: Tensor, g: Tensor, batch_first: bool, names: Iterable[str]
+    ) -> Dict[str, Tensor]:
+        """``weight``: ``(B, *weight.shape)`` = ``sum_s g x̂``; ``bias``: ``(B, *bias.shape)`` =
+        ``sum_s g``."""
+        out = {}
+        if "weight" in names:
+            out["weight"] = self.per_entry(module, self.normalised(module, a).mul_(g), batch_first)
+        if "bias" in names:
+            out["bias"] = self.per_entry(module, g, batch_first)
+        return out
+
+
+# --------------------------------------------------------------------------- LayerNorm, RMSNorm
+class _TrailingNormRule(_AffineNormRule):
+    """Normalisation over the trailing ``normalized_shape`` dims; parameters of that shape.
+
+    Input ``(B, *, *normalized_shape)`` (or ``(T, B, *, *normalized_shape)`` with
+    ``batch_first=False``); every position of ``*`` (and ``T``) is a shared position.
+    """
+
+    @staticmethod
+    def _batch_dim(module: nn.Module, x: Tensor, batch_first: bool) -> int:
+        # As nn.Linear: batch_first=False means torch's sequence layout, but an input with a
+        # single dim before normalized_shape has only one candidate batch dim.
+        return 0 if batch_first or x.dim() < len(module.normalized_shape) + 2 else 1
+
+    def batch_size(self, module: nn.Module, x: Tensor, batch_first: bool) -> int:
+        """``B``. Raises :class:`BatchSizeError` for an input without a dim before ``normalized_shape``."""
+        if x.dim() <= len(module.normalized_shape):
+            raise BatchSizeError(
+                f"got an unbatched input of shape {tuple(x.shape)} (only the normalized_shape "
+                f"{tuple(module.normalized_shape)}); per-sample gradients need a batch dimension: "
+                f"pass (B, *normalized_shape) (e.g. x.unsqueeze(0))"
+            )
+        return x.shape[self._batch_dim(module, x, batch_first)]
+
+    def per_entry(self, module: nn.Module, t: Tensor, batch_first: bool) -> Tensor:
+        """``t`` shaped like the input -> ``(B, *normalized_shape)``, summed over positions."""
+        bd = self._batch_dim(module, t, batch_first)
+        # (B, S, *normalized_shape), or (T, B, S, *normalized_shape): no transposed copy
+        lead = t.reshape(*t.shape[:bd + 1], -1, *module.normalized_shape)
+        return lead.sum((0, 2)) if bd == 1 else lead.sum(1)
+
+    @staticmethod
+    def _norm_dims(module: nn.Module) -> Tuple[int, ...]:
+        return tuple(range(-len(module.normalized_shape), 0))
+
+
+@register_rule(nn.LayerNorm)
+class LayerNormRule(_TrailingNormRule):
+    """``nn.LayerNorm`` (``elementwise_affine=True``, with or without bias).
+
+    ``x̂ = (x - mean) / sqrt(var + eps)`` over ``normalized_shape`` (Ba et al. 2016, sec. 3;
+    torch docs of ``nn.LayerNorm``). Returns ``weight`` and ``bias``: ``(B, *normalized_shape)``.
+    """
+
+    def normalised(self, module: nn.Module, a: Tensor) -> Tensor:
+        return _standardise(a, self._norm_dims(module), module.eps)
+
+
+@register_rule(nn.RMSNorm)
+class RMSNormRule(_TrailingNormRule):
+    """``nn.RMSNorm`` with ``elementwise_affine=True`` (without it the layer has no parameters).
+
+    ``x̂ = x / sqrt(mean(x^2) + eps)`` over ``normalized_shape``, ``eps=None`` meaning
+    ``torch.finfo(x.dtype).eps`` of the computation dtype (Zhang & Sennrich 2019, eq. 4; torch
+    docs of ``nn.RMSNorm``). Returns ``weight``: ``(B, *normalized_shape)``.
+    """
+
+    param_names = ("weight",)
+
+    def normalised(self, module: nn.Module, a: Tensor) -> Tensor:
+        eps = module.eps if module.eps is not None else torch.finfo(a.dtype).eps
+        ms = a.square().mean(self._norm_dims(module), keepdim=True)
+        return a * torch.rsqrt(ms.add_(eps))
+
+
+# --------------------------------------------------------------------------- channel norms
+class _ChannelNormRule(_AffineNormRule):
+    """Input ``(B, C, *spatial)``, parameters ``(C,)``; spatial positions are shared positions.
+
+    The batch is always dim 0 (torch's layout for these layers), whatever ``batch_first``.
+    """
+
+    def batch_size(self, module: nn.Module, x: Tensor, batch_first: bool) -> int:
+        """``B = x.shape[0]``. Raises :class:`BatchSizeError` for an input without batch dim."""
+        ndim = self._batched_ndim(module)
+        if x.dim() < 2 or (ndim is not None and x.dim() != ndim):
+            raise BatchSizeError(
+                f"got an input of shape {tuple(x.shape)}; per-sample gradients need a batched "
+                f"input (B, C, *spatial) with {ndim if ndim is not None else 'at least 2'} dims "
+                f"(e.g. x.unsqueeze(0))"
+            )
+        return x.shape[0]
+
+    def _batched_ndim(self, module: nn.Module) -> Optional[int]:
+        """The number of dims of a batched input, or ``None`` if any number from 2 up is."""
+        return None
+
+    def per_entry(self, module: nn.Module, t: Tensor, batch_first: bool) -> Tensor:
+        """``t`` ``(B, C, *spatial)`` -> ``(B, C)``, summed over the spatial positions."""
+        return t.reshape(t.shape[0], t.shape[1], -1).sum(-1)
+
+
+@register_rule(nn.GroupNorm)
+class GroupNormRule(_ChannelNormRule):
+    """``nn.GroupNorm`` (``affine=True``): input ``(B, C, *spatial)``.
+
+    ``x̂`` standardises each group of ``C / num_groups`` channels of one sample over those channels
+    and all spatial positions (Wu & He 2018, sec. 3.1; torch docs of ``nn.GroupNorm``). Returns
+    ``weight`` and ``bias``: ``(B, C)``.
+    """
+
+    def normalised(self, module: nn.Module, a: Tensor) -> Tensor:
+        grouped = a.reshape(a.shape[0], module.num_groups, -1)
+        return _standardise(grouped, -1, module.eps).view(a.shape)
+
+
+_INSTANCE_DIMS = ((nn.InstanceNorm1d, 3), (nn.InstanceNorm2d, 4), (nn.InstanceNorm3d, 5))
+
+
+@register_rule(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+class InstanceNormRule(_ChannelNormRule):
+    """``nn.InstanceNorm1d/2d/3d`` (``affine=True``): input ``(B, C, *spatial)`` (batched only).
+
+    ``x̂`` standardises each channel of each sample over its spatial positions (Ulyanov et al.
+    2016, eq. 4), or uses ``running_mean``/``running_var`` when ``track_running_stats=True`` and
+    the module is in eval mode (torch docs of ``nn.InstanceNorm1d``). Either way a sample's
+    output depends on that sample only. Returns ``weight`` and ``bias``: ``(B, C)``.
+    """
+
+    def _batched_ndim(self, module: nn.Module) -> Optional[int]:
+        # (C, *spatial) is torch's unbatched form, which has no per-sample gradients
+        for cls, ndim in _INSTANCE_DIMS:
+            if isinstance(module, cls):
+                return ndim
+        return None
+
+    def normalised(self, module: nn.Module, a: Tensor) -> Tensor:
+        if module.training or not module.track_running_stats:
+            return _standardise(a, tuple(range(2, a.dim())), module.eps)
+        return _running_standardise(module, a)
+
+
+def _uses_batch_stats(module: nn.Module) -> bool:
+    # torch's _BatchNorm.forward: bn_training = training or (no running statistics)
+    return module.training or (module.running_mean is None and module.running_var is None)
+
+
+@register_rule(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+class BatchNormRule(_ChannelNormRule):
+    """``nn.BatchNorm1d/2d/3d`` (``affine=True``): input ``(B, C)`` or ``(B, C, *spatial)``.
+
+    Eval mode with running statistics: ``x̂ = (x - running_mean) / sqrt(running_var + eps)``
+    (Ioffe & Szegedy 2015, alg. 2; torch docs of ``nn.BatchNorm1d``): exact per-sample
+    gradients. With batch statistics (training mode, or ``track_running_stats=False``) only with
+    ``allow_batchnorm_train=True``: ``x̂`` standardised over the batch and spatial dims (alg. 1),
+    and the result is each sample's contribution to the batch gradient (see the module
+    docstring). Returns ``weight`` and ``bias``: ``(B, C)``.
+
+    Raises:
+        UnsupportedCallError: at the forward, for a call that uses batch statistics without
+            ``allow_batchnorm_train=True``.
+    """
+
+    #: The check must also run when nothing is recorded (``affine=False``, frozen parameters):
+    #: batch statistics make the results of every layer before this one contributions too.
+    #: Read by the hook manager once it supports it (see the issue 3 report).
+    check_always = True
+
+    def check_call(self, module: nn.Module, args: tuple, kwargs: dict, options: Dict[str, object]) -> None:
+        if not _uses_batch_stats(module) or options.get("allow_batchnorm_train", False):
+            return
+        name = type(module).__name__
+        if module.training and module.running_mean is not None:
+            why = "is in training mode, so it normalises with the mean and variance of the whole batch"
+            evals = "; put it in eval mode (model.eval()) to normalise with its running statistics"
+        else:
+            why = ("has no running statistics (track_running_stats=False), so it normalises with "
+                   "the mean and variance of the whole batch even in eval mode")
+            evals = ""
+        raise UnsupportedCallError(
+            f"{name} {why}: each sample's output depends on every other sample of the batch, and "
+            f"per-sample gradients are not defined. Replace it by nn.GroupNorm (the usual "
+            f"replacement, which normalises each sample alone; nn.LayerNorm or "
+            f"nn.InstanceNorm{name[-2:]}(affine=True) also work){evals}; or attach(model, "
+            f"allow_batchnorm_train=True) to get each sample's contribution to the batch gradient "
+            f"with the batch statistics held fixed (they sum to param.grad, but are not the "
+            f"gradients of each sample's own loss)"
+        )
+
+    def normalised(self, module: nn.Module, a: Tensor) -> Tensor:
+        if _uses_batch_stats(module):
+            return _standardise(a, (0,) + tuple(range(2, a.dim())), module.eps)
+        return _running_standardise(module, a)
