@@ -99,10 +99,11 @@ class _Capture:
 
     __slots__ = ("layer", "a", "versions", "names", "grads", "step", "spec", "low", "__weakref__")
 
-    def __init__(self, layer: _Layer, a, names: Tuple[str, ...], step: int, spec=None, leaves: int = 0):
+    def __init__(self, layer: _Layer, a, names: Tuple[str, ...], step: int, spec=None,
+                 leaves: Optional[list] = None):
         self.layer, self.a, self.names, self.step, self.spec = layer, a, names, step, spec
         self.versions = [(a, a._version)] if isinstance(a, Tensor) else [(t, t._version) for t in _tensors(a)]
-        self.grads: list = [None] * leaves if spec is not None else []
+        self.grads: list = leaves if spec is not None else []
         self.low: Optional[torch.dtype] = None  # grad_output dtype when below float32 (autocast)
 
     def modified(self) -> bool:
@@ -373,8 +374,12 @@ class GradHooks:
                 f"check the input layout, or pass batch_first=False for (T, B, ...) inputs."
             )
         if rule.multi_io:
+            # Output leaves that carry no gradient but structure (a PackedSequence's batch_sizes
+            # and indices) are kept so that the grad structure rebuilds; the others start as None.
+            fill = [t if isinstance(t, Tensor) and not t.is_floating_point() and not t.is_complex()
+                    else None for t in leaves]
             cap = _Capture(layer, Call(_detached(tuple(args)), _detached(dict(kwargs))), names,
-                           self._step, spec, len(leaves))
+                           self._step, spec, fill)
             for i in reached:
                 leaves[i].register_hook(functools.partial(self._on_grad_output, cap, i))
         else:
