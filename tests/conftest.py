@@ -94,3 +94,13 @@ def loss_reduction(request):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    # The suite's tensors are tiny: intra-op threads only spin against each other (and against
+    # other processes on a shared 2-core machine), several-fold slower than one thread.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

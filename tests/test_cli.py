@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import torch
+
 from gradhooks import cli
 
 METHODS = ["plain batch gradient", "gradhooks", "torch.func vmap(grad)", "looped autograd"]
@@ -28,13 +30,13 @@ def _check_rows(report, workloads):
         assert r["ok"]
 
 
-def test_bench_both_workloads(tmp_path, capsys):
+def test_bench_all_workloads(tmp_path, capsys):
     rc, report = _run(tmp_path, "bench")
     out = capsys.readouterr().out
     assert rc == 0
     assert report["ok"] and report["dtype"] == "float32" and report["tol"] == 1e-4
-    _check_rows(report, ["cnn", "mlp"])
-    assert "| workload | method" in out and "max rel err vs loop" in out
+    _check_rows(report, ["cnn", "mlp", "lstm", "transformer"])
+    assert "| workload " in out and "| method " in out and "max rel err vs loop" in out
     for m in METHODS:
         assert m in out
     assert f"{report['threads']} threads" in out
@@ -58,6 +60,13 @@ def test_zero_tolerance_fails_iff_errors_nonzero(tmp_path, capsys):
     assert report["ok"] == (not nonzero)
     for m in nonzero:
         assert f"FAILED: {m} on mlp" in out
+
+
+def test_text_workloads_read_python_source():
+    x, y = cli.load_text_batch(torch.float32, batch=4, length=10)
+    assert x.shape == y.shape == (4, 10) and x.dtype == torch.long
+    assert torch.equal(x[:, 1:], y[:, :-1])  # next-character targets
+    assert 0 <= int(x.min()) and int(x.max()) < cli.VOCAB
 
 
 def test_missing_extras_exit_code_2(monkeypatch, capsys):

@@ -217,6 +217,10 @@ def test_sum_check_tolerates_float32_rounding_and_names_the_culprit():
         check_sums([("a", a, a_sum), ("b", b, b_sum + 0.05 * b.abs().sum(0))], None)
     with pytest.raises(gradhooks.GradientMismatchError, match="no gradient for 'a'"):
         check_sums([("a", a, None)], None)
+    nan = b.clone()
+    nan[3, 2] = float("nan")  # a NaN per-sample value where autograd's gradient is finite
+    with pytest.raises(gradhooks.GradientMismatchError, match="'b'"):
+        check_sums([("a", a, a_sum), ("b", nan, b_sum)], None)
 
 
 def test_parameter_of_a_module_whose_forward_never_runs_is_reported():
