@@ -5,7 +5,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install bench test clean
+BENCH_VENV ?= .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.installed-stamp
+
+.PHONY: install bench test bench-peers clean
 
 install: $(STAMP)
 
@@ -23,5 +26,15 @@ bench: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(ARGS)
 
+$(BENCH_STAMP): setup.cfg setup.py constraints.txt
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(BENCH_VENV)/bin/python -m pip install --quiet -c constraints.txt -e ".[bench]"
+	touch $(BENCH_STAMP)
+
+# gradhooks against Opacus, BackPACK, ExpandedWeights, torch.func and the loop (benchmarks/README.md).
+bench-peers: $(BENCH_STAMP)
+	$(BENCH_VENV)/bin/python benchmarks/peers.py $(ARGS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(BENCH_VENV) build *.egg-info .pytest_cache .hypothesis

@@ -238,3 +238,32 @@ def test_parameter_of_a_module_whose_forward_never_runs_is_reported():
         (model(torch.randn(4, 3)) ** 2).sum().backward()
         with pytest.raises(gradhooks.GradientMismatchError, match="'child.weight', 'child.bias'.*saw no call"):
             gh.per_sample_grads()
+
+
+def test_sum_check_runs_once_per_structure_and_again_when_it_changes():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).double()
+    calls = []
+    import gradhooks.hooks as hooks_mod
+    real = hooks_mod.check_sums
+    hooks_mod.check_sums = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    try:
+        with gradhooks.attach(model, loss_reduction="sum") as gh:
+            for _ in range(3):
+                (model(torch.randn(5, 3, dtype=torch.float64)) ** 2).sum().backward()
+                gh.per_sample_grads()
+            assert len(calls) == 1  # same structure: checked once
+            x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+            out = model(x)
+            torch.autograd.grad(out.sum(), x, retain_graph=True)  # a new structure ...
+            (out ** 2).sum().backward()
+            with pytest.raises(gradhooks.GradientMismatchError):  # ... is checked, and caught
+                gh.per_sample_grads()
+        with gradhooks.attach(model, loss_reduction="sum", check="always") as gh:
+            for _ in range(3):
+                (model(torch.randn(5, 3, dtype=torch.float64)) ** 2).sum().backward()
+                gh.per_sample_grads()
+        assert len(calls) == 2 + 3
+    finally:
+        hooks_mod.check_sums = real
+    with pytest.raises(ValueError, match="check must be"):
+        gradhooks.attach(model, check="sometimes")
