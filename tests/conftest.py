@@ -3,6 +3,8 @@
 The loop here deliberately does not use gradhooks.looped_per_sample_grads, so the library's own
 reference is tested against it as well.
 """
+import os
+
 import pytest
 import torch
 
@@ -52,6 +54,16 @@ def loop_grads(model, loss_fn, x, y, batch_dim=0):
     return res
 
 
+def _log_error(name, dtype, diff, scale):
+    # GRADHOOKS_ERRLOG=path: append "test<TAB>param<TAB>dtype<TAB>relative error" per comparison
+    # (how the README's largest-error column is measured).
+    path = os.environ.get("GRADHOOKS_ERRLOG")
+    if path:
+        with open(path, "a") as f:
+            rel = float(diff / scale) if scale > 0 else float(diff)
+            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}\t{name}\t{dtype}\t{rel:.3e}\n")
+
+
 def assert_close_to_loop(ours, ref, dtype):
     """Same keys, same shapes, max|diff| <= RTOL[dtype] * max|ref| for every parameter."""
     assert list(ours) == list(ref), (list(ours), list(ref))
@@ -60,6 +72,7 @@ def assert_close_to_loop(ours, ref, dtype):
         assert ours[name].dtype == ref[name].dtype, name
         scale = ref[name].abs().max()
         diff = (ours[name] - ref[name]).abs().max()
+        _log_error(name, dtype, diff, scale)
         assert diff <= RTOL[dtype] * scale, f"{name}: max diff {diff:.3e} vs max |ref| {scale:.3e}"
 
 
