@@ -49,26 +49,31 @@ class BufferPool:
     user kept is never overwritten.
     """
 
+    #: Results kept for reuse: the last two. In a loop ``grads = gh.per_sample_grads()`` the
+    #: variable still holds the previous result while the next one is computed, so only the one
+    #: before it is free; keeping two generations lets such loops reuse memory too.
+    GENERATIONS = 2
+
     def __init__(self) -> None:
-        self._free: List[Tensor] = []
+        self._gens: List[List[Tensor]] = []
 
     def give(self, tensors: Iterable[Tensor]) -> None:
-        """Offer ``tensors`` (results no longer handed out) for reuse, replacing what was
-        offered before (at most one result's worth of memory is kept)."""
-        self._free = list(tensors)
+        """Offer ``tensors`` (a result no longer handed out) for reuse; the oldest generation
+        beyond :attr:`GENERATIONS` is forgotten."""
+        self._gens = [list(tensors)] + self._gens[: self.GENERATIONS - 1]
 
     def take(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Optional[Tensor]:
         """A free tensor of exactly this ``shape``/``dtype``/``device``, or ``None``."""
-        free = self._free
-        for i in range(len(free)):  # no loop variable bound to the tensor: it would count as a holder
-            if (free[i].shape == shape and free[i].dtype == dtype and free[i].device == device
-                    and _unshared(free, i)):
-                return free.pop(i)
+        for free in reversed(self._gens):  # oldest first: the least likely to be held
+            for i in range(len(free)):  # no loop variable bound to a tensor: it would count as a holder
+                if (free[i].shape == shape and free[i].dtype == dtype and free[i].device == device
+                        and _unshared(free, i)):
+                    return free.pop(i)
         return None
 
     def clear(self) -> None:
         """Forget every tensor offered (frees their memory if nothing else holds them)."""
-        self._free = []
+        self._gens = []
 
 
 def _use_count(t: Tensor) -> int:

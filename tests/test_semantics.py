@@ -364,3 +364,18 @@ def test_result_buffers_are_reused_only_when_nothing_holds_them():
         assert res3["0.weight"].data_ptr() == ptr2  # nobody held batch 2's tensor: reused
         ref = loop_grads(model, lambda out, _: (out ** 2).sum(), x3, torch.zeros(4))
         assert_close_to_loop(res3, ref, torch.float64)
+
+
+def test_result_buffers_are_reused_in_a_loop_that_rebinds_its_variable():
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 2)).double()
+    ptrs = []
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        grads = None
+        for _ in range(4):
+            x = torch.randn(3, 6, dtype=torch.float64)
+            (model(x) ** 2).sum().backward()
+            grads = gh.per_sample_grads()  # the previous result is still bound while this runs
+            ptrs.append(grads["0.weight"].data_ptr())
+        ref = loop_grads(model, lambda out, _: (out ** 2).sum(), x, torch.zeros(3))
+        assert_close_to_loop(grads, ref, torch.float64)
+    assert ptrs[2] == ptrs[0] and ptrs[3] == ptrs[1] and ptrs[0] != ptrs[1]
