@@ -201,7 +201,7 @@ class GradHooks:
         for name, p in self.model.named_parameters():
             self._names[id(p)] = name
         unsupported, fallback = [], []
-        claimed: set = set()  # parameters handled by a module's rule (MHA claims out_proj.*)
+        claimed: set = set()  # ids of submodules an ancestor's rule claims (MHA's out_proj)
         for path, module in self.model.named_modules():
             own = dict(module.named_parameters(recurse=False))
             if not own:
@@ -209,7 +209,7 @@ class GradHooks:
                 if rule is not None and rule.check_always:  # BatchNorm(affine=False)
                     self._layers.append(_Layer(path, module, rule, {}))
                 continue
-            if all(id(p) in claimed for p in own.values()):
+            if id(module) in claimed:
                 continue
             try:
                 rule = find_rule(module, path)
@@ -231,7 +231,8 @@ class GradHooks:
                         f"module {path or '<root>'!r} ({type(module).__name__}) is already hooked "
                         f"by another GradHooks; call detach() on that one first"
                     )
-                claimed.update(id(p) for p in handled.values())
+                claimed.update(id(module.get_submodule(n.rsplit(".", 1)[0]))
+                               for n in handled if "." in n)
                 self._layers.append(_Layer(path, module, rule, handled))
         if unsupported:
             lines = "\n".join(

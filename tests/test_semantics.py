@@ -379,3 +379,11 @@ def test_result_buffers_are_reused_in_a_loop_that_rebinds_its_variable():
         ref = loop_grads(model, lambda out, _: (out ** 2).sum(), x, torch.zeros(3))
         assert_close_to_loop(grads, ref, torch.float64)
     assert ptrs[2] == ptrs[0] and ptrs[3] == ptrs[1] and ptrs[0] != ptrs[1]
+
+
+def test_weight_tied_between_two_bias_free_layers(loss_reduction, dtype):
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 4, bias=False))
+    model[2].weight = model[0].weight
+    ours = check_against_loop(model, torch.randn(3, 4), torch.rand(3), loss_reduction=loss_reduction,
+                              dtype=dtype)
+    assert list(ours) == ["0.weight"]

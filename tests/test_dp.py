@@ -1,0 +1,451 @@
+"""Per-sample gradient norms and DP-SGD clipping (gradhooks.dp) against looped autograd."""
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import gradhooks
+from gradhooks import dp
+from conftest import RTOL, loop_grads, weighted_square_loss
+
+FALLBACK_OK = pytest.mark.filterwarnings("ignore::gradhooks.FallbackWarning")
+
+
+# ------------------------------------------------------------------------------------ models
+class CNN(nn.Module):
+    """Convs with stride, padding, dilation, groups, asymmetric 'same' + reflect padding."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 4, 3, stride=2, padding=1)
+        self.conv2 = nn.Conv2d(4, 6, 3, padding=2, dilation=2, groups=2)
+        self.conv3 = nn.Conv2d(6, 4, 2, padding="same", padding_mode="reflect", bias=False)
+        self.conv4 = nn.Conv1d(4, 3, 3, stride=2)
+        self.head = nn.Linear(3 * 12, 3)
+
+    def forward(self, x):                               # (B, 2, 9, 9)
+        x = torch.tanh(self.conv2(torch.tanh(self.conv1(x))))   # (B, 6, 5, 5)
+        x = torch.tanh(self.conv3(x)).flatten(2)                 # (B, 4, 25)
+        return self.head(torch.tanh(self.conv4(x)).flatten(1))   # conv4: (B, 3, 12)
+
+
+class Twice(nn.Module):
+    """One Linear called twice in a forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.inner(torch.tanh(self.inner(x)))))
+
+
+class Affine(nn.Module):
+    """A layer without rule (the torch.func fallback covers it)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(d) + 0.5)
+        self.shift = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return x * self.scale + self.shift
+
+
+class Tied(nn.Module):
+    """Weights tied between two Linear layers, and a Linear bias tied to the shift of a layer
+    without rule (a parameter shared between a closed form and the torch.func fallback)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(5, 5)
+        self.l2 = nn.Linear(5, 5)
+        self.l2.weight = self.l1.weight
+        self.act = Affine(5)
+        self.act.shift = self.l2.bias
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.act(self.l2(torch.tanh(self.l1(x))))))
+
+
+class TiedLM(nn.Module):
+    """Embedding -> LSTM -> Linear head tied to the embedding (closed form + rule, one param)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.rnn = nn.LSTM(6, 6, batch_first=True)
+        self.head = nn.Linear(6, 11)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(self.rnn(self.emb(tokens))[0])
+
+
+def _frozen():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)
+    model[2].requires_grad_(False)
+    return model
+
+
+def _tied_nobias():
+    # the second layer owns only the tied weight (it must still be hooked)
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 4, bias=False))
+    model[2].weight = model[0].weight
+    return model
+
+
+# name: (model factory, input shape after the batch dim (or an input maker), batch_first)
+MODELS = {
+    "mlp": (lambda: nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)), (5,), True),
+    "cnn": (CNN, (2, 9, 9), True),
+    "seq": (lambda: nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                                  nn.Linear(16, 2)), (4, 6), True),
+    "seq_tb": (lambda: nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)), (3, 6), False),
+    "twice": (Twice, (4,), True),
+    "tied": (Tied, (5,), True),
+    "prelu": (lambda: nn.Sequential(nn.Linear(4, 3), nn.PReLU(3), nn.Linear(3, 2)), (4,), True),
+    "frozen": (_frozen, (4,), True),
+    "tied_nobias": (_tied_nobias, (4,), True),
+    "lm": (TiedLM, lambda b: torch.randint(0, 11, (b, 5)), True),
+    # pre-LN: after a final LayerNorm the square loss is nearly constant and the gradients of
+    # the layers before it are float32 rounding noise
+    "transformer": (lambda: nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True,
+                                                                norm_first=True),
+                    (4, 8), True),
+}
+
+
+def _setup(name, batch, dtype):
+    make, shape, batch_first = MODELS[name]
+    model = make().to(dtype)
+    x = shape(batch) if callable(shape) else torch.randn(batch, *shape, dtype=dtype)
+    if not batch_first:
+        x = x.transpose(0, 1).contiguous()  # (T, B, d)
+    w = torch.rand(batch, dtype=dtype) + 0.5
+    return model, x, w, batch_first, (0 if batch_first else 1)
+
+
+@pytest.fixture(params=["auto", "gram", "materialize"])
+def form(request, monkeypatch):
+    """Which norm form Linear/Conv weights use: the cost model's choice, or forced."""
+    if request.param != "auto":
+        monkeypatch.setattr(dp, "use_gram", lambda *a: request.param == "gram")
+    return request.param
+
+
+def _ref_norms(ref):
+    return torch.sqrt(sum(g.flatten(1).square().sum(1) for g in ref.values()))
+
+
+def _assert_close(ours, ref, dtype, what, scale=None):
+    """max|ours - ref| <= RTOL * scale (default: the largest |ref|)."""
+    scale = ref.abs().max() if scale is None else scale
+    diff = (ours - ref).abs().max()
+    assert diff <= RTOL[dtype] * scale, f"{what}: max diff {diff:.3e} vs max |ref| {scale:.3e}"
+
+
+# ------------------------------------------------------------------------------------ norms
+@FALLBACK_OK
+@pytest.mark.parametrize("batch", [1, 4], ids=["B1", "B4"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_norms_match_loop(name, batch, form, loss_reduction, dtype):
+    model, x, w, batch_first, bd = _setup(name, batch, dtype)
+    loss_fn = weighted_square_loss(loss_reduction, bd)
+    ref = loop_grads(model, loss_fn, x, w, bd)
+    with gradhooks.attach(model, loss_reduction=loss_reduction, batch_first=batch_first) as gh:
+        loss_fn(model(x), w).backward()
+        norms = gh.per_sample_grad_norms()
+        per_param = gh.per_sample_grad_norms(per_param=True)
+    assert norms.shape == (batch,) and norms.dtype == dtype
+    _assert_close(norms, _ref_norms(ref), dtype, "norms")
+    assert list(per_param) == list(ref)
+    for n, g in ref.items():
+        _assert_close(per_param[n], g.flatten(1).norm(dim=1), dtype, n)
+
+
+def test_norms_of_several_backward_passes(dtype):
+    """retain_graph: the norm of the gradient summed over the passes (like param.grad)."""
+    model, x, w, _, _ = _setup("twice", 3, dtype)
+    loss_fn = weighted_square_loss("sum")
+
+    def two_losses(out, w):
+        return loss_fn(out, w) + (out.sin() * w[:, None]).sum()
+
+    ref = loop_grads(model, two_losses, x, w)
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        out = model(x)
+        loss_fn(out, w).backward(retain_graph=True)
+        (out.sin() * w[:, None]).sum().backward()
+        _assert_close(gh.per_sample_grad_norms(), _ref_norms(ref), dtype, "norms")
+
+
+def test_use_gram_is_the_flop_count():
+    assert dp.use_gram(1, 10, 10)            # S = 1: always the product of norms
+    assert dp.use_gram(63, 128, 128)         # 63 * 256 < 128 * 128
+    assert not dp.use_gram(64, 128, 128)
+    assert not dp.use_gram(576, 288, 64)     # the seed CNN's conv2: materialised
+
+
+def test_gram_form_forms_no_per_sample_tensor(monkeypatch):
+    """Linear without bias on (B, in): norms and ghost clipping never call a rule."""
+    model = nn.Sequential(nn.Linear(30, 20, bias=False), nn.Tanh(), nn.Linear(20, 10, bias=False))
+    monkeypatch.setattr(dp, "call_grads", lambda *a, **k: pytest.fail("materialised"))
+    with gradhooks.attach(model) as gh:
+        weighted_square_loss()(model(torch.randn(8, 30)), torch.ones(8)).backward()
+        gh.per_sample_grad_norms()
+        gh.clip_and_accumulate(0.1)
+
+
+# ------------------------------------------------------------------------------------ clipping
+def _ref_clipped(ref, max_norm, loss_reduction, batch):
+    """Clipped sums from the looped per-sample gradients, and the scale of their rounding: the
+    largest sum_n |c_n g_n| / D (a sum that cancels is compared relative to its terms)."""
+    norms = _ref_norms(ref)
+    c = (max_norm / norms).clamp(max=1)
+    div = batch if loss_reduction == "mean" else 1
+    sums = {n: torch.tensordot(c, g, 1) / div for n, g in ref.items()}
+    scales = {n: (torch.tensordot(c, g.abs(), 1) / div).max() for n, g in ref.items()}
+    return sums, scales, norms
+
+
+@FALLBACK_OK
+@pytest.mark.parametrize("method", dp.CLIP_METHODS)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_clipping_matches_loop(name, method, loss_reduction, dtype):
+    batch = 5
+    model, x, w, batch_first, bd = _setup(name, batch, dtype)
+    loss_fn = weighted_square_loss(loss_reduction, bd)
+    ref = loop_grads(model, loss_fn, x, w, bd)
+    max_norm = float(_ref_norms(ref).median())  # some samples clipped, some not
+    expected, scales, ref_norms = _ref_clipped(ref, max_norm, loss_reduction, batch)
+    with gradhooks.attach(model, loss_reduction=loss_reduction, batch_first=batch_first) as gh:
+        loss_fn(model(x), w).backward()
+        norms = gh.clip_and_accumulate(max_norm, method=method)
+    _assert_close(norms, ref_norms, dtype, "norms")
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            assert p.grad is None, n
+            continue
+        assert p.grad.dtype == dtype and p.grad.shape == p.shape, n
+        _assert_close(p.grad, expected[n], dtype, n, scales[n])
+
+
+@pytest.mark.parametrize("name", ["cnn", "seq", "tied"])
+@FALLBACK_OK
+def test_ghost_equals_materialize(name):
+    model, x, w, batch_first, bd = _setup(name, 6, torch.float64)
+    with gradhooks.attach(model, batch_first=batch_first) as gh:
+        weighted_square_loss("mean", bd)(model(x), w).backward()
+        results = []
+        for method in dp.CLIP_METHODS:
+            norms = gh.clip_and_accumulate(0.05, method=method, noise_multiplier=0.5,
+                                           generator=torch.Generator().manual_seed(3))
+            results.append((norms, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (n1, g1), (n2, g2) = results
+    torch.testing.assert_close(n1, n2, rtol=1e-12, atol=0.0)
+    for n in g1:
+        torch.testing.assert_close(g1[n], g2[n], rtol=0.0, atol=1e-14)
+
+
+def test_clipping_overwrites_grad_and_handles_unreached_params():
+    """param.grad is overwritten; an unused layer gets 0 (+ noise), a frozen one is untouched."""
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = nn.Linear(3, 2)
+            self.unused = nn.Linear(3, 2)
+            self.frozen = nn.Linear(2, 2).requires_grad_(False)
+
+        def forward(self, x):
+            return self.frozen(self.used(x))
+
+    model = Branchy().double()
+    x, w = torch.randn(4, 3, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+    ref = loop_grads(model, weighted_square_loss("sum"), x, w)
+    expected, _, _ = _ref_clipped(ref, 1e9, "sum", 4)  # nothing clipped: the batch gradient
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        model.used.weight.grad = torch.full_like(model.used.weight, 7.0)  # stale: overwritten
+        weighted_square_loss("sum")(model(x), w).backward()
+        gh.clip_and_accumulate(1e9)
+        torch.testing.assert_close(model.used.weight.grad, expected["used.weight"])
+        assert torch.equal(model.unused.weight.grad, torch.zeros(2, 3, dtype=torch.float64))
+        assert model.frozen.weight.grad is None
+        gh.clip_and_accumulate(1e9, noise_multiplier=1.0)
+        assert model.unused.bias.grad.abs().min() > 0  # noise on every trainable parameter
+        assert model.frozen.weight.grad is None
+
+
+@pytest.mark.parametrize("method", dp.CLIP_METHODS)
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+def test_noise_is_exact_and_reproducible(method, loss_reduction):
+    """grad = clipped sum + sigma * C * z / D, z drawn param by param from the generator."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, w = torch.randn(4, 3, dtype=torch.float64), torch.rand(4, dtype=torch.float64)
+    sigma, c = 0.7, 0.3
+    with gradhooks.attach(model, loss_reduction=loss_reduction) as gh:
+        weighted_square_loss(loss_reduction)(model(x), w).backward()
+        gh.clip_and_accumulate(c, method=method)
+        clean = [p.grad.clone() for p in model.parameters()]
+        runs = []
+        for seed in (1, 1, 2):
+            gh.clip_and_accumulate(c, method=method, noise_multiplier=sigma,
+                                   generator=torch.Generator().manual_seed(seed))
+            runs.append([p.grad.clone() for p in model.parameters()])
+    div = 4 if loss_reduction == "mean" else 1
+    gen = torch.Generator().manual_seed(1)
+    for p, g0, g1 in zip(model.parameters(), clean, runs[0]):
+        z = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        torch.testing.assert_close(g1, g0 + sigma * c * z / div, rtol=1e-12, atol=1e-14)
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))
+    assert not any(torch.equal(a, b) for a, b in zip(runs[0], runs[2]))
+
+
+# ------------------------------------------------------------------------------------ errors
+def _attached_mlp(**kw):
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
+    return model, gradhooks.attach(model, **kw)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan"), "1"])
+def test_bad_max_norm(bad):
+    model, gh = _attached_mlp()
+    weighted_square_loss()(model(torch.randn(2, 3)), torch.ones(2)).backward()
+    with pytest.raises(ValueError, match="max_norm must be a positive finite number"):
+        gh.clip_and_accumulate(bad)
+
+
+def test_bad_noise_and_method():
+    model, gh = _attached_mlp()
+    weighted_square_loss()(model(torch.randn(2, 3)), torch.ones(2)).backward()
+    with pytest.raises(ValueError, match="noise_multiplier must be >= 0"):
+        gh.clip_and_accumulate(1.0, noise_multiplier=-0.1)
+    with pytest.raises(ValueError, match="method must be one of"):
+        gh.clip_and_accumulate(1.0, method="opacus")
+
+
+def test_before_backward():
+    model, gh = _attached_mlp()
+    with pytest.raises(gradhooks.NoBackwardError, match="loss.backward"):
+        gh.per_sample_grad_norms()
+    model(torch.randn(2, 3))
+    with pytest.raises(gradhooks.NoBackwardError):
+        gh.clip_and_accumulate(1.0)
+
+
+@pytest.mark.filterwarnings(r"ignore:Using backward\(\) with create_graph")
+def test_create_graph_is_refused():
+    model, gh = _attached_mlp()
+    weighted_square_loss()(model(torch.randn(2, 3)), torch.ones(2)).backward(create_graph=True)
+    with pytest.raises(gradhooks.HigherOrderGradError, match="create_graph"):
+        gh.per_sample_grad_norms()
+    with pytest.raises(gradhooks.HigherOrderGradError):
+        gh.clip_and_accumulate(1.0)
+
+
+def test_input_modified_in_place():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
+    x = torch.randn(2, 3)
+    with gradhooks.attach(model) as gh:
+        weighted_square_loss()(model(x), torch.ones(2)).backward()
+        x.mul_(2.0)  # e.g. a reused input buffer
+        with pytest.raises(gradhooks.GradientMismatchError, match="modified in place"):
+            gh.per_sample_grad_norms()
+        with pytest.raises(gradhooks.GradientMismatchError, match="modified in place"):
+            gh.clip_and_accumulate(1.0)
+
+
+@pytest.mark.parametrize("form", ["gram", "materialize"])
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_functional_use_of_a_weight_is_caught(layer, form, monkeypatch):
+    """A weight also used outside its module: the sum check refuses the norms and the clipping."""
+    monkeypatch.setattr(dp, "use_gram", lambda *a: form == "gram")
+    if layer == "linear":
+        mod, x = nn.Linear(4, 4), torch.randn(3, 4)
+        extra = lambda: (x @ mod.weight.T).square().sum()  # noqa: E731
+    else:
+        mod, x = nn.Conv2d(2, 2, 3), torch.randn(3, 2, 5, 5)
+        extra = lambda: mod.weight.square().sum()  # noqa: E731
+    with gradhooks.attach(mod) as gh:
+        (mod(x).square().sum() + extra()).backward()
+        with pytest.raises(gradhooks.GradientMismatchError, match="'weight' do not sum"):
+            gh.per_sample_grad_norms()
+        with pytest.raises(gradhooks.GradientMismatchError):
+            gh.clip_and_accumulate(1.0)
+    with gradhooks.attach(mod, check=False) as gh:  # the check is what catches it
+        (mod(x).square().sum() + extra()).backward()
+        gh.per_sample_grad_norms()
+
+
+def test_parameter_used_only_outside_its_module():
+    class Parent(nn.Module):  # reads its child's weight functionally; the child never runs
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(3, 3)
+            self.child = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(self.inner(x), self.child.weight, self.child.bias)
+
+    model = Parent()
+    with gradhooks.attach(model) as gh:
+        (model(torch.randn(4, 3)) ** 2).sum().backward()
+        with pytest.raises(gradhooks.GradientMismatchError, match="'child.weight'.*saw no call"):
+            gh.per_sample_grad_norms()
+        with pytest.raises(gradhooks.GradientMismatchError, match="saw no call"):
+            gh.clip_and_accumulate(1.0)
+
+
+def test_sum_check_schedule_follows_per_sample_grads(monkeypatch):
+    """check=True: once per call structure (a structure checked by either path counts);
+    check="always": every read."""
+    calls = []
+    for fn in ("check_sums", "_check_projections"):
+        real = getattr(dp, fn)
+        monkeypatch.setattr(dp, fn,
+                            lambda *a, _real=real, **k: (calls.append(1), _real(*a, **k))[1])
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    for check, expected in ((True, 2), ("always", 2 * 4)):  # 2 calls per checked read
+        calls.clear()
+        with gradhooks.attach(model, loss_reduction="sum", check=check) as gh:
+            for _ in range(2):
+                (model(torch.randn(5, 3)) ** 2).sum().backward()
+                gh.per_sample_grad_norms()
+                gh.clip_and_accumulate(1.0)
+        assert len(calls) == expected, check
+    with gradhooks.attach(model, check=False) as gh:
+        calls.clear()
+        (model(torch.randn(5, 3)) ** 2).sum().backward()
+        gh.per_sample_grad_norms()
+        assert not calls
+
+
+def test_trainable_parameter_without_hooks():
+    model = nn.Sequential(nn.Linear(3, 3), nn.PReLU())
+    model[1].weight.requires_grad_(False)
+    with gradhooks.attach(model) as gh:  # the PReLU, frozen, is not hooked
+        model[1].weight.requires_grad_(True)
+        model(torch.randn(2, 3)).sum().backward()
+        with pytest.raises(gradhooks.GradHooksError, match=r"'1.weight' are not covered"):
+            gh.clip_and_accumulate(1.0)
+
+
+# ------------------------------------------------------------------------------------ example
+def test_dp_sgd_example_runs():
+    script = pathlib.Path(__file__).resolve().parent.parent / "examples" / "dp_sgd.py"
+    done = subprocess.run([sys.executable, str(script), "--steps", "3", "--batch", "16",
+                           "--no-progress"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert re.search(r"ghost\s+: test accuracy \d+\.\d%", out), out
+    assert re.search(r"epsilon = \d+\.\d+ at delta = 1e-05", out), out
+    first = float(re.search(r"materialize after step 1: (\S+)", out)[1])
+    diff = float(re.search(r"ghost vs materialize: (\S+) after 3 steps", out)[1])
+    assert first < 1e-6 and diff < 1e-5, out
