@@ -7,10 +7,16 @@ Public API::
     gh.per_sample_grads()          # {name: (B, *param.shape)}; also param.grad_sample
     gh.detach()
 
+    gh.per_sample_grad_norms()     # (B,) norms without materialising
+    gh.clip_and_accumulate(1.0, noise_multiplier=1.0)   # DP-SGD: clipped, noised sum -> .grad
+    gh.kfac_factors()              # {module: KFACFactors(A, G)} from the same records
+    gradhooks.kfac(model, x, y, nn.CrossEntropyLoss(), fisher="type-2")  # one-call KFAC
+
     gradhooks.looped_per_sample_grads(model, loss_fn, inputs, targets)   # the reference
     gradhooks.compare(model, loss_fn, inputs, targets)                    # check + time both
 """
 from .hooks import GradHooks, attach
+from .kfac import KFACFactors, UnsupportedLossError, kfac
 from .reference import Comparison, ParamError, compare, looped_per_sample_grads, max_rel_error
 from .registry import (
     BatchSizeError,
@@ -32,6 +38,9 @@ __version__ = "0.1.0"
 __all__ = [
     "attach",
     "GradHooks",
+    "kfac",
+    "KFACFactors",
+    "UnsupportedLossError",
     "looped_per_sample_grads",
     "compare",
     "Comparison",

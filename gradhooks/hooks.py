@@ -554,28 +554,28 @@ class GradHooks:
     # Computed from the same records by gradhooks.kfac (issue 4) and gradhooks.dp (issue 5).
     def kfac_factors(self, *args, **kwargs):
         """KFAC factors of every hooked Linear / Conv layer; see :func:`gradhooks.kfac.kfac_factors`."""
-        from . import kfac
-        return kfac.kfac_factors(self, *args, **kwargs)
+        from .kfac import kfac_factors  # the module, not gradhooks.kfac (the one-call function)
+        return kfac_factors(self, *args, **kwargs)
 
     def sum_grad_squared(self, *args, **kwargs):
         """Diagonal of the empirical Fisher; see :func:`gradhooks.kfac.sum_grad_squared`."""
-        from . import kfac
-        return kfac.sum_grad_squared(self, *args, **kwargs)
+        from .kfac import sum_grad_squared  # the module, not gradhooks.kfac (the one-call function)
+        return sum_grad_squared(self, *args, **kwargs)
 
     def variance(self, *args, **kwargs):
         """Per-parameter gradient variance over the batch; see :func:`gradhooks.kfac.variance`."""
-        from . import kfac
-        return kfac.variance(self, *args, **kwargs)
+        from .kfac import variance  # the module, not gradhooks.kfac (the one-call function)
+        return variance(self, *args, **kwargs)
 
     def per_sample_grad_norms(self, *args, **kwargs):
         """``(B,)`` L2 norms of the per-sample gradients; see :func:`gradhooks.dp.per_sample_grad_norms`."""
-        from . import dp
-        return dp.per_sample_grad_norms(self, *args, **kwargs)
+        from .dp import per_sample_grad_norms
+        return per_sample_grad_norms(self, *args, **kwargs)
 
     def clip_and_accumulate(self, *args, **kwargs):
         """DP-SGD clipped gradient sum into ``param.grad``; see :func:`gradhooks.dp.clip_and_accumulate`."""
-        from . import dp
-        return dp.clip_and_accumulate(self, *args, **kwargs)
+        from .dp import clip_and_accumulate
+        return clip_and_accumulate(self, *args, **kwargs)
 
 
 def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,

@@ -1,0 +1,644 @@
+"""KFAC factors, sum of squared gradients and variance against definitions built by looped autograd.
+
+The reference (``_gather`` / ``_reference``) runs the model on one sample at a time, records
+every Linear/Conv call's input and the gradient its output receives, gets convolution patches
+as the Jacobian of the output w.r.t. the weight (not by unfolding), and forms ``A`` and ``G``
+from the formulas of the issue with explicit sums of outer products.
+"""
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+from gradhooks.kfac import KFACFactors, UnsupportedLossError, kfac, kfac_factors
+from gradhooks.registry import (BatchSizeError, GradHooksError, GradientMismatchError,
+                                HigherOrderGradError, NoBackwardError)
+
+from conftest import RTOL, loop_grads
+
+KFAC_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+ERRORS = {}  # largest relative factor error per (layer kind, dtype), printed at the end
+
+
+def _rel(ours, ref):
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+def _record(kind, dtype, err):
+    ERRORS[(kind, dtype)] = max(ERRORS.get((kind, dtype), 0.0), err)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # The models here are tiny: on a loaded 2-core machine OpenMP's thread hand-off makes a
+    # (4, 3) softmax take milliseconds instead of microseconds (measured). Numerics unchanged.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_errors():
+    yield
+    for (kind, dtype), err in sorted(ERRORS.items(), key=str):
+        print(f"\nlargest relative factor error: {kind:>9} {dtype}: {err:.2e}", end="")
+
+
+# --------------------------------------------------------------------------- reference
+def _gather(model, x, y, loss_fn, fisher, batch_first=True):
+    """Per sample: {module name: [(input of the call, [grad_output for each vector])]}.
+
+    ``fisher="empirical"``: the vector is the gradient of the sample's own loss (a batch of one);
+    ``"type-2"``: the columns ``V sqrt(lambda)`` of the eigendecomposition of the Hessian of the
+    sample's loss w.r.t. the model output (autograd), backpropagated one by one.
+    """
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, KFAC_LAYERS)}
+    bdim = 0 if batch_first or x.dim() < 3 else 1
+    samples = []
+    for n in range(x.shape[bdim]):
+        records = []  # (name, input, output, grads) in forward order
+        handles = [m.register_forward_hook(
+            lambda mod, inp, out, name=name: records.append((name, inp[0].detach(), out, [])))
+            for name, m in layers.items()]
+        f = model(x.narrow(bdim, n, 1))
+        for h in handles:
+            h.remove()
+        yn = y[n:n + 1]
+        if fisher == "empirical":
+            vecs = [torch.autograd.grad(loss_fn(f, yn), f, retain_graph=True)[0]]
+        else:
+            hess = torch.autograd.functional.hessian(lambda z: loss_fn(z, yn), f.detach())
+            lam, vec = torch.linalg.eigh(hess.reshape(f.numel(), f.numel()))
+            vecs = [(vec[:, k] * lam[k].clamp(min=0).sqrt()).reshape(f.shape)
+                    for k in range(len(lam))]
+        for v in vecs:
+            grads = torch.autograd.grad(f, [r[2] for r in records], v, retain_graph=True)
+            for r, g in zip(records, grads):
+                r[3].append(g)
+        calls = {name: [] for name in layers}
+        for name, a, _, gs in records:
+            calls[name].append((a, gs))
+        samples.append(calls)
+    return layers, samples
+
+
+def _patches(module, a):
+    """Per group, the inputs (R, I) of one call of one sample at every output position.
+
+    Linear: the input rows. Convolution: the patch at output position s is d y[o, s] / d W[o]
+    (Jacobian of the convolution w.r.t. its weight), o the first output channel of the group.
+    """
+    if isinstance(module, nn.Linear):
+        return [a.reshape(-1, a.shape[-1])]
+    jac = torch.func.jacrev(lambda w: module._conv_forward(a, w, None))(module.weight.detach())
+    c_out, per = module.out_channels, module.out_channels // module.groups
+    jac = jac.reshape(c_out, -1, c_out, module.weight[0].numel())  # (o, s, o', c k)
+    return [jac[o, :, o, :] for o in range(0, c_out, per)]
+
+
+def _out_rows(module, g):
+    """Per group, the grad_output (R, O) of one call of one sample at every output position."""
+    if isinstance(module, nn.Linear):
+        return [g.reshape(-1, g.shape[-1])]
+    per = module.out_channels // module.groups
+    rows = g.reshape(module.out_channels, -1)
+    return [rows[o:o + per].T for o in range(0, module.out_channels, per)]
+
+
+def _reference(module, samples_calls, approx, w, bias):
+    """A, G of one module from the definitions (sums of outer products), stacked over groups."""
+    groups = getattr(module, "groups", 1)
+    # per sample, per group: inputs (R, I') and per vector output grads (R, O), R = all positions
+    per_sample = []
+    for calls in samples_calls:
+        patches = [_patches(module, a) for a, _ in calls]
+        rows = [torch.cat([p[grp] for p in patches]) for grp in range(groups)]
+        if bias:
+            rows = [torch.cat([r, torch.ones(len(r), 1, dtype=r.dtype)], 1) for r in rows]
+        outs = [[torch.cat([_out_rows(module, gs[j])[grp] for _, gs in calls])
+                 for grp in range(groups)] for j in range(len(calls[0][1]))]
+        per_sample.append((rows, outs))
+    a_out, g_out = [], []
+    for grp in range(groups):
+        a_fac, g_fac, count = 0.0, 0.0, 0
+        for rows, outs in per_sample:
+            if approx == "expand":
+                for r in rows[grp]:
+                    a_fac = a_fac + torch.outer(r, r)
+                    count += 1
+                for e in outs:
+                    for r in e[grp]:
+                        g_fac = g_fac + torch.outer(r, r)
+            else:
+                mean = rows[grp].mean(0)
+                a_fac = a_fac + torch.outer(mean, mean)
+                count += 1
+                for e in outs:
+                    total = e[grp].sum(0)
+                    g_fac = g_fac + torch.outer(total, total)
+        a_out.append(a_fac / count)
+        g_out.append(g_fac * w)
+    if groups == 1:
+        return a_out[0], g_out[0]
+    return torch.stack(a_out), torch.stack(g_out)
+
+
+def _check(results, model, x, y, make_loss, fisher, dtype, batch_first=True, kind=None):
+    """Compare ``results`` ``{(approx, reduction): factors}`` with the looped definition.
+
+    The gathered per-sample inputs / output gradients do not depend on the approximation; for
+    cross-entropy they do not depend on the reduction either (a batch of one reduces the same),
+    so they are gathered once; MSE / BCE with 'mean' also average over the outputs."""
+    gathered = {}
+    for (approx, reduction), ours in results.items():
+        key = None if make_loss is nn.CrossEntropyLoss else reduction
+        if key not in gathered:
+            gathered[key] = _gather(model, x, y, make_loss(reduction=reduction), fisher, batch_first)
+        layers, samples = gathered[key]
+        n = len(samples)
+        w = 1.0 / n if reduction == "mean" else 1.0
+        assert list(ours) == list(layers), (list(ours), list(layers))
+        for name, module in layers.items():
+            f = ours[name]
+            assert isinstance(f, KFACFactors) and f.module == name and f.kfac_approx == approx
+            bias = module.bias is not None
+            assert f.params == tuple(f"{name}.{p}" for p in ("weight", "bias")
+                                     if getattr(module, p) is not None)
+            a_ref, g_ref = _reference(module, [s[name] for s in samples], approx, w, bias)
+            assert f.A.shape == a_ref.shape and f.G.shape == g_ref.shape, name
+            assert f.A.dtype == dtype and f.G.dtype == dtype
+            for ours_t, ref_t, which in ((f.A, a_ref, "A"), (f.G, g_ref, "G")):
+                err = _rel(ours_t, ref_t)
+                _record(kind or type(module).__name__, str(dtype).replace("torch.", ""), err)
+                assert err <= RTOL[dtype], f"{approx} {reduction} {name}.{which}: rel err {err:.3e}"
+
+
+def _all_options(model, x, y, make_loss, fisher, batch_first=True, approxes=("expand", "reduce"),
+                 reductions=("mean", "sum")):
+    return {(ap, red): kfac(model, x, y, make_loss(reduction=red), fisher=fisher, kfac_approx=ap,
+                            batch_first=batch_first)
+            for ap in approxes for red in reductions}
+
+
+# --------------------------------------------------------------------------- models
+class SeqFirst(nn.Module):
+    """A Linear on (T, B, in) inputs (batch_first=False), then a head on (B, T * hidden)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.head = nn.Linear(9, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))  # (T, B, 3)
+        return self.head(h.transpose(0, 1).flatten(1))
+
+
+class CalledTwice(nn.Module):
+    """One Linear called on two slices with different numbers of positions (2 and 3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.head = nn.Linear(15, 3)
+
+    def forward(self, x):
+        h = torch.cat([self.lin(x[:, :2]), torch.sin(self.lin(x[:, 2:] * 2))], 1)
+        return self.head(torch.tanh(h).flatten(1))
+
+
+def _head(body, features):
+    return nn.Sequential(body, nn.Tanh(), nn.Flatten(), nn.Linear(features, 3))
+
+
+# name: (model builder, input shape without batch, batch_first)
+CONFIGS = {
+    "linear2d": (lambda: _head(nn.Linear(5, 4), 4), (5,), True),
+    "linear2d-nobias": (lambda: _head(nn.Linear(5, 4, bias=False), 4), (5,), True),
+    "linear3d": (lambda: _head(nn.Linear(5, 4), 12), (3, 5), True),
+    "linear4d-nobias": (lambda: _head(nn.Linear(5, 4, bias=False), 16), (2, 2, 5), True),
+    "linear-batch-second": (SeqFirst, (3, None, 4), False),
+    "linear-called-twice": (CalledTwice, (5, 4), True),
+    "conv1d-stride-pad": (lambda: _head(nn.Conv1d(2, 3, 3, stride=2, padding=1), 12), (2, 7), True),
+    "conv2d-groups-dilation-nobias": (
+        lambda: _head(nn.Conv2d(4, 6, 2, dilation=2, groups=2, bias=False), 6 * 3 * 2),
+        (4, 5, 4), True),
+    "conv2d-same-reflect": (
+        lambda: _head(nn.Conv2d(2, 3, (3, 2), padding="same", padding_mode="reflect"), 3 * 4 * 3),
+        (2, 4, 3), True),
+    "conv2d-depthwise-stride": (
+        lambda: _head(nn.Conv2d(3, 3, 3, stride=2, groups=3), 3 * 2 * 2), (3, 5, 5), True),
+    "conv3d-stride-pad": (
+        lambda: _head(nn.Conv3d(2, 2, 2, stride=(1, 2, 1), padding=1), 2 * 4 * 2 * 3),
+        (2, 3, 2, 2), True),
+}
+
+
+def _inputs(shape, batch, dtype):
+    if None in shape:  # (T, B, in)
+        return torch.randn(*[batch if s is None else s for s in shape], dtype=dtype)
+    return torch.randn(batch, *shape, dtype=dtype)
+
+
+def _build(config, batch, dtype):
+    make, shape, batch_first = CONFIGS[config]
+    model = make().to(dtype)
+    x = _inputs(shape, batch, dtype)
+    y = torch.randint(0, 3, (batch,))
+    return model, x, y, batch_first
+
+
+# --------------------------------------------------------------------------- brute force
+def _kind(config):
+    return "Linear" if config.startswith("linear") else config.split("-")[0].capitalize()
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "type-2"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_factors_match_definition(config, fisher):
+    """Every layer type and option, cross-entropy, float64, expand and reduce, mean and sum:
+    A and G equal the definitions."""
+    model, x, y, batch_first = _build(config, 3, torch.float64)
+    results = _all_options(model, x, y, nn.CrossEntropyLoss, fisher, batch_first)
+    _check(results, model, x, y, nn.CrossEntropyLoss, fisher, torch.float64, batch_first, _kind(config))
+
+
+@pytest.mark.parametrize("batch", [1, 4], ids=["B1", "B4"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_factors_float32(config, batch):
+    """float32 within 1e-5 of the float32 definition (empirical, expand, mean)."""
+    model, x, y, batch_first = _build(config, batch, torch.float32)
+    results = _all_options(model, x, y, nn.CrossEntropyLoss, "empirical", batch_first,
+                           ("expand",), ("mean",))
+    _check(results, model, x, y, nn.CrossEntropyLoss, "empirical", torch.float32, batch_first,
+           _kind(config))
+
+
+LOSSES = {
+    "ce": (nn.CrossEntropyLoss, lambda b: torch.randint(0, 3, (b,))),
+    "mse": (nn.MSELoss, lambda b: torch.randn(b, 3, dtype=torch.float64)),
+    "bce": (nn.BCEWithLogitsLoss, lambda b: torch.rand(b, 3, dtype=torch.float64)),
+}
+
+
+@pytest.mark.parametrize("batch", [1, 4], ids=["B1", "B4"])
+@pytest.mark.parametrize("fisher", ["empirical", "type-2"])
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_losses_match_definition(loss, fisher, batch):
+    """CE / MSE / BCEWithLogits with mean and sum: the Hessian (type-2) and the per-sample loss
+    scale (MSE / BCE 'mean' also average over the 3 outputs) are those of the user's loss."""
+    make, targets = LOSSES[loss]
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x, y = torch.randn(batch, 4, dtype=torch.float64), targets(batch)
+    results = _all_options(model, x, y, make, fisher, approxes=("expand",))
+    _check(results, model, x, y, make, fisher, torch.float64)
+
+
+def test_kfac_factors_after_plain_backward_equals_empirical():
+    """gh.kfac_factors() after the training loss.backward() is kfac(fisher='empirical')."""
+    model, x, y, _ = _build("conv2d-groups-dilation-nobias", 3, torch.float64)
+    with gradhooks.attach(model) as gh:
+        F.cross_entropy(model(x), y).backward()
+        ours = gh.kfac_factors("reduce")
+    ref = kfac(model, x, y, nn.CrossEntropyLoss(), kfac_approx="reduce")
+    for name in ref:
+        assert torch.equal(ours[name].A, ref[name].A) and torch.equal(ours[name].G, ref[name].G)
+
+
+# --------------------------------------------------------------------------- exact cases
+def _flat_grad(model, names):
+    params = dict(model.named_parameters())
+    return torch.cat([params[n].grad.reshape(-1) for n in names])
+
+
+def _group_mask(f):
+    """(P, P) True where two entries of the parameters belong to the same group."""
+    labels = {}
+    per = f.G.shape[-1]
+    if f.weight is not None:
+        rows = torch.arange(f.weight_shape[0]) // per
+        labels[f.weight] = rows.reshape(-1, *[1] * (len(f.weight_shape) - 1)).expand(f.weight_shape)
+    if f.bias is not None:
+        labels[f.bias] = torch.arange(per * f.groups) // per
+    flat = torch.cat([labels[n].reshape(-1) for n in f.params])
+    return flat[:, None] == flat[None, :]
+
+
+@pytest.mark.parametrize("layer", [
+    pytest.param(lambda: nn.Linear(4, 3), id="linear"),
+    pytest.param(lambda: nn.Linear(4, 3, bias=False), id="linear-nobias"),
+    pytest.param(lambda: nn.Conv2d(4, 6, (3, 2)), id="conv2d-full-kernel"),
+    pytest.param(lambda: nn.Conv2d(4, 6, (3, 2), groups=2), id="conv2d-groups-full-kernel"),
+])
+def test_exact_single_sample(layer, loss_reduction):
+    """One sample, no weight sharing (a convolution whose kernel covers its input): A ⊗ G is
+    the outer product of the gradient, the exact empirical Fisher (for groups: its blocks within
+    a group; one factor pair per group keeps no cross-group block)."""
+    model = layer().double()
+    shape = (1, 4) if isinstance(model, nn.Linear) else (1, 4, 3, 2)
+    x = torch.randn(*shape, dtype=torch.float64)
+    with gradhooks.attach(model, loss_reduction=loss_reduction) as gh:
+        (model(x) ** 3).sum().backward()  # B = 1: 'mean' and 'sum' reduce the same
+        f = gh.kfac_factors()[""]
+    grad = _flat_grad(model, f.params)
+    exact = torch.outer(grad, grad) * _group_mask(f)
+    err = _rel(f.dense(), exact)
+    _record("exact EF", "float64", err)
+    assert err <= 1e-12
+
+
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+def test_exact_copies_of_one_sample(approx, loss_reduction):
+    """N copies of one sample: A ⊗ G equals the empirical Fisher w sum_n g_n g_n^T of the
+    looped per-sample gradients (N g g^T for 'sum', g g^T for 'mean')."""
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x = torch.randn(1, 4, dtype=torch.float64).expand(6, 4)
+    y = torch.tensor([2] * 6)
+    factors = kfac(model, x, y, nn.CrossEntropyLoss(reduction=loss_reduction), kfac_approx=approx)
+    per = loop_grads(model, nn.CrossEntropyLoss(), x, y)
+    w = 1 / 6 if loss_reduction == "mean" else 1.0
+    for name, f in factors.items():
+        g = torch.cat([per[p].flatten(1) for p in f.params], 1)  # (N, P)
+        exact = w * g.T @ g
+        err = _rel(f.dense(), exact)
+        _record("exact EF", "float64", err)
+        assert err <= 1e-12, name
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["linear", "linear-linear"])
+def test_type2_equals_ggn_of_linear_model_with_mse(depth, loss_reduction):
+    """Linear model, MSE: the GGN's diagonal blocks are exactly Kronecker; type-2 KFAC equals
+    them (GGN = J^T H J with J from torch.func.jacrev and H the autograd Hessian w.r.t. the
+    outputs of the batch loss)."""
+    layers = [nn.Linear(4, 3)] + [nn.Linear(3, 2)] * (depth - 1)
+    model = nn.Sequential(*layers).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    y = torch.randn(5, layers[-1].out_features, dtype=torch.float64)
+    loss_fn = nn.MSELoss(reduction=loss_reduction)
+    factors = kfac(model, x, y, loss_fn, fisher="type-2")
+    params = dict(model.named_parameters())
+    out = model(x).detach()
+    hess = torch.autograd.functional.hessian(lambda z: loss_fn(z, y), out).reshape(out.numel(), -1)
+    for name, f in factors.items():
+        def fn(*ps):
+            out = torch.func.functional_call(model, {**params, **dict(zip(f.params, ps))}, (x,))
+            return out.reshape(-1)
+        jac = torch.func.jacrev(fn, argnums=tuple(range(len(f.params))))(*[params[p] for p in f.params])
+        jac = torch.cat([j.reshape(out.numel(), -1) for j in jac], 1)
+        ggn = jac.T @ hess @ jac
+        err = _rel(f.dense(), ggn)
+        _record("GGN", "float64", err)
+        assert err <= 1e-12, name
+
+
+# --------------------------------------------------------------------------- Monte-Carlo
+MC_TOL = 0.06  # rel. Frobenius error of G at 4000 samples: measured 0.003-0.028 (8 seeds x 3 losses)
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_mc_converges_to_type2(loss):
+    """MC Fisher factors approach the type-2 ones: the relative Frobenius error of G decays
+    like 1/sqrt(mc_samples). Statistical test with generator seed 0: at 4000 samples the error
+    must be below MC_TOL (twice the largest of 24 measured draws), and at 10 samples more than
+    twice the error at 4000 (MSE / BCE with 'mean' also check the sqrt(D) rescaling)."""
+    make, targets = LOSSES[loss]
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x, y = torch.randn(4, 4, dtype=torch.float64), targets(4)
+    loss_fn = make(reduction="mean")
+    exact = kfac(model, x, y, loss_fn, fisher="type-2")
+    errs = {}
+    for m in (10, 4000):
+        mc = kfac(model, x, y, loss_fn, fisher="mc", mc_samples=m,
+                  generator=torch.Generator().manual_seed(0))
+        errs[m] = max(((mc[k].G - exact[k].G).norm() / exact[k].G.norm()).item() for k in exact)
+        for k in exact:
+            assert torch.equal(mc[k].A, exact[k].A)
+    assert errs[4000] <= MC_TOL, errs
+    assert errs[10] > 2 * errs[4000], errs
+
+
+def test_mc_reproducible_with_generator():
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    run = lambda seed: kfac(model, x, y, nn.CrossEntropyLoss(), fisher="mc", mc_samples=2,  # noqa: E731
+                            generator=torch.Generator().manual_seed(seed))
+    a, b, c = run(1), run(1), run(2)
+    assert all(torch.equal(a[k].G, b[k].G) for k in a)
+    assert not all(torch.equal(a[k].G, c[k].G) for k in a)
+
+
+# --------------------------------------------------------------------------- several passes
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+def test_backward_passes_accumulate(approx):
+    """Two backward passes through one forward (retain_graph): G is the sum of the passes'
+    G (or their mean with backward_passes='mean'); A is unchanged."""
+    model, x, y, _ = _build("linear-called-twice", 3, torch.float64)
+    w = torch.rand(3, dtype=torch.float64)
+    losses = [lambda out: F.cross_entropy(out, y), lambda out: (w[:, None] * out ** 2).sum()]
+    single = []
+    for loss in losses:
+        with gradhooks.attach(model, loss_reduction="sum") as gh:
+            loss(model(x)).backward()
+            single.append(gh.kfac_factors(approx))
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        out = model(x)
+        losses[0](out).backward(retain_graph=True)
+        losses[1](out).backward()
+        both, mean = gh.kfac_factors(approx), kfac_factors(gh, approx, backward_passes="mean")
+    for k in both:
+        assert torch.allclose(both[k].A, single[0][k].A, rtol=1e-13, atol=0)
+        assert torch.allclose(both[k].G, single[0][k].G + single[1][k].G, rtol=1e-12, atol=0)
+        assert torch.allclose(mean[k].G, both[k].G / 2, rtol=1e-13, atol=0)
+
+
+# --------------------------------------------------------------------------- options, layout
+def test_bias_only_and_max_dense_and_modules():
+    model, x, y, _ = _build("conv2d-depthwise-stride", 3, torch.float64)
+    full = kfac(model, x, y, nn.CrossEntropyLoss())
+    diag = kfac(model, x, y, nn.CrossEntropyLoss(), max_dense=4)
+    assert diag["0"].diagonal_A and diag["0"].diagonal_G is False  # A: 9+1 > 4, G: 1
+    assert diag["3"].diagonal_A and not diag["3"].diagonal_G  # A: 13 > 4, G: 3
+    for k in full:
+        a = full[k].A.diagonal(dim1=-2, dim2=-1) if diag[k].diagonal_A else full[k].A
+        assert torch.allclose(diag[k].A, a, rtol=1e-13, atol=0)
+        assert torch.allclose(diag[k].dense().diagonal(), full[k].dense().diagonal(), rtol=1e-13, atol=0)
+    only = kfac(model, x, y, nn.CrossEntropyLoss(), modules=["3"])
+    assert list(only) == ["3"] and torch.equal(only["3"].G, full["3"].G)
+    model[0].weight.requires_grad_(False)
+    bias_only = kfac(model, x, y, nn.CrossEntropyLoss())["0"]
+    assert bias_only.params == ("0.bias",) and bias_only.weight is None
+    assert torch.equal(bias_only.A, torch.ones(3, 1, 1, dtype=torch.float64))
+    assert torch.allclose(bias_only.G, full["0"].G, rtol=1e-13, atol=0)
+
+
+def test_grad_matrix_split_roundtrip_and_kfac_step():
+    """grad_matrix / split invert each other; G^-1 V A^-1 solves the dense KFAC system."""
+    model, x, y, _ = _build("conv2d-groups-dilation-nobias", 3, torch.float64)
+    model[3].weight.data.normal_()
+    factors = kfac(model, x, y, nn.CrossEntropyLoss(), fisher="type-2")
+    grads = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    for f in factors.values():
+        mat = f.grad_matrix(grads)
+        back = f.split(mat)
+        assert all(torch.equal(back[n], grads[n]) for n in f.params)
+        damp = 1e-3 * torch.eye(f.A.shape[-1], dtype=torch.float64)
+        dgg = 1e-3 * torch.eye(f.G.shape[-1], dtype=torch.float64)
+        step = torch.linalg.solve(f.G + dgg, mat) @ torch.linalg.inv(f.A + damp)
+        damped = KFACFactors(f.A + damp, f.G + dgg, f.module, f.weight, f.bias, f.weight_shape,
+                             f.groups)
+        dense = damped.dense()
+        flat = torch.cat([grads[n].reshape(-1) for n in f.params])
+        want = torch.linalg.solve(dense, flat)
+        got = torch.cat([t.reshape(-1) for t in f.split(step).values()])
+        assert _rel(got, want) <= 1e-9
+    assert "A=(2, 8, 8)" in repr(factors["0"])
+
+
+def test_autocast_bfloat16_computes_in_float32():
+    model, x, y, _ = _build("conv2d-same-reflect", 4, torch.float32)
+    ref = kfac(model, x, y, nn.CrossEntropyLoss())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = kfac(model, x, y, nn.CrossEntropyLoss())
+    for k in ref:
+        assert low[k].A.dtype == torch.float32 and low[k].G.dtype == torch.float32
+        assert _rel(low[k].A, ref[k].A) < 5e-2 and _rel(low[k].G, ref[k].G) < 1e-1
+
+
+# --------------------------------------------------------------------------- errors
+def test_unsupported_losses():
+    model = nn.Linear(3, 2)
+    x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    bad = [
+        (nn.L1Loss(), "supports nn.CrossEntropyLoss"),
+        (F.cross_entropy, "supports nn.CrossEntropyLoss"),
+        (nn.CrossEntropyLoss(reduction="none"), "reduction='none'"),
+        (nn.CrossEntropyLoss(weight=torch.ones(2)), "weight"),
+        (nn.BCEWithLogitsLoss(pos_weight=torch.ones(2)), "pos_weight"),
+        (nn.CrossEntropyLoss(label_smoothing=0.1), "label_smoothing"),
+    ]
+    for loss_fn, match in bad:
+        with pytest.raises(UnsupportedLossError, match=match):
+            kfac(model, x, y, loss_fn)
+    with pytest.raises(UnsupportedLossError, match="ignore_index"):
+        kfac(model, x, torch.tensor([0, 1, -100, 1]), nn.CrossEntropyLoss())
+
+
+def test_cross_entropy_needs_batch_by_classes_output():
+    model = nn.Conv1d(2, 3, 1)  # output (B, C, L)
+    with pytest.raises(UnsupportedLossError, match=r"shape \(B, C\)"):
+        kfac(model, torch.randn(4, 2, 5), torch.randint(0, 3, (4, 5)), nn.CrossEntropyLoss())
+
+    class Transposed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.lin(x).T  # (C, B)
+
+    with pytest.raises(BatchSizeError, match="batched on dim 0"):
+        kfac(Transposed(), torch.randn(5, 3), torch.randint(0, 2, (5,)), nn.CrossEntropyLoss())
+
+
+def test_bad_options():
+    model, x, y = nn.Linear(3, 2), torch.randn(4, 3), torch.randint(0, 2, (4,))
+    loss_fn = nn.CrossEntropyLoss()
+    with pytest.raises(ValueError, match="fisher must be one of"):
+        kfac(model, x, y, loss_fn, fisher="exact")
+    with pytest.raises(ValueError, match="kfac_approx must be one of"):
+        kfac(model, x, y, loss_fn, kfac_approx="full")
+    with pytest.raises(ValueError, match="mc_samples must be a positive int"):
+        kfac(model, x, y, loss_fn, fisher="mc", mc_samples=0)
+    with pytest.raises(ValueError, match="only meaningful for fisher='mc'"):
+        kfac(model, x, y, loss_fn, mc_samples=3)
+    with pytest.raises(ValueError, match="not hooked Linear/Conv"):
+        kfac(model, x, y, loss_fn, modules=["fc9"])
+    with pytest.raises(GradHooksError, match="initialised torch.distributed"):
+        kfac(model, x, y, loss_fn, all_reduce=True)
+    with gradhooks.attach(model) as gh:
+        loss_fn(model(x), y).backward()
+        with pytest.raises(ValueError, match="backward_passes"):
+            gh.kfac_factors(backward_passes="max")
+        with pytest.raises(ValueError, match="max_dense"):
+            gh.kfac_factors(max_dense=0)
+
+
+def test_kfac_factors_before_backward():
+    model = nn.Linear(3, 2)
+    with gradhooks.attach(model) as gh:
+        with pytest.raises(NoBackwardError, match="before kfac_factors"):
+            gh.kfac_factors()
+        model(torch.randn(4, 3))
+        with pytest.raises(NoBackwardError):
+            gh.kfac_factors()
+        with pytest.raises(NoBackwardError):
+            gh.sum_grad_squared()
+
+
+def test_kfac_factors_refuses_modified_input_and_create_graph():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    with gradhooks.attach(model) as gh:
+        x = torch.randn(4, 3)
+        model(x).sum().backward()
+        x.mul_(2)  # e.g. the input buffer refilled with the next batch before reading the factors
+        with pytest.raises(GradientMismatchError, match="modified in place"):
+            gh.kfac_factors()
+    with gradhooks.attach(model) as gh:
+        x = torch.randn(4, 3, requires_grad=True)
+        (gx,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
+        gx.pow(2).sum().backward()
+        with pytest.raises(HigherOrderGradError):
+            gh.kfac_factors()
+
+
+# --------------------------------------------------------------------------- first-order stats
+@pytest.mark.parametrize("batch", [1, 5], ids=["B1", "B5"])
+@pytest.mark.parametrize("model_kind", ["mlp", "cnn"])
+def test_sum_grad_squared_and_variance_match_loop(model_kind, batch, loss_reduction, dtype):
+    """sum_n g_n^2 and 1/N sum_n (g_n - mean)^2 of the own-loss per-sample gradients g_n."""
+    if model_kind == "mlp":
+        model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(dtype)
+        x = torch.randn(batch, 4, dtype=dtype)
+    else:
+        model = _head(nn.Conv2d(2, 3, 3, padding=1, groups=1), 3 * 4 * 4).to(dtype)
+        x = torch.randn(batch, 2, 4, 4, dtype=dtype)
+    y = torch.randint(0, 3, (batch,))
+    per = loop_grads(model, nn.CrossEntropyLoss(), x, y)
+    with gradhooks.attach(model, loss_reduction=loss_reduction) as gh:
+        F.cross_entropy(model(x), y, reduction=loss_reduction).backward()
+        sgs, var = gh.sum_grad_squared(), gh.variance()
+    assert list(sgs) == list(per) == list(var)
+    for n, g in per.items():
+        want_sgs = (g ** 2).sum(0)
+        want_var = ((g - g.mean(0)) ** 2).sum(0) / batch
+        assert sgs[n].shape == g.shape[1:] and var[n].shape == g.shape[1:]
+        assert (sgs[n] - want_sgs).abs().max() <= RTOL[dtype] * want_sgs.abs().max()
+        if batch == 1:
+            assert torch.count_nonzero(var[n]) == 0
+        else:
+            assert (var[n] - want_var).abs().max() <= RTOL[dtype] * want_var.abs().max()
+
+
+# --------------------------------------------------------------------------- the example
+def test_kfac_optimizer_example_runs(tmp_path):
+    script = pathlib.Path(__file__).resolve().parent.parent / "examples" / "kfac_optimizer.py"
+    png = tmp_path / "curves.png"
+    done = subprocess.run([sys.executable, str(script), "--steps", "4", "--eval-every", "2",
+                           "--batch", "16", "--train-size", "64", "--threads", "1", "--out", str(png)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = done.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| optimizer"))
+    rows = [line for line in lines[header + 2:header + 5]]
+    assert [r.split("|")[1].strip().split()[0] for r in rows] == ["SGD", "Adam", "KFAC"], done.stdout
+    for r in rows:
+        cells = [c.strip() for c in r.split("|")[1:-1]]
+        assert cells[1] == "4" and math.isfinite(float(cells[3])) and 0 <= float(cells[4]) <= 1, r
