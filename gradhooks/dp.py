@@ -59,13 +59,12 @@ import math
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .per_sample import (SUM_CHECK_PROBES, SUM_CHECK_RTOL, _probe_index, call_grads, check_sums,
                          compute_dtype, reduction_scale)
 from .registry import GradHooksError, GradientMismatchError, HigherOrderGradError, NoBackwardError
-from .rules.conv import ConvRule, padding_pairs
+from .rules.conv import ConvRule, pad_as_torch, weight_backward
 from .rules.linear import LinearRule, _batch_dim
 
 __all__ = ["per_sample_grad_norms", "clip_and_accumulate", "use_gram", "gram_sq_norms",
@@ -160,17 +159,8 @@ def _conv_weight_sum(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
     """``sum_n dW_n`` of a ``nn.ConvNd`` call with input ``x (N, C_in, *spatial)`` and
     grad_output ``g (N, C_out, *spatial_out)``: torch's convolution weight-backward kernel.
     Returns ``(C_out, C_in/G, *kernel_size)``."""
-    pairs = padding_pairs(module)
-    if module.padding_mode == "zeros" and all(p == q for p, q in pairs):
-        padding = [p for p, _ in pairs]
-    else:  # asymmetric 'same' or reflect/replicate/circular: pad as torch does, then no padding
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, [p for pair in reversed(pairs) for p in pair], mode=mode)
-        padding = [0] * len(pairs)
-    _, gw, _ = torch.ops.aten.convolution_backward(
-        g, x, g.new_zeros(()).expand(module.weight.shape), None, list(module.stride), padding,
-        list(module.dilation), False, [0] * len(padding), module.groups, [False, True, False])
-    return gw
+    x, padding = pad_as_torch(module, x)
+    return weight_backward(module, x, g, padding, per_sample=False)
 
 
 def _weighted_closed(cap, names: List[str], c: Tensor, batch_first: bool) -> Dict[str, Tensor]:

@@ -35,7 +35,6 @@ from .registry import (
     HigherOrderGradError,
     LayerRule,
     NoBackwardError,
-    UnsupportedCallError,
     UnsupportedModuleError,
     find_rule,
     supported_types,

@@ -16,14 +16,6 @@ from conftest import assert_close_to_loop, check_against_loop
 E, H = 8, 2
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The tensors here are tiny: intra-op threads only add overhead, and on a loaded machine
-    their spin-waiting multiplies the file's runtime (54 s instead of 5 s measured)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Attn(nn.Module):

@@ -15,14 +15,6 @@ from gradhooks.rules.conv_transpose import ConvTransposeRule, output_padding
 CONV_T = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The tensors here are tiny: intra-op threads only add overhead, and on a loaded machine
-    their spin-waiting multiplies the file's runtime (54 s instead of 5 s measured)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(params=["conv", "unfold"], autouse=True)

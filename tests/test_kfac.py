@@ -34,14 +34,6 @@ def _record(kind, dtype, err):
     ERRORS[(kind, dtype)] = max(ERRORS.get((kind, dtype), 0.0), err)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The models here are tiny: on a loaded 2-core machine OpenMP's thread hand-off makes a
-    # (4, 3) softmax take milliseconds instead of microseconds (measured). Numerics unchanged.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", autouse=True)

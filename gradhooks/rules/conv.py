@@ -29,7 +29,7 @@ Two exact ways to evaluate the weight gradient, chosen per call by :func:`choose
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +113,49 @@ def choose_method(module: nn.Module, positions: int) -> str:
     return "unfold"
 
 
+def pad_as_torch(module: nn.Module, x: Tensor) -> Tuple[Tensor, List[int]]:
+    """``(x', padding)`` such that a convolution of ``x'`` with symmetric zero ``padding``
+    equals ``module``'s convolution of ``x``: torch's own padding when it is symmetric zeros,
+    else ``x`` padded as torch pads it (asymmetric ``'same'``, reflect/replicate/circular) and
+    no padding."""
+    pairs = padding_pairs(module)
+    if module.padding_mode == "zeros" and all(a == b for a, b in pairs):
+        return x, [a for a, _ in pairs]
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    return F.pad(x, [p for pair in reversed(pairs) for p in pair], mode=mode), [0] * len(pairs)
+
+
+def weight_backward(module: nn.Module, x: Tensor, g: Tensor, padding: List[int], *,
+                    per_sample: bool, transposed: bool = False,
+                    output_padding: Optional[List[int]] = None) -> Tensor:
+    """The weight gradient of ``module``'s (transposed) convolution through torch's own kernel
+    (``aten.convolution_backward``; oneDNN on CPU, cuDNN on GPU).
+
+    Args:
+        module: a ``nn.ConvNd`` or ``nn.ConvTransposeNd``.
+        x: its input ``(N, C_in, *spatial)`` (already padded if ``padding`` says so).
+        g: grad_output ``(N, C_out, *spatial_out)``.
+        padding: the symmetric zero padding to apply.
+        per_sample: ``True``: one convolution whose groups are the ``(sample, group)`` pairs
+            (input ``(1, N*C_in, ...)``, ``groups = N*G``), giving ``(N, *weight.shape)``;
+            ``False``: the batch gradient ``weight.shape`` (summed over samples).
+        transposed, output_padding: for ``nn.ConvTransposeNd``.
+    """
+    n = x.shape[0]
+    dims = len(padding)
+    if per_sample:
+        x, g = x.reshape(1, -1, *x.shape[2:]), g.reshape(1, -1, *g.shape[2:])
+        shape, groups = (n * module.weight.shape[0], *module.weight.shape[1:]), n * module.groups
+    else:
+        shape, groups = module.weight.shape, module.groups
+    _, gw, _ = torch.ops.aten.convolution_backward(
+        g, x, g.new_zeros(()).expand(shape),  # only its shape is read
+        None, list(module.stride), padding, list(module.dilation), transposed,
+        output_padding or [0] * dims, groups, [False, True, False],
+    )
+    return gw.view(n, *module.weight.shape) if per_sample else gw
+
+
 def conv_weight_grad(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
     """Per-sample weight gradient as the weight gradient of a ``(sample, group)``-grouped conv.
 
@@ -124,23 +167,8 @@ def conv_weight_grad(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
     Returns:
         ``(N, C_out, C_in/G, *kernel_size)``.
     """
-    n = x.shape[0]
-    pairs = padding_pairs(module)
-    if module.padding_mode == "zeros" and all(a == b for a, b in pairs):
-        padding = [a for a, _ in pairs]
-    else:  # asymmetric 'same' or reflect/replicate/circular: pad as torch does, then no padding
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, [p for pair in reversed(pairs) for p in pair], mode=mode)
-        padding = [0] * len(pairs)
-    shape = (n * module.out_channels, *module.weight.shape[1:])
-    _, gw, _ = torch.ops.aten.convolution_backward(
-        g.reshape(1, -1, *g.shape[2:]),
-        x.reshape(1, -1, *x.shape[2:]),
-        g.new_zeros(()).expand(shape),  # only its shape is read
-        None, list(module.stride), padding, list(module.dilation), False, [0] * len(padding),
-        n * module.groups, [False, True, False],
-    )
-    return gw.view(n, *module.weight.shape)
+    x, padding = pad_as_torch(module, x)
+    return weight_backward(module, x, g, padding, per_sample=True)
 
 
 @register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)

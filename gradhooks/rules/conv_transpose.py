@@ -38,13 +38,12 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..per_sample import weight_grad
 from ..registry import BatchSizeError, LayerRule, register_rule
-from .conv import choose_method, unfold
+from .conv import choose_method, unfold, weight_backward
 
 __all__ = ["ConvTransposeRule", "output_padding"]
 
@@ -76,16 +75,8 @@ def conv_transpose_weight_grad(module: nn.Module, x: Tensor, g: Tensor) -> Tenso
     Returns:
         ``(N, C_in, C_out/G, *kernel_size)``.
     """
-    n = x.shape[0]
-    shape = (n * module.in_channels, *module.weight.shape[1:])
-    _, gw, _ = torch.ops.aten.convolution_backward(
-        g.reshape(1, -1, *g.shape[2:]),
-        x.reshape(1, -1, *x.shape[2:]),
-        g.new_zeros(()).expand(shape),  # only its shape is read
-        None, list(module.stride), list(module.padding), list(module.dilation), True,
-        output_padding(module, x, g.shape), n * module.groups, [False, True, False],
-    )
-    return gw.view(n, *module.weight.shape)
+    return weight_backward(module, x, g, list(module.padding), per_sample=True, transposed=True,
+                           output_padding=output_padding(module, x, g.shape))
 
 
 def unfold_weight_grad(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
