@@ -240,16 +240,7 @@ def _plan(gh) -> Tuple[Dict[int, _Param], Optional[float]]:
                         p.kind = _GRAM
     plans = {pid: found[pid] for pid in gh._names if pid in found}
     if gh.check:
-        missing = [name for pid, name in gh._names.items()
-                   if pid in gh._param_grads and pid in gh._params and pid not in plans]
-        if missing:
-            raise GradientMismatchError(
-                f"autograd computed gradients for {', '.join(map(repr, missing))}, but the hooks "
-                f"saw no call of the module that owns them: the parameters are used outside "
-                f"their module's forward (functionally). Their per-sample gradients, norms and "
-                f"clipping are unknown; give the parent a rule (gradhooks.register_rule) that "
-                f"claims them"
-            )
+        gh._check_unrecorded(plans)
     return plans, reduction_scale(gh.loss_reduction, batch)
 
 

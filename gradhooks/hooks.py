@@ -450,6 +450,20 @@ class GradHooks:
         self._param_passes[pid] = self._param_passes.get(pid, 0) + 1
         return None
 
+    def _check_unrecorded(self, recorded) -> None:
+        # Parameters autograd reached whose module the hooks never saw called (a parent reading
+        # child.weight functionally): their per-sample results are unknown.
+        missing = [name for pid, name in self._names.items()
+                   if pid in self._param_grads and pid in self._params and pid not in recorded]
+        if missing:
+            raise GradientMismatchError(
+                f"autograd computed gradients for {', '.join(map(repr, missing))}, but the "
+                f"hooks saw no call of the module that owns them: the parameters are used "
+                f"outside their module's forward (functionally, e.g. by a parent module that "
+                f"reads child.weight directly). Their per-sample gradients are unknown; give "
+                f"the parent a rule (gradhooks.register_rule) that claims them"
+            )
+
     def _structure(self) -> tuple:
         # What the sum check's verdict depends on: the calls and backward passes each module
         # received, and the passes in which autograd reached each parameter.
@@ -521,16 +535,7 @@ class GradHooks:
                     else:
                         raw[pid] = t
         if self.check:
-            missing = [name for pid, name in self._names.items()
-                       if pid in self._param_grads and pid in self._params and pid not in raw]
-            if missing:
-                raise GradientMismatchError(
-                    f"autograd computed gradients for {', '.join(map(repr, missing))}, but the "
-                    f"hooks saw no call of the module that owns them: the parameters are used "
-                    f"outside their module's forward (functionally, e.g. by a parent module that "
-                    f"reads child.weight directly). Their per-sample gradients are unknown; give "
-                    f"the parent a rule (gradhooks.register_rule) that claims them"
-                )
+            self._check_unrecorded(raw)
             self._reads += 1
             key = self._structure()
             if self.check == "always" or key not in self._checked or self._reads % 100 == 0:

@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..per_sample import weight_grad
-from ..registry import BatchSizeError, LayerRule, register_rule
-from .conv import choose_method, unfold, weight_backward
+from ..registry import LayerRule, register_rule
+from .conv import ConvRule, choose_method, unfold, weight_backward
 
 __all__ = ["ConvTransposeRule", "output_padding"]
 
@@ -118,14 +118,7 @@ class ConvTransposeRule(LayerRule):
     #: ``"conv"`` or ``"unfold"``.
     method = "auto"
 
-    def batch_size(self, module: nn.Module, x: Tensor, batch_first: bool) -> int:
-        dims = len(module.kernel_size)
-        if x.dim() != dims + 2:
-            raise BatchSizeError(
-                f"got an input of shape {tuple(x.shape)}; per-sample gradients need a batched "
-                f"input (B, C_in, *spatial) with {dims + 2} dims (e.g. x.unsqueeze(0))"
-            )
-        return x.shape[0]
+    batch_size = ConvRule.batch_size  # the same layout: (B, C_in, *spatial)
 
     def per_sample_grads(
         self, module: nn.Module, a: Tensor, g: Tensor, batch_first: bool, names: Iterable[str]
