@@ -557,27 +557,38 @@ class GradHooks:
     # ------------------------------------------------------------------ curvature, norms, clipping
     # Computed from the same records by gradhooks.kfac (issue 4) and gradhooks.dp (issue 5).
     def kfac_factors(self, *args, **kwargs):
-        """KFAC factors of every hooked Linear / Conv layer; see :func:`gradhooks.kfac.kfac_factors`."""
+        """KFAC factors ``{module name: KFACFactors}`` of every Linear / Conv layer the backward
+        reached: ``A`` ``(d_in[+1], d_in[+1])``, ``G`` ``(d_out, d_out)`` (stacked per group for
+        grouped convolutions). Arguments, conventions (Martens & Grosse 2015; Grosse & Martens
+        2016; Eschenhagen et al. 2023) and errors: :func:`gradhooks.kfac.kfac_factors`."""
         from .kfac import kfac_factors  # the module, not gradhooks.kfac (the one-call function)
         return kfac_factors(self, *args, **kwargs)
 
     def sum_grad_squared(self, *args, **kwargs):
-        """Diagonal of the empirical Fisher; see :func:`gradhooks.kfac.sum_grad_squared`."""
+        """Diagonal of the empirical Fisher ``{name: (*param.shape)}``, ``sum_n g_n**2`` of the
+        per-sample gradients (BackPACK's SumGradSquared); see
+        :func:`gradhooks.kfac.sum_grad_squared` for the scaling convention and errors."""
         from .kfac import sum_grad_squared  # the module, not gradhooks.kfac (the one-call function)
         return sum_grad_squared(self, *args, **kwargs)
 
     def variance(self, *args, **kwargs):
-        """Per-parameter gradient variance over the batch; see :func:`gradhooks.kfac.variance`."""
+        """Per-parameter gradient variance over the batch ``{name: (*param.shape)}`` (``1/B``
+        normalisation, BackPACK's Variance); see :func:`gradhooks.kfac.variance`."""
         from .kfac import variance  # the module, not gradhooks.kfac (the one-call function)
         return variance(self, *args, **kwargs)
 
     def per_sample_grad_norms(self, *args, **kwargs):
-        """``(B,)`` L2 norms of the per-sample gradients; see :func:`gradhooks.dp.per_sample_grad_norms`."""
+        """``(B,)`` L2 norms of the per-sample gradients over all trainable parameters, by the
+        Gram form where cheaper (Li et al. 2022, sec. 4); arguments and errors:
+        :func:`gradhooks.dp.per_sample_grad_norms`."""
         from .dp import per_sample_grad_norms
         return per_sample_grad_norms(self, *args, **kwargs)
 
     def clip_and_accumulate(self, *args, **kwargs):
-        """DP-SGD clipped gradient sum into ``param.grad``; see :func:`gradhooks.dp.clip_and_accumulate`."""
+        """DP-SGD (Abadi et al. 2016): overwrite ``param.grad`` with the sum of per-sample
+        gradients clipped to ``max_norm`` plus Gaussian noise (ghost clipping by default; Li et
+        al. 2022, Bu et al. 2023) and return the ``(B,)`` norms; arguments and errors:
+        :func:`gradhooks.dp.clip_and_accumulate`."""
         from .dp import clip_and_accumulate
         return clip_and_accumulate(self, *args, **kwargs)
 
