@@ -311,7 +311,6 @@ class GradHooks:
             cap.release()
         self._step += 1
         self._reached: List[_Capture] = []
-        self._reached_set: set = set()
         self._higher_order: Optional[str] = None  # a layer a create_graph=True backward reached
         self._batch_size: Optional[int] = None
         self._batch_source: Optional[str] = None
@@ -415,9 +414,8 @@ class GradHooks:
             )
         if grad.requires_grad and self._higher_order is None:
             self._higher_order = cap.layer.describe()
-        if cap not in self._reached_set:
+        if not cap.hits:  # the first grad_output this call receives
             self._reached.append(cap)
-            self._reached_set.add(cap)
         cap.hits += 1
         if grad.dtype in (torch.bfloat16, torch.float16):
             cap.low = grad.dtype
