@@ -1,10 +1,11 @@
 """The hook manager: attach to a model, record activations and grad_outputs per call, detach.
 
 How it works (Goodfellow 2015, arXiv:1510.01799): for every module that has a rule, a forward
-hook records the call's input activations ``a`` and registers a tensor hook on the call's output
-(``output.register_hook``, curvlinops' approach: unlike ``register_full_backward_hook`` it works
-when an in-place op such as ``ReLU(inplace=True)`` follows the layer). In the backward the tensor
-hook receives the gradient w.r.t. that output, ``g``. Each call gets its own record, so a layer
+hook records the call's input activations ``a`` and registers a pre-hook on the autograd node that
+produced the call's output (like curvlinops' ``output.register_hook``, but cheaper to register;
+unlike ``register_full_backward_hook`` it works when an in-place op such as
+``ReLU(inplace=True)`` follows the layer). In the backward the pre-hook receives the gradient
+w.r.t. that output, ``g``. Each call gets its own record, so a layer
 called several times in one forward pairs every input with its own grad_output. Per-sample
 gradients are formed from the records only when asked for (:meth:`GradHooks.per_sample_grads`).
 
@@ -79,10 +80,22 @@ def _no_autocast() -> Iterator[None]:
 class _Layer:
     """A hooked module: its path in the model, its rule and the parameters the rule handles."""
 
-    __slots__ = ("path", "module", "rule", "params")
+    __slots__ = ("path", "module", "rule", "params", "items", "all_names", "validates", "watched")
 
     def __init__(self, path: str, module: nn.Module, rule: LayerRule, params: Dict[str, nn.Parameter]):
         self.path, self.module, self.rule, self.params = path, module, rule, params
+        # Precomputed for the forward hook, which runs on every call of every hooked layer.
+        self.items = tuple(params.items())
+        self.all_names = tuple(params)
+        self.validates = type(rule).check_call is not LayerRule.check_call
+        self.watched = False  # every parameter has its sum-check gradient hook
+
+    def trainable(self) -> Tuple[str, ...]:
+        """Names of the parameters that currently require grad."""
+        for _, p in self.items:
+            if not p.requires_grad:
+                return tuple(n for n, p in self.items if p.requires_grad)
+        return self.all_names
 
     def describe(self) -> str:
         return f"{self.path or '<root>'!r} ({type(self.module).__name__})"
@@ -116,6 +129,22 @@ class _Capture:
         self.a = None
         self.versions = []
         self.grads = []
+
+
+def _on_grad(t: Tensor, fn) -> None:
+    """Call ``fn(grad_outputs, nr)`` whenever a backward pass reaches the tensor ``t``:
+    ``grad_outputs[nr]`` is the gradient w.r.t. ``t`` (``None`` when the node that produced
+    ``t`` runs for another of its outputs only).
+
+    A pre-hook on ``t``'s autograd node: cheaper to register than ``Tensor.register_hook``, and
+    like it unaffected by in-place ops that later rebase ``t`` onto another node (the node that
+    produced ``t`` still receives the gradient w.r.t. the value the layer returned).
+    """
+    node = t.grad_fn
+    if node is None:  # a leaf returned as the output
+        t.register_hook(lambda g: fn((g,), 0))
+    else:
+        node.register_prehook(functools.partial(fn, nr=t.output_nr))
 
 
 def _tensors(obj) -> List[Tensor]:
@@ -343,6 +372,9 @@ class GradHooks:
 
     # ------------------------------------------------------------------ hooks
     def _on_forward(self, layer: _Layer, module: nn.Module, args, kwargs, output) -> None:
+        # Hot path: runs for every call of every hooked layer, so attribute lookups and Python
+        # calls are kept to what the bookkeeping needs (hooks attached but nothing read cost
+        # little more than the plain forward + backward; benchmarks/peers.py "hooks only").
         if _PAUSED or not torch.is_grad_enabled():
             return
         rule = layer.rule
@@ -355,37 +387,42 @@ class GradHooks:
             if any(_is_functorch_wrapped(t) for t in _tensors((args, kwargs))):
                 return
         else:
-            if not isinstance(output, Tensor) or not output.requires_grad:
+            if output.__class__ is not Tensor and not isinstance(output, Tensor):
+                return
+            if not output.requires_grad:
                 return
             x = args[0] if args else next(iter(kwargs.values()), None)
             if not isinstance(x, Tensor) or _is_functorch_wrapped(x):
                 return
-        names = tuple(n for n, p in layer.params.items() if p.requires_grad)
+        names = layer.trainable()
         if not names and not rule.check_always:
             return
         try:
-            rule.check_call(module, args, kwargs, self._options)
+            if layer.validates:
+                rule.check_call(module, args, kwargs, self._options)
             if not names:
                 return
             b = rule.call_batch_size(module, args, kwargs, self.batch_first)
         except GradHooksError as e:
             raise type(e)(f"module {layer.describe()}: {e}") from None
-        if self.check:
+        if self.check and not layer.watched:
             for n in names:
                 self._watch_param(layer.params[n])
+            layer.watched = len(names) == len(layer.items)
         if self._backward_seen:
             self.clear()
-        if self._batch_size is not None and b != self._batch_size and self._forward_id != self._batch_forward:
-            self._reset_batch()  # an earlier forward that no backward reached: drop it
-        if self._batch_size is None:
-            self._batch_size, self._batch_source, self._batch_forward = b, layer.describe(), self._forward_id
-        elif b != self._batch_size:
-            raise BatchSizeError(
-                f"module {layer.describe()} sees batch size {b}, but {self._batch_source} saw "
-                f"{self._batch_size} in the same forward. Per-sample gradients need every hooked "
-                f"layer to see the whole batch on the batch dim (batch_first={self.batch_first}); "
-                f"check the input layout, or pass batch_first=False for (T, B, ...) inputs."
-            )
+        if b != self._batch_size:
+            if self._batch_size is not None and self._forward_id != self._batch_forward:
+                self._reset_batch()  # an earlier forward that no backward reached: drop it
+            if self._batch_size is None:
+                self._batch_size, self._batch_source, self._batch_forward = b, layer.describe(), self._forward_id
+            else:
+                raise BatchSizeError(
+                    f"module {layer.describe()} sees batch size {b}, but {self._batch_source} saw "
+                    f"{self._batch_size} in the same forward. Per-sample gradients need every hooked "
+                    f"layer to see the whole batch on the batch dim (batch_first={self.batch_first}); "
+                    f"check the input layout, or pass batch_first=False for (T, B, ...) inputs."
+                )
         if rule.multi_io:
             # Output leaves that carry no gradient but structure (a PackedSequence's batch_sizes
             # and indices) are kept so that the grad structure rebuilds; the others start as None.
@@ -394,16 +431,18 @@ class GradHooks:
             cap = _Capture(layer, Call(_detached(tuple(args)), _detached(dict(kwargs))), names,
                            self._step, spec, fill)
             for i in reached:
-                leaves[i].register_hook(functools.partial(self._on_grad_output, cap, i))
+                _on_grad(leaves[i], functools.partial(self._on_grad_output, cap, i))
         else:
             cap = _Capture(layer, x.detach(), names, self._step)
-            output.register_hook(functools.partial(self._on_grad_output, cap, None))
+            _on_grad(output, functools.partial(self._on_grad_output, cap, None))
 
     def _on_model_forward(self, module: nn.Module, args) -> None:
         self._forward_id += 1
 
-    def _on_grad_output(self, cap: _Capture, leaf: Optional[int], grad: Tensor) -> None:
-        if _PAUSED:
+    def _on_grad_output(self, cap: _Capture, leaf: Optional[int], grads: tuple, nr: int) -> None:
+        # grads[nr]: the gradient w.r.t. the recorded output tensor (see _on_grad).
+        grad = grads[nr]
+        if _PAUSED or grad is None:
             return None
         if cap.step != self._step:
             raise GradHooksError(
