@@ -117,6 +117,11 @@ class Method:
         for p in self.model.parameters():
             p.grad = None
 
+    def forget(self) -> None:
+        """Drop everything the method keeps between steps (used once, before the memory
+        baseline, after the pre-warm step); default: :meth:`release`."""
+        self.release()
+
     def close(self) -> None:
         pass
 
@@ -139,6 +144,11 @@ class _GradHooks(Method):
 
     # release(): only the user's side (param.grad, the reference to the result); gradhooks drops
     # its records and recycles the result's buffers itself at the next forward, inside the timing.
+
+    def forget(self) -> None:
+        self.release()
+        self.gh.clear()
+        self.gh._pool.clear()
 
     def close(self) -> None:
         self.gh.detach()
@@ -520,6 +530,11 @@ def memory_child(spec: dict) -> dict:
     device = torch.device(spec["device"])
     case = Case(WORKLOADS[spec["workload"]], spec["batch"], device, spec["seed"])
     m = METHODS[spec["method"]](case)
+    # Pre-warm: one step whose state is then dropped, so that one-time costs (lazy imports,
+    # code pages of kernels used for the first time, thread pools) stay out of the baseline's
+    # difference: they are RSS but not memory a step needs.
+    m.run()
+    m.forget()
     _trim()
     _sync(device)
     baseline = _rss_bytes()
