@@ -27,9 +27,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from .registry import GradientMismatchError
+from .registry import Block, GradientMismatchError
 
-__all__ = ["weight_grad", "bias_grad", "BufferPool", "new_empty", "using_pool", "reduction_scale", "call_grads", "check_sums",
+__all__ = ["weight_grad", "bias_grad", "from_blocks", "BufferPool", "new_empty", "using_pool", "reduction_scale", "call_grads", "check_sums",
            "LOSS_REDUCTIONS"]
 
 #: The values ``loss_reduction`` may take.
@@ -167,6 +167,28 @@ def bias_grad(g: Tensor, out_shape: Optional[Tuple[int, ...]] = None) -> Tensor:
     out = new_empty(out_shape or shape, g)
     torch.sum(g, dim=2, out=out.view(shape))
     return out
+
+
+def from_blocks(blocks: Sequence[Block], shape: Tuple[int, ...]) -> Tensor:
+    """Materialise a per-sample gradient given in factored form (:class:`Block`).
+
+    Args:
+        blocks: disjoint row blocks covering the parameter, in increasing row order.
+        shape: ``(N, *param.shape)``.
+
+    Returns:
+        ``(N, *param.shape)``: per block :func:`weight_grad` (``a`` given) or :func:`bias_grad`
+        (``a = None``) with the block's ``S`` positions as shared positions.
+    """
+    n = shape[0]
+    parts = []
+    for b in blocks:
+        g = b.g.unsqueeze(1)
+        if len(blocks) == 1:
+            return bias_grad(g, shape) if b.a is None else weight_grad(b.a.unsqueeze(1), g, shape)
+        t = bias_grad(g) if b.a is None else weight_grad(b.a.unsqueeze(1), g)
+        parts.append(t.reshape(n, b.g.shape[-1], -1))
+    return torch.cat(parts, 1).view(shape)
 
 
 def reduction_scale(loss_reduction: str, batch_size: int) -> Optional[float]:

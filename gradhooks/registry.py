@@ -13,7 +13,7 @@ numbers, so :func:`find_rule` refuses it with :class:`UnsupportedModuleError`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, NamedTuple, Optional, Tuple, Type
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple, Type
 
 from torch import Tensor, nn
 
@@ -28,6 +28,7 @@ __all__ = [
     "GradientMismatchError",
     "LayerRule",
     "Call",
+    "Block",
     "register_rule",
     "find_rule",
     "supported_types",
@@ -98,6 +99,31 @@ class Call(NamedTuple):
     kwargs: Dict[str, Any]
 
 
+class Block(NamedTuple):
+    """Part of a parameter's per-sample gradient in factored form (the rows ``rows`` of dim 0,
+    or the whole parameter for ``rows=None``)::
+
+        weight-like (a given):  d(param)_n[rows] = sum_s g[n, s] a[n, s]^T   (O, I), reshaped
+        bias-like  (a = None):  d(param)_n[rows] = sum_s g[n, s]             (O,), reshaped
+
+    The Linear form of Goodfellow 2015 (arXiv:1510.01799, sec. 3) with ``S`` shared positions
+    (time steps, tokens). Rules that can give their gradients this way (recurrent layers,
+    attention: :meth:`LayerRule.forms`) let per-sample norms use the Gram form and DP clipping
+    form the clipped sum with one matmul, without a per-sample tensor (Li et al. 2022,
+    arXiv:2110.05679, sec. 4).
+
+    Attributes:
+        rows: a ``slice`` of the parameter's dim 0, or ``None`` for all of it.
+        a: ``(N, S, I)`` activations, or ``None`` for a bias-like block.
+        g: ``(N, S, O)`` the gradients the block's rows multiply (``O * I`` = number of elements
+            of ``param[rows]``, or ``O`` of them for a bias-like block).
+    """
+
+    rows: Optional[slice]
+    a: Optional[Tensor]
+    g: Tensor
+
+
 class LayerRule:
     """Base class of a per-layer rule.
 
@@ -155,6 +181,20 @@ class LayerRule:
 
         Raises:
             BatchSizeError: if ``x`` has no batch dimension (an unbatched input).
+        """
+        raise NotImplementedError
+
+    #: ``True`` if the rule implements :meth:`forms`.
+    has_forms: bool = False
+
+    def forms(self, module: nn.Module, a, g, batch_first: bool,
+              names: Iterable[str]) -> Dict[str, List[Block]]:
+        """Optional: the per-sample gradients of one call in factored form.
+
+        Same arguments as :meth:`per_sample_grads`. Returns ``{name: [Block, ...]}``, the
+        blocks covering disjoint rows of the parameter (together all of it, in increasing row
+        order); :func:`gradhooks.per_sample.from_blocks` materialises them. Set
+        :attr:`has_forms` when implementing it.
         """
         raise NotImplementedError
 

@@ -50,8 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..per_sample import bias_grad, weight_grad
-from ..registry import BatchSizeError, Call, LayerRule, UnsupportedCallError, register_rule
+from ..per_sample import from_blocks
+from ..registry import BatchSizeError, Block, Call, LayerRule, UnsupportedCallError, register_rule
 
 __all__ = ["MultiheadAttentionRule"]
 
@@ -192,8 +192,20 @@ class MultiheadAttentionRule(LayerRule):
             )
         return x.shape[0 if module.batch_first else 1]
 
+    has_forms = True
+
     def per_sample_grads(self, module: nn.Module, a: Call, g, batch_first: bool,
                          names: Iterable[str]) -> Dict[str, Tensor]:
+        params = self.params_of(module)
+        return {nm: from_blocks(blocks, (blocks[0].g.shape[0], *params[nm].shape))
+                for nm, blocks in self.forms(module, a, g, batch_first, names).items()}
+
+    def forms(self, module: nn.Module, a: Call, g, batch_first: bool,
+              names: Iterable[str]) -> Dict[str, List[Block]]:
+        """Factored form of :meth:`per_sample_grads`: ``out_proj`` from the attention output
+        ``(N, L, E)`` and ``g_y``; the input projections from each input ``(N, L_x, E_x)`` and
+        the replayed gradient of its projection (one row block per group of rows of a packed
+        ``in_proj_weight``); ``bias_k``/``bias_v`` as bias-like blocks with ``S = 1``."""
         names = tuple(names)
         call = _FORWARD.bind(module, *a.args, **a.kwargs)
         call.apply_defaults()
@@ -225,13 +237,13 @@ class MultiheadAttentionRule(LayerRule):
         want_in = any(nm in names for nm in self.param_names)
         with torch.enable_grad() if want_in else torch.no_grad():
             leaves, bias_leaves, (c, weights) = self._replay(module, arg, xs, p, groups, want_in)
-        out: Dict[str, Tensor] = {}
+        out: Dict[str, List[Block]] = {}
         if g_y is not None:
             g_y = g_y.to(dt)
             if "out_proj.weight" in names:
-                out["out_proj.weight"] = weight_grad(c.detach().unsqueeze(1), g_y.unsqueeze(1))[:, 0]
+                out["out_proj.weight"] = [Block(None, c.detach(), g_y)]
             if "out_proj.bias" in names:
-                out["out_proj.bias"] = bias_grad(g_y.unsqueeze(1))[:, 0]
+                out["out_proj.bias"] = [Block(None, None, g_y)]
         if not want_in:
             return out
         outputs, grads = [], []
@@ -246,16 +258,15 @@ class MultiheadAttentionRule(LayerRule):
         # the value path (v_proj_weight, bias_v) is not reached when only the weights enter the loss
         reached = {"bias_v": g_y is not None, "v_proj_weight": g_y is not None}
         if bias_leaves:
-            out["bias_k"], out["bias_v"] = (t.view(n, 1, 1, embed) for t in found[-2:])
-        if any(nm in names for nm in ("in_proj_weight", *_IN_WEIGHTS)):
-            per_group = [weight_grad(xs[grp[0]].unsqueeze(1), gl.unsqueeze(1))[:, 0]
-                         for grp, gl in zip(groups, g_leaves)]
-            if packed:
-                out["in_proj_weight"] = per_group[0] if len(per_group) == 1 else torch.cat(per_group, 1)
-            else:
-                out.update(zip(_IN_WEIGHTS, per_group))
+            out["bias_k"], out["bias_v"] = ([Block(None, None, t)] for t in found[-2:])  # (N, 1, E)
+        rows = [slice(grp[0] * embed, (grp[-1] + 1) * embed) for grp in groups]
+        if packed:
+            out["in_proj_weight"] = [Block(r, xs[grp[0]], gl) for r, grp, gl in zip(rows, groups, g_leaves)]
+        else:
+            out.update((_IN_WEIGHTS[grp[0]], [Block(None, xs[grp[0]], gl)])
+                       for grp, gl in zip(groups, g_leaves))
         if "in_proj_bias" in names:
-            out["in_proj_bias"] = torch.cat([bias_grad(gl.unsqueeze(1))[:, 0] for gl in g_leaves], -1)
+            out["in_proj_bias"] = [Block(r, None, gl) for r, gl in zip(rows, g_leaves)]
         return {nm: t for nm, t in out.items() if nm in names and reached.get(nm, True)}
 
     @staticmethod

@@ -76,8 +76,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from ..per_sample import bias_grad, compute_dtype, weight_grad
-from ..registry import BatchSizeError, Call, LayerRule, UnsupportedCallError, register_rule
+from ..per_sample import compute_dtype, from_blocks
+from ..registry import BatchSizeError, Block, Call, LayerRule, UnsupportedCallError, register_rule
 
 __all__ = ["RecurrentRule", "RecurrentCellRule"]
 
@@ -308,23 +308,15 @@ def _mask_inactive(t: Tensor, sizes: Sizes) -> Tensor:
 
 
 # --------------------------------------------------------------------------- layers and directions
-def _over_time(g: Tensor, a: Optional[Tensor]) -> Tensor:
-    """``(K, B, O)``, ``(K, B, I)`` -> ``(B, O, I)``: ``sum_t g[t, n] a[t, n]^T``, the canonical
-    form of :func:`~gradhooks.per_sample.weight_grad` with the time steps as shared positions;
-    ``a = None``: ``(B, O)``, ``sum_t g[t, n]`` (:func:`~gradhooks.per_sample.bias_grad`)."""
-    g = g.transpose(0, 1).unsqueeze(1)
-    if a is None:
-        return bias_grad(g, out_shape=(g.shape[0], g.shape[-1]))
-    return weight_grad(a.transpose(0, 1).unsqueeze(1), g,
-                       out_shape=(g.shape[0], g.shape[-1], a.shape[-1]))
-
-
 def _layer_grads(w: _Weights, tape: _Tape, d_ih: Tensor, d_hh: Tensor, dhs: Tensor,
-                 names: Iterable[str], order: Optional[Tensor]) -> Dict[str, Tensor]:
-    """Per-sample gradients ``{name: (B, *shape)}`` of one layer and direction's parameters in
-    ``names``; ``order`` (``(B,)`` or ``None``) maps the replay's sample order to the user's."""
-    def user(t: Tensor) -> Tensor:
-        return t if order is None else t.index_select(1, order)
+                 names: Iterable[str], order: Optional[Tensor]) -> Dict[str, List[Block]]:
+    """Per-sample gradients of one layer and direction's parameters in ``names``, in factored
+    form: ``{name: [Block(None, a (B, K, in) or None, g (B, K, out))]}`` with the ``K`` replayed
+    steps as shared positions (``sum_t g[t, n] a[t, n]^T``, the canonical form of
+    :func:`~gradhooks.per_sample.weight_grad`); ``order`` (``(B,)`` or ``None``) maps the
+    replay's sample order to the user's."""
+    def user(t: Tensor) -> Tensor:  # (K, B, .) time-major -> (B, K, .) in the user's order
+        return (t if order is None else t.index_select(1, order)).transpose(0, 1)
 
     factors = {"w_ih": (d_ih, tape.x), "w_hh": (d_hh, tape.hprev), "w_hr": (dhs, tape.ms),
                "b_ih": (d_ih, None), "b_hh": (d_hh, None)}
@@ -332,7 +324,7 @@ def _layer_grads(w: _Weights, tape: _Tape, d_ih: Tensor, d_hh: Tensor, dhs: Tens
     for role, name in w.names.items():
         if name in names:
             g, a = factors[role]
-            out[name] = _over_time(user(g), None if a is None else user(a))
+            out[name] = [Block(None, None if a is None else user(a), user(g))]
     return out
 
 
@@ -368,7 +360,7 @@ def _run(mode: str, layers: List[List[_Weights]], x: Tensor, lengths: Optional[T
             cell the recorded ``gc`` may be a total derivative (:func:`_lstm_cell_h_uses_c`).
 
     Returns:
-        ``{name: (B, *shape)}`` for the parameters in ``names``.
+        ``{name: [Block]}`` (:func:`_layer_grads`) for the parameters in ``names``.
     """
     T, B = x.shape[0], x.shape[1]
     D = len(layers[0])
@@ -398,7 +390,7 @@ def _run(mode: str, layers: List[List[_Weights]], x: Tensor, lengths: Optional[T
                                                                 start, steps(d))
                 tapes[k].append(_tape(mode, w, rev(inp, d), hprev, at(c0, k * D + d), steps(d)))
         inp = out
-    result: Dict[str, Tensor] = {}
+    result: Dict[str, List[Block]] = {}
     for k in reversed(range(lowest, len(layers))):
         gx = None
         for d, (w, tape) in enumerate(zip(layers[k], tapes[k])):
@@ -469,6 +461,12 @@ def _lstm_cell_h_uses_c(device: torch.device, dtype: torch.dtype) -> bool:
         return torch.autograd.grad(h.sum(), c, allow_unused=True)[0] is not None
 
 
+def _materialise(module: nn.Module, forms: Dict[str, List[Block]]) -> Dict[str, Tensor]:
+    """``{name: (B, *param.shape)}`` from the rules' factored forms."""
+    return {name: from_blocks(blocks, (blocks[0].g.shape[0], *getattr(module, name).shape))
+            for name, blocks in forms.items()}
+
+
 # --------------------------------------------------------------------------- rules
 @register_rule(nn.LSTM, nn.GRU, nn.RNN)
 class RecurrentRule(LayerRule):
@@ -512,8 +510,17 @@ class RecurrentRule(LayerRule):
             raise _unbatched(module, x)
         return x.shape[0 if module.batch_first else 1]
 
+    has_forms = True
+
     def per_sample_grads(self, module: nn.Module, a: Call, g, batch_first: bool,
                          names: Iterable[str]) -> Dict[str, Tensor]:
+        return _materialise(module, self.forms(module, a, g, batch_first, names))
+
+    def forms(self, module: nn.Module, a: Call, g, batch_first: bool,
+              names: Iterable[str]) -> Dict[str, List[Block]]:
+        """Factored form of :meth:`per_sample_grads`: one :class:`~gradhooks.registry.Block`
+        per parameter, ``a`` the layer input / previous state / cell output ``(B, T, .)``, ``g``
+        the gate (or projection) gradients ``(B, T, .)``."""
         x, hx = _inputs(a)
         g_out, g_state = g
         gh, gc = g_state if module.mode == "LSTM" else (g_state, None)
@@ -581,8 +588,15 @@ class RecurrentCellRule(LayerRule):
             raise _unbatched(module, x)
         return x.shape[0]
 
+    has_forms = True
+
     def per_sample_grads(self, module: nn.Module, a: Call, g, batch_first: bool,
                          names: Iterable[str]) -> Dict[str, Tensor]:
+        return _materialise(module, self.forms(module, a, g, batch_first, names))
+
+    def forms(self, module: nn.Module, a: Call, g, batch_first: bool,
+              names: Iterable[str]) -> Dict[str, List[Block]]:
+        """Factored form of :meth:`per_sample_grads` (``S = 1``)."""
         mode = self._mode(module)
         x, hx = _inputs(a)
         gh, gc = g if mode == "LSTM" else (g, None)
