@@ -26,10 +26,13 @@ torch 2.13, ``N = 32``, medians, ms Gram / materialised, ratio ``S (I + O) / (I 
 Gram conv needs the unfolded patches). Bias: ``||db_n||^2 = ||sum_s g[n,s]||^2`` from an
 ``(N, O)`` tensor. A parameter used by several calls (a layer called twice, weights tied between
 layers) has gradient ``sum_calls dW_n``; its Gram form concatenates the calls' positions, which
-includes the cross terms between calls. Layers without a closed form here (norm layers,
-Embedding, recurrent, attention, transposed convs, the torch.func fallback, and a parameter tied
-across layer types) are materialised with their rule, one layer at a time, and reduced to
-norms at once.
+includes the cross terms between calls. Rules that give their gradients in factored form
+(:class:`~gradhooks.registry.Block`: recurrent layers and cells, with the time steps as
+positions; MultiheadAttention, with the tokens) are treated the same way, block by block: Gram
+form or materialised block per the same count, their replay run once per call for norms and
+clipped sum together. Layers without either (norm layers, Embedding, transposed convs, the
+torch.func fallback, and a parameter tied across layer types) are materialised with their
+rule, one layer at a time, and reduced to norms at once.
 
 **Clipping** (:func:`clip_and_accumulate`). DP-SGD (Abadi et al. 2016, arXiv:1607.00133,
 algorithm 1) needs ``sum_n c_n dtheta_n`` with ``c_n = min(1, C / ||dtheta_n||)``. Ghost
@@ -41,8 +44,8 @@ backward pass and, for Linear and Conv, no per-sample tensor::
     sum_n c_n dW_n = sum_{n,s} (c_n g[n,s]) a[n,s]^T     (one matmul / one conv weight-backward)
     sum_n c_n db_n = sum_{n,s} c_n g[n,s]
 
-Layers without a closed form are materialised a second time, one layer at a time, and reduced
-with the weights ``c_n`` at once.
+and per block for factored forms. Layers without either are materialised a second time, one
+layer at a time, and reduced with the weights ``c_n`` at once.
 
 **Checks.** As :meth:`~gradhooks.GradHooks.per_sample_grads` does (``check=True``: on each new
 call structure and every 100th read; ``check="always"``: every read; ``check=False``: never),
@@ -62,8 +65,9 @@ import torch
 from torch import Tensor, nn
 
 from .per_sample import (SUM_CHECK_PROBES, SUM_CHECK_RTOL, _probe_index, call_grads, check_sums,
-                         compute_dtype, reduction_scale)
-from .registry import GradHooksError, GradientMismatchError, HigherOrderGradError, NoBackwardError
+                         compute_dtype, from_blocks, reduction_scale, weight_grad)
+from .registry import (Block, GradHooksError, GradientMismatchError, HigherOrderGradError,
+                       NoBackwardError)
 from .rules.conv import ConvRule, pad_as_torch, weight_backward
 from .rules.linear import LinearRule, _batch_dim
 
@@ -76,6 +80,7 @@ CLIP_METHODS = ("ghost", "materialize")
 # How each parameter's per-sample norm and clipped sum are formed.
 _GRAM = "gram"          # Linear/Conv weight: Gram-form norm, closed-form clipped sum
 _CLOSED = "closed"      # Linear/Conv weight or bias: materialised norm, closed-form clipped sum
+_FORMS = "forms"        # rule with factored forms (recurrent, attention): per block as Linear
 _GENERIC = "generic"    # any other rule: materialised norm and clipped sum
 
 
@@ -188,6 +193,58 @@ def _weighted_closed(cap, names: List[str], c: Tensor, batch_first: bool) -> Dic
     return out
 
 
+class _Forms:
+    """The factored forms (:meth:`~gradhooks.registry.LayerRule.forms`) of the calls of rules
+    that have them, computed once per call (the rule's replay runs once for norms and clipped
+    sum together) and dropped with this object."""
+
+    def __init__(self, gh, plans: Dict[int, "_Param"]):
+        self.gh, self.plans, self.calls = gh, plans, {}
+
+    def of(self, cap) -> Dict[str, list]:
+        forms = self.calls.get(id(cap))
+        if forms is None:
+            layer = cap.layer
+            names = [n for n in cap.names if self.plans[id(layer.params[n])].kind == _FORMS]
+            forms = layer.rule.forms(layer.module, cap.a, _grads_arg(cap), self.gh.batch_first, names)
+            self.calls[id(cap)] = forms
+        return forms
+
+    def blocks(self, p: "_Param") -> Optional[list]:
+        """The parameter's blocks with the calls' positions concatenated (``a`` ``(N, S, I)``,
+        ``g`` ``(N, S, O)`` summed over calls: their cross terms are part of the norm), or
+        ``None`` if the calls' row blocks differ."""
+        per_call = [self.of(cap).get(local) for cap, local in p.entries]
+        per_call = [b for b in per_call if b is not None]
+        if not per_call:
+            return []
+        if len(per_call) == 1:
+            return per_call[0]
+        layout = [[(b.rows, b.a is None) for b in blocks] for blocks in per_call]
+        if any(x != layout[0] for x in layout[1:]):
+            return None
+        out = []
+        for parts in zip(*per_call):
+            dt = compute_dtype(*(t for b in parts for t in (b.a, b.g) if t is not None))
+            a = None if parts[0].a is None else torch.cat([b.a.to(dt) for b in parts], 1)
+            out.append(Block(parts[0].rows, a, torch.cat([b.g.to(dt) for b in parts], 1)))
+        return out
+
+    def materialised(self, p: "_Param", shape) -> Tensor:
+        """``(N, *param.shape)``, the sum over the parameter's calls (when their blocks differ)."""
+        total = None
+        for cap, local in p.entries:
+            blocks = self.of(cap).get(local)
+            if blocks:
+                t = from_blocks(blocks, (blocks[0].g.shape[0], *shape))
+                total = t if total is None else total.add_(t)
+        return total
+
+
+def _rows(t: Optional[Tensor], rows: Optional[slice]) -> Optional[Tensor]:
+    return t if t is None or rows is None else t[rows]
+
+
 # ------------------------------------------------------------------------------------- the plan
 class _Param:
     """One trainable parameter the backward reached: its calls and how it is handled."""
@@ -229,7 +286,9 @@ def _plan(gh) -> Tuple[Dict[int, _Param], Optional[float]]:
     batch = gh._batch_size
     for p in found.values():
         locals_ = {local for _, local in p.entries}
-        if len(locals_) == 1 and all(_closed_rule(cap.layer.rule) for cap, _ in p.entries):
+        if all(cap.layer.rule.has_forms for cap, _ in p.entries):
+            p.kind = _FORMS
+        elif len(locals_) == 1 and all(_closed_rule(cap.layer.rule) for cap, _ in p.entries):
             p.kind = _CLOSED
             if locals_ == {"weight"}:
                 sizes = [_sizes(cap, batch) for cap, _ in p.entries]
@@ -349,7 +408,7 @@ def _bias_grads(cap, batch_first: bool) -> Tensor:
     return g.reshape(g.shape[0], g.shape[1], -1).sum(-1)
 
 
-def _sq_norms(gh, plans: Dict[int, _Param]) -> Dict[int, Tensor]:
+def _sq_norms(gh, plans: Dict[int, _Param], forms: _Forms) -> Dict[int, Tensor]:
     """Squared per-sample norms ``(N,)`` of each parameter's gradient, UNSCALED (gradients of the
     reduced loss restricted to sample ``n``), running the sum checks when due
     (:func:`_check_due`)."""
@@ -358,7 +417,7 @@ def _sq_norms(gh, plans: Dict[int, _Param]) -> Dict[int, Tensor]:
     key = _check_due(gh)
     check = key is not None
     partial: Dict[int, Tensor] = {}  # materialised params with several calls, summed so far
-    left = {pid: len(p.entries) for pid, p in plans.items() if p.kind != _GRAM}
+    left = {pid: len(p.entries) for pid, p in plans.items() if p.kind not in (_GRAM, _FORMS)}
 
     def reduce(pid: int, t: Tensor, low: Optional[torch.dtype]) -> None:
         if pid in partial:
@@ -405,7 +464,7 @@ def _sq_norms(gh, plans: Dict[int, _Param]) -> Dict[int, Tensor]:
             kind = plans[pid].kind
             if kind == _CLOSED and local == "bias":
                 reduce(pid, _bias_grads(cap, gh.batch_first), cap.low)
-            elif kind != _GRAM:
+            elif kind not in (_GRAM, _FORMS):
                 rest.append(local)
         if rest:
             out = call_grads(layer.rule, layer.module, cap.a, _grads_arg(cap), gh.batch_first,
@@ -413,6 +472,8 @@ def _sq_norms(gh, plans: Dict[int, _Param]) -> Dict[int, Tensor]:
             for local, t in out.items():
                 reduce(id(layer.params[local]), t, cap.low)
     for pid, p in plans.items():
+        if p.kind == _FORMS:
+            _forms_sq_norm(gh, p, forms, sq, probes, projections, check)
         if p.kind != _GRAM or pid in done:
             continue
         forms = [_canonical(cap, gh.batch_first) for cap, _ in p.entries]
@@ -434,7 +495,70 @@ def _sq_norms(gh, plans: Dict[int, _Param]) -> Dict[int, Tensor]:
     return sq
 
 
-def _ghost_sums(gh, plans: Dict[int, _Param], c: Tensor, assign) -> None:
+def _forms_sq_norm(gh, p: _Param, forms: _Forms, sq, probes, projections, check: bool) -> None:
+    """Squared per-sample norm of a parameter given in factored form: per row block the Gram
+    form where :func:`use_gram` says it is cheaper, else the block materialised; sum checks on
+    each block's rows of autograd's gradient (projection for Gram blocks, probes otherwise)."""
+    pid, name = p.pid, p.name
+    low = next((cap.low for cap, _ in p.entries if cap.low is not None), None)
+    total = gh._param_grads.get(pid) if check else None
+    blocks = forms.blocks(p)
+    if blocks is None:  # the calls' row blocks differ: materialise, as any other rule
+        t = forms.materialised(p, gh._params[pid].shape)
+        sq[pid] = _sq(t.reshape(t.shape[0], -1), 1)
+        if check:
+            probes.append(_probed(name, t, total, low or t.dtype))
+        return
+    acc = None
+    for b in blocks:
+        n = b.g.shape[0]
+        if b.a is not None and use_gram(b.a.shape[1], b.a.shape[2], b.g.shape[2]):
+            a4, g4 = b.a.unsqueeze(1), b.g.unsqueeze(1)
+            part = gram_sq_norms(a4, g4)
+            if check:
+                if total is None:
+                    raise _no_total(name)
+                projections.append((name, _projection_terms(name, a4, g4, _rows(total, b.rows)),
+                                    low or a4.dtype))
+        else:
+            t = (b.g.sum(1) if b.a is None
+                 else weight_grad(b.a.unsqueeze(1), b.g.unsqueeze(1)).view(n, -1))
+            part = _sq(t, 1)
+            if check:
+                probes.append(_probed(name, t, _rows(total, b.rows), low or t.dtype))
+        acc = part if acc is None else acc + part
+    if acc is None:  # no block: a path of the layer no backward reached (norm 0)
+        param = gh._params[pid]
+        acc = torch.zeros(gh._batch_size, dtype=compute_dtype(param), device=param.device)
+    sq[pid] = acc
+
+
+def _forms_weighted(gh, p: _Param, forms: _Forms, c: Tensor) -> Tensor:
+    """``sum_n c_n d(param)_n`` of a parameter in factored form: per block one matmul
+    ``sum_{n,s} (c_n g[n,s]) a[n,s]^T`` (or ``sum_{n,s} c_n g[n,s]``), rows concatenated."""
+    shape = gh._params[p.pid].shape
+    blocks = forms.blocks(p)
+    if blocks is None:
+        t = forms.materialised(p, shape)
+        return torch.tensordot(c.to(t.dtype), t, 1)
+    if not blocks:  # no backward reached this path of the layer
+        return torch.zeros(shape, dtype=c.dtype, device=c.device)
+    parts = []
+    for b in blocks:
+        cw = c.to(b.g.dtype)
+        if b.a is None:
+            parts.append((cw @ b.g.sum(1)).reshape(b.g.shape[-1], -1))
+            continue
+        a, g = b.a, b.g
+        if a.shape[-1] < g.shape[-1]:
+            a = a * cw[:, None, None]
+        else:
+            g = g * cw[:, None, None]
+        parts.append(g.reshape(-1, g.shape[-1]).t() @ a.reshape(-1, a.shape[-1]))
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, 0)).reshape(shape)
+
+
+def _ghost_sums(gh, plans: Dict[int, _Param], c: Tensor, assign, forms: _Forms) -> None:
     """``sum_n c_n d(param)_n`` (unscaled per-sample gradients) for each parameter, from the
     records: closed forms for Linear/Conv, one materialised layer at a time otherwise. Calls
     ``assign(pid, sum)`` as soon as a parameter's sum is complete (so that its old ``.grad`` can
@@ -451,10 +575,15 @@ def _ghost_sums(gh, plans: Dict[int, _Param], c: Tensor, assign) -> None:
         else:
             assign(pid, t)
 
+    for pid, p in plans.items():
+        if p.kind == _FORMS:
+            assign(pid, _forms_weighted(gh, p, forms, c))
+    forms.calls.clear()
     for cap in gh._reached:
         layer = cap.layer
-        closed = [n for n in cap.names if plans[id(layer.params[n])].kind != _GENERIC]
-        generic = [n for n in cap.names if plans[id(layer.params[n])].kind == _GENERIC]
+        kinds = [plans[id(layer.params[n])].kind for n in cap.names]
+        closed = [n for n, k in zip(cap.names, kinds) if k in (_GRAM, _CLOSED)]
+        generic = [n for n, k in zip(cap.names, kinds) if k == _GENERIC]
         if closed:
             for local, t in _weighted_closed(cap, closed, c, gh.batch_first).items():
                 add(id(layer.params[local]), t)
@@ -496,7 +625,7 @@ def per_sample_grad_norms(gh, *, per_param: bool = False) -> Union[Tensor, Dict[
 
     plans, scale = _plan(gh)
     with _no_autocast():
-        sq = _sq_norms(gh, plans)
+        sq = _sq_norms(gh, plans, _Forms(gh, plans))
     factor = 1.0 if scale is None else scale
     if per_param:
         return {p.name: sq[pid].sqrt().mul_(factor) for pid, p in plans.items()}
@@ -534,10 +663,10 @@ def clip_and_accumulate(gh, max_norm: float, *, method: str = "ghost",
         gh: the :class:`~gradhooks.GradHooks` (called as ``gh.clip_and_accumulate(...)``).
         max_norm: ``C > 0``.
         method: ``"ghost"`` (default): norms by the Gram form where cheaper, clipped sums from
-            the records with one weighted contraction per Linear/Conv call (Li et al. 2022,
-            sec. 4; Bu et al. 2023, arXiv:2210.00038, book-keeping), layers without closed form
-            materialised one at a time (twice: once for the norms, once for the sum); peak memory
-            close to plain training. ``"materialize"``:
+            the records with one weighted contraction per Linear/Conv call and per block of
+            recurrent and attention layers (Li et al. 2022, sec. 4; Bu et al. 2023,
+            arXiv:2210.00038, book-keeping), other layers materialised one at a time (twice:
+            once for the norms, once for the sum); peak memory close to plain training. ``"materialize"``:
             :meth:`~gradhooks.GradHooks.per_sample_grads` (kept, and set as
             ``param.grad_sample``; runs its sum check), then the weighted sum. Both give the
             same result up to rounding.
@@ -588,14 +717,15 @@ def clip_and_accumulate(gh, max_norm: float, *, method: str = "ghost",
 
     with _no_autocast():
         if method == "ghost":
-            sq = _sq_norms(gh, plans)
+            forms = _Forms(gh, plans)
+            sq = _sq_norms(gh, plans, forms)
             norms = None
             for t in sq.values():
                 norms = t if norms is None else norms + t
             norms = norms.sqrt_().mul_(divisor)
             factors = (max_norm / norms).clamp_(max=1.0)
             # The records are the per-sample gradients divided by D: weighting them gives sum / D.
-            _ghost_sums(gh, plans, factors, assign)
+            _ghost_sums(gh, plans, factors, assign, forms)
         else:
             grads = gh.per_sample_grads()
             pids = {name: pid for pid, name in gh._names.items()}

@@ -102,6 +102,48 @@ def _tied_nobias():
     return model
 
 
+class DeepRNN(nn.Module):
+    """2-layer bidirectional LSTM with projections: one row block per weight, T positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(4, 5, num_layers=2, bidirectional=True, proj_size=3, batch_first=True)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0])
+
+
+class CellLoop(nn.Module):
+    """An LSTMCell called once per step: one parameter, T calls (positions concatenated)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.LSTMCell(4, 5)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x):
+        state = None
+        for t in range(x.shape[1]):
+            state = self.cell(x[:, t], state)
+        return self.head(state[0])
+
+
+class CrossAttention(nn.Module):
+    """Packed in_proj with key is value (two row blocks), and separate q/k/v weights with
+    bias_k/bias_v (bias-like blocks of one position)."""
+
+    def __init__(self):
+        super().__init__()
+        self.packed = nn.MultiheadAttention(6, 2, batch_first=True)
+        self.split = nn.MultiheadAttention(6, 3, kdim=4, vdim=4, add_bias_kv=True, batch_first=True)
+
+    def forward(self, x):
+        q, mem = x[:, :2], x[:, 2:]
+        y = self.packed(q, mem, mem, need_weights=False)[0]
+        return self.split(y, mem[..., :4], mem[..., 2:], need_weights=False)[0]
+
+
 # name: (model factory, input shape after the batch dim (or an input maker), batch_first)
 MODELS = {
     "mlp": (lambda: nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)), (5,), True),
@@ -120,6 +162,9 @@ MODELS = {
     "transformer": (lambda: nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True,
                                                                 norm_first=True),
                     (4, 8), True),
+    "deep_rnn": (DeepRNN, (5, 4), True),
+    "cell_loop": (CellLoop, (3, 4), True),
+    "cross_attention": (CrossAttention, (5, 6), True),
 }
 
 
@@ -363,24 +408,32 @@ def test_input_modified_in_place():
 
 
 @pytest.mark.parametrize("form", ["gram", "materialize"])
-@pytest.mark.parametrize("layer", ["linear", "conv"])
+@pytest.mark.parametrize("layer", ["linear", "conv", "lstm", "attention"])
 def test_functional_use_of_a_weight_is_caught(layer, form, monkeypatch):
     """A weight also used outside its module: the sum check refuses the norms and the clipping."""
     monkeypatch.setattr(dp, "use_gram", lambda *a: form == "gram")
     if layer == "linear":
         mod, x = nn.Linear(4, 4), torch.randn(3, 4)
         extra = lambda: (x @ mod.weight.T).square().sum()  # noqa: E731
-    else:
+    elif layer == "conv":
         mod, x = nn.Conv2d(2, 2, 3), torch.randn(3, 2, 5, 5)
         extra = lambda: mod.weight.square().sum()  # noqa: E731
+    elif layer == "lstm":  # factored forms (Block): a weight of a recurrent layer
+        mod, x = nn.LSTM(4, 4, batch_first=True, bias=False), torch.randn(3, 5, 4)
+        extra = lambda: mod.weight_hh_l0.square().sum()  # noqa: E731
+    else:
+        mod, x = nn.MultiheadAttention(4, 2, batch_first=True, bias=False), torch.randn(3, 5, 4)
+        extra = lambda: mod.in_proj_weight.square().sum()  # noqa: E731
+    call = {"lstm": lambda: mod(x)[0], "attention": lambda: mod(x, x, x)[0]}.get(layer, lambda: mod(x))
+    pname = {"lstm": "weight_hh_l0", "attention": "in_proj_weight"}.get(layer, "weight")
     with gradhooks.attach(mod) as gh:
-        (mod(x).square().sum() + extra()).backward()
-        with pytest.raises(gradhooks.GradientMismatchError, match="'weight' do not sum"):
+        (call().square().sum() + extra()).backward()
+        with pytest.raises(gradhooks.GradientMismatchError, match=f"'{pname}' do not sum"):
             gh.per_sample_grad_norms()
         with pytest.raises(gradhooks.GradientMismatchError):
             gh.clip_and_accumulate(1.0)
     with gradhooks.attach(mod, check=False) as gh:  # the check is what catches it
-        (mod(x).square().sum() + extra()).backward()
+        (call().square().sum() + extra()).backward()
         gh.per_sample_grad_norms()
 
 
