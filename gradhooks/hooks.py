@@ -428,8 +428,12 @@ class GradHooks:
             # and indices) are kept so that the grad structure rebuilds; the others start as None.
             fill = [t if isinstance(t, Tensor) and not t.is_floating_point() and not t.is_complex()
                     else None for t in leaves]
-            cap = _Capture(layer, Call(_detached(tuple(args)), _detached(dict(kwargs))), names,
-                           self._step, spec, fill)
+            found = rule.internal(module, args, kwargs, output)
+            cap = _Capture(layer, Call(_detached(tuple(args)), _detached(dict(kwargs)),
+                                       None if found is None else found[1]),
+                           names, self._step, spec, fill)
+            if found is not None:
+                found[0].register_hook(functools.partial(self._on_internal, found[1]))
             for i in reached:
                 _on_grad(leaves[i], functools.partial(self._on_grad_output, cap, i))
         else:
@@ -467,6 +471,17 @@ class GradHooks:
         self._backward_seen = True
         if self._result is not None:
             self._drop_result()
+        return None
+
+    def _on_internal(self, saved: dict, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        # Post-hook on a node a rule asked for (LayerRule.internal): sum its input gradients.
+        if _PAUSED:
+            return None
+        prev = saved.get("grad_inputs")
+        new = tuple(None if t is None else t.detach() for t in grad_inputs)
+        if prev is not None:
+            new = tuple(b if a is None else a if b is None else a + b for a, b in zip(prev, new))
+        saved["grad_inputs"] = new
         return None
 
     def _watch_param(self, p: nn.Parameter) -> None:

@@ -250,6 +250,10 @@ def call_grads(rule, module: nn.Module, a, grads, batch_first: bool,
     if rule.multi_io:
         if scale is not None:
             grads = tree_map(lambda t: t * scale if isinstance(t, Tensor) else t, grads)
+            inner = a.internal.get("grad_inputs") if a.internal else None
+            if inner is not None:  # gradients recorded inside the call (LayerRule.internal)
+                a = a._replace(internal={**a.internal, "grad_inputs": tuple(
+                    None if t is None else t * scale for t in inner)})
         return rule.per_sample_grads(module, a, grads, batch_first, names)
     g = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
     if a.dtype != g.dtype or a.dtype in _LOW_PRECISION:

@@ -92,11 +92,13 @@ class Call(NamedTuple):
     """The inputs of one recorded call of a ``multi_io`` rule's module: ``module(*args, **kwargs)``.
 
     Tensors are detached copies (sharing storage) of what the module received; other values
-    (ints, ``None``, ``PackedSequence`` fields ...) are kept as they were.
+    (ints, ``None``, ``PackedSequence`` fields ...) are kept as they were. ``internal``: what
+    the rule's :meth:`LayerRule.internal` asked to record for this call (``None`` otherwise).
     """
 
     args: Tuple[Any, ...]
     kwargs: Dict[str, Any]
+    internal: Optional[Dict[str, Any]] = None
 
 
 class Block(NamedTuple):
@@ -183,6 +185,20 @@ class LayerRule:
             BatchSizeError: if ``x`` has no batch dimension (an unbatched input).
         """
         raise NotImplementedError
+
+    def internal(self, module: nn.Module, args: tuple, kwargs: dict, output) -> Optional[tuple]:
+        """Optional, ``multi_io`` rules: an autograd node inside this call's graph whose input
+        gradients the rule wants, so that it need not replay the call to get them.
+
+        Called by the forward hook with the call's arguments and output (graph alive). Returns
+        ``None`` (default: nothing to record) or ``(node, saved)``: the hook manager registers
+        a post-hook on ``node`` and stores in the dict ``saved`` under ``"grad_inputs"`` the
+        node's input gradients (``Node.register_hook``'s ``grad_inputs``, detached, summed over
+        backward passes; absent if no backward reached the node). ``saved`` may also hold
+        forward values the rule takes from the graph now (e.g. a node's saved tensors, which
+        the backward frees). The rule receives it as ``a.internal`` (:class:`Call`).
+        """
+        return None
 
     #: ``True`` if the rule implements :meth:`forms`.
     has_forms: bool = False

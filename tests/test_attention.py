@@ -409,3 +409,33 @@ def test_out_proj_used_outside_the_module_fails_the_sum_check():
         with pytest.raises(gradhooks.GradientMismatchError, match="out_proj"):
             gh.per_sample_grads()
 
+
+
+@pytest.mark.parametrize("batch", [1, 3], ids=["B1", "B3"])
+def test_attention_core_gradients_taken_from_the_graph(batch, dtype):
+    """need_weights=False: the rule takes the gradients w.r.t. q, k, v from the
+    scaled_dot_product_attention node instead of replaying the call; two backward passes
+    through one forward (retain_graph) sum, as in the loop."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, H, batch_first=True).to(dtype)
+    x = torch.randn(batch, 5, E, dtype=dtype)
+
+    def losses(xb):
+        y = mha(xb, xb, xb, need_weights=False)[0]
+        return y.square().sum(), y.sin().sum()
+
+    ref = {n: torch.zeros(batch, *p.shape, dtype=dtype) for n, p in mha.named_parameters()}
+    for i in range(batch):
+        l1, l2 = losses(x[i:i + 1])
+        for (n, _), g in zip(mha.named_parameters(), torch.autograd.grad(l1 + l2, list(mha.parameters()))):
+            ref[n][i] = g
+    with gradhooks.attach(mha, loss_reduction="sum") as gh:
+        l1, l2 = losses(x)
+        l1.backward(retain_graph=True)
+        l2.backward()
+        cap = gh._reached[0]
+        assert cap.a.internal is not None and cap.a.internal.get("grad_inputs") is not None
+        ours = gh.per_sample_grads()
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    for n, r in ref.items():
+        assert (ours[n] - r).abs().max() <= tol * r.abs().max(), n

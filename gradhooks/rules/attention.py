@@ -65,6 +65,41 @@ def _same(x: Tensor, y: Tensor) -> bool:
             and x.dtype == y.dtype)
 
 
+def _find_node(start, stop: set, prefix: str, limit: int = 64):
+    """Breadth-first from the autograd node ``start`` towards the inputs, not past the nodes
+    whose ids are in ``stop`` (the module inputs' ``grad_fn``): the first node whose type name
+    starts with ``prefix``, or ``None`` (also after ``limit`` nodes)."""
+    seen, frontier = set(), [start]
+    while frontier and len(seen) < limit:
+        node = frontier.pop(0)
+        if node is None or id(node) in seen or id(node) in stop:
+            continue
+        seen.add(id(node))
+        if type(node).__name__.startswith(prefix):
+            return node
+        frontier.extend(f for f, _ in node.next_functions)
+    return None
+
+
+def _from_graph(internal, g_y, g_w, groups, n: int, embed: int, dt):
+    """``(c, g_leaves)`` from what :meth:`MultiheadAttentionRule.internal` recorded: the
+    attention output ``c`` ``(N, L, E)`` (input of ``out_proj``) and, per group of projections,
+    the gradient w.r.t. its output ``(N, L_x, rows)`` -- or ``None`` when the call was not
+    recorded that way or a needed gradient is missing (the rule then replays)."""
+    if not internal or g_w is not None or g_y is None:
+        return None
+    grads = internal.get("grad_inputs")
+    if grads is None or len(grads) < 3 or any(t is None for t in grads[:3]):
+        return None
+
+    def tokens(t: Tensor) -> Tensor:  # (N, H, L, head_dim) -> (N, L, E)
+        return t.permute(0, 2, 1, 3).reshape(n, -1, embed).to(dt)
+
+    d = [tokens(t) for t in grads[:3]]
+    g_leaves = [d[grp[0]] if len(grp) == 1 else torch.cat([d[i] for i in grp], -1) for grp in groups]
+    return tokens(internal["attn_output"]), g_leaves
+
+
 def _mask(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     """A mask as torch's ``_canonical_mask`` makes it: bool ``True`` -> ``-inf``, float added as is."""
     if mask is None:
@@ -235,9 +270,14 @@ class MultiheadAttentionRule(LayerRule):
                 groups.append([i])
         xs = [x.to(dt) for x in xs]
         want_in = any(nm in names for nm in self.param_names)
-        with torch.enable_grad() if want_in else torch.no_grad():
-            leaves, bias_leaves, (c, weights) = self._replay(module, arg, xs, p, groups, want_in)
         out: Dict[str, List[Block]] = {}
+        taken = _from_graph(a.internal, g_y, g_w, groups, n, embed, dt)
+        if taken is not None:  # the attention core's gradients, recorded in the backward
+            c, g_leaves = taken
+            bias_leaves, found = [], ()
+        else:  # replay the projections and the attention core
+            with torch.enable_grad() if want_in else torch.no_grad():
+                leaves, bias_leaves, (c, weights) = self._replay(module, arg, xs, p, groups, want_in)
         if g_y is not None:
             g_y = g_y.to(dt)
             if "out_proj.weight" in names:
@@ -246,15 +286,16 @@ class MultiheadAttentionRule(LayerRule):
                 out["out_proj.bias"] = [Block(None, None, g_y)]
         if not want_in:
             return out
-        outputs, grads = [], []
-        if g_y is not None:
-            outputs.append(c)
-            grads.append(g_y @ p["out_proj.weight"])  # gradient w.r.t. c
-        if g_w is not None:
-            outputs.append(weights)
-            grads.append(g_w.to(dt))
-        found = torch.autograd.grad(outputs, leaves + bias_leaves, grads, materialize_grads=True)
-        g_leaves = found[:len(leaves)]
+        if taken is None:
+            outputs, grads = [], []
+            if g_y is not None:
+                outputs.append(c)
+                grads.append(g_y @ p["out_proj.weight"])  # gradient w.r.t. c
+            if g_w is not None:
+                outputs.append(weights)
+                grads.append(g_w.to(dt))
+            found = torch.autograd.grad(outputs, leaves + bias_leaves, grads, materialize_grads=True)
+            g_leaves = found[:len(leaves)]
         # the value path (v_proj_weight, bias_v) is not reached when only the weights enter the loss
         reached = {"bias_v": g_y is not None, "v_proj_weight": g_y is not None}
         if bias_leaves:
@@ -268,6 +309,35 @@ class MultiheadAttentionRule(LayerRule):
         if "in_proj_bias" in names:
             out["in_proj_bias"] = [Block(r, None, gl) for r, gl in zip(rows, g_leaves)]
         return {nm: t for nm, t in out.items() if nm in names and reached.get(nm, True)}
+
+    def internal(self, module: nn.Module, args: tuple, kwargs: dict, output) -> Optional[tuple]:
+        """The ``scaled_dot_product_attention`` node of this call, when torch computed the
+        attention core with it (``need_weights=False``, no ``bias_k``/``bias_v``, no
+        ``add_zero_attn``): its input gradients are the gradients w.r.t. the projected
+        ``q, k, v`` and its saved output is the input of ``out_proj``, so the rule need not
+        replay the call. ``None`` otherwise (the rule replays)."""
+        if module.bias_k is not None or module.add_zero_attn:
+            return None
+        call = _FORWARD.bind(module, *args, **kwargs)
+        call.apply_defaults()
+        arg = call.arguments
+        y = output[0] if isinstance(output, tuple) else None
+        if arg["need_weights"] or not isinstance(y, Tensor) or y.grad_fn is None:
+            return None
+        inputs = {id(t.grad_fn) for t in (arg["query"], arg["key"], arg["value"])
+                  if isinstance(t, Tensor) and t.grad_fn is not None}
+        node = _find_node(y.grad_fn, inputs, "ScaledDotProduct")
+        if node is None:
+            return None
+        try:
+            attn = node._saved_output
+        except (AttributeError, RuntimeError):
+            return None
+        q = arg["query"]
+        n, length = (q.shape[0], q.shape[1]) if module.batch_first else (q.shape[1], q.shape[0])
+        if tuple(attn.shape) != (n, module.num_heads, length, module.head_dim):
+            return None
+        return node, {"attn_output": attn.detach()}
 
     @staticmethod
     def _replay(module, arg, xs, p, groups, want_in):
