@@ -20,6 +20,7 @@ from .kfac import KFACFactors, UnsupportedLossError, kfac
 from .reference import Comparison, ParamError, compare, looped_per_sample_grads, max_rel_error
 from .registry import (
     BatchSizeError,
+    Block,
     Call,
     FallbackWarning,
     GradHooksError,
@@ -50,6 +51,7 @@ __all__ = [
     "supported_types",
     "LayerRule",
     "Call",
+    "Block",
     "GradHooksError",
     "UnsupportedModuleError",
     "BatchSizeError",
