@@ -259,13 +259,21 @@ def call_grads(rule, module: nn.Module, a, grads, batch_first: bool,
     if a.dtype != g.dtype or a.dtype in _LOW_PRECISION:
         dt = compute_dtype(a, g)
         a, g = a.to(dt), g.to(dt)
+    if scale is None:
+        return rule.per_sample_grads(module, a, g, batch_first, names)
     out_numel = g.shape[0] * sum(getattr(module, n).numel() for n in names)
-    scale_g = scale is not None and g.numel() <= out_numel
-    if scale_g:
+    # The results are linear in g, and for rules with ``weight_linear_in_input`` the weight's
+    # is linear in a too (the bias's does not depend on a): scale the smallest of a, g and the
+    # results (a Transformer's Linear on (B, T, 128) -> 512: a, 4x smaller than g).
+    scale_a = rule.weight_linear_in_input and a.numel() < min(g.numel(), out_numel)
+    scale_g = not scale_a and g.numel() <= out_numel
+    if scale_a:
+        a = a * scale
+    elif scale_g:
         g = g * scale
     out = rule.per_sample_grads(module, a, g, batch_first, names)
-    if scale is not None and not scale_g:
-        for t in out.values():
+    for name, t in out.items():
+        if not (scale_g or (scale_a and name == "weight")):
             t.mul_(scale)  # rules return tensors they own
     return out
 

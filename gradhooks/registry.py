@@ -200,6 +200,11 @@ class LayerRule:
         """
         return None
 
+    #: ``True`` if the ``weight`` result is linear in the input activations ``a`` and the
+    #: ``bias`` result does not depend on them (Linear, Conv): the ``loss_reduction`` scale may
+    #: then be applied to ``a`` when it is the smallest tensor.
+    weight_linear_in_input: bool = False
+
     #: ``True`` if the rule implements :meth:`forms`.
     has_forms: bool = False
 

@@ -179,6 +179,8 @@ class ConvRule(LayerRule):
     The batch dim is always dim 0 (torch's convolution layout), whatever ``batch_first``.
     """
 
+    weight_linear_in_input = True
+
     #: ``"auto"`` (per call, :func:`choose_method`), ``"conv"`` or ``"unfold"``.
     method = "auto"
 

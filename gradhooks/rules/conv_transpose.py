@@ -114,6 +114,8 @@ class ConvTransposeRule(LayerRule):
         BatchSizeError: an unbatched input ``(C_in, *X)``.
     """
 
+    weight_linear_in_input = True
+
     #: ``"auto"`` (per call, :func:`~gradhooks.rules.conv.choose_method` on the output positions),
     #: ``"conv"`` or ``"unfold"``.
     method = "auto"

@@ -28,6 +28,8 @@ class LinearRule(LayerRule):
     weight-sharing positions summed per sample.
     """
 
+    weight_linear_in_input = True
+
     def batch_size(self, module: nn.Module, x: Tensor, batch_first: bool) -> int:
         if x.dim() < 2:
             raise BatchSizeError(
