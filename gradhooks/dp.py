@@ -168,14 +168,21 @@ def _conv_weight_sum(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
     return weight_backward(module, x, g, padding, per_sample=False)
 
 
-def _weighted_closed(cap, names: List[str], c: Tensor, batch_first: bool) -> Dict[str, Tensor]:
+def _no_dest(pid: int, dtype: torch.dtype) -> Optional[Tensor]:
+    return None
+
+
+def _weighted_closed(cap, names: List[str], c: Tensor, batch_first: bool,
+                     dest=_no_dest) -> Dict[str, Tensor]:
     """``sum_n c_n d(param)_n`` for the Linear/Conv parameters ``names`` of one call, from the
     records (no per-sample tensor; the weights ``c (N,)`` scale the smaller of the activations and
-    the grad_outputs). Shapes: the parameters'."""
+    the grad_outputs). Shapes: the parameters'. ``dest(id(param), dtype)``: a tensor of the
+    parameter's shape to write a Linear's result into, or ``None`` (a new tensor)."""
     a, g = cap.a, _summed_grad(cap)
     dt = compute_dtype(a, g)
     a, g, c = a.to(dt), g.to(dt), c.to(dt)
     linear = type(cap.layer.rule) is LinearRule
+    params = cap.layer.params
     out = {}
     if "weight" in names:
         shape = [1] * g.dim()
@@ -185,11 +192,12 @@ def _weighted_closed(cap, names: List[str], c: Tensor, batch_first: bool) -> Dic
         else:
             g = g * c.view(shape)
         if linear:  # sum over samples and positions, in any order
-            out["weight"] = g.reshape(-1, g.shape[-1]).t() @ a.reshape(-1, a.shape[-1])
+            out["weight"] = torch.mm(g.reshape(-1, g.shape[-1]).t(), a.reshape(-1, a.shape[-1]),
+                                     out=dest(id(params["weight"]), dt))
         else:
             out["weight"] = _conv_weight_sum(cap.layer.module, a, g)
     if "bias" in names:
-        out["bias"] = c @ _bias_grads(cap, batch_first)
+        out["bias"] = torch.mv(_bias_grads(cap, batch_first).t(), c, out=dest(id(params["bias"]), dt))
     return out
 
 
@@ -533,9 +541,10 @@ def _forms_sq_norm(gh, p: _Param, forms: _Forms, sq, probes, projections, check:
     sq[pid] = acc
 
 
-def _forms_weighted(gh, p: _Param, forms: _Forms, c: Tensor) -> Tensor:
+def _forms_weighted(gh, p: _Param, forms: _Forms, c: Tensor, dest=_no_dest) -> Tensor:
     """``sum_n c_n d(param)_n`` of a parameter in factored form: per block one matmul
-    ``sum_{n,s} (c_n g[n,s]) a[n,s]^T`` (or ``sum_{n,s} c_n g[n,s]``), rows concatenated."""
+    ``sum_{n,s} (c_n g[n,s]) a[n,s]^T`` (or ``sum_{n,s} c_n g[n,s]``), rows concatenated;
+    written into ``dest(id(param), dtype)`` when that gives a tensor (one block only)."""
     shape = gh._params[p.pid].shape
     blocks = forms.blocks(p)
     if blocks is None:
@@ -547,24 +556,45 @@ def _forms_weighted(gh, p: _Param, forms: _Forms, c: Tensor) -> Tensor:
     for b in blocks:
         cw = c.to(b.g.dtype)
         if b.a is None:
-            parts.append((cw @ b.g.sum(1)).reshape(b.g.shape[-1], -1))
+            parts.append((b.g.sum(1).t(), cw))  # (O, N) @ (N,)
             continue
         a, g = b.a, b.g
         if a.shape[-1] < g.shape[-1]:
             a = a * cw[:, None, None]
         else:
             g = g * cw[:, None, None]
-        parts.append(g.reshape(-1, g.shape[-1]).t() @ a.reshape(-1, a.shape[-1]))
-    return (parts[0] if len(parts) == 1 else torch.cat(parts, 0)).reshape(shape)
+        parts.append((g.reshape(-1, g.shape[-1]).t(), a.reshape(-1, a.shape[-1])))
+    if len(parts) == 1:
+        m, v = parts[0]
+        into = dest(p.pid, m.dtype)
+        if into is not None:
+            into = into.view(m.shape[0], *v.shape[1:])
+        return torch.matmul(m, v, out=into).view(shape)
+    return torch.cat([(m @ v).reshape(m.shape[0], -1) for m, v in parts], 0).reshape(shape)
 
 
 def _ghost_sums(gh, plans: Dict[int, _Param], c: Tensor, assign, forms: _Forms) -> None:
     """``sum_n c_n d(param)_n`` (unscaled per-sample gradients) for each parameter, from the
     records: closed forms for Linear/Conv, one materialised layer at a time otherwise. Calls
     ``assign(pid, sum)`` as soon as a parameter's sum is complete (so that its old ``.grad`` can
-    be freed before the next layer is processed)."""
+    be freed before the next layer is processed). Linear weights and biases and single-block
+    factored forms are written straight into the parameter's ``.grad`` when it has the
+    parameter's shape, the computation's dtype and a contiguous layout (no second tensor of the
+    parameter's size: ghost clipping's peak stays at plain training's)."""
     left = {pid: len(p.entries) for pid, p in plans.items()}
     partial: Dict[int, Tensor] = {}
+    offered: set = set()
+
+    def dest(pid: int, dtype: torch.dtype) -> Optional[Tensor]:
+        # The parameter's current .grad, for its first contribution only (later ones add to it).
+        if pid in offered:
+            return None
+        offered.add(pid)
+        grad = gh._params[pid].grad
+        if (grad is None or grad.dtype != dtype or grad.layout != torch.strided
+                or grad.shape != gh._params[pid].shape or not grad.is_contiguous()):
+            return None
+        return grad
 
     def add(pid: int, t: Tensor) -> None:  # ``t`` is a new tensor
         if pid in partial:
@@ -577,7 +607,7 @@ def _ghost_sums(gh, plans: Dict[int, _Param], c: Tensor, assign, forms: _Forms) 
 
     for pid, p in plans.items():
         if p.kind == _FORMS:
-            assign(pid, _forms_weighted(gh, p, forms, c))
+            assign(pid, _forms_weighted(gh, p, forms, c, dest))
     forms.calls.clear()
     for cap in gh._reached:
         layer = cap.layer
@@ -585,13 +615,15 @@ def _ghost_sums(gh, plans: Dict[int, _Param], c: Tensor, assign, forms: _Forms) 
         closed = [n for n, k in zip(cap.names, kinds) if k in (_GRAM, _CLOSED)]
         generic = [n for n, k in zip(cap.names, kinds) if k == _GENERIC]
         if closed:
-            for local, t in _weighted_closed(cap, closed, c, gh.batch_first).items():
+            for local, t in _weighted_closed(cap, closed, c, gh.batch_first, dest).items():
                 add(id(layer.params[local]), t)
         if generic:
             out = call_grads(layer.rule, layer.module, cap.a, _grads_arg(cap), gh.batch_first,
                              generic, None)
             for local, t in out.items():
-                add(id(layer.params[local]), torch.tensordot(c.to(t.dtype), t, 1))
+                pid = id(layer.params[local])
+                offered.add(pid)
+                add(pid, torch.tensordot(c.to(t.dtype), t, 1))
 
 
 # ------------------------------------------------------------------------------------- public API
@@ -655,9 +687,13 @@ def clip_and_accumulate(gh, max_norm: float, *, method: str = "ghost",
 
     **param.grad is overwritten**, whatever autograd accumulated into it (the unclipped batch
     gradient, and anything earlier): for gradient accumulation over several batches, sum the
-    results yourself. Trainable parameters the backward did not reach get the clipped sum 0 plus
-    the noise (DP requires noise on every released coordinate); frozen parameters
-    (``requires_grad=False``) are left alone.
+    results yourself. With ``method="ghost"`` Linear parameters and those of recurrent and
+    attention layers are written into the existing ``.grad`` tensor where it has the
+    parameter's shape, dtype and a contiguous layout (like ``torch.nn.utils.clip_grad_norm_``,
+    in place: a reference to the old ``.grad`` sees the new values), so that no second
+    gradient-sized tensor is allocated; the others get a new tensor. Trainable parameters the
+    backward did not reach get the clipped sum 0 plus the noise (DP requires noise on every
+    released coordinate); frozen parameters (``requires_grad=False``) are left alone.
 
     Args:
         gh: the :class:`~gradhooks.GradHooks` (called as ``gh.clip_and_accumulate(...)``).
@@ -712,7 +748,8 @@ def clip_and_accumulate(gh, max_norm: float, *, method: str = "ghost",
 
     def assign(pid: int, t: Tensor) -> None:
         p = gh._params[pid]
-        p.grad = t.to(p.dtype)  # replaces (frees) autograd's gradient right away
+        if p.grad is None or t.data_ptr() != p.grad.data_ptr():  # else written into it already
+            p.grad = t.to(p.dtype)  # replaces (frees) autograd's gradient right away
         assigned.add(pid)
 
     with _no_autocast():

@@ -502,3 +502,24 @@ def test_dp_sgd_example_runs():
     first = float(re.search(r"materialize after step 1: (\S+)", out)[1])
     diff = float(re.search(r"ghost vs materialize: (\S+) after 3 steps", out)[1])
     assert first < 1e-6 and diff < 1e-5, out
+
+
+def test_ghost_clipping_writes_into_the_existing_grad():
+    """Ghost clipping writes Linear and LSTM sums into the .grad autograd made (no second
+    gradient-sized tensor), with the same values as the materialised method."""
+    torch.manual_seed(0)
+    model = TiedLM().double()
+    x = torch.randint(0, 11, (4, 5))
+    results = {}
+    for method in dp.CLIP_METHODS:
+        with gradhooks.attach(model) as gh:
+            model.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            before = {n: p.grad.data_ptr() for n, p in model.named_parameters()}
+            gh.clip_and_accumulate(0.1, method=method)
+            results[method] = {n: p.grad.clone() for n, p in model.named_parameters()}
+            if method == "ghost":
+                same = {n for n, p in model.named_parameters() if p.grad.data_ptr() == before[n]}
+                assert {"rnn.weight_ih_l0", "rnn.weight_hh_l0", "rnn.bias_ih_l0", "head.bias"} <= same
+    for n, t in results["ghost"].items():
+        torch.testing.assert_close(t, results["materialize"][n], rtol=1e-10, atol=1e-12)
