@@ -561,13 +561,22 @@ def memory_child(spec: dict) -> dict:
     return out
 
 
+#: bytes; allocations from this size up are mmapped by glibc and returned to the OS when freed.
+MMAP_THRESHOLD = 128 * 1024
+
+
 def measure_memory(workload: str, key: str, batch: int, threads: int, device: str,
                    seed: int) -> dict:
     spec = {"workload": workload, "method": key, "batch": batch, "threads": threads,
             "device": device, "seed": seed}
     try:
+        # A fixed mmap threshold: glibc's default raises it after each large free, so that
+        # later tensors of that size come from the heap and stay resident after they are freed
+        # (RSS then counts dead tensors; the same setting for every method).
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-child",
-                               json.dumps(spec)], capture_output=True, text=True, timeout=1800)
+                               json.dumps(spec)], capture_output=True, text=True, timeout=1800,
+                              env=env)
     except subprocess.TimeoutExpired:
         return {"status": "error", "detail": "memory subprocess timed out"}
     lines = proc.stdout.strip().splitlines()
