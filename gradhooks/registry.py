@@ -240,9 +240,17 @@ class LayerRule:
             ``{name: tensor of shape (B, *param.shape)}``; entry ``n`` is ``d loss / d param``
             restricted to sample ``n`` (no ``loss_reduction`` scaling: that is applied once, in
             :mod:`gradhooks.per_sample`). The tensors must be new (owned by the caller, which
-            scales them in place), never views of ``a`` or ``g``.
+            scales them in place), never views of ``a`` or ``g``. Default for rules with
+            :attr:`has_forms`: :meth:`forms` materialised by
+            :func:`gradhooks.per_sample.from_blocks`.
         """
-        raise NotImplementedError
+        if not self.has_forms:
+            raise NotImplementedError
+        from .per_sample import from_blocks  # (per_sample imports this module)
+
+        params = self.params_of(module)
+        return {name: from_blocks(blocks, (blocks[0].g.shape[0], *params[name].shape))
+                for name, blocks in self.forms(module, a, g, batch_first, names).items()}
 
 
 _RULES: Dict[Type[nn.Module], LayerRule] = {}

@@ -56,7 +56,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..per_sample import from_blocks
 from ..registry import BatchSizeError, Block, Call, LayerRule, UnsupportedCallError, register_rule
 
 __all__ = ["MultiheadAttentionRule"]
@@ -233,13 +232,7 @@ class MultiheadAttentionRule(LayerRule):
             )
         return x.shape[0 if module.batch_first else 1]
 
-    has_forms = True
-
-    def per_sample_grads(self, module: nn.Module, a: Call, g, batch_first: bool,
-                         names: Iterable[str]) -> Dict[str, Tensor]:
-        params = self.params_of(module)
-        return {nm: from_blocks(blocks, (blocks[0].g.shape[0], *params[nm].shape))
-                for nm, blocks in self.forms(module, a, g, batch_first, names).items()}
+    has_forms = True  # per_sample_grads: LayerRule's, from forms()
 
     def forms(self, module: nn.Module, a: Call, g, batch_first: bool,
               names: Iterable[str]) -> Dict[str, List[Block]]:

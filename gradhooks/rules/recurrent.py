@@ -76,7 +76,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from ..per_sample import compute_dtype, from_blocks
+from ..per_sample import compute_dtype
 from ..registry import BatchSizeError, Block, Call, LayerRule, UnsupportedCallError, register_rule
 
 __all__ = ["RecurrentRule", "RecurrentCellRule"]
@@ -461,12 +461,6 @@ def _lstm_cell_h_uses_c(device: torch.device, dtype: torch.dtype) -> bool:
         return torch.autograd.grad(h.sum(), c, allow_unused=True)[0] is not None
 
 
-def _materialise(module: nn.Module, forms: Dict[str, List[Block]]) -> Dict[str, Tensor]:
-    """``{name: (B, *param.shape)}`` from the rules' factored forms."""
-    return {name: from_blocks(blocks, (blocks[0].g.shape[0], *getattr(module, name).shape))
-            for name, blocks in forms.items()}
-
-
 # --------------------------------------------------------------------------- rules
 @register_rule(nn.LSTM, nn.GRU, nn.RNN)
 class RecurrentRule(LayerRule):
@@ -510,11 +504,7 @@ class RecurrentRule(LayerRule):
             raise _unbatched(module, x)
         return x.shape[0 if module.batch_first else 1]
 
-    has_forms = True
-
-    def per_sample_grads(self, module: nn.Module, a: Call, g, batch_first: bool,
-                         names: Iterable[str]) -> Dict[str, Tensor]:
-        return _materialise(module, self.forms(module, a, g, batch_first, names))
+    has_forms = True  # per_sample_grads: LayerRule's, from forms()
 
     def forms(self, module: nn.Module, a: Call, g, batch_first: bool,
               names: Iterable[str]) -> Dict[str, List[Block]]:
@@ -588,11 +578,7 @@ class RecurrentCellRule(LayerRule):
             raise _unbatched(module, x)
         return x.shape[0]
 
-    has_forms = True
-
-    def per_sample_grads(self, module: nn.Module, a: Call, g, batch_first: bool,
-                         names: Iterable[str]) -> Dict[str, Tensor]:
-        return _materialise(module, self.forms(module, a, g, batch_first, names))
+    has_forms = True  # per_sample_grads: LayerRule's, from forms()
 
     def forms(self, module: nn.Module, a: Call, g, batch_first: bool,
               names: Iterable[str]) -> Dict[str, List[Block]]:
