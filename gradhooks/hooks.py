@@ -387,9 +387,7 @@ class GradHooks:
             if any(_is_functorch_wrapped(t) for t in _tensors((args, kwargs))):
                 return
         else:
-            if output.__class__ is not Tensor and not isinstance(output, Tensor):
-                return
-            if not output.requires_grad:
+            if not isinstance(output, Tensor) or not output.requires_grad:
                 return
             x = args[0] if args else next(iter(kwargs.values()), None)
             if not isinstance(x, Tensor) or _is_functorch_wrapped(x):
