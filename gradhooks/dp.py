@@ -64,7 +64,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .per_sample import (SUM_CHECK_PROBES, SUM_CHECK_RTOL, _probe_index, call_grads, check_sums,
+from .per_sample import (SUM_CHECK_RTOL, GradTotal, bilinear_directions, call_grads, check_sums,
                          compute_dtype, from_blocks, reduction_scale, weight_grad)
 from .registry import (Block, GradHooksError, GradientMismatchError, HigherOrderGradError,
                        NoBackwardError)
@@ -249,10 +249,6 @@ class _Forms:
         return total
 
 
-def _rows(t: Optional[Tensor], rows: Optional[slice]) -> Optional[Tensor]:
-    return t if t is None or rows is None else t[rows]
-
-
 # ------------------------------------------------------------------------------------- the plan
 class _Param:
     """One trainable parameter the backward reached: its calls and how it is handled."""
@@ -325,16 +321,6 @@ def _check_due(gh) -> Optional[tuple]:
 
 
 # ------------------------------------------------------------------------------------- checks
-@functools.lru_cache(maxsize=64)
-def _projection(groups: int, fan_in: int, fan_out: int, dtype: torch.dtype,
-                device: torch.device) -> Tuple[Tensor, Tensor, float]:
-    # Fixed random directions u (G, I, 1), v (G, O, 1) and ||u|| ||v||.
-    gen = torch.Generator().manual_seed(20240501)
-    u = torch.randn(groups, fan_in, 1, generator=gen, dtype=torch.float64)
-    v = torch.randn(groups, fan_out, 1, generator=gen, dtype=torch.float64)
-    return u.to(device, dtype), v.to(device, dtype), float(u.norm() * v.norm())
-
-
 def _no_total(name: str) -> GradientMismatchError:
     return GradientMismatchError(
         f"grad_outputs were recorded for the module owning {name!r}, but autograd computed no "
@@ -344,25 +330,35 @@ def _no_total(name: str) -> GradientMismatchError:
     )
 
 
-def _projection_terms(name: str, a: Tensor, g: Tensor, total: Optional[Tensor]) -> Tensor:
+def _projection_terms(name: str, a: Tensor, g: Tensor, total: Optional[GradTotal],
+                      rows: Optional[slice] = None) -> Tensor:
     """Sum check of a Gram-form weight on a random rank-one projection (module docstring):
-    ``(got, ref, bound)``, with ``got = sum_{n,g,s} (a . u)(g . v)`` from the records,
-    ``ref = sum_g v_g^T total[g] u_g`` from autograd's gradient ``total``, and ``bound`` the
-    scale of the rounding errors of both (``sum |a . u||g . v| + ||total|| ||u|| ||v||``).
+    ``(got, ref, bound)``, with ``got = sum_{n,g,s} (a . u)(g . v_g)`` from the records,
+    ``ref = v^T W u`` from autograd's gradient ``W`` (viewed as ``(dim 0, rest)``,
+    :meth:`~gradhooks.per_sample.GradTotal.projection`) and ``bound`` the scale of the rounding
+    errors of both (``sum |a . u||g . v| + ||W|| ||u|| ||v||``). ``a`` ``(N, G, S, I)``, ``g``
+    ``(N, G, S, O)``: the canonical form, or one row block ``rows`` of ``W`` (``G = 1``); then
+    ``ref`` and the bound's second term count only for the first block (``rows.start == 0``):
+    the blocks' ``got`` add up to the whole projection.
 
     Raises:
         GradientMismatchError: if autograd computed no gradient for the parameter.
     """
     if total is None:
         raise _no_total(name)
-    grp, i, o = a.shape[1], a.shape[-1], g.shape[-1]
-    u, v, uv = _projection(grp, i, o, a.dtype, a.device)
-    w = total.reshape(grp, o, i).to(a.dtype)
+    shape = total.shape
+    u, v, uv = bilinear_directions(shape[0], shape.numel() // shape[0], a.dtype, a.device)
+    if rows is not None:
+        v = v[rows]
+    grp, o = a.shape[1], g.shape[-1]
     if grp == 1:  # plain matrix products
-        a, g, u, v, w = a.reshape(-1, i), g.reshape(-1, o), u[0], v[0], w[0]
-    prod = (a @ u).mul_(g @ v)  # (N, G, S, 1), or (N S, 1) for G = 1
-    return torch.stack([prod.sum(), (w @ u).mul_(v).sum(),
-                        prod.abs().sum() + torch.linalg.vector_norm(w) * uv])
+        prod = (a.reshape(-1, a.shape[-1]) @ u).mul_(g.reshape(-1, o) @ v)
+    else:
+        prod = (a @ u).mul_((g * v.view(grp, 1, o)).sum(-1))  # (N, G, S)
+    ref, norm = total.projection(a.dtype)
+    if rows is not None and rows.start != 0:
+        ref, norm = torch.zeros_like(ref), torch.zeros_like(norm)
+    return torch.stack([prod.sum(), ref, prod.abs().sum() + norm * uv])
 
 
 def _check_projections(items: List[Tuple[str, Tensor, torch.dtype]]) -> None:
@@ -372,8 +368,14 @@ def _check_projections(items: List[Tuple[str, Tensor, torch.dtype]]) -> None:
         GradientMismatchError: naming the first parameter whose projection differs by more than
             ``SUM_CHECK_RTOL[dtype] * bound``.
     """
+    summed: Dict[str, list] = {}  # a parameter's row blocks add up
+    for name, terms, dt in items:
+        if name in summed:
+            summed[name][1] = summed[name][1] + terms
+        else:
+            summed[name] = [name, terms, dt]
     by_device: Dict[torch.device, list] = {}
-    for item in items:
+    for item in summed.values():
         by_device.setdefault(item[1].device, []).append(item)
     for group in by_device.values():
         dt = torch.float64 if any(t.dtype == torch.float64 for _, t, _ in group) else torch.float32
@@ -392,14 +394,23 @@ def _check_projections(items: List[Tuple[str, Tensor, torch.dtype]]) -> None:
             )
 
 
-def _probed(name: str, t: Tensor, total: Optional[Tensor], tol_dtype: torch.dtype) -> tuple:
-    # A check_sums item reduced to its probe coordinates, so that ``t`` need not be kept.
+def _probed(name: str, t: Tensor, total: Optional[GradTotal], tol_dtype: torch.dtype,
+            rows: Optional[slice] = None) -> Optional[tuple]:
+    """A :func:`~gradhooks.per_sample.check_sums` item reduced to the probe coordinates, so that
+    ``t`` need not be kept: ``t`` ``(N, *shape)`` is the per-sample gradient of the parameter,
+    or of its rows ``rows`` (dim 0); ``None`` if no probe falls in those rows."""
     if total is None:
         raise _no_total(name)
-    flat, ref = t.reshape(t.shape[0], -1), total.reshape(-1)
-    if flat.shape[1] > SUM_CHECK_PROBES:
-        idx = _probe_index(flat.shape[1], SUM_CHECK_PROBES, t.device)
-        flat, ref = flat.index_select(1, idx), ref.index_select(0, idx)
+    idx, ref = total.probe_index(), total.probe_values()
+    flat = t.reshape(t.shape[0], -1)
+    if rows is not None:
+        cols = total.shape.numel() // total.shape[0]
+        inside = (idx >= rows.start * cols) & (idx < rows.stop * cols)
+        idx, ref = idx[inside] - rows.start * cols, ref[inside]
+        if not idx.numel():
+            return None
+    if idx.numel() < flat.shape[1]:
+        flat = flat.index_select(1, idx)
     return name, flat, ref, tol_dtype
 
 
@@ -505,8 +516,9 @@ def _sq_norms(gh, plans: Dict[int, _Param], forms: _Forms) -> Dict[int, Tensor]:
 
 def _forms_sq_norm(gh, p: _Param, forms: _Forms, sq, probes, projections, check: bool) -> None:
     """Squared per-sample norm of a parameter given in factored form: per row block the Gram
-    form where :func:`use_gram` says it is cheaper, else the block materialised; sum checks on
-    each block's rows of autograd's gradient (projection for Gram blocks, probes otherwise)."""
+    form where :func:`use_gram` says it is cheaper, else the block materialised; sum checks:
+    weight-like blocks on the random projection (their terms add up to the whole parameter's),
+    bias-like blocks on the probes within their rows."""
     pid, name = p.pid, p.name
     low = next((cap.low for cap, _ in p.entries if cap.low is not None), None)
     total = gh._param_grads.get(pid) if check else None
@@ -519,21 +531,22 @@ def _forms_sq_norm(gh, p: _Param, forms: _Forms, sq, probes, projections, check:
         return
     acc = None
     for b in blocks:
-        n = b.g.shape[0]
-        if b.a is not None and use_gram(b.a.shape[1], b.a.shape[2], b.g.shape[2]):
+        if b.a is not None:  # weight-like: checked on the projection (blocks add up)
             a4, g4 = b.a.unsqueeze(1), b.g.unsqueeze(1)
-            part = gram_sq_norms(a4, g4)
+            if use_gram(b.a.shape[1], b.a.shape[2], b.g.shape[2]):
+                part = gram_sq_norms(a4, g4)
+            else:
+                part = _sq(weight_grad(a4, g4).view(b.g.shape[0], -1), 1)
             if check:
-                if total is None:
-                    raise _no_total(name)
-                projections.append((name, _projection_terms(name, a4, g4, _rows(total, b.rows)),
+                projections.append((name, _projection_terms(name, a4, g4, total, b.rows),
                                     low or a4.dtype))
-        else:
-            t = (b.g.sum(1) if b.a is None
-                 else weight_grad(b.a.unsqueeze(1), b.g.unsqueeze(1)).view(n, -1))
+        else:  # bias-like: on the probes within its rows
+            t = b.g.sum(1)
             part = _sq(t, 1)
             if check:
-                probes.append(_probed(name, t, _rows(total, b.rows), low or t.dtype))
+                item = _probed(name, t, total, low or t.dtype, b.rows)
+                if item is not None:
+                    probes.append(item)
         acc = part if acc is None else acc + part
     if acc is None:  # no block: a path of the layer no backward reached (norm 0)
         param = gh._params[pid]

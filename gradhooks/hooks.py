@@ -25,8 +25,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import rules as _rules  # noqa: F401  (registers the built-in rules)
-from .per_sample import (BufferPool, call_grads, check_loss_reduction, check_sums, reduction_scale,
-                         using_pool)
+from .per_sample import (BufferPool, GradTotal, call_grads, check_loss_reduction, check_sums,
+                         reduction_scale, using_pool)
 from .registry import (
     BatchSizeError,
     Call,
@@ -345,7 +345,7 @@ class GradHooks:
         self._batch_source: Optional[str] = None
         self._batch_forward = -1  # the top-level forward in which the batch size was set
         self._backward_seen = False
-        self._param_grads: Dict[int, Tensor] = {}
+        self._param_grads: Dict[int, GradTotal] = {}  # autograd's, for the sum check
         self._param_passes: Dict[int, int] = {}
         self._drop_result()
 
@@ -495,8 +495,11 @@ class GradHooks:
     def _on_param_grad(self, pid: int, grad: Tensor) -> None:
         if _PAUSED:
             return None
-        prev = self._param_grads.get(pid)
-        self._param_grads[pid] = grad if prev is None else prev + grad
+        total = self._param_grads.get(pid)
+        if total is None:
+            self._param_grads[pid] = GradTotal(grad)
+        else:
+            total.add(grad)
         self._param_passes[pid] = self._param_passes.get(pid, 0) + 1
         return None
 

@@ -104,6 +104,17 @@ def loss_reduction(request):
     return request.param
 
 
+@pytest.fixture(params=["kept", "summarised"])
+def grad_totals(request, monkeypatch):
+    """How the sum check holds autograd's parameter gradients: whole (parameters below
+    GradTotal.SUMMARISE elements), or reduced to probes and a projection at once (larger ones;
+    forced here for every parameter)."""
+    if request.param == "summarised":
+        from gradhooks.per_sample import GradTotal
+        monkeypatch.setattr(GradTotal, "SUMMARISE", 1)
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -201,7 +201,7 @@ def _assert_close(ours, ref, dtype, what, scale=None):
 @FALLBACK_OK
 @pytest.mark.parametrize("batch", [1, 4], ids=["B1", "B4"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_norms_match_loop(name, batch, form, loss_reduction, dtype):
+def test_norms_match_loop(name, batch, form, loss_reduction, dtype, grad_totals):
     model, x, w, batch_first, bd = _setup(name, batch, dtype)
     loss_fn = weighted_square_loss(loss_reduction, bd)
     ref = loop_grads(model, loss_fn, x, w, bd)
@@ -216,7 +216,7 @@ def test_norms_match_loop(name, batch, form, loss_reduction, dtype):
         _assert_close(per_param[n], g.flatten(1).norm(dim=1), dtype, n)
 
 
-def test_norms_of_several_backward_passes(dtype):
+def test_norms_of_several_backward_passes(dtype, grad_totals):
     """retain_graph: the norm of the gradient summed over the passes (like param.grad)."""
     model, x, w, _, _ = _setup("twice", 3, dtype)
     loss_fn = weighted_square_loss("sum")
@@ -264,7 +264,7 @@ def _ref_clipped(ref, max_norm, loss_reduction, batch):
 @FALLBACK_OK
 @pytest.mark.parametrize("method", dp.CLIP_METHODS)
 @pytest.mark.parametrize("name", list(MODELS))
-def test_clipping_matches_loop(name, method, loss_reduction, dtype):
+def test_clipping_matches_loop(name, method, loss_reduction, dtype, grad_totals):
     batch = 5
     model, x, w, batch_first, bd = _setup(name, batch, dtype)
     loss_fn = weighted_square_loss(loss_reduction, bd)
@@ -409,7 +409,7 @@ def test_input_modified_in_place():
 
 @pytest.mark.parametrize("form", ["gram", "materialize"])
 @pytest.mark.parametrize("layer", ["linear", "conv", "lstm", "attention"])
-def test_functional_use_of_a_weight_is_caught(layer, form, monkeypatch):
+def test_functional_use_of_a_weight_is_caught(layer, form, monkeypatch, grad_totals):
     """A weight also used outside its module: the sum check refuses the norms and the clipping."""
     monkeypatch.setattr(dp, "use_gram", lambda *a: form == "gram")
     if layer == "linear":
@@ -437,7 +437,7 @@ def test_functional_use_of_a_weight_is_caught(layer, form, monkeypatch):
         gh.per_sample_grad_norms()
 
 
-def test_parameter_used_only_outside_its_module():
+def test_parameter_used_only_outside_its_module(grad_totals):
     class Parent(nn.Module):  # reads its child's weight functionally; the child never runs
         def __init__(self):
             super().__init__()

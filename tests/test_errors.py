@@ -140,7 +140,7 @@ def test_bad_loss_reduction(bad):
                                           torch.zeros(2), loss_reduction=bad)
 
 
-def test_functional_use_of_a_parameter_is_detected():
+def test_functional_use_of_a_parameter_is_detected(grad_totals):
     class TiedHead(nn.Module):
         def __init__(self):
             super().__init__()
@@ -171,7 +171,7 @@ def test_input_modified_in_place_after_forward():
             gh.per_sample_grads()
 
 
-def test_input_gradient_only_backward_is_refused():
+def test_input_gradient_only_backward_is_refused(grad_totals):
     model = nn.Linear(3, 2)
     x = torch.randn(4, 3, requires_grad=True)
     with gradhooks.attach(model) as gh:
@@ -204,7 +204,7 @@ def test_attach_rejects_non_modules():
         gradhooks.attach(lambda x: x)
 
 
-def test_sum_check_tolerates_float32_rounding_and_names_the_culprit():
+def test_sum_check_tolerates_float32_rounding_and_names_the_culprit(grad_totals):
     from gradhooks.per_sample import check_sums
     torch.manual_seed(0)
     a = torch.randn(4096, 300)                # many samples, > 256 coordinates: probed
@@ -223,7 +223,7 @@ def test_sum_check_tolerates_float32_rounding_and_names_the_culprit():
         check_sums([("a", a, a_sum), ("b", nan, b_sum)], None)
 
 
-def test_parameter_of_a_module_whose_forward_never_runs_is_reported():
+def test_parameter_of_a_module_whose_forward_never_runs_is_reported(grad_totals):
     class Parent(nn.Module):  # reads its child's weight functionally (like MHA's out_proj)
         def __init__(self):
             super().__init__()

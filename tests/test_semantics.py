@@ -108,7 +108,7 @@ def test_param_grad_is_untouched():
         torch.testing.assert_close(per[name].mean(0), e, rtol=1e-12, atol=1e-14)
 
 
-def test_several_backward_passes_accumulate_then_next_forward_replaces():
+def test_several_backward_passes_accumulate_then_next_forward_replaces(grad_totals):
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
     x, w = torch.randn(4, 3, dtype=F64), torch.rand(4, dtype=F64) + 0.5
     f1 = weighted_square_loss("sum")
