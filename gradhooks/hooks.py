@@ -186,7 +186,9 @@ class GradHooks:
     under the fallback, or a backward that computed no parameter gradient
     (``torch.autograd.grad`` w.r.t. the input only). Its cost is a few torch calls and a read
     of ``B x 256`` values per parameter (0.5 ms per read on a 3-layer MLP, noise on real
-    models). With ``check=True`` (default) it runs on every read whose *structure* has not
+    models); autograd's gradients are taken in the backward as
+    :class:`~gradhooks.per_sample.GradTotal` (large ones reduced at once, so that autograd
+    still moves them into ``.grad``). With ``check=True`` (default) it runs on every read whose *structure* has not
     been checked before -- which modules were called how often, by how many backward passes,
     and which parameters autograd reached -- and on every 100th read: the failures above are
     properties of that structure, so a training loop pays for the check once, and any new
