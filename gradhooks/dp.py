@@ -172,6 +172,16 @@ def _no_dest(pid: int, dtype: torch.dtype) -> Optional[Tensor]:
     return None
 
 
+def _weigh(a: Tensor, g: Tensor, c: Tensor, dim: int) -> Tuple[Tensor, Tensor]:
+    """``(a, g)`` with the per-sample weights ``c (N,)`` applied along the batch dim ``dim`` to
+    the smaller of the two (the weighted sum is linear in either)."""
+    shape = [1] * g.dim()
+    shape[dim] = -1
+    if a.numel() < g.numel():
+        return a * c.view(shape), g
+    return a, g * c.view(shape)
+
+
 def _weighted_closed(cap, names: List[str], c: Tensor, batch_first: bool,
                      dest=_no_dest) -> Dict[str, Tensor]:
     """``sum_n c_n d(param)_n`` for the Linear/Conv parameters ``names`` of one call, from the
@@ -185,12 +195,7 @@ def _weighted_closed(cap, names: List[str], c: Tensor, batch_first: bool,
     params = cap.layer.params
     out = {}
     if "weight" in names:
-        shape = [1] * g.dim()
-        shape[_batch_dim(a, batch_first) if linear else 0] = -1
-        if a.numel() < g.numel():
-            a = a * c.view(shape)
-        else:
-            g = g * c.view(shape)
+        a, g = _weigh(a, g, c, _batch_dim(a, batch_first) if linear else 0)
         if linear:  # sum over samples and positions, in any order
             out["weight"] = torch.mm(g.reshape(-1, g.shape[-1]).t(), a.reshape(-1, a.shape[-1]),
                                      out=dest(id(params["weight"]), dt))
@@ -207,7 +212,7 @@ class _Forms:
     sum together) and dropped with this object."""
 
     def __init__(self, gh, plans: Dict[int, "_Param"]):
-        self.gh, self.plans, self.calls = gh, plans, {}
+        self.gh, self.plans, self.calls, self.joined = gh, plans, {}, {}
 
     def of(self, cap) -> Dict[str, list]:
         forms = self.calls.get(id(cap))
@@ -221,7 +226,12 @@ class _Forms:
     def blocks(self, p: "_Param") -> Optional[list]:
         """The parameter's blocks with the calls' positions concatenated (``a`` ``(N, S, I)``,
         ``g`` ``(N, S, O)`` summed over calls: their cross terms are part of the norm), or
-        ``None`` if the calls' row blocks differ."""
+        ``None`` if the calls' row blocks differ. Computed once per parameter."""
+        if p.pid not in self.joined:
+            self.joined[p.pid] = self._join(p)
+        return self.joined[p.pid]
+
+    def _join(self, p: "_Param") -> Optional[list]:
         per_call = [self.of(cap).get(local) for cap, local in p.entries]
         per_call = [b for b in per_call if b is not None]
         if not per_call:
@@ -571,11 +581,7 @@ def _forms_weighted(gh, p: _Param, forms: _Forms, c: Tensor, dest=_no_dest) -> T
         if b.a is None:
             parts.append((b.g.sum(1).t(), cw))  # (O, N) @ (N,)
             continue
-        a, g = b.a, b.g
-        if a.shape[-1] < g.shape[-1]:
-            a = a * cw[:, None, None]
-        else:
-            g = g * cw[:, None, None]
+        a, g = _weigh(b.a, b.g, cw, 0)
         parts.append((g.reshape(-1, g.shape[-1]).t(), a.reshape(-1, a.shape[-1])))
     if len(parts) == 1:
         m, v = parts[0]
@@ -622,6 +628,7 @@ def _ghost_sums(gh, plans: Dict[int, _Param], c: Tensor, assign, forms: _Forms) 
         if p.kind == _FORMS:
             assign(pid, _forms_weighted(gh, p, forms, c, dest))
     forms.calls.clear()
+    forms.joined.clear()
     for cap in gh._reached:
         layer = cap.layer
         kinds = [plans[id(layer.params[n])].kind for n in cap.names]
