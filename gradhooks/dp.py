@@ -312,22 +312,9 @@ def _plan(gh) -> Tuple[Dict[int, _Param], Optional[float]]:
                     if use_gram(sum(s for _, s, _, _ in sizes), i, o):
                         p.kind = _GRAM
     plans = {pid: found[pid] for pid in gh._names if pid in found}
-    if gh.check:
+    if gh.check and gh._sum_check != "skip":
         gh._check_unrecorded(plans)
     return plans, reduction_scale(gh.loss_reduction, batch)
-
-
-def _check_due(gh) -> Optional[tuple]:
-    """Whether this read runs the sum check, as :meth:`~gradhooks.GradHooks.per_sample_grads`
-    decides it (``check=True``: once per call structure and every 100th read; ``"always"``;
-    ``False``): the structure key to mark as checked once the check passed, or ``None``."""
-    if not gh.check:
-        return None
-    gh._reads += 1
-    key = gh._structure()
-    if gh.check == "always" or key not in gh._checked or gh._reads % 100 == 0:
-        return key
-    return None
 
 
 # ------------------------------------------------------------------------------------- checks
@@ -440,10 +427,10 @@ def _bias_grads(cap, batch_first: bool) -> Tensor:
 def _sq_norms(gh, plans: Dict[int, _Param], forms: _Forms) -> Dict[int, Tensor]:
     """Squared per-sample norms ``(N,)`` of each parameter's gradient, UNSCALED (gradients of the
     reduced loss restricted to sample ``n``), running the sum checks when due
-    (:func:`_check_due`)."""
+    (``GradHooks._sum_check_key``)."""
     sq: Dict[int, Tensor] = {}
     probes, projections = [], []
-    key = _check_due(gh)
+    key = gh._sum_check_key()
     check = key is not None
     partial: Dict[int, Tensor] = {}  # materialised params with several calls, summed so far
     left = {pid: len(p.entries) for pid, p in plans.items() if p.kind not in (_GRAM, _FORMS)}
@@ -520,7 +507,7 @@ def _sq_norms(gh, plans: Dict[int, _Param], forms: _Forms) -> Dict[int, Tensor]:
     if projections:
         _check_projections(projections)
     if check:
-        gh._checked.add(key)
+        gh._sum_check_passed(key)
     return sq
 
 

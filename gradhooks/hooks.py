@@ -22,6 +22,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import rules as _rules  # noqa: F401  (registers the built-in rules)
@@ -50,6 +51,7 @@ _HOOKED: "weakref.WeakKeyDictionary[nn.Module, GradHooks]" = weakref.WeakKeyDict
 _PAUSED = 0
 
 _MISSING = object()
+_TAG = "gradhooks"  # key of the entries GradHooks.backward finds in autograd nodes' metadata
 
 
 @contextlib.contextmanager
@@ -221,6 +223,11 @@ class GradHooks:
         self._watched: set = set()  # ids of params with a gradient hook (sum check)
         self._attached = False
         self._pool = BufferPool()
+        # GradHooks.backward: once called, forwards record their outputs' autograd edges.
+        self._driven = False
+        self._drives = 0
+        self._drive_checked: set = set()  # forward structures whose sum check passed (backward())
+        self._driving = False  # inside backward(): grad_outputs arrive as its return values
         self._step = 0
         self._forward_id = 0
         self._reset_batch()
@@ -342,6 +349,12 @@ class GradHooks:
             cap.release()
         self._step += 1
         self._reached: List[_Capture] = []
+        # Whether every forward of this batch marked its output nodes for GradHooks.backward.
+        self._edges_complete = self._driven
+        # How reads run the sum check: None (decided at the read), "due" (backward() computed
+        # autograd's parameter gradients for it), "skip" (backward() computed none).
+        self._sum_check: Optional[str] = None
+        self._drive_key: Optional[tuple] = None
         self._higher_order: Optional[str] = None  # a layer a create_graph=True backward reached
         self._batch_size: Optional[int] = None
         self._batch_source: Optional[str] = None
@@ -436,9 +449,28 @@ class GradHooks:
                 found[0].register_hook(functools.partial(self._on_internal, found[1]))
             for i in reached:
                 _on_grad(leaves[i], functools.partial(self._on_grad_output, cap, i))
+            if self._driven:
+                self._mark(cap, [(leaves[i], i) for i in reached],
+                           None if found is None else found[0])
         else:
             cap = _Capture(layer, x.detach(), names, self._step)
             _on_grad(output, functools.partial(self._on_grad_output, cap, None))
+            if self._driven:
+                self._mark(cap, [(output, None)], None)
+
+    def _mark(self, cap: _Capture, outputs: list, internal) -> None:
+        # For GradHooks.backward, which finds them by walking the graph: tag the autograd nodes
+        # of the outputs ``(tensor, leaf)`` and the rule's ``internal`` node (whose inputs it
+        # asks gradients for, so that autograd runs that node and its post-hook). The tag lives
+        # in the node's metadata dict and goes with the graph.
+        for t, leaf in outputs:
+            if t.grad_fn is None:  # an output that is a leaf tensor: backward() falls back
+                self._edges_complete = False
+                return
+        for t, leaf in outputs:
+            t.grad_fn.metadata.setdefault(_TAG, []).append((self, cap, leaf, t.output_nr))
+        if internal is not None:
+            internal.metadata.setdefault(_TAG, []).append((self, cap, -1, None))
 
     def _on_model_forward(self, module: nn.Module, args) -> None:
         self._forward_id += 1
@@ -446,8 +478,13 @@ class GradHooks:
     def _on_grad_output(self, cap: _Capture, leaf: Optional[int], grads: tuple, nr: int) -> None:
         # grads[nr]: the gradient w.r.t. the recorded output tensor (see _on_grad).
         grad = grads[nr]
-        if _PAUSED or grad is None:
+        if _PAUSED or grad is None or self._driving:
             return None
+        self._receive(cap, leaf, grad)
+        return None
+
+    def _receive(self, cap: _Capture, leaf: Optional[int], grad: Tensor) -> None:
+        # Record a grad_output of ``cap`` (of output leaf ``leaf`` for multi_io rules).
         if cap.step != self._step:
             raise GradHooksError(
                 f"a backward pass reached module {cap.layer.describe()} through a graph built "
@@ -471,7 +508,6 @@ class GradHooks:
         self._backward_seen = True
         if self._result is not None:
             self._drop_result()
-        return None
 
     def _on_internal(self, saved: dict, grad_inputs: tuple, grad_outputs: tuple) -> None:
         # Post-hook on a node a rule asked for (LayerRule.internal): sum its input gradients.
@@ -524,6 +560,124 @@ class GradHooks:
         # received, and the passes in which autograd reached each parameter.
         calls = tuple((id(cap.layer), cap.names, cap.hits) for cap in self._reached)
         return calls, tuple(sorted(self._param_passes.items()))
+
+    def _sum_check_key(self) -> Optional[tuple]:
+        """Whether this read runs the sum check (class docstring; :meth:`backward` decides it
+        for its batch): the structure key to pass to :meth:`_sum_check_passed`, or ``None``."""
+        if not self.check or self._sum_check == "skip":
+            return None
+        self._reads += 1
+        key = self._structure()
+        if (self._sum_check == "due" or self.check == "always" or key not in self._checked
+                or self._reads % 100 == 0):
+            return key
+        return None
+
+    def _sum_check_passed(self, key: tuple) -> None:
+        self._checked.add(key)
+        if self._drive_key is not None:
+            self._drive_checked.add(self._drive_key)
+        self._sum_check = None
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, loss: Tensor, gradient: Optional[Tensor] = None, *,
+                 retain_graph: bool = False) -> None:
+        """A backward pass that records the grad_outputs without forming the batch gradient.
+
+        Use it instead of ``loss.backward()`` when only per-sample quantities are wanted
+        (:meth:`per_sample_grads`, :meth:`per_sample_grad_norms`, :meth:`clip_and_accumulate`,
+        :meth:`kfac_factors`, ...): it asks autograd for the gradients w.r.t. the hooked layers'
+        outputs (``torch.autograd.grad`` with :class:`torch.autograd.graph.GradientEdge` inputs)
+        instead of the parameters, so autograd skips every weight-gradient product (``g^T a``
+        of a Linear, the weight-backward convolution of a Conv, the gate products of an LSTM):
+        the part of the backward that per-sample rules compute sample by sample anyway (about
+        a third of a Linear network's backward; measured in ``benchmarks/``). Everything
+        gradhooks reads is recorded exactly as by ``loss.backward()``.
+
+        ``param.grad`` is neither allocated nor changed; parameters the hooks do not cover get
+        no gradient either (use ``loss.backward()`` for those). Several calls through one
+        forward (``retain_graph=True``) accumulate, like backward passes do.
+
+        **Sum check.** Without the parameters' gradients the sum check of the class docstring
+        has nothing to compare with. So on the steps where it is due -- the first call (whose
+        forward ran before the hooks knew of this mode and recorded no edges), each new forward
+        structure (which modules were called, in which order), every 100th call, and every call
+        with ``check="always"`` -- this computes the parameters' gradients instead
+        (``torch.autograd.grad(loss, params)``, handed to the check and dropped, ``.grad``
+        untouched), and the next read runs the check. On the other steps reads skip it.
+
+        Args:
+            loss: the tensor to differentiate, usually the scalar batch loss reduced as the
+                ``loss_reduction`` given to :func:`attach` says.
+            gradient: the gradient w.r.t. ``loss`` (its shape) for a non-scalar ``loss``, as in
+                ``Tensor.backward``.
+            retain_graph: keep the graph for another backward pass through it.
+
+        Raises:
+            GradHooksError: if ``loss`` does not require grad, or nothing trainable is hooked.
+            RuntimeError: from autograd, e.g. a non-scalar ``loss`` without ``gradient``, or a
+                graph already freed by an earlier backward.
+        """
+        if not isinstance(loss, Tensor) or not loss.requires_grad:
+            raise GradHooksError(
+                "GradHooks.backward(loss): loss must be a tensor that requires grad (the output of "
+                "a forward of the hooked model, not under torch.no_grad())")
+        pairs = self._tagged(loss.grad_fn)
+        caps = list({id(cap): cap for _, cap, _ in pairs}.values())
+        key = tuple((id(c.layer), c.names) for c in caps)
+        self._drives += 1
+        edges_mode = self._edges_complete and bool(caps) and not (
+            self.check == "always"
+            or (self.check and (key not in self._drive_checked or self._drives % 100 == 0)))
+        self._driven = True
+        if edges_mode:
+            self._driving = True
+            try:
+                grads = torch.autograd.grad(loss, [e for e, _, _ in pairs], gradient,
+                                            retain_graph=retain_graph, allow_unused=True)
+            finally:
+                self._driving = False
+            for (_, cap, leaf), grad in zip(pairs, grads):
+                if grad is not None and leaf != -1:
+                    self._receive(cap, leaf, grad)
+            self._sum_check = "skip"  # this batch's parameter gradients are incomplete
+        else:
+            params = [p for p in self._params.values() if p.requires_grad]
+            if not params:
+                raise GradHooksError(
+                    "GradHooks.backward: no hooked parameter requires grad; nothing to record")
+            torch.autograd.grad(loss, params, gradient, retain_graph=retain_graph,
+                                allow_unused=True)  # gradient hooks hand them to the sum check
+            if self.check and self._sum_check != "skip":
+                self._sum_check = "due"
+                self._drive_key = key if self._edges_complete else None
+
+    def _tagged(self, root) -> List[tuple]:
+        """``[(GradientEdge, capture, leaf)]`` of the nodes this GradHooks tagged (:meth:`_mark`)
+        in the graph below ``root``, in the order a depth-first walk from the loss meets them
+        (about the backward's order); ``leaf == -1``: an input edge of a rule's internal node."""
+        found: List[tuple] = []
+        if root is None:
+            return found
+        seen = {root}
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            entries = node.metadata.get(_TAG)
+            if entries:
+                for owner, cap, leaf, nr in entries:
+                    if owner is not self:
+                        continue
+                    if leaf == -1:
+                        found.extend((GradientEdge(n, i), cap, -1)
+                                     for n, i in node.next_functions if n is not None)
+                    else:
+                        found.append((GradientEdge(node, nr), cap, leaf))
+            for nxt, _ in node.next_functions:
+                if nxt is not None and nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return found
 
     # ------------------------------------------------------------------ results
     def per_sample_grads(self) -> Dict[str, Tensor]:
@@ -589,14 +743,13 @@ class GradHooks:
                         raw[pid].add_(t)  # another call, or a tied module (rules return owned tensors)
                     else:
                         raw[pid] = t
-        if self.check:
+        if self.check and self._sum_check != "skip":
             self._check_unrecorded(raw)
-            self._reads += 1
-            key = self._structure()
-            if self.check == "always" or key not in self._checked or self._reads % 100 == 0:
-                check_sums([(self._names[pid], t, self._param_grads.get(pid), low.get(pid, t.dtype))
-                            for pid, t in raw.items()], scale)
-                self._checked.add(key)
+        key = self._sum_check_key()
+        if key is not None:
+            check_sums([(self._names[pid], t, self._param_grads.get(pid), low.get(pid, t.dtype))
+                        for pid, t in raw.items()], scale)
+            self._sum_check_passed(key)
         result = {}
         order = {pid: i for i, pid in enumerate(self._names)}
         for pid in sorted(raw, key=order.__getitem__):

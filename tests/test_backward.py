@@ -1,0 +1,265 @@
+"""GradHooks.backward: grad_outputs recorded without autograd's batch gradient.
+
+Every result read after ``gh.backward(loss)`` must equal the looped reference, both on the steps
+where it computes the parameters' gradients for the sum check and on the steps where it asks
+autograd only for the layers' output gradients (``GradientEdge`` inputs).
+"""
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import gradhooks
+from gradhooks import per_sample
+from conftest import assert_close_to_loop, loop_grads, weighted_square_loss
+from test_dp import FALLBACK_OK, MODELS, _assert_close, _ref_clipped, _ref_norms, _setup
+
+STEPS = 3  # step 0 and 1: parameter gradients for the sum check; step 2: output edges only
+
+
+@FALLBACK_OK
+@pytest.mark.parametrize("batch", [1, 4], ids=["B1", "B4"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_backward_matches_loop(name, batch, loss_reduction, dtype):
+    model, x, w, batch_first, bd = _setup(name, batch, dtype)
+    loss_fn = weighted_square_loss(loss_reduction, bd)
+    ref = loop_grads(model, loss_fn, x, w, bd)
+    modes = []
+    with gradhooks.attach(model, loss_reduction=loss_reduction, batch_first=batch_first) as gh:
+        for _ in range(STEPS):
+            gh.backward(loss_fn(model(x), w))
+            modes.append(gh._sum_check)
+            ours = gh.per_sample_grads()
+            assert_close_to_loop(ours, ref, dtype)
+            _assert_close(gh.per_sample_grad_norms(), _ref_norms(ref), dtype, "norms")
+            assert all(p.grad is None for p in model.parameters())
+    assert modes == ["due", "due", "skip"]
+
+
+@FALLBACK_OK
+@pytest.mark.parametrize("name", list(MODELS))
+def test_ghost_clipping_after_backward(name, dtype):
+    batch = 5
+    model, x, w, batch_first, bd = _setup(name, batch, dtype)
+    loss_fn = weighted_square_loss("mean", bd)
+    ref = loop_grads(model, loss_fn, x, w, bd)
+    max_norm = float(_ref_norms(ref).median())
+    expected, scales, ref_norms = _ref_clipped(ref, max_norm, "mean", batch)
+    with gradhooks.attach(model, batch_first=batch_first) as gh:
+        for _ in range(STEPS):
+            gh.backward(loss_fn(model(x), w))
+            norms = gh.clip_and_accumulate(max_norm)
+            _assert_close(norms, ref_norms, dtype, "norms")
+            for n, p in model.named_parameters():
+                if p.requires_grad:
+                    _assert_close(p.grad, expected[n], dtype, n, scales[n])
+            model.zero_grad(set_to_none=True)
+
+
+def test_backward_leaves_grad_alone():
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    before = [torch.randn_like(p) for p in model.parameters()]
+    for p, g in zip(model.parameters(), before):
+        p.grad = g.clone()
+    x, w = torch.randn(3, 4), torch.rand(3)
+    with gradhooks.attach(model) as gh:
+        for _ in range(STEPS):
+            gh.backward(weighted_square_loss()(model(x), w))
+            gh.per_sample_grads()
+    for p, g in zip(model.parameters(), before):
+        assert torch.equal(p.grad, g)
+
+
+def test_retain_graph_accumulates(dtype):
+    model, x, w, _, _ = _setup("twice", 3, dtype)
+    loss_fn = weighted_square_loss("sum")
+
+    def two_losses(out, w):
+        return loss_fn(out, w) + (out.sin() * w[:, None]).sum()
+
+    ref = loop_grads(model, two_losses, x, w)
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        for _ in range(STEPS):
+            out = model(x)
+            gh.backward(loss_fn(out, w), retain_graph=True)
+            gh.backward((out.sin() * w[:, None]).sum())
+            assert_close_to_loop(gh.per_sample_grads(), ref, dtype)
+
+
+def test_non_scalar_loss_with_gradient():
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    x, w = torch.randn(3, 4, dtype=torch.float64), torch.rand(3, dtype=torch.float64)
+    model.double()
+    ref = loop_grads(model, weighted_square_loss("sum"), x, w)
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        for _ in range(STEPS):
+            out = model(x)
+            gh.backward(out, gradient=2 * w[:, None] * out.detach())  # d/dout of sum w out^2
+            assert_close_to_loop(gh.per_sample_grads(), ref, torch.float64)
+
+
+def test_in_place_op_after_the_layer():
+    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(inplace=True), nn.Linear(5, 2)).double()
+    x, w = torch.randn(6, 4, dtype=torch.float64), torch.rand(6, dtype=torch.float64)
+    ref = loop_grads(model, weighted_square_loss(), x, w)
+    with gradhooks.attach(model) as gh:
+        for _ in range(STEPS):
+            gh.backward(weighted_square_loss()(model(x), w))
+            assert_close_to_loop(gh.per_sample_grads(), ref, torch.float64)
+
+
+def test_attention_first_layer_runs_its_internal_node():
+    """MultiheadAttention on an input that needs no grad: the edges of its SDPA node's inputs
+    make autograd run that node (its post-hook records q/k/v gradients) without any weight
+    gradient; the replay is never used."""
+    class SelfAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = nn.MultiheadAttention(6, 2, batch_first=True)
+
+        def forward(self, x):
+            return self.mha(x, x, x, need_weights=False)[0]
+
+    model = SelfAttention().double()
+    x = torch.randn(3, 4, 6, dtype=torch.float64)
+    w = torch.rand(3, dtype=torch.float64)
+    loss_fn = weighted_square_loss()
+    ref = loop_grads(model, loss_fn, x, w)
+    with gradhooks.attach(model) as gh:
+        for _ in range(STEPS):
+            gh.backward(loss_fn(model(x), w))
+            saved = gh._reached[0].a.internal
+            assert saved is not None and saved.get("grad_inputs") is not None
+            assert_close_to_loop(gh.per_sample_grads(), ref, torch.float64)
+        assert gh._sum_check == "skip"
+
+
+def _count_checks(monkeypatch):
+    calls = []
+    real = per_sample.check_sums
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    import gradhooks.hooks as hooks_mod
+    monkeypatch.setattr(hooks_mod, "check_sums", counting)
+    return calls
+
+
+def test_sum_check_schedule(monkeypatch):
+    calls = _count_checks(monkeypatch)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    x, w = torch.randn(3, 4), torch.rand(3)
+    loss_fn = weighted_square_loss()
+    with gradhooks.attach(model) as gh:
+        modes = []
+        for step in range(205):
+            gh.backward(loss_fn(model(x), w))
+            modes.append(gh._sum_check)
+            gh.per_sample_grads()
+        # the first forward recorded no edges; the second checks the forward structure; then
+        # every 100th call (the counter counts calls of backward())
+        assert modes[:3] == ["due", "due", "skip"]
+        assert [i for i, m in enumerate(modes) if m != "skip"] == [0, 1, 99, 199]
+        assert len(calls) == 4
+        # a new forward structure is checked when it appears
+        gh.backward(loss_fn(model[2](model[1](model[0](x))) + model[2](torch.zeros(3, 5)), w))
+        assert gh._sum_check == "due"
+
+
+@pytest.mark.parametrize("check", ["always", False])
+def test_sum_check_option(check, monkeypatch):
+    calls = _count_checks(monkeypatch)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    x, w = torch.randn(3, 4), torch.rand(3)
+    with gradhooks.attach(model, check=check) as gh:
+        modes = []
+        for _ in range(4):
+            gh.backward(weighted_square_loss()(model(x), w))
+            modes.append(gh._sum_check)
+            gh.per_sample_grads()
+    if check == "always":
+        assert modes == ["due"] * 4 and len(calls) == 4
+    else:  # only the first call (no edges recorded yet) computes parameter gradients
+        assert modes == [None, "skip", "skip", "skip"] and not calls
+
+
+def test_functional_use_is_caught():
+    """A weight also used outside its module: caught on the first step, as with
+    loss.backward()."""
+    lin = nn.Linear(4, 4)
+
+    class Functional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return self.lin(x) + x @ self.lin.weight.T
+
+    model = Functional()
+    with gradhooks.attach(model) as gh:
+        gh.backward(model(torch.randn(3, 4)).square().mean())
+        with pytest.raises(gradhooks.GradientMismatchError):
+            gh.per_sample_grads()
+
+
+def test_mixing_with_loss_backward():
+    """After backward() was used, loss.backward() still records and checks as before."""
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    x, w = torch.randn(3, 4, dtype=torch.float64), torch.rand(3, dtype=torch.float64)
+    ref = loop_grads(model, weighted_square_loss(), x, w)
+    with gradhooks.attach(model) as gh:
+        for step in range(4):
+            loss = weighted_square_loss()(model(x), w)
+            if step % 2:
+                loss.backward()
+                assert gh._sum_check is None
+            else:
+                gh.backward(loss)
+            assert_close_to_loop(gh.per_sample_grads(), ref, torch.float64)
+
+
+def test_errors():
+    model = nn.Linear(3, 2)
+    with gradhooks.attach(model) as gh:
+        with pytest.raises(gradhooks.GradHooksError, match="requires grad"):
+            with torch.no_grad():
+                gh.backward(model(torch.randn(2, 3)).sum())
+        model.requires_grad_(False)
+        with pytest.raises(gradhooks.GradHooksError, match="no hooked parameter"):
+            gh.backward((model(torch.randn(2, 3, requires_grad=True))).sum())
+
+
+def test_forward_without_backward_is_freed():
+    """The tags backward() finds are held by the graph only: a capture whose graph is dropped
+    unused is freed with it, at once (no reference cycle for the garbage collector)."""
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    x = torch.randn(3, 4)
+    gc.disable()
+    try:
+        with gradhooks.attach(model) as gh:
+            gh.backward(model(x).sum())
+            out = model(x)  # a forward nobody backpropagates through
+            tags = out.grad_fn.metadata["gradhooks"]
+            assert len(tags) == 1 and tags[0][0] is gh
+            ref = weakref.ref(tags[0][1])
+            del tags, out
+            assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_graph_of_an_earlier_batch_is_refused():
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    with gradhooks.attach(model) as gh:
+        for _ in range(2):
+            gh.backward(model(torch.randn(3, 4)).sum())
+        old = model(torch.randn(3, 4)).sum()
+        gh.backward(model(torch.randn(3, 4)).sum(), retain_graph=True)
+        model(torch.randn(3, 4))  # starts the next batch
+        with pytest.raises(gradhooks.GradHooksError, match="before the current batch"):
+            gh.backward(old)
