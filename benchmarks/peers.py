@@ -162,27 +162,40 @@ class GhAttached(_GradHooks):
 
 
 class GhGrads(_GradHooks):
-    key, label, kind = "gh_grads", "gradhooks: per-sample grads", "grads"
+    key, label, kind = "gh_grads", "gradhooks: per-sample grads (gh.backward)", "grads"
+
+    def gh_backward(self) -> None:
+        # GradHooks.backward: grad_outputs without autograd's batch gradient (param.grad stays
+        # None, as with vmap and ExpandedWeights).
+        self.gh.backward(self.case.loss(self.model(self.case.x)))
+
+    def run(self) -> None:
+        self.gh_backward()
+        self.out = self.gh.per_sample_grads()
+
+
+class GhGradsBatch(_GradHooks):
+    key, label, kind = "gh_grads_batch", "gradhooks: per-sample grads + batch grad (loss.backward)", "grads"
 
     def run(self) -> None:
         self.forward_backward()
         self.out = self.gh.per_sample_grads()
 
 
-class GhNorms(_GradHooks):
-    key, label, kind = "gh_norms", "gradhooks: per-sample norms", "norms"
+class GhNorms(GhGrads):
+    key, label, kind = "gh_norms", "gradhooks: per-sample norms (gh.backward)", "norms"
 
     def run(self) -> None:
-        self.forward_backward()
+        self.gh_backward()
         self.out = self.gh.per_sample_grad_norms()
 
 
-class GhGhost(_GradHooks):
-    key, label, kind = "gh_ghost", "gradhooks: ghost clipping", "clipped"
+class GhGhost(GhGrads):
+    key, label, kind = "gh_ghost", "gradhooks: ghost clipping (gh.backward)", "clipped"
     clip_method = "ghost"
 
     def run(self) -> None:
-        self.forward_backward()
+        self.gh_backward()
         self.gh.clip_and_accumulate(CLIP_NORM, method=self.clip_method)
 
     def result(self) -> Grads:
@@ -190,7 +203,7 @@ class GhGhost(_GradHooks):
 
 
 class GhClip(GhGhost):
-    key, label = "gh_clip", "gradhooks: materialised clipping"
+    key, label = "gh_clip", "gradhooks: materialised clipping (gh.backward)"
     clip_method = "materialize"
 
 
@@ -341,9 +354,9 @@ class ExpandedWeights(Method):
 
 
 METHODS: Dict[str, type] = {m.key: m for m in (
-    Plain, GhAttached, GhGrads, GhNorms, GhGhost, GhClip, Loop, Vmap, Opacus, BackPACK,
-    ExpandedWeights)}
-GRADHOOKS_KEYS = ("gh_attached", "gh_grads", "gh_norms", "gh_ghost", "gh_clip")
+    Plain, GhAttached, GhGrads, GhGradsBatch, GhNorms, GhGhost, GhClip, Loop, Vmap, Opacus,
+    BackPACK, ExpandedWeights)}
+GRADHOOKS_KEYS = ("gh_attached", "gh_grads", "gh_grads_batch", "gh_norms", "gh_ghost", "gh_clip")
 # gradhooks.dp's API: AttributeError / NotImplementedError from these means "n/a" (not there yet)
 DP_API_KEYS = ("gh_norms", "gh_ghost", "gh_clip")
 SHORT = {"loop": "loop", "vmap": "vmap", "opacus": "Opacus hooks", "backpack": "BackPACK",

@@ -227,7 +227,8 @@ class GradHooks:
         self._driven = False
         self._drives = 0
         self._drive_checked: set = set()  # forward structures whose sum check passed (backward())
-        self._driving = False  # inside backward(): grad_outputs arrive as its return values
+        # Inside backward(): (id(capture), leaf) whose grad_outputs arrive as its return values.
+        self._captured: frozenset = frozenset()
         self._step = 0
         self._forward_id = 0
         self._reset_batch()
@@ -478,7 +479,7 @@ class GradHooks:
     def _on_grad_output(self, cap: _Capture, leaf: Optional[int], grads: tuple, nr: int) -> None:
         # grads[nr]: the gradient w.r.t. the recorded output tensor (see _on_grad).
         grad = grads[nr]
-        if _PAUSED or grad is None or self._driving:
+        if _PAUSED or grad is None or (id(cap), leaf) in self._captured:
             return None
         self._receive(cap, leaf, grad)
         return None
@@ -622,8 +623,11 @@ class GradHooks:
             raise GradHooksError(
                 "GradHooks.backward(loss): loss must be a tensor that requires grad (the output of "
                 "a forward of the hooked model, not under torch.no_grad())")
-        pairs = self._tagged(loss.grad_fn)
-        caps = list({id(cap): cap for _, cap, _ in pairs}.values())
+        self._drive(loss, gradient, retain_graph)
+
+    def _drive(self, loss: Tensor, gradient: Optional[Tensor], retain_graph: bool) -> List[_Capture]:
+        # GradHooks.backward's pass; returns the captures the graph below ``loss`` holds.
+        caps, captures = self._walk(loss.grad_fn)
         key = tuple((id(c.layer), c.names) for c in caps)
         self._drives += 1
         edges_mode = self._edges_complete and bool(caps) and not (
@@ -631,13 +635,13 @@ class GradHooks:
             or (self.check and (key not in self._drive_checked or self._drives % 100 == 0)))
         self._driven = True
         if edges_mode:
-            self._driving = True
+            self._captured = {(id(cap), leaf) for _, cap, leaf in captures}
             try:
-                grads = torch.autograd.grad(loss, [e for e, _, _ in pairs], gradient,
+                grads = torch.autograd.grad(loss, [e for e, _, _ in captures], gradient,
                                             retain_graph=retain_graph, allow_unused=True)
             finally:
-                self._driving = False
-            for (_, cap, leaf), grad in zip(pairs, grads):
+                self._captured = frozenset()
+            for (_, cap, leaf), grad in zip(captures, grads):
                 if grad is not None and leaf != -1:
                     self._receive(cap, leaf, grad)
             self._sum_check = "skip"  # this batch's parameter gradients are incomplete
@@ -651,33 +655,58 @@ class GradHooks:
             if self.check and self._sum_check != "skip":
                 self._sum_check = "due"
                 self._drive_key = key if self._edges_complete else None
+        return caps
 
-    def _tagged(self, root) -> List[tuple]:
-        """``[(GradientEdge, capture, leaf)]`` of the nodes this GradHooks tagged (:meth:`_mark`)
-        in the graph below ``root``, in the order a depth-first walk from the loss meets them
-        (about the backward's order); ``leaf == -1``: an input edge of a rule's internal node."""
-        found: List[tuple] = []
+    def _walk(self, root) -> Tuple[List[_Capture], List[tuple]]:
+        """The graph below ``root`` as :meth:`backward` needs it: the captures whose nodes this
+        GradHooks tagged (:meth:`_mark`), in the order of a depth-first walk from the loss, and
+        the edges to ask autograd for, ``[(GradientEdge, capture, leaf)]``.
+
+        Autograd runs a node iff a requested edge lies below it. So only the tagged nodes with
+        no tagged node below them (the first layers) are requested -- their output edge, or for
+        a rule's internal node its input edges (``leaf == -1``) --, and every other tagged node
+        runs and gets its gradient through its pre-hook as in ``loss.backward()``: autograd then
+        holds the requested gradients until it returns, the others are the hooks' to keep or
+        drop.
+        """
         if root is None:
-            return found
-        seen = {root}
+            return [], []
+        below: Dict[object, bool] = {}  # node -> a tagged node lies (strictly) below it
+        tags: Dict[object, list] = {}
+        expanded = set()
         stack = [root]
         while stack:
-            node = stack.pop()
-            entries = node.metadata.get(_TAG)
-            if entries:
-                for owner, cap, leaf, nr in entries:
-                    if owner is not self:
-                        continue
-                    if leaf == -1:
-                        found.extend((GradientEdge(n, i), cap, -1)
-                                     for n, i in node.next_functions if n is not None)
-                    else:
-                        found.append((GradientEdge(node, nr), cap, leaf))
-            for nxt, _ in node.next_functions:
-                if nxt is not None and nxt not in seen:
-                    seen.add(nxt)
-                    stack.append(nxt)
-        return found
+            node = stack[-1]
+            if node in below:
+                stack.pop()
+                continue
+            nexts = [n for n, _ in node.next_functions if n is not None]
+            if node not in expanded:
+                expanded.add(node)
+                entries = node.metadata.get(_TAG)
+                if entries:
+                    mine = [e for e in entries if e[0] is self]
+                    if mine:
+                        tags[node] = mine
+                todo = [n for n in nexts if n not in below]
+                if todo:
+                    stack.extend(todo)
+                    continue
+            below[node] = any(below[n] or n in tags for n in nexts)
+            stack.pop()
+        caps: Dict[int, _Capture] = {}
+        captures: List[tuple] = []
+        for node, entries in tags.items():
+            for _, cap, leaf, nr in entries:
+                caps.setdefault(id(cap), cap)
+                if below[node]:
+                    continue
+                if leaf == -1:
+                    captures.extend((GradientEdge(n, i), cap, -1)
+                                    for n, i in node.next_functions if n is not None)
+                else:
+                    captures.append((GradientEdge(node, nr), cap, leaf))
+        return list(caps.values()), captures
 
     # ------------------------------------------------------------------ results
     def per_sample_grads(self) -> Dict[str, Tensor]:
