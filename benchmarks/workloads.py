@@ -122,6 +122,19 @@ def _token_cross_entropy(out: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
 
 
+def _outputs_per_sample(out: Tensor, targets: Tensor) -> Tensor:
+    return out.sum(1)
+
+
+def _cross_entropy_per_sample(out: Tensor, targets: Tensor) -> Tensor:
+    return F.cross_entropy(out, targets, reduction="none")
+
+
+def _token_cross_entropy_per_sample(out: Tensor, targets: Tensor) -> Tensor:
+    # (B,): each sequence's mean token loss (their mean is _token_cross_entropy).
+    return F.cross_entropy(out.transpose(1, 2), targets, reduction="none").mean(1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """One benchmark workload.
@@ -135,6 +148,8 @@ class Workload:
         load: ``load(dtype, batch) -> (inputs, targets)``, both batched on dim 0.
         loss_fn: ``loss_fn(outputs, targets) -> scalar`` batch loss.
         loss_reduction: how ``loss_fn`` reduces over samples, ``"mean"`` or ``"sum"``.
+        per_sample_loss: ``(outputs, targets) -> (B,)`` each sample's own loss (``loss_fn`` is
+            their mean or sum, as ``loss_reduction`` says), for two-pass clipping.
         make_seq_first_model: for Opacus, if set: the same model (same parameter names, the
             state dict of ``make_model()``'s loads into it) with its layers in ``(T, B, ...)``
             layout inside; Opacus then runs with ``batch_first=False``.
@@ -148,26 +163,30 @@ class Workload:
     load: Callable[[torch.dtype, int], Tuple[Tensor, Tensor]]
     loss_fn: Callable[[Tensor, Tensor], Tensor]
     loss_reduction: str
+    per_sample_loss: Callable[[Tensor, Tensor], Tensor]
     make_seq_first_model: Optional[Callable[[], nn.Module]] = None
 
 
 WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
     Workload("mlp", "seed MLP 10-32-32-10",
              "seed MLP: Linear 10-32-32-10 on sklearn diabetes rows, sum of outputs",
-             256, make_mlp, load_diabetes_batch, _sum_of_outputs, "sum"),
+             256, make_mlp, load_diabetes_batch, _sum_of_outputs, "sum", _outputs_per_sample),
     Workload("cnn", "seed CNN (tutorial), digits",
              "seed CNN (per-sample-grads tutorial) on sklearn digits 28x28, cross-entropy",
-             64, DigitsCNN, load_digits_batch, F.cross_entropy, "mean"),
+             64, DigitsCNN, load_digits_batch, F.cross_entropy, "mean",
+             _cross_entropy_per_sample),
     Workload("lstm", "LSTM LM, T=32",
              "LSTM LM: Embedding(100,32) -> LSTM(32,64) -> Linear(64,100), T=32, characters of "
              "argparse.py, next-character cross-entropy",
-             32, LSTMLanguageModel, _text_batch, _token_cross_entropy, "mean"),
+             32, LSTMLanguageModel, _text_batch, _token_cross_entropy, "mean",
+             _token_cross_entropy_per_sample),
     Workload("transformer", "Transformer block, T=64, d=128",
              "Transformer block: TransformerEncoderLayer(128, 4 heads, 512, dropout=0) + "
              "Linear(128,10), T=64, Gaussian inputs, per-token cross-entropy",
              16, TransformerBlock, _gaussian_batch, _token_cross_entropy, "mean",
-             functools.partial(TransformerBlock, seq_first=True)),
+             _token_cross_entropy_per_sample, functools.partial(TransformerBlock, seq_first=True)),
     Workload("wide_mlp", "wide MLP 784-512-512-10",
              "wide MLP: 784-512-512-10 (ReLU) on sklearn digits (flattened 28x28), cross-entropy",
-             128, make_wide_mlp, _flat_digits, F.cross_entropy, "mean"),
+             128, make_wide_mlp, _flat_digits, F.cross_entropy, "mean",
+             _cross_entropy_per_sample),
 )}

@@ -71,8 +71,8 @@ from .registry import (Block, GradHooksError, GradientMismatchError, HigherOrder
 from .rules.conv import ConvRule, pad_as_torch, weight_backward
 from .rules.linear import LinearRule, _batch_dim
 
-__all__ = ["per_sample_grad_norms", "clip_and_accumulate", "use_gram", "gram_sq_norms",
-           "CLIP_METHODS"]
+__all__ = ["per_sample_grad_norms", "clip_and_accumulate", "clipped_backward", "use_gram",
+           "gram_sq_norms", "CLIP_METHODS"]
 
 #: The values ``method`` of :func:`clip_and_accumulate` may take.
 CLIP_METHODS = ("ghost", "materialize")
@@ -284,8 +284,13 @@ def _plan(gh) -> Tuple[Dict[int, _Param], Optional[float]]:
             f"contains derivatives, whose terms grad_output-based per-sample norms do not see; the "
             f"result would be wrong. Use torch.func (vmap over grad) or detach the derivative term"
         )
+    return _plan_caps(gh, gh._reached), reduction_scale(gh.loss_reduction, gh._batch_size)
+
+
+def _plan_caps(gh, caps) -> Dict[int, _Param]:
+    """:func:`_plan` for the records ``caps``, which must hold every call of their parameters."""
     found: Dict[int, _Param] = {}
-    for cap in gh._reached:
+    for cap in caps:
         if cap.modified():
             raise GradientMismatchError(
                 f"the input of module {cap.layer.describe()} was modified in place after its "
@@ -314,7 +319,7 @@ def _plan(gh) -> Tuple[Dict[int, _Param], Optional[float]]:
     plans = {pid: found[pid] for pid in gh._names if pid in found}
     if gh.check and gh._sum_check != "skip":
         gh._check_unrecorded(plans)
-    return plans, reduction_scale(gh.loss_reduction, batch)
+    return plans
 
 
 # ------------------------------------------------------------------------------------- checks
@@ -424,10 +429,11 @@ def _bias_grads(cap, batch_first: bool) -> Tensor:
     return g.reshape(g.shape[0], g.shape[1], -1).sum(-1)
 
 
-def _sq_norms(gh, plans: Dict[int, _Param], forms: _Forms) -> Dict[int, Tensor]:
+def _sq_norms(gh, plans: Dict[int, _Param], forms: _Forms, caps=None) -> Dict[int, Tensor]:
     """Squared per-sample norms ``(N,)`` of each parameter's gradient, UNSCALED (gradients of the
     reduced loss restricted to sample ``n``), running the sum checks when due
-    (``GradHooks._sum_check_key``)."""
+    (``GradHooks._sum_check_key``). ``caps``: the records ``plans`` was made from (default: all
+    of the batch)."""
     sq: Dict[int, Tensor] = {}
     probes, projections = [], []
     key = gh._sum_check_key()
@@ -452,7 +458,7 @@ def _sq_norms(gh, plans: Dict[int, _Param], forms: _Forms) -> Dict[int, Tensor]:
         projections.append((name, _projection_terms(name, a, g, gh._param_grads.get(pid)), low))
 
     done = set()
-    for cap in gh._reached:
+    for cap in gh._reached if caps is None else caps:
         layer = cap.layer
         if type(layer.rule) is LinearRule and cap.a.dim() == 2 and all(
                 len(plans[id(layer.params[n])].entries) == 1 for n in cap.names):
@@ -733,22 +739,9 @@ def clip_and_accumulate(gh, max_norm: float, *, method: str = "ghost",
     """
     from .hooks import _no_autocast
 
-    if not (isinstance(max_norm, (int, float)) and math.isfinite(max_norm) and max_norm > 0):
-        raise ValueError(f"max_norm must be a positive finite number (the clipping bound C), "
-                         f"got {max_norm!r}")
-    if not (isinstance(noise_multiplier, (int, float)) and noise_multiplier >= 0):
-        raise ValueError(f"noise_multiplier must be >= 0 (noise std / max_norm), got "
-                         f"{noise_multiplier!r}")
     if method not in CLIP_METHODS:
         raise ValueError(f"method must be one of {CLIP_METHODS}, got {method!r}")
-    trainable = [(n, p) for n, p in gh.model.named_parameters() if p.requires_grad]
-    missing = [n for n, p in trainable if id(p) not in gh._params]
-    if missing:
-        raise GradHooksError(
-            f"trainable parameters {', '.join(map(repr, missing))} are not covered by the hooks "
-            f"(they were frozen when attach() ran and their module has no rule), so they cannot "
-            f"be clipped: detach and attach again after unfreezing them"
-        )
+    trainable = _clip_setup(gh, max_norm, noise_multiplier)
     plans, scale = _plan(gh)
     divisor = 1.0 if scale is None else scale  # loss_reduction="mean": scale == B
     assigned = set()
@@ -781,11 +774,191 @@ def clip_and_accumulate(gh, max_norm: float, *, method: str = "ghost",
             factors = (max_norm / norms).clamp_(max=1.0)
             for name, t in grads.items():
                 assign(pids[name], torch.tensordot(factors.to(t.dtype), t, 1).div_(divisor))
-    std = noise_multiplier * max_norm / divisor
-    for _, p in trainable:  # in a fixed order, whatever the method
+    _add_noise(trainable, assigned, noise_multiplier * max_norm / divisor, generator)
+    return norms
+
+
+def _clip_setup(gh, max_norm, noise_multiplier) -> List[Tuple[str, nn.Parameter]]:
+    """Check the clipping arguments; return the model's trainable ``(name, param)``.
+
+    Raises:
+        ValueError: ``max_norm`` not a positive finite number, ``noise_multiplier`` negative.
+        GradHooksError: a trainable parameter the hooks do not cover."""
+    if not (isinstance(max_norm, (int, float)) and math.isfinite(max_norm) and max_norm > 0):
+        raise ValueError(f"max_norm must be a positive finite number (the clipping bound C), "
+                         f"got {max_norm!r}")
+    if not (isinstance(noise_multiplier, (int, float)) and noise_multiplier >= 0):
+        raise ValueError(f"noise_multiplier must be >= 0 (noise std / max_norm), got "
+                         f"{noise_multiplier!r}")
+    trainable = [(n, p) for n, p in gh.model.named_parameters() if p.requires_grad]
+    missing = [n for n, p in trainable if id(p) not in gh._params]
+    if missing:
+        raise GradHooksError(
+            f"trainable parameters {', '.join(map(repr, missing))} are not covered by the hooks "
+            f"(they were frozen when attach() ran and their module has no rule), so they cannot "
+            f"be clipped: detach and attach again after unfreezing them"
+        )
+    return trainable
+
+
+def _add_noise(trainable, assigned, std: float, generator) -> None:
+    """``param.grad += std * N(0, I)`` in the order of ``trainable``; parameters whose id is not
+    in ``assigned`` first get ``.grad = 0`` (DP noises every released coordinate)."""
+    for _, p in trainable:
         if id(p) not in assigned:
             p.grad = torch.zeros_like(p)
-        if noise_multiplier > 0:
+        if std > 0:
             p.grad.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype, device=p.device),
                         alpha=std)
+
+
+class _NormStream:
+    """Per-sample squared norms formed while :func:`clipped_backward`'s first pass runs.
+
+    The records are split into groups linked by shared parameters (a layer called twice, tied
+    weights). As soon as every record of a group has had all its hook calls (``events``), the
+    group's norms are formed (:func:`_sq_norms`) and its activations and grad_outputs dropped,
+    so grad_outputs do not pile up over the backward as in book-keeping.
+    """
+
+    def __init__(self, gh, caps: list, events: Dict[int, int]):
+        self.gh, self.events, self.hits = gh, events, {}
+        parent = {id(c): id(c) for c in caps}
+
+        def root(x: int) -> int:
+            while parent[x] != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        owner: Dict[int, int] = {}  # id(param) -> a record that uses it
+        for cap in caps:
+            for local in cap.names:
+                pid = id(cap.layer.params[local])
+                if pid in owner:
+                    parent[root(id(cap))] = root(owner[pid])
+                else:
+                    owner[pid] = id(cap)
+        groups: Dict[int, list] = {}
+        for cap in caps:
+            groups.setdefault(root(id(cap)), []).append(cap)
+        self.group_of = {id(c): g for g in groups.values() for c in g}
+        self.waiting = {id(g): len(g) for g in groups.values()}
+        self.groups = list(groups.values())
+        self.sq: Optional[Tensor] = None
+
+    def hit(self, cap) -> None:
+        k = self.hits.get(id(cap), 0) + 1
+        self.hits[id(cap)] = k
+        if k == self.events.get(id(cap)):
+            group = self.group_of[id(cap)]
+            self.waiting[id(group)] -= 1
+            if not self.waiting[id(group)]:
+                self._reduce(group)
+
+    def _reduce(self, group: list) -> None:
+        del self.waiting[id(group)]
+        gh = self.gh
+        reached = [cap for cap in group if cap.hits]
+        if reached:
+            plans = _plan_caps(gh, reached)
+            for t in _sq_norms(gh, plans, _Forms(gh, plans), reached).values():
+                self.sq = t if self.sq is None else self.sq + t
+        for cap in group:
+            cap.release()
+
+    def finish(self) -> Optional[Tensor]:
+        """Reduce the groups some of whose hooks did not run (an output no gradient reached);
+        ``(N,)`` squared norms summed over all parameters, or ``None`` if nothing was reached."""
+        for group in self.groups:
+            if id(group) in self.waiting:
+                self._reduce(group)
+        return self.sq
+
+
+def clipped_backward(gh, losses: Tensor, max_norm: float, *, noise_multiplier: float = 0.0,
+                     generator: Optional[torch.Generator] = None) -> Tensor:
+    """DP-SGD step gradient by two-pass ghost clipping (Li et al. 2022, arXiv:2110.05679,
+    sec. 4): ``param.grad`` as :func:`clip_and_accumulate` sets it, from the per-sample losses,
+    with peak memory close to plain training.
+
+    Replaces ``loss.backward()`` (call it after the forward, instead of any backward). First pass:
+    a backward of ``losses.sum()`` (as :meth:`~gradhooks.GradHooks.backward`: no weight
+    gradients, graph retained) during which each layer's per-sample squared norms are formed as
+    soon as its grad_outputs are in (Gram form where cheaper, as
+    :func:`per_sample_grad_norms`) and its records dropped. Then ``c_n = min(1, C / ||g_n||)``,
+    and a second, ordinary backward of ``sum_n c_n losses[n] / D`` writes the clipped sum into
+    ``param.grad`` (autograd's weight-gradient kernels, no per-sample tensor, no records kept).
+    Book-keeping (:func:`clip_and_accumulate` after a backward) instead keeps every layer's
+    activations and grad_outputs until the norms are known and needs no per-sample losses;
+    this costs one more backward pass but keeps only what plain training keeps (measured in
+    ``benchmarks/``).
+
+    **param.grad is overwritten** (set to ``None`` before the second pass), parameters the
+    passes do not reach get ``0``, plus the noise, frozen ones are left alone -- as
+    :func:`clip_and_accumulate`. The records of the batch are consumed: reading per-sample
+    results afterwards raises :class:`~gradhooks.NoBackwardError`. The sum check runs on the
+    steps :meth:`~gradhooks.GradHooks.backward` computes parameter gradients for it (first
+    steps, new structures, every 100th); on those the first pass keeps the records until the
+    end, as book-keeping does.
+
+    Args:
+        gh: the :class:`~gradhooks.GradHooks` (called as ``gh.clipped_backward(...)``).
+        losses: ``(B,)`` per-sample losses of the current batch (``reduction="none"``), sample
+            ``n``'s own loss, whose gradient is the per-sample gradient ``g_n``.
+        max_norm: ``C > 0``.
+        noise_multiplier: ``sigma >= 0``; the noise ``sigma C z / D`` is added as in
+            :func:`clip_and_accumulate` (``D = B`` for ``loss_reduction="mean"``, else 1).
+        generator: a ``torch.Generator`` for the noise.
+
+    Returns:
+        ``(B,)``: the per-sample gradient norms ``||g_n||`` before clipping.
+
+    Raises:
+        ValueError: bad ``max_norm`` or ``noise_multiplier``, or ``losses`` not a ``(B,)`` tensor
+            that requires grad, ``B`` the batch size the hooks recorded.
+        GradHooksError: a trainable parameter the hooks do not cover.
+        NoBackwardError, GradientMismatchError: as :func:`per_sample_grad_norms`.
+    """
+    from .hooks import _no_autocast
+
+    trainable = _clip_setup(gh, max_norm, noise_multiplier)
+    batch = gh._batch_size
+    if not (isinstance(losses, Tensor) and losses.dim() == 1 and losses.requires_grad
+            and losses.shape[0] == batch):
+        shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+        raise ValueError(
+            f"clipped_backward needs the (B,) per-sample losses of the current batch (B = "
+            f"{batch}, e.g. F.cross_entropy(out, y, reduction='none')) that require grad; got "
+            f"{shape}" + ("" if not isinstance(losses, Tensor) or losses.requires_grad
+                          else " not requiring grad"))
+    streams: list = []
+
+    def stream(caps, events):
+        streams.append(_NormStream(gh, caps, events))
+        return streams[0]
+
+    with _no_autocast():
+        if gh._drive(losses.sum(), None, True, stream):
+            sq = streams[0].finish()
+            if sq is None:
+                _plan(gh)  # raises NoBackwardError
+        else:  # the sum check is due: records kept, checked, then reduced
+            plans, _ = _plan(gh)
+            sq = None
+            for t in _sq_norms(gh, plans, _Forms(gh, plans)).values():
+                sq = t if sq is None else sq + t
+    norms = sq.sqrt_()
+    factors = (max_norm / norms).clamp_(max=1.0)
+    divisor = reduction_scale(gh.loss_reduction, batch) or 1.0
+    gh._reset_batch()  # records consumed; the second pass records nothing
+    for _, p in trainable:
+        p.grad = None
+    gh._muted = True
+    try:
+        (losses * (factors / divisor).to(losses.dtype)).sum().backward()
+    finally:
+        gh._muted = False
+    _add_noise(trainable, {id(p) for _, p in trainable if p.grad is not None},
+               noise_multiplier * max_norm / divisor, generator)
     return norms

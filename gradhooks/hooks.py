@@ -229,6 +229,8 @@ class GradHooks:
         self._drive_checked: set = set()  # forward structures whose sum check passed (backward())
         # Inside backward(): (id(capture), leaf) whose grad_outputs arrive as its return values.
         self._captured: frozenset = frozenset()
+        self._muted = False  # hooks record nothing (second pass of clipped_backward)
+        self._stream = None  # gradhooks.dp._NormStream while clipped_backward's first pass runs
         self._step = 0
         self._forward_id = 0
         self._reset_batch()
@@ -447,7 +449,7 @@ class GradHooks:
                                        None if found is None else found[1]),
                            names, self._step, spec, fill)
             if found is not None:
-                found[0].register_hook(functools.partial(self._on_internal, found[1]))
+                found[0].register_hook(functools.partial(self._on_internal, cap, found[1]))
             for i in reached:
                 _on_grad(leaves[i], functools.partial(self._on_grad_output, cap, i))
             if self._driven:
@@ -479,7 +481,7 @@ class GradHooks:
     def _on_grad_output(self, cap: _Capture, leaf: Optional[int], grads: tuple, nr: int) -> None:
         # grads[nr]: the gradient w.r.t. the recorded output tensor (see _on_grad).
         grad = grads[nr]
-        if _PAUSED or grad is None or (id(cap), leaf) in self._captured:
+        if _PAUSED or grad is None or self._muted or (id(cap), leaf) in self._captured:
             return None
         self._receive(cap, leaf, grad)
         return None
@@ -509,16 +511,21 @@ class GradHooks:
         self._backward_seen = True
         if self._result is not None:
             self._drop_result()
+        if self._stream is not None:
+            self._stream.hit(cap)
 
-    def _on_internal(self, saved: dict, grad_inputs: tuple, grad_outputs: tuple) -> None:
+    def _on_internal(self, cap: _Capture, saved: dict, grad_inputs: tuple,
+                     grad_outputs: tuple) -> None:
         # Post-hook on a node a rule asked for (LayerRule.internal): sum its input gradients.
-        if _PAUSED:
+        if _PAUSED or self._muted:
             return None
         prev = saved.get("grad_inputs")
         new = tuple(None if t is None else t.detach() for t in grad_inputs)
         if prev is not None:
             new = tuple(b if a is None else a if b is None else a + b for a, b in zip(prev, new))
         saved["grad_inputs"] = new
+        if self._stream is not None:
+            self._stream.hit(cap)
         return None
 
     def _watch_param(self, p: nn.Parameter) -> None:
@@ -532,7 +539,7 @@ class GradHooks:
         self._handles.append(p.register_hook(functools.partial(self._on_param_grad, id(p))))
 
     def _on_param_grad(self, pid: int, grad: Tensor) -> None:
-        if _PAUSED:
+        if _PAUSED or self._muted:
             return None
         total = self._param_grads.get(pid)
         if total is None:
@@ -625,9 +632,13 @@ class GradHooks:
                 "a forward of the hooked model, not under torch.no_grad())")
         self._drive(loss, gradient, retain_graph)
 
-    def _drive(self, loss: Tensor, gradient: Optional[Tensor], retain_graph: bool) -> List[_Capture]:
-        # GradHooks.backward's pass; returns the captures the graph below ``loss`` holds.
-        caps, captures = self._walk(loss.grad_fn)
+    def _drive(self, loss: Tensor, gradient: Optional[Tensor], retain_graph: bool,
+               stream=None) -> bool:
+        # GradHooks.backward's pass. ``stream(caps, events)``: called before an output-edges
+        # pass with the records below ``loss`` and the hook calls each will get (their tags);
+        # returns the stream that hears of each (gradhooks.dp). Returns whether the pass asked
+        # for the output edges (else: for the parameters, for the sum check).
+        caps, captures, events = self._walk(loss.grad_fn)
         key = tuple((id(c.layer), c.names) for c in caps)
         self._drives += 1
         edges_mode = self._edges_complete and bool(caps) and not (
@@ -635,16 +646,18 @@ class GradHooks:
             or (self.check and (key not in self._drive_checked or self._drives % 100 == 0)))
         self._driven = True
         if edges_mode:
+            self._sum_check = "skip"  # this batch's parameter gradients are incomplete
             self._captured = {(id(cap), leaf) for _, cap, leaf in captures}
+            self._stream = None if stream is None else stream(caps, events)
             try:
                 grads = torch.autograd.grad(loss, [e for e, _, _ in captures], gradient,
                                             retain_graph=retain_graph, allow_unused=True)
+                for (_, cap, leaf), grad in zip(captures, grads):
+                    if grad is not None and leaf != -1:
+                        self._receive(cap, leaf, grad)
             finally:
                 self._captured = frozenset()
-            for (_, cap, leaf), grad in zip(captures, grads):
-                if grad is not None and leaf != -1:
-                    self._receive(cap, leaf, grad)
-            self._sum_check = "skip"  # this batch's parameter gradients are incomplete
+                self._stream = None
         else:
             params = [p for p in self._params.values() if p.requires_grad]
             if not params:
@@ -655,12 +668,13 @@ class GradHooks:
             if self.check and self._sum_check != "skip":
                 self._sum_check = "due"
                 self._drive_key = key if self._edges_complete else None
-        return caps
+        return edges_mode
 
-    def _walk(self, root) -> Tuple[List[_Capture], List[tuple]]:
+    def _walk(self, root) -> Tuple[List[_Capture], List[tuple], Dict[int, int]]:
         """The graph below ``root`` as :meth:`backward` needs it: the captures whose nodes this
-        GradHooks tagged (:meth:`_mark`), in the order of a depth-first walk from the loss, and
-        the edges to ask autograd for, ``[(GradientEdge, capture, leaf)]``.
+        GradHooks tagged (:meth:`_mark`), in the order of a depth-first walk from the loss, the
+        edges to ask autograd for, ``[(GradientEdge, capture, leaf)]``, and ``{id(capture):
+        number of its tags}`` (the hook calls a pass gives it).
 
         Autograd runs a node iff a requested edge lies below it. So only the tagged nodes with
         no tagged node below them (the first layers) are requested -- their output edge, or for
@@ -670,7 +684,7 @@ class GradHooks:
         drop.
         """
         if root is None:
-            return [], []
+            return [], [], {}
         below: Dict[object, bool] = {}  # node -> a tagged node lies (strictly) below it
         tags: Dict[object, list] = {}
         expanded = set()
@@ -696,9 +710,11 @@ class GradHooks:
             stack.pop()
         caps: Dict[int, _Capture] = {}
         captures: List[tuple] = []
+        events: Dict[int, int] = {}
         for node, entries in tags.items():
             for _, cap, leaf, nr in entries:
                 caps.setdefault(id(cap), cap)
+                events[id(cap)] = events.get(id(cap), 0) + 1
                 if below[node]:
                     continue
                 if leaf == -1:
@@ -706,7 +722,7 @@ class GradHooks:
                                     for n, i in node.next_functions if n is not None)
                 else:
                     captures.append((GradientEdge(node, nr), cap, leaf))
-        return list(caps.values()), captures
+        return list(caps.values()), captures, events
 
     # ------------------------------------------------------------------ results
     def per_sample_grads(self) -> Dict[str, Tensor]:
@@ -828,6 +844,14 @@ class GradHooks:
         :func:`gradhooks.dp.clip_and_accumulate`."""
         from .dp import clip_and_accumulate
         return clip_and_accumulate(self, *args, **kwargs)
+
+    def clipped_backward(self, *args, **kwargs):
+        """DP-SGD by two-pass ghost clipping (Li et al. 2022): instead of ``loss.backward()``,
+        from the ``(B,)`` per-sample losses, overwrite ``param.grad`` with the clipped sum plus
+        noise, keeping memory close to plain training; returns the ``(B,)`` norms. Arguments
+        and errors: :func:`gradhooks.dp.clipped_backward`."""
+        from .dp import clipped_backward
+        return clipped_backward(self, *args, **kwargs)
 
 
 def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,

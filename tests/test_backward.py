@@ -263,3 +263,91 @@ def test_graph_of_an_earlier_batch_is_refused():
         model(torch.randn(3, 4))  # starts the next batch
         with pytest.raises(gradhooks.GradHooksError, match="before the current batch"):
             gh.backward(old)
+
+
+# ---------------------------------------------------------------- two-pass ghost clipping
+def _per_sample_losses(out, w, batch_dim):
+    """``w_n * sum(out_n ** 2)``: the per-sample terms of weighted_square_loss, shape (B,)."""
+    dims = [d for d in range(out.dim()) if d != batch_dim]
+    return w * out.square().sum(dims)
+
+
+@FALLBACK_OK
+@pytest.mark.parametrize("name", list(MODELS))
+def test_clipped_backward_matches_loop(name, loss_reduction, dtype, monkeypatch):
+    from gradhooks import dp
+
+    streamed = []
+    real_finish = dp._NormStream.finish
+    monkeypatch.setattr(dp._NormStream, "finish",
+                        lambda self: streamed.append(1) or real_finish(self))
+    batch = 5
+    model, x, w, batch_first, bd = _setup(name, batch, dtype)
+    ref = loop_grads(model, weighted_square_loss("sum", bd), x, w, bd)  # each sample's own loss
+    max_norm = float(_ref_norms(ref).median())
+    expected, scales, ref_norms = _ref_clipped(ref, max_norm, loss_reduction, batch)
+    with gradhooks.attach(model, loss_reduction=loss_reduction, batch_first=batch_first) as gh:
+        for step in range(STEPS):
+            norms = gh.clipped_backward(_per_sample_losses(model(x), w, bd), max_norm)
+            assert len(streamed) == max(0, step - 1)  # steps 0, 1: the sum check's passes
+            _assert_close(norms, ref_norms, dtype, "norms")
+            for n, p in model.named_parameters():
+                if not p.requires_grad:
+                    assert p.grad is None, n
+                    continue
+                assert p.grad.dtype == dtype and p.grad.shape == p.shape, n
+                _assert_close(p.grad, expected[n], dtype, n, scales[n])
+            with pytest.raises(gradhooks.NoBackwardError):
+                gh.per_sample_grads()  # the records were consumed
+
+
+def test_clipped_backward_streams_the_norms(monkeypatch):
+    """In the output-edges pass every group of records is reduced (and dropped) as soon as its
+    grad_outputs are in: while a later layer's norms are formed, the earlier-reduced ones hold
+    nothing any more."""
+    from gradhooks import dp
+
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    x, w = torch.randn(5, 4), torch.rand(5)
+    seen = []
+    real = dp._NormStream._reduce
+
+    def spy(self, group):
+        held = sum(1 for c in self.group_of.values() for cap in c if cap.grads)
+        seen.append((len(group), held))
+        return real(self, group)
+
+    monkeypatch.setattr(dp._NormStream, "_reduce", spy)
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        for _ in range(STEPS):
+            seen.clear()
+            gh.clipped_backward(_per_sample_losses(model(x), w, 0), 1.0)
+    # last step streamed: three groups of one layer each, the head's first; when each is reduced
+    # only its own record still holds grad_outputs
+    assert seen == [(1, 1), (1, 1), (1, 1)]
+
+
+def test_clipped_backward_noise_and_errors():
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    x, w = torch.randn(6, 4, dtype=torch.float64), torch.rand(6, dtype=torch.float64)
+    with gradhooks.attach(model) as gh:
+        results = []
+        for method in ("two-pass", "ghost"):
+            out = model(x)
+            if method == "two-pass":
+                gh.clipped_backward(_per_sample_losses(out, w, 0), 0.05, noise_multiplier=0.7,
+                                    generator=torch.Generator().manual_seed(5))
+            else:
+                _per_sample_losses(out, w, 0).mean().backward()
+                gh.clip_and_accumulate(0.05, noise_multiplier=0.7,
+                                       generator=torch.Generator().manual_seed(5))
+            results.append([p.grad.clone() for p in model.parameters()])
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
+        out = model(x)
+        with pytest.raises(ValueError, match=r"\(B,\) per-sample losses"):
+            gh.clipped_backward(_per_sample_losses(out, w, 0).sum(), 1.0)
+        with pytest.raises(ValueError, match=r"B = 6"):
+            gh.clipped_backward(_per_sample_losses(out, w, 0)[:3], 1.0)
+        with pytest.raises(ValueError, match="max_norm"):
+            gh.clipped_backward(_per_sample_losses(out, w, 0), -1.0)
