@@ -207,7 +207,7 @@ def _plain(wl: Workload, model: nn.Module, x: Tensor, y: Tensor) -> Iterator[Cal
 def _hooks(wl: Workload, model: nn.Module, x: Tensor, y: Tensor) -> Iterator[Callable[[], Grads]]:
     with gradhooks.attach(model, loss_reduction=wl.loss_reduction) as gh:
         def run() -> Grads:
-            wl.loss_fn(model(x), y).backward()
+            gh.backward(wl.loss_fn(model(x), y))  # per-sample grads only, as vmap gives
             return gh.per_sample_grads()
         yield run
 
