@@ -47,6 +47,13 @@ backward pass and, for Linear and Conv, no per-sample tensor::
 and per block for factored forms. Layers without either are materialised a second time, one
 layer at a time, and reduced with the weights ``c_n`` at once.
 
+**Two-pass clipping** (:func:`clipped_backward`; Li et al. 2022, sec. 4): book-keeping keeps
+every layer's activations and grad_outputs until all norms are known. From per-sample losses,
+a first backward (no weight gradients, graph retained) forms each group of records' norms as soon
+as its grad_outputs are in and drops them (:class:`_NormStream`); a second, ordinary backward of
+``sum_n c_n loss_n / D`` then gives the clipped sum through autograd's own weight-gradient
+kernels. One more backward pass, but no grad_output outlives its layer.
+
 **Checks.** As :meth:`~gradhooks.GradHooks.per_sample_grads` does (``check=True``: on each new
 call structure and every 100th read; ``check="always"``: every read; ``check=False``: never),
 the per-sample gradients must sum to the gradient autograd computed (a parameter also used

@@ -177,6 +177,11 @@ class GradHooks:
     a new batch and *replaces* the previous results (per-sample gradients of different batches
     cannot be added sample by sample). :meth:`clear` drops everything recorded at once.
 
+    **Backward without the batch gradient.** ``gh.backward(loss)`` (:meth:`backward`) replaces
+    ``loss.backward()`` when only per-sample results are wanted: autograd then computes the
+    gradients w.r.t. the layers' outputs only, not the batch weight gradients (which per-sample
+    rules recompute sample by sample anyway), and ``param.grad`` is left alone.
+
     **Memory.** Inputs of calls whose output never reaches a backward are freed with the autograd
     graph. Inputs and grad_outputs of calls the backward reached are kept until the next batch
     starts, :meth:`clear` or :meth:`detach`, so that results can be read (again) at any time.
