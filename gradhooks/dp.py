@@ -127,6 +127,15 @@ def gram_sq_norms(a: Tensor, g: Tensor) -> Tensor:
     return aa.mul_(g @ g.transpose(-1, -2)).view(n, -1).sum(1)
 
 
+def _total(parts) -> Optional[Tensor]:
+    """Sum of the ``(N,)`` tensors ``parts`` (per-parameter squared norms), ``None`` if empty."""
+    total = None
+    for t in parts:
+        if t is not None:
+            total = t if total is None else total + t
+    return total
+
+
 def _sq(t: Tensor, dim) -> Tensor:
     # Sum of squares over ``dim`` without a temporary of ``t``'s size.
     return torch.linalg.vector_norm(t, dim=dim).square_()
@@ -681,10 +690,7 @@ def per_sample_grad_norms(gh, *, per_param: bool = False) -> Union[Tensor, Dict[
     factor = 1.0 if scale is None else scale
     if per_param:
         return {p.name: sq[pid].sqrt().mul_(factor) for pid, p in plans.items()}
-    total = None
-    for t in sq.values():
-        total = t if total is None else total + t
-    return total.sqrt_().mul_(factor)
+    return _total(sq.values()).sqrt_().mul_(factor)
 
 
 def clip_and_accumulate(gh, max_norm: float, *, method: str = "ghost",
@@ -762,22 +768,15 @@ def clip_and_accumulate(gh, max_norm: float, *, method: str = "ghost",
     with _no_autocast():
         if method == "ghost":
             forms = _Forms(gh, plans)
-            sq = _sq_norms(gh, plans, forms)
-            norms = None
-            for t in sq.values():
-                norms = t if norms is None else norms + t
-            norms = norms.sqrt_().mul_(divisor)
+            norms = _total(_sq_norms(gh, plans, forms).values()).sqrt_().mul_(divisor)
             factors = (max_norm / norms).clamp_(max=1.0)
             # The records are the per-sample gradients divided by D: weighting them gives sum / D.
             _ghost_sums(gh, plans, factors, assign, forms)
         else:
             grads = gh.per_sample_grads()
             pids = {name: pid for pid, name in gh._names.items()}
-            norms = None
-            for t in grads.values():
-                t2 = _sq(t.reshape(t.shape[0], -1).to(compute_dtype(t)), 1)
-                norms = t2 if norms is None else norms + t2
-            norms = norms.sqrt_()
+            norms = _total(_sq(t.reshape(t.shape[0], -1).to(compute_dtype(t)), 1)
+                           for t in grads.values()).sqrt_()
             factors = (max_norm / norms).clamp_(max=1.0)
             for name, t in grads.items():
                 assign(pids[name], torch.tensordot(factors.to(t.dtype), t, 1).div_(divisor))
@@ -869,8 +868,7 @@ class _NormStream:
         reached = [cap for cap in group if cap.hits]
         if reached:
             plans = _plan_caps(gh, reached)
-            for t in _sq_norms(gh, plans, _Forms(gh, plans), reached).values():
-                self.sq = t if self.sq is None else self.sq + t
+            self.sq = _total([self.sq, *_sq_norms(gh, plans, _Forms(gh, plans), reached).values()])
         for cap in group:
             cap.release()
 
@@ -952,9 +950,7 @@ def clipped_backward(gh, losses: Tensor, max_norm: float, *, noise_multiplier: f
                 _plan(gh)  # raises NoBackwardError
         else:  # the sum check is due: records kept, checked, then reduced
             plans, _ = _plan(gh)
-            sq = None
-            for t in _sq_norms(gh, plans, _Forms(gh, plans)).values():
-                sq = t if sq is None else sq + t
+            sq = _total(_sq_norms(gh, plans, _Forms(gh, plans)).values())
     norms = sq.sqrt_()
     factors = (max_norm / norms).clamp_(max=1.0)
     divisor = reduction_scale(gh.loss_reduction, batch) or 1.0

@@ -14,7 +14,8 @@ from torch import nn
 import gradhooks
 from gradhooks import per_sample
 from conftest import assert_close_to_loop, loop_grads, weighted_square_loss
-from test_dp import FALLBACK_OK, MODELS, _assert_close, _ref_clipped, _ref_norms, _setup
+from test_dp import (FALLBACK_OK, MODELS, _assert_close, _ref_clipped, _ref_norms, _setup,
+                     second_loss, two_passes_setup)
 
 STEPS = 3  # step 0 and 1: parameter gradients for the sum check; step 2: output edges only
 
@@ -73,18 +74,12 @@ def test_backward_leaves_grad_alone():
 
 
 def test_retain_graph_accumulates(dtype):
-    model, x, w, _, _ = _setup("twice", 3, dtype)
-    loss_fn = weighted_square_loss("sum")
-
-    def two_losses(out, w):
-        return loss_fn(out, w) + (out.sin() * w[:, None]).sum()
-
-    ref = loop_grads(model, two_losses, x, w)
+    model, x, w, loss_fn, ref = two_passes_setup(dtype)
     with gradhooks.attach(model, loss_reduction="sum") as gh:
         for _ in range(STEPS):
             out = model(x)
             gh.backward(loss_fn(out, w), retain_graph=True)
-            gh.backward((out.sin() * w[:, None]).sum())
+            gh.backward(second_loss(out, w))
             assert_close_to_loop(gh.per_sample_grads(), ref, dtype)
 
 

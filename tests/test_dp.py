@@ -216,19 +216,26 @@ def test_norms_match_loop(name, batch, form, loss_reduction, dtype, grad_totals)
         _assert_close(per_param[n], g.flatten(1).norm(dim=1), dtype, n)
 
 
-def test_norms_of_several_backward_passes(dtype, grad_totals):
-    """retain_graph: the norm of the gradient summed over the passes (like param.grad)."""
+def second_loss(out, w):
+    """A second loss on the same outputs, for backward passes through one forward."""
+    return (out.sin() * w[:, None]).sum()
+
+
+def two_passes_setup(dtype):
+    """The "twice" model, its batch, and the loop's gradients of both losses (sum reduction)."""
     model, x, w, _, _ = _setup("twice", 3, dtype)
     loss_fn = weighted_square_loss("sum")
+    ref = loop_grads(model, lambda out, w: loss_fn(out, w) + second_loss(out, w), x, w)
+    return model, x, w, loss_fn, ref
 
-    def two_losses(out, w):
-        return loss_fn(out, w) + (out.sin() * w[:, None]).sum()
 
-    ref = loop_grads(model, two_losses, x, w)
+def test_norms_of_several_backward_passes(dtype, grad_totals):
+    """retain_graph: the norm of the gradient summed over the passes (like param.grad)."""
+    model, x, w, loss_fn, ref = two_passes_setup(dtype)
     with gradhooks.attach(model, loss_reduction="sum") as gh:
         out = model(x)
         loss_fn(out, w).backward(retain_graph=True)
-        (out.sin() * w[:, None]).sum().backward()
+        second_loss(out, w).backward()
         _assert_close(gh.per_sample_grad_norms(), _ref_norms(ref), dtype, "norms")
 
 
