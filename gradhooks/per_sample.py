@@ -55,20 +55,26 @@ class BufferPool:
     GENERATIONS = 2
 
     def __init__(self) -> None:
-        self._gens: List[List[Tensor]] = []
+        # Per generation, the offered tensors by (shape, dtype, device): a lookup, not a scan.
+        self._gens: List[Dict[tuple, List[Tensor]]] = []
 
     def give(self, tensors: Iterable[Tensor]) -> None:
         """Offer ``tensors`` (a result no longer handed out) for reuse; the oldest generation
         beyond :attr:`GENERATIONS` is forgotten."""
-        self._gens = [list(tensors)] + self._gens[: self.GENERATIONS - 1]
+        gen: Dict[tuple, List[Tensor]] = {}
+        for t in tensors:
+            gen.setdefault((t.shape, t.dtype, t.device), []).append(t)
+        self._gens = [gen] + self._gens[: self.GENERATIONS - 1]
 
     def take(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Optional[Tensor]:
         """A free tensor of exactly this ``shape``/``dtype``/``device``, or ``None``."""
-        for free in reversed(self._gens):  # oldest first: the least likely to be held
-            for i in range(len(free)):  # no loop variable bound to a tensor: it would count as a holder
-                if (free[i].shape == shape and free[i].dtype == dtype and free[i].device == device
-                        and _unshared(free, i)):
-                    return free.pop(i)
+        key = (torch.Size(shape), dtype, device)
+        for gen in reversed(self._gens):  # oldest first: the least likely to be held
+            free = gen.get(key)
+            if free:
+                for i in range(len(free)):  # no loop variable bound to a tensor: it would count as a holder
+                    if _unshared(free, i):
+                        return free.pop(i)
         return None
 
     def clear(self) -> None:

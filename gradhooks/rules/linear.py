@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Dict, Iterable
 
+import torch
 from torch import Tensor, nn
 
-from ..per_sample import bias_grad, weight_grad
+from ..per_sample import bias_grad, new_empty, weight_grad
 from ..registry import BatchSizeError, LayerRule, register_rule
 
 
@@ -48,6 +49,14 @@ class LinearRule(LayerRule):
     def per_sample_grads(
         self, module: nn.Module, a: Tensor, g: Tensor, batch_first: bool, names: Iterable[str]
     ) -> Dict[str, Tensor]:
+        if a.dim() == 2:  # (B, in), S = 1: outer products, without the canonical views
+            out = {}
+            if "weight" in names:
+                w = new_empty((a.shape[0], *module.weight.shape), a)
+                out["weight"] = torch.mul(g.unsqueeze(2), a.unsqueeze(1), out=w)
+            if "bias" in names:
+                out["bias"] = new_empty(g.shape, g).copy_(g)
+            return out
         a, g = self.canonical(a, g, batch_first)
         n = a.shape[0]
         out = {}
