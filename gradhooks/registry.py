@@ -196,7 +196,8 @@ class LayerRule:
         node's input gradients (``Node.register_hook``'s ``grad_inputs``, detached, summed over
         backward passes; absent if no backward reached the node). ``saved`` may also hold
         forward values the rule takes from the graph now (e.g. a node's saved tensors, which
-        the backward frees). The rule receives it as ``a.internal`` (:class:`Call`).
+        the backward frees). The rule receives it as ``a.internal`` (:class:`Call`). ``node``
+        may be ``None``: nothing to hook, ``saved`` holds forward values only.
         """
         return None
 

@@ -294,3 +294,53 @@ def test_module_layout_not_global_flag(loss_reduction, dtype):
         return state_loss(out.transpose(0, 1), state, w[sl])
 
     compare(model, run, 3, dtype, loss_reduction, batch_first=False)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["tensor", "packed"])
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_last_layer_output_is_recorded_not_replayed(kind, layers, packed, monkeypatch,
+                                                     loss_reduction, dtype):
+    """The last layer's states come from the recorded output: torch's kernel replays only the
+    layers below it; the results stay exact."""
+    from gradhooks.rules import recurrent
+
+    replays = []
+    replay = recurrent._layer_output
+    monkeypatch.setattr(recurrent, "_layer_output", lambda *a: replays.append(1) or replay(*a))
+    model = TYPES[kind](num_layers=layers, bidirectional=True, batch_first=True)
+    x, hx, w = make_inputs(model, 3, True, dtype)
+    lengths = torch.tensor([5, 2, 4])
+
+    def run(sl):
+        xs = x[:, sl].transpose(0, 1)
+        if packed:
+            xs = pack_padded_sequence(xs, lengths[sl], batch_first=True, enforce_sorted=False)
+        out, state = model(xs, slice_state(hx, sl))
+        out = pad_packed_sequence(out)[0] if packed else out.transpose(0, 1)
+        return state_loss(out, state, w[sl])
+
+    compare(model, run, 3, dtype, loss_reduction)
+    assert len(replays) == layers - 1
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_output_modified_in_place_is_replayed(kind, monkeypatch, loss_reduction, dtype):
+    """An output modified in place after the forward is not used (its version changed): the
+    rule replays the last layer too, and the results stay exact."""
+    from gradhooks.rules import recurrent
+
+    replays = []
+    replay = recurrent._layer_output
+    monkeypatch.setattr(recurrent, "_layer_output", lambda *a: replays.append(1) or replay(*a))
+    model = TYPES[kind](num_layers=1)
+    x, hx, w = make_inputs(model, 3, True, dtype)
+
+    def run(sl):
+        out, state = model(x[:, sl], slice_state(hx, sl))
+        out = out.view_as(out)  # a view, so that the in-place op below is allowed by autograd
+        out.mul_(2)
+        return state_loss(out, state, w[sl])
+
+    compare(model, run, 3, dtype, loss_reduction)
+    assert len(replays) == 1

@@ -40,9 +40,11 @@ Method. The hooks record the call's inputs (``x`` or a ``PackedSequence``, and `
 c0)``) and the grad_outputs (of ``output``, ``h_n``, ``c_n``; ``None`` = not reached = zero).
 The rule replays the call batched over samples (never per sample), with the module's weights:
 
-1. each layer with torch's own kernel (``torch.lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu``,
-   one layer at a time, no dropout), which gives every step's state ``h_t`` and the next
-   layer's input;
+1. every step's state ``h_t`` of each layer: the last layer's is the call's output, recorded
+   by the forward hook (:meth:`RecurrentRule.internal`); the layers below (and the last one
+   if its output was modified in place) are replayed with torch's own kernel (``torch.lstm`` /
+   ``gru`` / ``rnn_tanh`` / ``rnn_relu``, one layer at a time, no dropout), which also gives
+   the next layer's input;
 2. from these, the gate activations of all steps at once: ``W_ih x_t + b_ih`` and
    ``W_hh h_{t-1} + b_hh`` are two matmuls over all steps; only the LSTM cell state
    ``c_t = f_t c_{t-1} + i_t g_t`` is an (elementwise) loop over ``t``;
@@ -95,6 +97,20 @@ class _Weights(NamedTuple):
     b_hh: Optional[Tensor]
     w_hr: Optional[Tensor]
     names: Dict[str, str]
+
+
+class _Output:
+    """A recorded output sequence and its version at the forward: not a pytree node, so the
+    hook manager's in-place check of the inputs does not see it (:meth:`RecurrentRule.internal`)."""
+
+    __slots__ = ("data", "version")
+
+    def __init__(self, data: Tensor):
+        self.data, self.version = data, data._version
+
+    def intact(self) -> bool:
+        """Whether the output was not modified in place since the forward."""
+        return self.data._version == self.version
 
 
 class _Tape(NamedTuple):
@@ -344,7 +360,7 @@ def _state_before(out: Tensor, h0: Tensor, sizes: Sizes) -> Tensor:
 def _run(mode: str, layers: List[List[_Weights]], x: Tensor, lengths: Optional[Tensor], h0: Tensor,
          c0: Optional[Tensor], gout: Optional[Tensor], gh: Optional[Tensor], gc: Optional[Tensor],
          names: Tuple[str, ...], order: Optional[Tensor] = None,
-         cell: bool = False) -> Dict[str, Tensor]:
+         cell: bool = False, top: Optional[Tensor] = None) -> Dict[str, Tensor]:
     """Replay every layer bottom-up, backpropagate top-down, contract per sample.
 
     Args:
@@ -358,6 +374,8 @@ def _run(mode: str, layers: List[List[_Weights]], x: Tensor, lengths: Optional[T
         order: see :func:`_layer_grads`.
         cell: a cell call (``T = 1``): its output is not needed to replay it, and for an LSTM
             cell the recorded ``gc`` may be a total derivative (:func:`_lstm_cell_h_uses_c`).
+        top: ``(T, B, D*P)`` the last layer's output as the forward computed it (recorded, zero
+            past each length), or ``None``: replayed with torch's kernel like the other layers.
 
     Returns:
         ``{name: [Block]}`` (:func:`_layer_grads`) for the parameters in ``names``.
@@ -381,7 +399,12 @@ def _run(mode: str, layers: List[List[_Weights]], x: Tensor, lengths: Optional[T
     tapes, inp = {}, x
     for k, dirs in enumerate(layers):
         j = slice(k * D, (k + 1) * D)
-        out = None if cell else _layer_output(mode, dirs, inp, lengths, h0[j], at(c0, j))
+        if cell:
+            out = None
+        elif top is not None and k == len(layers) - 1:
+            out = top
+        else:
+            out = _layer_output(mode, dirs, inp, lengths, h0[j], at(c0, j))
         if k >= lowest:  # layers below only feed the next one
             tapes[k] = []
             for d, w in enumerate(dirs):
@@ -504,6 +527,17 @@ class RecurrentRule(LayerRule):
             raise _unbatched(module, x)
         return x.shape[0 if module.batch_first else 1]
 
+    def internal(self, module: nn.Module, args: tuple, kwargs: dict, output) -> Optional[tuple]:
+        """Records the call's output sequence (no autograd node): it is the last layer's
+        states ``h_t``, which the rule then need not replay with torch's kernel. Kept with its
+        version, out of the inputs' in-place check: if it is modified in place afterwards, the
+        rule replays the layer instead."""
+        y = output[0]
+        data = y.data if isinstance(y, PackedSequence) else y
+        if not isinstance(data, Tensor):
+            return None
+        return None, {"output": _Output(data.detach())}
+
     has_forms = True  # per_sample_grads: LayerRule's, from forms()
 
     def forms(self, module: nn.Module, a: Call, g, batch_first: bool,
@@ -538,6 +572,14 @@ class RecurrentRule(LayerRule):
         else:
             xs = x
         B = xs.shape[1]
+        top = None
+        saved = a.internal.get("output") if a.internal else None
+        if saved is not None and saved.intact() and saved.data.dtype == dt:
+            top = saved.data  # the output sequence as the forward computed it, time-major
+            if isinstance(x, PackedSequence):
+                top = pad_packed_sequence(PackedSequence(top, x.batch_sizes), total_length=xs.shape[0])[0]
+            elif module.batch_first:
+                top = top.transpose(0, 1)
         new = dict(dtype=dt, device=xs.device)
         h0 = torch.zeros(L * D, B, P, **new) if h0 is None else h0.to(dt)
         if module.mode == "LSTM":
@@ -547,7 +589,7 @@ class RecurrentRule(LayerRule):
         cast = (lambda t: None if t is None else t.to(dt))
         with torch.no_grad():
             return _run(module.mode, layers, xs.to(dt), lengths, h0, c0, cast(g_out), cast(gh),
-                        cast(gc), tuple(names), order)
+                        cast(gc), tuple(names), order, top=top)
 
 
 @register_rule(nn.LSTMCell, nn.GRUCell, nn.RNNCell)
