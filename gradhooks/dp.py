@@ -30,7 +30,9 @@ includes the cross terms between calls. Rules that give their gradients in facto
 (:class:`~gradhooks.registry.Block`: recurrent layers and cells, with the time steps as
 positions; MultiheadAttention, with the tokens) are treated the same way, block by block: Gram
 form or materialised block per the same count, their replay run once per call for norms and
-clipped sum together. Layers without either (norm layers, Embedding, transposed convs, the
+clipped sum together; blocks that share their grad_output (an LSTM's ``weight_ih`` and
+``weight_hh``: the gate gradients) form its Gram matrix once, which counts as ``O / shared``
+in the comparison. Layers without either (norm layers, Embedding, transposed convs, the
 torch.func fallback, and a parameter tied across layer types) are materialised with their
 rule, one layer at a time, and reduced to norms at once.
 
@@ -92,7 +94,7 @@ _GENERIC = "generic"    # any other rule: materialised norm and clipped sum
 
 
 # ----------------------------------------------------------------------------------- closed forms
-def use_gram(positions: int, fan_in: int, fan_out: int) -> bool:
+def use_gram(positions: int, fan_in: int, fan_out: int, shared: int = 1) -> bool:
     """Whether the Gram form of a weight's per-sample squared norms is the cheaper one.
 
     Args:
@@ -100,12 +102,14 @@ def use_gram(positions: int, fan_in: int, fan_out: int) -> bool:
             of a parameter used several times).
         fan_in: ``I``, input features per group (``C_in/G * prod(kernel_size)`` for a conv).
         fan_out: ``O``, output features per group.
+        shared: how many weights have this same grad_output (an LSTM's ``weight_ih`` and
+            ``weight_hh``: the gate gradients), whose Gram matrix is then formed once for all.
 
     Returns:
-        ``S (I + O) < I O``: the multiply-add counts ``N G S^2 (I + O)`` (Gram) against
-        ``N G S I O`` (materialised); measurements in the module docstring.
+        ``S (I + O / shared) < I O``: the multiply-add counts ``N G S^2 (I + O / shared)``
+        (Gram) against ``N G S I O`` (materialised); measurements in the module docstring.
     """
-    return positions * (fan_in + fan_out) < fan_in * fan_out
+    return positions * (fan_in + fan_out / shared) < fan_in * fan_out
 
 
 def gram_sq_norms(a: Tensor, g: Tensor) -> Tensor:
@@ -229,6 +233,32 @@ class _Forms:
 
     def __init__(self, gh, plans: Dict[int, "_Param"]):
         self.gh, self.plans, self.calls, self.joined = gh, plans, {}, {}
+        self.uses: Optional[Dict[tuple, int]] = None  # grad_output key -> weight-like blocks
+        self.grams: Dict[tuple, Tuple[Tensor, Tensor]] = {}  # key -> (g, g g^T)
+
+    @staticmethod
+    def _key(t: Tensor) -> tuple:
+        return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
+
+    def sharing(self, g: Tensor) -> int:
+        """How many weight-like blocks of the factored parameters have the grad_output ``g``
+        (the same tensor: an LSTM's ``weight_ih`` and ``weight_hh`` blocks)."""
+        if self.uses is None:
+            self.uses = {}
+            for p in self.plans.values():
+                if p.kind == _FORMS:
+                    for b in self.blocks(p) or ():
+                        if b.a is not None:
+                            key = self._key(b.g)
+                            self.uses[key] = self.uses.get(key, 0) + 1
+        return self.uses.get(self._key(g), 1)
+
+    def gram(self, g: Tensor) -> Tensor:
+        """``g g^T`` ``(N, S, S)`` of a shared grad_output ``g`` ``(N, S, O)``, formed once."""
+        key = self._key(g)
+        if key not in self.grams:
+            self.grams[key] = (g, g @ g.transpose(-1, -2))  # g kept: its address stays its own
+        return self.grams[key][1]
 
     def of(self, cap) -> Dict[str, list]:
         forms = self.calls.get(id(cap))
@@ -552,8 +582,13 @@ def _forms_sq_norm(gh, p: _Param, forms: _Forms, sq, probes, projections, check:
     for b in blocks:
         if b.a is not None:  # weight-like: checked on the projection (blocks add up)
             a4, g4 = b.a.unsqueeze(1), b.g.unsqueeze(1)
-            if use_gram(b.a.shape[1], b.a.shape[2], b.g.shape[2]):
-                part = gram_sq_norms(a4, g4)
+            shared = forms.sharing(b.g)
+            if use_gram(b.a.shape[1], b.a.shape[2], b.g.shape[2], shared):
+                if shared > 1:  # the grad_output's Gram matrix is formed once for its blocks
+                    aa = b.a @ b.a.transpose(-1, -2)
+                    part = aa.mul_(forms.gram(b.g)).view(aa.shape[0], -1).sum(1)
+                else:
+                    part = gram_sq_norms(a4, g4)
             else:
                 part = _sq(weight_grad(a4, g4).view(b.g.shape[0], -1), 1)
             if check:

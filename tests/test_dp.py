@@ -244,6 +244,39 @@ def test_use_gram_is_the_flop_count():
     assert dp.use_gram(63, 128, 128)         # 63 * 256 < 128 * 128
     assert not dp.use_gram(64, 128, 128)
     assert not dp.use_gram(576, 288, 64)     # the seed CNN's conv2: materialised
+    # the LSTM LM's weight_ih (32 steps, 32 -> 256 gates): its gate-gradient Gram is shared
+    assert not dp.use_gram(32, 32, 256) and dp.use_gram(32, 32, 256, shared=2)
+
+
+class _LSTMHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16, batch_first=True)
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0])
+
+
+def test_lstm_gate_gradient_gram_is_formed_once(monkeypatch, dtype):
+    """weight_ih and weight_hh of an LSTM have the same grad_output (the gate gradients): its
+    Gram matrix is formed once for both, and the norms stay exact."""
+    formed = []
+    gram = dp._Forms.gram
+    monkeypatch.setattr(dp._Forms, "gram",
+                        lambda self, g: formed.append((g.shape, self._key(g) in self.grams))
+                        or gram(self, g))
+    model, x, w = _LSTMHead().to(dtype), torch.randn(3, 12, 8, dtype=dtype), torch.rand(3, dtype=dtype)
+    loss_fn = weighted_square_loss("sum")
+    ref = loop_grads(model, loss_fn, x, w)
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        loss_fn(model(x), w).backward()
+        per_param = gh.per_sample_grad_norms(per_param=True)
+        _assert_close(gh.per_sample_grad_norms(), _ref_norms(ref), dtype, "norms")
+    for n, g in ref.items():
+        _assert_close(per_param[n], g.flatten(1).norm(dim=1), dtype, n)
+    # weight_ih forms it, weight_hh reuses it; in each of the two reads
+    assert formed == [((3, 12, 64), False), ((3, 12, 64), True)] * 2
 
 
 def test_gram_form_forms_no_per_sample_tensor(monkeypatch):
