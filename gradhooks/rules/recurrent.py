@@ -226,22 +226,24 @@ def _backprop(mode: str, w: _Weights, tape: _Tape, sizes: Sizes, gout: Optional[
 
     Returns:
         ``δ^ih`` ``(K, B, G)``, ``δ^hh`` ``(K, B, G)`` (the same tensor except for GRU), and
-        ``dL/dh_t`` ``(K, B, P)`` (the total gradient of each step's state); zero at inactive
-        rows.
+        ``dL/dh_t`` ``(K, B, P)`` (the total gradient of each step's state; ``None`` for an
+        LSTM without projection, which does not need it); zero at inactive rows.
     """
     K, B = tape.act.shape[0], tape.act.shape[1]
     G, P = w.w_hh.shape
     alloc = torch.empty if sizes is None else torch.zeros
     new = dict(dtype=tape.act.dtype, device=tape.act.device)
-    delta, dhs = alloc(K, B, G, **new), torch.empty(K, B, P, **new)
     # dhs[k]: gradient w.r.t. the state after step k; rows inactive at step k carry it to the
-    # step before (their state is carried), plus the output grad of that step (zero if inactive)
+    # step before (their state is carried), plus the output grad of that step (zero if inactive).
+    # An LSTM without projection on whole sequences needs only the last one (_backprop_lstm).
+    only_last = mode == "LSTM" and sizes is None and w.w_hr is None
+    delta, dhs = alloc(K, B, G, **new), torch.empty(1 if only_last else K, B, P, **new)
     if gh is None and gout is None:
-        dhs[K - 1].zero_()
+        dhs[-1].zero_()
     elif gh is None or gout is None:
-        dhs[K - 1].copy_(gout[K - 1] if gh is None else gh)
+        dhs[-1].copy_(gout[K - 1] if gh is None else gh)
     else:
-        torch.add(gh, gout[K - 1], out=dhs[K - 1])
+        torch.add(gh, gout[K - 1], out=dhs[-1])
     rows = [B] * K if sizes is None else sizes
     outs = _steps(gout, None) if gout is not None else None
 
@@ -262,32 +264,9 @@ def _backprop(mode: str, w: _Weights, tape: _Tape, sizes: Sizes, gout: Optional[
             else:
                 torch.add(dhs[k, b:], outs[k - 1][b:], out=dhs[k - 1, b:])
 
-    dh_s, d_s = _steps(dhs, sizes), _steps(delta, sizes)
     if mode == "LSTM":
-        H = G // 4
-        i, f, g, o = tape.act.chunk(4, -1)
-        tc = tape.aux
-        # dc_t += dm_t o (1 - tanh^2 c_t);  δ_o = dm_t tanh(c_t) o (1 - o);
-        # (δ_i, δ_f, δ_g) = dc_t (g i (1 - i), c_{t-1} f (1 - f), i (1 - g^2));  dc_{t-1} = dc_t f_t
-        k_c = _steps(o * (1 - tc * tc), sizes)
-        k_o = _steps(tc * o * (1 - o), sizes)
-        k_ifg = _steps(torch.stack([g * i * (1 - i), tape.cs[:-1] * f * (1 - f), i * (1 - g * g)], 2),
-                       sizes)
-        f_s = _steps(f, sizes)
-        d_o = _steps(delta[..., 3 * H:], sizes)
-        d_ifg = _steps(delta[..., : 3 * H].unflatten(-1, (3, H)), sizes)
-        dc = gc.clone() if gc is not None else torch.zeros(B, H, **new)
-        for k in reversed(range(K)):
-            dm = dh_s[k] if w.w_hr is None else dh_s[k] @ w.w_hr
-            c = dc if rows[k] == B else dc[: rows[k]]
-            if not (c_total and k == K - 1):
-                c.addcmul_(dm, k_c[k])
-            torch.mul(dm, k_o[k], out=d_o[k])
-            torch.mul(c.unsqueeze(1), k_ifg[k], out=d_ifg[k])
-            if k > 0:
-                c.mul_(f_s[k])
-                down(k, d_s[k])
-        return delta, delta, _mask_inactive(dhs, sizes)
+        return _backprop_lstm(w, tape, sizes, rows, delta, dhs, outs, gc, c_total, down)
+    dh_s, d_s = _steps(dhs, sizes), _steps(delta, sizes)
     if mode == "GRU":
         H = G // 3
         r, z, n = tape.act.chunk(3, -1)
@@ -313,6 +292,68 @@ def _backprop(mode: str, w: _Weights, tape: _Tape, sizes: Sizes, gout: Optional[
         if k > 0:
             down(k, d)
     return delta, delta, _mask_inactive(dhs, sizes)
+
+
+def _backprop_lstm(w: _Weights, tape: _Tape, sizes: Sizes, rows: List[int], delta: Tensor,
+                   dhs: Tensor, outs: Optional[List[Tensor]], gc: Optional[Tensor],
+                   c_total: bool, down) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """The LSTM case of :func:`_backprop` (same arguments and results; ``dhs[-1]`` holds the
+    gradient w.r.t. the last state, ``down(k, δ_k)`` writes ``dhs[k-1]``; without projection
+    and on whole sequences ``dhs`` is that last state's only). ``dL/dh_t`` is
+    returned only with a projection (``weight_hr``, the only user), else ``None``.
+
+    Per step (Hochreiter & Schmidhuber 1997; the LSTM backward of Graves 2012, "Supervised
+    sequence labelling with recurrent neural networks", sec. 4.6), with ``dm = dL/dm_t``
+    (``= dL/dh_t``, or ``dL/dh_t W_hr`` with a projection) and ``dc`` the gradient w.r.t.
+    ``c_t`` from the steps after ``t``::
+
+        dc   += dm o (1 - tanh^2 c_t)
+        δ     = (dc g i (1 - i), dc c_{t-1} f (1 - f), dc i (1 - g^2), dm tanh(c_t) o (1 - o))
+        dc   *= f_t                                    (towards c_{t-1})
+        dm'   = dL/dh_{t-1} = gout_{t-1} + δ W_hh      (one matmul)
+
+    The factors that do not depend on the recursion are formed for all steps at once, and
+    ``dc`` (three copies) and ``dm`` are kept side by side in one ``(B, 4, H)`` buffer, so that
+    ``δ`` is one multiply by the ``(B, 4, H)`` factors: four torch calls per step.
+    """
+    K, B = tape.act.shape[0], tape.act.shape[1]
+    H = w.w_hh.shape[0] // 4
+    new = dict(dtype=tape.act.dtype, device=tape.act.device)
+    i, f, g, o = tape.act.chunk(4, -1)
+    tc = tape.aux  # tanh(c_t)
+    k4 = torch.empty(K, B, 4, H, **new)
+    torch.mul(torch.addcmul(i, i, i, value=-1), g, out=k4[:, :, 0])             # g i (1 - i)
+    torch.mul(torch.addcmul(f, f, f, value=-1), tape.cs[:-1], out=k4[:, :, 1])  # c_{t-1} f (1 - f)
+    torch.addcmul(i, i, g * g, value=-1, out=k4[:, :, 2])                       # i (1 - g^2)
+    torch.mul(torch.addcmul(o, o, o, value=-1), tc, out=k4[:, :, 3])            # tanh(c) o (1 - o)
+    k_c = _steps(torch.addcmul(o, o, tc * tc, value=-1).unsqueeze(2), sizes)    # o (1 - tanh^2 c)
+    k4_s, f_s = _steps(k4, sizes), _steps(f.unsqueeze(2), sizes)
+    d4_s, d_s = _steps(delta.view(K, B, 4, H), sizes), _steps(delta, sizes)
+    state = torch.zeros(B, 4, H, **new)  # (dc, dc, dc, dm)
+    dc3, dm, dm1 = state[:, :3], state[:, 3], state[:, 3:4]
+    if gc is not None:
+        dc3.copy_(gc.unsqueeze(1))
+    proj = w.w_hr is not None
+    torch.mm(dhs[-1], w.w_hr, out=dm) if proj else dm.copy_(dhs[-1])
+    direct = sizes is None and not proj  # dm' straight from the matmul: dhs holds the last only
+    for k in reversed(range(K)):
+        b = rows[k]
+        st, c3, m1 = (state, dc3, dm1) if b == B else (state[:b], dc3[:b], dm1[:b])
+        if not (c_total and k == K - 1):
+            c3.addcmul_(m1, k_c[k])
+        torch.mul(st, k4_s[k], out=d4_s[k])
+        if k == 0:
+            break
+        c3.mul_(f_s[k])
+        if direct:
+            if outs is None:
+                torch.mm(d_s[k], w.w_hh, out=dm)
+            else:
+                torch.addmm(outs[k - 1], d_s[k], w.w_hh, out=dm)
+        else:
+            down(k, d_s[k])
+            torch.mm(dhs[k - 1], w.w_hr, out=dm) if proj else dm.copy_(dhs[k - 1])
+    return delta, delta, (_mask_inactive(dhs, sizes) if proj else None)
 
 
 def _mask_inactive(t: Tensor, sizes: Sizes) -> Tensor:
