@@ -156,12 +156,83 @@ def _on_grad(t: Tensor, fn) -> None:
         node.register_prehook(functools.partial(fn, nr=t.output_nr))
 
 
+# The forward hook walks call arguments and outputs on every call. torch's Python pytree costs
+# about 15 µs per walk of an LSTM's (out, (h, c)); plain tuples, lists and dicts (exact types)
+# with tensors and scalars in them are walked here instead, anything else by the pytree.
+_PLAIN_LEAVES = (type(None), int, float, bool, str, torch.dtype, torch.device)
+
+
 def _tensors(obj) -> List[Tensor]:
-    return [t for t in tree_flatten(obj)[0] if isinstance(t, Tensor)]
+    """The tensors in ``obj`` (pytree order)."""
+    found: List[Tensor] = []
+    _collect(obj, found)
+    return found
+
+
+def _collect(obj, found: List[Tensor]) -> None:
+    # Named tuples (Call, PackedSequence) and dict subclasses flatten like their bases.
+    if isinstance(obj, Tensor):
+        found.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            _collect(o, found)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _collect(o, found)
+    elif type(obj) not in _PLAIN_LEAVES:
+        found.extend(x for x in tree_flatten(obj)[0] if isinstance(x, Tensor))
 
 
 def _detached(obj):
-    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, obj)
+    """``obj`` with every tensor detached (same structure)."""
+    t = type(obj)
+    if t is tuple:
+        return tuple([_detached(o) for o in obj])
+    if t is list:
+        return [_detached(o) for o in obj]
+    if t is dict:
+        return {k: _detached(v) for k, v in obj.items()}
+    if isinstance(obj, Tensor):
+        return obj.detach()
+    if t in _PLAIN_LEAVES:
+        return obj
+    return tree_map(lambda x: x.detach() if isinstance(x, Tensor) else x, obj)
+
+
+class _Opaque(Exception):
+    pass
+
+
+_SPECS: Dict[tuple, object] = {}  # structure key (_key) -> its pytree TreeSpec
+
+
+def _key(obj, leaves: list):
+    # Appends the leaves of plain tuples / lists / dicts to ``leaves`` (pytree order) and
+    # returns a hashable key of the structure; raises _Opaque for any other container.
+    t = type(obj)
+    if t is tuple or t is list:
+        return (t, *[_key(o, leaves) for o in obj])
+    if t is dict:
+        return (dict, tuple(obj), *[_key(o, leaves) for o in obj.values()])
+    if not isinstance(obj, Tensor) and t not in _PLAIN_LEAVES:
+        raise _Opaque
+    leaves.append(obj)
+    return None
+
+
+def _flatten(obj) -> Tuple[list, object]:
+    """``tree_flatten(obj)``, with the spec of a structure of plain containers built once."""
+    leaves: list = []
+    try:
+        key = _key(obj, leaves)
+    except _Opaque:
+        return tree_flatten(obj)
+    spec = _SPECS.get(key)
+    if spec is None:
+        if len(_SPECS) > 1024:  # structures vary without bound (e.g. dict keys): stop caching
+            _SPECS.clear()
+        spec = _SPECS[key] = tree_flatten(obj)[1]
+    return leaves, spec
 
 
 class GradHooks:
@@ -409,7 +480,7 @@ class GradHooks:
             return
         rule = layer.rule
         if rule.multi_io:
-            leaves, spec = tree_flatten(output)
+            leaves, spec = _flatten(output)
             reached = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
             if not reached:
                 return

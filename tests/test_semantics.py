@@ -387,3 +387,47 @@ def test_weight_tied_between_two_bias_free_layers(loss_reduction, dtype):
     ours = check_against_loop(model, torch.randn(3, 4), torch.rand(3), loss_reduction=loss_reduction,
                               dtype=dtype)
     assert list(ours) == ["0.weight"]
+
+
+# --------------------------------------------------------------- the forward hook's structure walk
+_Pair = __import__("collections").namedtuple("_Pair", "first second")
+_TENSORS = [torch.randn(2, requires_grad=True), torch.randn(3), torch.randn(1, 2)]
+
+
+def _structures():
+    from hypothesis import strategies as st
+
+    leaves = st.one_of(st.sampled_from(_TENSORS), st.none(), st.integers(-3, 3), st.booleans(),
+                       st.sampled_from(["a", torch.float32, torch.device("cpu")]))
+    return st.recursive(leaves, lambda inner: st.one_of(
+        st.tuples(inner, inner), st.lists(inner, max_size=3),
+        st.dictionaries(st.sampled_from(["x", "y", "z"]), inner, max_size=3),
+        st.builds(_Pair, inner, inner)), max_leaves=12)
+
+
+def test_structure_walk_matches_torch_pytree():
+    """The forward hook's own walk of call arguments and outputs (plain containers, pytree for
+    the rest) gives what torch's pytree gives: leaves, spec, tensors, detached copies."""
+    from hypothesis import given, settings
+    from torch.utils._pytree import tree_flatten
+
+    from gradhooks import hooks
+
+    @settings(max_examples=300, deadline=None)
+    @given(_structures())
+    def check(obj):
+        leaves, spec = tree_flatten(obj)
+        fast_leaves, fast_spec = hooks._flatten(obj)
+        assert fast_spec == spec
+        assert len(fast_leaves) == len(leaves) and all(a is b for a, b in zip(fast_leaves, leaves))
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        assert [id(t) for t in hooks._tensors(obj)] == [id(t) for t in tensors]
+        det_leaves, det_spec = tree_flatten(hooks._detached(obj))
+        assert det_spec == spec
+        for a, b in zip(det_leaves, leaves):
+            if isinstance(b, torch.Tensor):
+                assert not a.requires_grad and a.data_ptr() == b.data_ptr() and a is not b
+            else:
+                assert a is b or a == b
+
+    check()
