@@ -32,9 +32,14 @@ positions; MultiheadAttention, with the tokens) are treated the same way, block 
 form or materialised block per the same count, their replay run once per call for norms and
 clipped sum together; blocks that share their grad_output (an LSTM's ``weight_ih`` and
 ``weight_hh``: the gate gradients) form its Gram matrix once, which counts as ``O / shared``
-in the comparison. Layers without either (norm layers, Embedding, transposed convs, the
-torch.func fallback, and a parameter tied across layer types) are materialised with their
-rule, one layer at a time, and reduced to norms at once.
+in the comparison. Rules that give their gradients as row scatters
+(:class:`~gradhooks.registry.Rows`: ``nn.Embedding``, ``dW_n[v] = sum_s [x[n,s] = v] g[n,s]``)
+need no ``(N, V, D)`` tensor: ``||dW_n||^2`` is the sum of the squared norms of the
+grad_output rows summed per ``(sample, row)`` pair (``O(N S D)``: one sort of the pair keys and
+an ``index_add``), and the clipped sum is one ``index_add`` of ``c_n g[n,s]`` at row ``x[n,s]``.
+Layers with none of these (norm layers, whose per-sample gradients are ``(N, C)`` anyway;
+EmbeddingBag, transposed convs, the torch.func fallback, and a parameter tied across layer
+types) are materialised with their rule, one layer at a time, and reduced to norms at once.
 
 **Clipping** (:func:`clip_and_accumulate`). DP-SGD (Abadi et al. 2016, arXiv:1607.00133,
 algorithm 1) needs ``sum_n c_n dtheta_n`` with ``c_n = min(1, C / ||dtheta_n||)``. Ghost
@@ -76,7 +81,7 @@ from torch import Tensor, nn
 from .per_sample import (SUM_CHECK_RTOL, GradTotal, bilinear_directions, call_grads, check_sums,
                          compute_dtype, from_blocks, reduction_scale, weight_grad)
 from .registry import (Block, GradHooksError, GradientMismatchError, HigherOrderGradError,
-                       NoBackwardError)
+                       NoBackwardError, Rows)
 from .rules.conv import ConvRule, pad_as_torch, weight_backward
 from .rules.linear import LinearRule, _batch_dim
 
@@ -90,6 +95,7 @@ CLIP_METHODS = ("ghost", "materialize")
 _GRAM = "gram"          # Linear/Conv weight: Gram-form norm, closed-form clipped sum
 _CLOSED = "closed"      # Linear/Conv weight or bias: materialised norm, closed-form clipped sum
 _FORMS = "forms"        # rule with factored forms (recurrent, attention): per block as Linear
+_ROWS = "rows"          # rule with row scatters (Embedding): per (sample, row) sums, index_add
 _GENERIC = "generic"    # any other rule: materialised norm and clipped sum
 
 
@@ -353,6 +359,8 @@ def _plan_caps(gh, caps) -> Dict[int, _Param]:
         locals_ = {local for _, local in p.entries}
         if all(cap.layer.rule.has_forms for cap, _ in p.entries):
             p.kind = _FORMS
+        elif all(cap.layer.rule.has_rows for cap, _ in p.entries):
+            p.kind = _ROWS
         elif len(locals_) == 1 and all(_closed_rule(cap.layer.rule) for cap, _ in p.entries):
             p.kind = _CLOSED
             if locals_ == {"weight"}:
@@ -485,7 +493,8 @@ def _sq_norms(gh, plans: Dict[int, _Param], forms: _Forms, caps=None) -> Dict[in
     key = gh._sum_check_key()
     check = key is not None
     partial: Dict[int, Tensor] = {}  # materialised params with several calls, summed so far
-    left = {pid: len(p.entries) for pid, p in plans.items() if p.kind not in (_GRAM, _FORMS)}
+    left = {pid: len(p.entries) for pid, p in plans.items()
+            if p.kind not in (_GRAM, _FORMS, _ROWS)}
 
     def reduce(pid: int, t: Tensor, low: Optional[torch.dtype]) -> None:
         if pid in partial:
@@ -532,7 +541,7 @@ def _sq_norms(gh, plans: Dict[int, _Param], forms: _Forms, caps=None) -> Dict[in
             kind = plans[pid].kind
             if kind == _CLOSED and local == "bias":
                 reduce(pid, _bias_grads(cap, gh.batch_first), cap.low)
-            elif kind not in (_GRAM, _FORMS):
+            elif kind not in (_GRAM, _FORMS, _ROWS):
                 rest.append(local)
         if rest:
             out = call_grads(layer.rule, layer.module, cap.a, _grads_arg(cap), gh.batch_first,
@@ -542,6 +551,11 @@ def _sq_norms(gh, plans: Dict[int, _Param], forms: _Forms, caps=None) -> Dict[in
     for pid, p in plans.items():
         if p.kind == _FORMS:
             _forms_sq_norm(gh, p, forms, sq, probes, projections, check)
+        elif p.kind == _ROWS:
+            r = _rows(gh, p)
+            sq[pid] = _rows_sq_norms(r, gh._batch_size, gh._params[pid].shape[0])
+            if check:
+                probes.append(_rows_probed(gh, p, r))
         if p.kind != _GRAM or pid in done:
             continue
         forms = [_canonical(cap, gh.batch_first) for cap, _ in p.entries]
@@ -608,6 +622,54 @@ def _forms_sq_norm(gh, p: _Param, forms: _Forms, sq, probes, projections, check:
     sq[pid] = acc
 
 
+def _rows(gh, p: _Param) -> Rows:
+    """The parameter's :class:`~gradhooks.registry.Rows` over all its calls (entries
+    concatenated: calls of one table add up)."""
+    parts = []
+    for cap, local in p.entries:
+        layer = cap.layer
+        parts.append(layer.rule.rows(layer.module, cap.a, _grads_arg(cap), gh.batch_first,
+                                     [local])[local])
+    if len(parts) == 1:
+        return parts[0]
+    dt = compute_dtype(*(r.values for r in parts))
+    return Rows(torch.cat([r.sample for r in parts]), torch.cat([r.row for r in parts]),
+                torch.cat([r.values.to(dt) for r in parts]))
+
+
+def _rows_sq_norms(r: Rows, batch: int, num_rows: int) -> Tensor:
+    """``(N,)`` squared per-sample norms of a row-scatter gradient (:class:`Rows`): the entries
+    summed per ``(sample, row)`` pair (one sort of the ``E`` pair keys and an ``index_add``),
+    then their squared norms summed per sample; ``O(E (D + log E))``, no ``(N, V, D)`` tensor."""
+    key = r.sample * num_rows + r.row
+    pairs, which = torch.unique(key, return_inverse=True)
+    sums = r.values.new_zeros(pairs.shape[0], r.values.shape[1]).index_add_(0, which, r.values)
+    return r.values.new_zeros(batch).index_add_(0, pairs // num_rows, _sq(sums, 1))
+
+
+def _rows_probed(gh, p: _Param, r: Rows) -> tuple:
+    """The sum-check item (:func:`~gradhooks.per_sample.check_sums`) of a row-scatter parameter:
+    its per-sample gradients at the probe coordinates ``(N, K)``, formed for the probed rows only
+    (at most one per probe) instead of all ``V``."""
+    total = gh._param_grads.get(p.pid)
+    if total is None:
+        raise _no_total(p.name)
+    shape = gh._params[p.pid].shape
+    idx = total.probe_index()
+    width = shape.numel() // shape[0]
+    prow, pcol = idx // width, idx % width
+    rows, slot = torch.unique(prow, return_inverse=True)  # the R probed rows
+    pos = torch.full((shape[0],), -1, dtype=torch.long, device=idx.device)
+    pos[rows] = torch.arange(rows.shape[0], device=idx.device)
+    at = pos[r.row]
+    keep = at >= 0
+    n_rows = rows.shape[0]
+    acc = r.values.new_zeros(gh._batch_size * n_rows, r.values.shape[1])
+    acc.index_add_(0, r.sample[keep] * n_rows + at[keep], r.values[keep])
+    low = next((cap.low for cap, _ in p.entries if cap.low is not None), r.values.dtype)
+    return p.name, acc.view(gh._batch_size, n_rows, -1)[:, slot, pcol], total.probe_values(), low
+
+
 def _forms_weighted(gh, p: _Param, forms: _Forms, c: Tensor, dest=_no_dest) -> Tensor:
     """``sum_n c_n d(param)_n`` of a parameter in factored form: per block one matmul
     ``sum_{n,s} (c_n g[n,s]) a[n,s]^T`` (or ``sum_{n,s} c_n g[n,s]``), rows concatenated;
@@ -671,6 +733,10 @@ def _ghost_sums(gh, plans: Dict[int, _Param], c: Tensor, assign, forms: _Forms) 
     for pid, p in plans.items():
         if p.kind == _FORMS:
             assign(pid, _forms_weighted(gh, p, forms, c, dest))
+        elif p.kind == _ROWS:  # sum_n c_n d(param)_n: one index_add of the weighted entries
+            r = _rows(gh, p)
+            out = r.values.new_zeros(gh._params[pid].shape)
+            assign(pid, out.index_add_(0, r.row, r.values * c.to(r.values.dtype)[r.sample, None]))
     forms.calls.clear()
     forms.joined.clear()
     for cap in gh._reached:
@@ -761,7 +827,8 @@ def clip_and_accumulate(gh, max_norm: float, *, method: str = "ghost",
         max_norm: ``C > 0``.
         method: ``"ghost"`` (default): norms by the Gram form where cheaper, clipped sums from
             the records with one weighted contraction per Linear/Conv call and per block of
-            recurrent and attention layers (Li et al. 2022, sec. 4; Bu et al. 2023,
+            recurrent and attention layers, one ``index_add`` per Embedding (Li et al. 2022,
+            sec. 4; Bu et al. 2023,
             arXiv:2210.00038, book-keeping), other layers materialised one at a time (twice:
             once for the norms, once for the sum); peak memory close to plain training. ``"materialize"``:
             :meth:`~gradhooks.GradHooks.per_sample_grads` (kept, and set as

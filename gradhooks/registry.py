@@ -126,6 +126,28 @@ class Block(NamedTuple):
     g: Tensor
 
 
+class Rows(NamedTuple):
+    """A parameter's per-sample gradient as a scatter of row contributions (a lookup table:
+    ``nn.Embedding``)::
+
+        d(param)_n[v] = sum_j [sample_j = n] [row_j = v] values_j          (D,)
+
+    for a parameter of shape ``(V, D)``. Per-sample norms then need no ``(B, V, D)`` tensor:
+    ``||d(param)_n||^2 = sum_v ||sum_{j: sample_j = n, row_j = v} values_j||^2``, the squared
+    norms of the entries summed per ``(sample, row)`` pair (``O(E D)``); and the clipped sum
+    ``sum_n c_n d(param)_n`` is one ``index_add`` of ``c[sample_j] values_j`` at ``row_j``.
+
+    Attributes:
+        sample: ``(E,)`` int64, the sample of each entry, in ``[0, B)``.
+        row: ``(E,)`` int64, the row of the table it adds to, in ``[0, V)``.
+        values: ``(E, D)`` what it adds (grad_output rows, at least float32).
+    """
+
+    sample: Tensor
+    row: Tensor
+    values: Tensor
+
+
 class LayerRule:
     """Base class of a per-layer rule.
 
@@ -217,6 +239,17 @@ class LayerRule:
         blocks covering disjoint rows of the parameter (together all of it, in increasing row
         order); :func:`gradhooks.per_sample.from_blocks` materialises them. Set
         :attr:`has_forms` when implementing it.
+        """
+        raise NotImplementedError
+
+    #: ``True`` if the rule implements :meth:`rows`.
+    has_rows: bool = False
+
+    def rows(self, module: nn.Module, a, g, batch_first: bool, names: Iterable[str]) -> Dict[str, Rows]:
+        """Optional: the per-sample gradients of one call as row scatters (:class:`Rows`).
+
+        Same arguments as :meth:`per_sample_grads`. Returns ``{name: Rows}`` for the wanted
+        parameters of shape ``(V, D)``. Set :attr:`has_rows` when implementing it.
         """
         raise NotImplementedError
 

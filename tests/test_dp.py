@@ -88,6 +88,25 @@ class TiedLM(nn.Module):
         return self.head(self.rnn(self.emb(tokens))[0])
 
 
+class TwoTables(nn.Module):
+    """Embeddings without tying (row scatters): one table looked up twice (its calls' entries
+    add up), one with padding_idx (that row gets no gradient), tokens repeated within samples."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 5)
+        self.pos = nn.Embedding(7, 5, padding_idx=2)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, tokens):
+        x = self.emb(tokens) * self.emb(tokens.flip(1)) + self.pos(tokens)
+        return self.head(torch.tanh(x))
+
+
+def _tokens(batch):
+    return torch.randint(0, 7, (batch, 6))  # 6 positions over 7 rows: repeats and padding
+
+
 def _frozen():
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
     model[0].weight.requires_grad_(False)
@@ -157,6 +176,7 @@ MODELS = {
     "frozen": (_frozen, (4,), True),
     "tied_nobias": (_tied_nobias, (4,), True),
     "lm": (TiedLM, lambda b: torch.randint(0, 11, (b, 5)), True),
+    "tables": (TwoTables, _tokens, True),
     # pre-LN: after a final LayerNorm the square loss is nearly constant and the gradients of
     # the layers before it are float32 rounding noise
     "transformer": (lambda: nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True,
@@ -448,7 +468,7 @@ def test_input_modified_in_place():
 
 
 @pytest.mark.parametrize("form", ["gram", "materialize"])
-@pytest.mark.parametrize("layer", ["linear", "conv", "lstm", "attention"])
+@pytest.mark.parametrize("layer", ["linear", "conv", "lstm", "attention", "embedding"])
 def test_functional_use_of_a_weight_is_caught(layer, form, monkeypatch, grad_totals):
     """A weight also used outside its module: the sum check refuses the norms and the clipping."""
     monkeypatch.setattr(dp, "use_gram", lambda *a: form == "gram")
@@ -461,6 +481,9 @@ def test_functional_use_of_a_weight_is_caught(layer, form, monkeypatch, grad_tot
     elif layer == "lstm":  # factored forms (Block): a weight of a recurrent layer
         mod, x = nn.LSTM(4, 4, batch_first=True, bias=False), torch.randn(3, 5, 4)
         extra = lambda: mod.weight_hh_l0.square().sum()  # noqa: E731
+    elif layer == "embedding":  # row scatters (Rows): a lookup table
+        mod, x = nn.Embedding(6, 4), torch.randint(0, 6, (3, 5))
+        extra = lambda: mod.weight[1:3].square().sum()  # noqa: E731
     else:
         mod, x = nn.MultiheadAttention(4, 2, batch_first=True, bias=False), torch.randn(3, 5, 4)
         extra = lambda: mod.in_proj_weight.square().sum()  # noqa: E731

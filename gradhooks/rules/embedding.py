@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from ..per_sample import compute_dtype
-from ..registry import BatchSizeError, Call, LayerRule, UnsupportedCallError, register_rule
+from ..registry import BatchSizeError, Call, LayerRule, Rows, UnsupportedCallError, register_rule
 
 __all__ = ["EmbeddingRule", "EmbeddingBagRule", "scatter_rows"]
 
@@ -118,19 +118,32 @@ class EmbeddingRule(LayerRule):
             )
         return x.shape[self._batch_dim(x, batch_first)]
 
+    has_rows = True
+
+    def rows(self, module: nn.Module, a: Call, g: Tensor, batch_first: bool,
+             names: Iterable[str]) -> Dict[str, Rows]:
+        """The per-sample gradient as row scatters (:class:`~gradhooks.registry.Rows`): one
+        entry per index ``x[n, s]`` except those equal to ``padding_idx`` (whose row gets no
+        gradient), ``values`` the matching rows of ``g`` (at least float32)."""
+        idx = _first_input(a)
+        if self._batch_dim(idx, batch_first) == 1:
+            idx, g = idx.transpose(0, 1), g.transpose(0, 1)
+        b = idx.shape[0]
+        sample = torch.arange(b, device=idx.device).view(b, *(1,) * (idx.dim() - 1)).expand_as(idx)
+        sample, row = sample.reshape(-1), idx.reshape(-1)
+        values = g.reshape(-1, module.embedding_dim).to(compute_dtype(g))
+        if module.padding_idx is not None:
+            keep = row != module.padding_idx
+            sample, row, values = sample[keep], row[keep], values[keep]
+        return {"weight": Rows(sample, row, values)}
+
     def per_sample_grads(self, module: nn.Module, a: Call, g: Tensor, batch_first: bool,
                          names: Iterable[str]) -> Dict[str, Tensor]:
         """``a``: the call (indices ``(B, *)``); ``g``: ``(B, *, D)``. Returns ``{"weight": (B, V, D)}``."""
         idx = _first_input(a)
-        if self._batch_dim(idx, batch_first) == 1:
-            idx, g = idx.transpose(0, 1), g.transpose(0, 1)
-        b, v, d = idx.shape[0], module.num_embeddings, module.embedding_dim
-        sample = torch.arange(b, device=idx.device).view(b, *(1,) * (idx.dim() - 1)).expand_as(idx)
-        out = scatter_rows(b, v, sample.reshape(-1), idx.reshape(-1),
-                           g.reshape(-1, d).to(compute_dtype(g)))
-        if module.padding_idx is not None:
-            out[:, module.padding_idx] = 0
-        return {"weight": out}
+        r = self.rows(module, a, g, batch_first, names)["weight"]
+        return {"weight": scatter_rows(idx.shape[self._batch_dim(idx, batch_first)],
+                                       module.num_embeddings, r.sample, r.row, r.values)}
 
 
 _BAG_ARGS = ("input", "offsets", "per_sample_weights")
