@@ -688,6 +688,10 @@ def _forms_weighted(gh, p: _Param, forms: _Forms, c: Tensor, dest=_no_dest) -> T
             parts.append((b.g.sum(1).t(), cw))  # (O, N) @ (N,)
             continue
         a, g = _weigh(b.a, b.g, cw, 0)
+        if a.stride(0) < a.stride(1) and g.stride(0) < g.stride(1):
+            # stored position-major (a recurrent replay's (T, B, .)): the sum over (n, s) does
+            # not care for the order, and flattening that way needs no copy
+            a, g = a.transpose(0, 1), g.transpose(0, 1)
         parts.append((g.reshape(-1, g.shape[-1]).t(), a.reshape(-1, a.shape[-1])))
     if len(parts) == 1:
         m, v = parts[0]
