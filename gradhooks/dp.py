@@ -340,8 +340,11 @@ def _plan(gh) -> Tuple[Dict[int, _Param], Optional[float]]:
 
 
 def _plan_caps(gh, caps) -> Dict[int, _Param]:
-    """:func:`_plan` for the records ``caps``, which must hold every call of their parameters."""
-    found: Dict[int, _Param] = {}
+    """:func:`_plan` for the records ``caps``, which must hold every call of their parameters.
+
+    The decisions depend only on which layers were called with which parameters and on the
+    grad_output shapes, so they are kept per such structure (``gh._plans``) and reused for the
+    next batch of the same structure."""
     for cap in caps:
         if cap.modified():
             raise GradientMismatchError(
@@ -349,31 +352,51 @@ def _plan_caps(gh, caps) -> Dict[int, _Param]:
                 f"forward; per-sample norms would be wrong. Avoid in-place ops on the layer's "
                 f"input (e.g. use ReLU(inplace=False) after the layer that feeds it)"
             )
+    key = (gh._batch_size, tuple((id(cap.layer), cap.names, None if cap.spec is not None
+                                  else tuple(cap.grads[0].shape)) for cap in caps))
+    template = gh._plans.get(key)
+    if template is None:
+        if len(gh._plans) >= 64:  # structures vary without bound: start over
+            gh._plans.clear()
+        template = gh._plans[key] = _plan_template(gh, caps)
+    plans: Dict[int, _Param] = {}
+    for pid, kind, entries in template:
+        p = plans[pid] = _Param(pid, gh._names[pid])
+        p.kind, p.entries = kind, [(caps[i], local) for i, local in entries]
+    if gh.check and gh._sum_check != "skip":
+        gh._check_unrecorded(plans)
+    return plans
+
+
+def _plan_template(gh, caps) -> List[Tuple[int, str, List[Tuple[int, str]]]]:
+    """Per parameter reached by ``caps``, in the order of ``model.named_parameters()``: ``(id,
+    kind, [(index in caps, local name)])``."""
+    found: Dict[int, _Param] = {}
+    for i, cap in enumerate(caps):
         for local in cap.names:
             pid = id(cap.layer.params[local])
             if pid not in found:
                 found[pid] = _Param(pid, gh._names[pid])
-            found[pid].entries.append((cap, local))
+            found[pid].entries.append((cap, local, i))
     batch = gh._batch_size
     for p in found.values():
-        locals_ = {local for _, local in p.entries}
-        if all(cap.layer.rule.has_forms for cap, _ in p.entries):
+        locals_ = {local for _, local, _ in p.entries}
+        rules = [cap.layer.rule for cap, _, _ in p.entries]
+        if all(rule.has_forms for rule in rules):
             p.kind = _FORMS
-        elif all(cap.layer.rule.has_rows for cap, _ in p.entries):
+        elif all(rule.has_rows for rule in rules):
             p.kind = _ROWS
-        elif len(locals_) == 1 and all(_closed_rule(cap.layer.rule) for cap, _ in p.entries):
+        elif len(locals_) == 1 and all(_closed_rule(rule) for rule in rules):
             p.kind = _CLOSED
             if locals_ == {"weight"}:
-                sizes = [_sizes(cap, batch) for cap, _ in p.entries]
+                sizes = [_sizes(cap, batch) for cap, _, _ in p.entries]
                 shapes = {(grp, i, o) for grp, _, i, o in sizes}
                 if len(shapes) == 1:
                     _, i, o = shapes.pop()
                     if use_gram(sum(s for _, s, _, _ in sizes), i, o):
                         p.kind = _GRAM
-    plans = {pid: found[pid] for pid in gh._names if pid in found}
-    if gh.check and gh._sum_check != "skip":
-        gh._check_unrecorded(plans)
-    return plans
+    return [(pid, found[pid].kind, [(i, local) for _, local, i in found[pid].entries])
+            for pid in gh._names if pid in found]
 
 
 # ------------------------------------------------------------------------------------- checks
@@ -519,9 +542,11 @@ def _sq_norms(gh, plans: Dict[int, _Param], forms: _Forms, caps=None) -> Dict[in
                 len(plans[id(layer.params[n])].entries) == 1 for n in cap.names):
             # Linear on (B, in) used once: ||dW_n||^2 = ||a_n||^2 ||g_n||^2, ||db_n||^2 = ||g_n||^2
             a, g = cap.a, _summed_grad(cap)
-            dt = compute_dtype(a, g)
-            a, g = a.to(dt), g.to(dt)
-            g_sq = _sq(g, 1)
+            dt = a.dtype
+            if g.dtype != dt or dt in (torch.bfloat16, torch.float16):
+                dt = compute_dtype(a, g)
+                a, g = a.to(dt), g.to(dt)
+            g_sq = torch.linalg.vecdot(g, g)
             for local in cap.names:
                 pid = id(layer.params[local])
                 done.add(pid)
@@ -531,7 +556,7 @@ def _sq_norms(gh, plans: Dict[int, _Param], forms: _Forms, caps=None) -> Dict[in
                         probes.append(_probed(plans[pid].name, g, gh._param_grads.get(pid),
                                               cap.low or dt))
                 else:
-                    sq[pid] = _sq(a, 1).mul_(g_sq)
+                    sq[pid] = torch.linalg.vecdot(a, a).mul_(g_sq)
                     if check:
                         project(pid, a[:, None, None], g[:, None, None], [cap])  # (N, 1, 1, .)
             continue

@@ -306,6 +306,7 @@ class GradHooks:
         self._watched: set = set()  # ids of params with a gradient hook (sum check)
         self._attached = False
         self._pool = BufferPool()
+        self._plans: Dict[tuple, list] = {}  # gradhooks.dp's per-parameter decisions per structure
         # GradHooks.backward: once called, forwards record their outputs' autograd edges.
         self._driven = False
         self._drives = 0

@@ -236,6 +236,42 @@ def test_norms_match_loop(name, batch, form, loss_reduction, dtype, grad_totals)
         _assert_close(per_param[n], g.flatten(1).norm(dim=1), dtype, n)
 
 
+class Repeats(nn.Module):
+    """A Linear called ``repeats`` times (set per batch), on (B, 4) or on (B, 3, 4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.head, self.repeats = nn.Linear(4, 4), nn.Linear(4, 2), 1
+
+    def forward(self, x):
+        for _ in range(self.repeats):
+            x = torch.tanh(self.inner(x))
+        return self.head(x)
+
+
+def test_norms_and_clipping_follow_the_structure_of_each_batch(dtype, grad_totals):
+    """The per-parameter decisions kept per call structure: batches alternating between
+    structures (calls per layer, input rank, batch size) each get their own, exact results."""
+    model = Repeats().to(dtype)
+    loss_fn = weighted_square_loss("sum", 0)
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        for repeats, shape in [(1, (4,)), (2, (4,)), (1, (3, 4)), (1, (4,)), (2, (4,)), (1, (3, 4))]:
+            for batch in (3, 5):
+                model.repeats = repeats
+                x = torch.randn(batch, *shape, dtype=dtype)
+                w = torch.rand(batch, dtype=dtype) + 0.5
+                with gradhooks.hooks.paused():
+                    ref = loop_grads(model, loss_fn, x, w)
+                loss_fn(model(x), w).backward()
+                _assert_close(gh.per_sample_grad_norms(), _ref_norms(ref), dtype,
+                              f"norms, {repeats} calls, input {shape}, B={batch}")
+                sums, scales, _ = _ref_clipped(ref, 1.0, "sum", batch)
+                gh.clip_and_accumulate(1.0)
+                for n, p in model.named_parameters():
+                    _assert_close(p.grad, sums[n], dtype, n, scales[n])
+                model.zero_grad()
+
+
 def second_loss(out, w):
     """A second loss on the same outputs, for backward passes through one forward."""
     return (out.sin() * w[:, None]).sum()
