@@ -51,6 +51,14 @@ _HOOKED: "weakref.WeakKeyDictionary[nn.Module, GradHooks]" = weakref.WeakKeyDict
 _PAUSED = 0
 
 _MISSING = object()
+
+
+def _accumulate_grad_type() -> type:
+    x = torch.zeros(1, requires_grad=True)
+    return type((x * 1).grad_fn.next_functions[0][0])
+
+
+_ACCUMULATE_GRAD = _accumulate_grad_type()  # autograd's node of a leaf: nothing below it
 _TAG = "gradhooks"  # key of the entries GradHooks.backward finds in autograd nodes' metadata
 
 
@@ -770,28 +778,28 @@ class GradHooks:
         if root is None:
             return [], [], {}
         below: Dict[object, bool] = {}  # node -> a tagged node lies (strictly) below it
+        kids: Dict[object, list] = {}  # visited node -> its next nodes (leaves' AccumulateGrad left out)
         tags: Dict[object, list] = {}
-        expanded = set()
+        leaf_node = _ACCUMULATE_GRAD
         stack = [root]
-        while stack:
+        while stack:  # depth-first, post-order
             node = stack[-1]
-            if node in below:
-                stack.pop()
-                continue
-            nexts = [n for n, _ in node.next_functions if n is not None]
-            if node not in expanded:
-                expanded.add(node)
+            nexts = kids.get(node)
+            if nexts is None:  # first visit
+                nexts = kids[node] = [n for n, _ in node.next_functions
+                                      if n is not None and type(n) is not leaf_node]
                 entries = node.metadata.get(_TAG)
                 if entries:
                     mine = [e for e in entries if e[0] is self]
                     if mine:
                         tags[node] = mine
-                todo = [n for n in nexts if n not in below]
+                todo = [n for n in nexts if n not in kids]
                 if todo:
                     stack.extend(todo)
                     continue
-            below[node] = any(below[n] or n in tags for n in nexts)
             stack.pop()
+            if node not in below:  # (a node reached twice is finished once)
+                below[node] = any(n in tags or below[n] for n in nexts)
         caps: Dict[int, _Capture] = {}
         captures: List[tuple] = []
         events: Dict[int, int] = {}
