@@ -137,7 +137,10 @@ class _Capture:
         self.hits = 0  # grad_output hook calls (backward passes x output tensors reached)
 
     def modified(self) -> bool:
-        return any(t._version != v for t, v in self.versions)
+        for t, v in self.versions:
+            if t._version != v:
+                return True
+        return False
 
     def grad_struct(self):
         return tree_unflatten(self.grads, self.spec)
@@ -332,6 +335,7 @@ class GradHooks:
     def _attach(self) -> None:
         for name, p in self.model.named_parameters():
             self._names[id(p)] = name
+        self._order = {pid: i for i, pid in enumerate(self._names)}  # results in this order
         unsupported, fallback = [], []
         claimed: set = set()  # ids of submodules an ancestor's rule claims (MHA's out_proj)
         for path, module in self.model.named_modules():
@@ -888,7 +892,7 @@ class GradHooks:
                         for pid, t in raw.items()], scale)
             self._sum_check_passed(key)
         result = {}
-        order = {pid: i for i, pid in enumerate(self._names)}
+        order = self._order
         for pid in sorted(raw, key=order.__getitem__):
             p = self._params[pid]
             t = raw[pid]

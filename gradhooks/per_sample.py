@@ -267,7 +267,8 @@ def call_grads(rule, module: nn.Module, a, grads, batch_first: bool,
         a, g = a.to(dt), g.to(dt)
     if scale is None:
         return rule.per_sample_grads(module, a, g, batch_first, names)
-    out_numel = g.shape[0] * sum(getattr(module, n).numel() for n in names)
+    own = module._parameters  # (faster than nn.Module.__getattr__)
+    out_numel = g.shape[0] * sum((own[n] if n in own else getattr(module, n)).numel() for n in names)
     # The results are linear in g, and for rules with ``weight_linear_in_input`` the weight's
     # is linear in a too (the bias's does not depend on a): scale the smallest of a, g and the
     # results (a Transformer's Linear on (B, T, 128) -> 512: a, 4x smaller than g).
