@@ -2,7 +2,7 @@
 BackPACK and ExpandedWeights on the five workloads of issue 5 (see benchmarks/README.md).
 
     python benchmarks/peers.py [--workloads mlp,cnn,lstm,transformer,wide_mlp] [--methods ...]
-        [--repeats 10] [--loop-repeats N] [--warmup 1] [--threads T]
+        [--repeats 10] [--loop-repeats N] [--warmup 3] [--threads T]
         [--batch-sizes 16,32,64,128,256 | --batch-sizes default] [--no-memory]
         [--device cpu|cuda] [--seed 0] [--out benchmarks/results]
 
@@ -864,7 +864,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=_positive, default=10, help="timed repetitions per method (default 10)")
     p.add_argument("--loop-repeats", type=_positive, default=None,
                    help="timed repetitions of the looped autograd (default: --repeats)")
-    p.add_argument("--warmup", type=_positive, default=1, help="untimed calls per method first (default 1)")
+    p.add_argument("--warmup", type=_positive, default=3,
+                   help="untimed calls per method first (default 3: one-time work such as "
+                        "gradhooks' structure checks in its first two backward passes)")
     p.add_argument("--threads", type=_positive, default=None,
                    help="torch.set_num_threads (default: torch's choice, reported)")
     p.add_argument("--batch-sizes", type=_sizes, default=list(SWEEP),
