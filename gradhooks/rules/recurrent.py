@@ -118,7 +118,7 @@ class _Tape(NamedTuple):
 
     x: Tensor               # (K, B, I) the layer input
     hprev: Tensor           # (K, B, P) the state each step starts from (h0 where a sample starts)
-    act: Tensor             # (K, B, G) gate activations (LSTM: i, f, g, o; GRU: r, z, n; RNN: h)
+    act: Tensor             # (K, B, G) gate activations (LSTM: i, f, g, o, overwritten by its backprop; GRU: r, z, n; RNN: h)
     cs: Optional[Tensor]    # LSTM: (K+1, B, H) cell states; cs[0] = c0, cs[k+1] after step k
     aux: Optional[Tensor]   # LSTM: (K, B, H) tanh(c_t); GRU: (K, B, H) W_hn h_{t-1} + b_hn
     ms: Optional[Tensor]    # LSTM with proj_size: (K, B, H) m_t = o_t * tanh(c_t)
@@ -321,13 +321,17 @@ def _backprop_lstm(w: _Weights, tape: _Tape, sizes: Sizes, rows: List[int], delt
     new = dict(dtype=tape.act.dtype, device=tape.act.device)
     i, f, g, o = tape.act.chunk(4, -1)
     tc = tape.aux  # tanh(c_t)
-    k4 = torch.empty(K, B, 4, H, **new)
-    torch.mul(torch.addcmul(i, i, i, value=-1), g, out=k4[:, :, 0])             # g i (1 - i)
-    torch.mul(torch.addcmul(f, f, f, value=-1), tape.cs[:-1], out=k4[:, :, 1])  # c_{t-1} f (1 - f)
-    torch.addcmul(i, i, g * g, value=-1, out=k4[:, :, 2])                       # i (1 - g^2)
-    torch.mul(torch.addcmul(o, o, o, value=-1), tc, out=k4[:, :, 3])            # tanh(c) o (1 - o)
+    # The factors overwrite the gate activations (nothing reads the tape's act afterwards): no
+    # second (K, B, 4H) tensor; f is kept as itself for the carry of dc.
+    f_s = _steps(f.unsqueeze(2).clone(), sizes)
     k_c = _steps(torch.addcmul(o, o, tc * tc, value=-1).unsqueeze(2), sizes)    # o (1 - tanh^2 c)
-    k4_s, f_s = _steps(k4, sizes), _steps(f.unsqueeze(2), sizes)
+    k_g = torch.addcmul(i, i, g * g, value=-1)                                  # i (1 - g^2)
+    i.addcmul_(i, i, value=-1).mul_(g)                                          # g i (1 - i)
+    g.copy_(k_g)
+    del k_g
+    f.addcmul_(f, f, value=-1).mul_(tape.cs[:-1])                               # c_{t-1} f (1 - f)
+    o.addcmul_(o, o, value=-1).mul_(tc)                                         # tanh(c) o (1 - o)
+    k4_s = _steps(tape.act.view(K, B, 4, H), sizes)
     d4_s, d_s = _steps(delta.view(K, B, 4, H), sizes), _steps(delta, sizes)
     state = torch.zeros(B, 4, H, **new)  # (dc, dc, dc, dm)
     dc3, dm, dm1 = state[:, :3], state[:, 3], state[:, 3:4]
