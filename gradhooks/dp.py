@@ -241,6 +241,14 @@ class _Forms:
         self.gh, self.plans, self.calls, self.joined = gh, plans, {}, {}
         self.uses: Optional[Dict[tuple, int]] = None  # grad_output key -> weight-like blocks
         self.grams: Dict[tuple, Tuple[Tensor, Tensor]] = {}  # key -> (g, g g^T)
+        self.scatters: Dict[int, Rows] = {}  # id(param) -> its row scatters (_rows)
+
+    def rows(self, p: "_Param") -> Rows:
+        """The parameter's :class:`~gradhooks.registry.Rows` (:func:`_rows`), formed once for
+        norms and clipped sum."""
+        if p.pid not in self.scatters:
+            self.scatters[p.pid] = _rows(self.gh, p)
+        return self.scatters[p.pid]
 
     @staticmethod
     def _key(t: Tensor) -> tuple:
@@ -577,19 +585,19 @@ def _sq_norms(gh, plans: Dict[int, _Param], forms: _Forms, caps=None) -> Dict[in
         if p.kind == _FORMS:
             _forms_sq_norm(gh, p, forms, sq, probes, projections, check)
         elif p.kind == _ROWS:
-            r = _rows(gh, p)
+            r = forms.rows(p)
             sq[pid] = _rows_sq_norms(r, gh._batch_size, gh._params[pid].shape[0])
             if check:
                 probes.append(_rows_probed(gh, p, r))
         if p.kind != _GRAM or pid in done:
             continue
-        forms = [_canonical(cap, gh.batch_first) for cap, _ in p.entries]
-        if len(forms) == 1:
-            a, g = forms[0]
+        calls = [_canonical(cap, gh.batch_first) for cap, _ in p.entries]
+        if len(calls) == 1:
+            a, g = calls[0]
         else:
-            dt = compute_dtype(*(t for form in forms for t in form))
-            a = torch.cat([f[0].to(dt) for f in forms], 2)
-            g = torch.cat([f[1].to(dt) for f in forms], 2)
+            dt = compute_dtype(*(t for call in calls for t in call))
+            a = torch.cat([c[0].to(dt) for c in calls], 2)
+            g = torch.cat([c[1].to(dt) for c in calls], 2)
         sq[pid] = gram_sq_norms(a, g)
         if check:
             project(pid, a, g, [cap for cap, _ in p.entries])
@@ -763,11 +771,12 @@ def _ghost_sums(gh, plans: Dict[int, _Param], c: Tensor, assign, forms: _Forms) 
         if p.kind == _FORMS:
             assign(pid, _forms_weighted(gh, p, forms, c, dest))
         elif p.kind == _ROWS:  # sum_n c_n d(param)_n: one index_add of the weighted entries
-            r = _rows(gh, p)
+            r = forms.rows(p)
             out = r.values.new_zeros(gh._params[pid].shape)
             assign(pid, out.index_add_(0, r.row, r.values * c.to(r.values.dtype)[r.sample, None]))
     forms.calls.clear()
     forms.joined.clear()
+    forms.scatters.clear()
     for cap in gh._reached:
         layer = cap.layer
         kinds = [plans[id(layer.params[n])].kind for n in cap.names]

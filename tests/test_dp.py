@@ -103,6 +103,18 @@ class TwoTables(nn.Module):
         return self.head(torch.tanh(x))
 
 
+class GramThenLSTM(nn.Module):
+    """A Gram-form Linear (on (B, T, 16)) before a layer with factored forms."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.lstm = nn.LSTM(16, 3, batch_first=True)
+
+    def forward(self, x):
+        return self.lstm(torch.tanh(self.lin(x)))[0]
+
+
 def _tokens(batch):
     return torch.randint(0, 7, (batch, 6))  # 6 positions over 7 rows: repeats and padding
 
@@ -177,6 +189,7 @@ MODELS = {
     "tied_nobias": (_tied_nobias, (4,), True),
     "lm": (TiedLM, lambda b: torch.randint(0, 11, (b, 5)), True),
     "tables": (TwoTables, _tokens, True),
+    "gram_then_lstm": (GramThenLSTM, (3, 16), True),
     # pre-LN: after a final LayerNorm the square loss is nearly constant and the gradients of
     # the layers before it are float32 rounding noise
     "transformer": (lambda: nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True,
