@@ -136,6 +136,9 @@ class Rows(NamedTuple):
     ``||d(param)_n||^2 = sum_v ||sum_{j: sample_j = n, row_j = v} values_j||^2``, the squared
     norms of the entries summed per ``(sample, row)`` pair (``O(E D)``); and the clipped sum
     ``sum_n c_n d(param)_n`` is one ``index_add`` of ``c[sample_j] values_j`` at ``row_j``.
+    (An embedding is a Linear layer on one-hot inputs, whose Gram form ``sum_{s,t} [x_s = x_t]
+    (g_s . g_t)`` Li et al. 2022, arXiv:2110.05679, sec. 4, use for ghost clipping; summing
+    per row first gives the same value in ``O(E D)`` instead of ``O(S^2 D)`` per sample.)
 
     Attributes:
         sample: ``(E,)`` int64, the sample of each entry, in ``[0, B)``.
