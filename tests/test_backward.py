@@ -15,7 +15,7 @@ import gradhooks
 from gradhooks import per_sample
 from conftest import assert_close_to_loop, loop_grads, weighted_square_loss
 from test_dp import (FALLBACK_OK, MODELS, _assert_close, _ref_clipped, _ref_norms, _setup,
-                     second_loss, two_passes_setup)
+                     assert_clipped_grads, second_loss, two_passes_setup)
 
 STEPS = 3  # step 0 and 1: parameter gradients for the sum check; step 2: output edges only
 
@@ -286,12 +286,7 @@ def test_clipped_backward_matches_loop(name, loss_reduction, dtype, monkeypatch)
             norms = gh.clipped_backward(_per_sample_losses(model(x), w, bd), max_norm)
             assert len(streamed) == max(0, step - 1)  # steps 0, 1: the sum check's passes
             _assert_close(norms, ref_norms, dtype, "norms")
-            for n, p in model.named_parameters():
-                if not p.requires_grad:
-                    assert p.grad is None, n
-                    continue
-                assert p.grad.dtype == dtype and p.grad.shape == p.shape, n
-                _assert_close(p.grad, expected[n], dtype, n, scales[n])
+            assert_clipped_grads(model, expected, scales, dtype)
             with pytest.raises(gradhooks.NoBackwardError):
                 gh.per_sample_grads()  # the records were consumed
 

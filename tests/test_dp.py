@@ -359,6 +359,17 @@ def test_gram_form_forms_no_per_sample_tensor(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------ clipping
+def assert_clipped_grads(model, expected, scales, dtype):
+    """Every trainable parameter's .grad is its clipped sum (dtype, shape, value within the
+    rounding scale); frozen parameters got no .grad."""
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            assert p.grad is None, n
+            continue
+        assert p.grad.dtype == dtype and p.grad.shape == p.shape, n
+        _assert_close(p.grad, expected[n], dtype, n, scales[n])
+
+
 def _ref_clipped(ref, max_norm, loss_reduction, batch):
     """Clipped sums from the looped per-sample gradients, and the scale of their rounding: the
     largest sum_n |c_n g_n| / D (a sum that cancels is compared relative to its terms)."""
@@ -384,12 +395,7 @@ def test_clipping_matches_loop(name, method, loss_reduction, dtype, grad_totals)
         loss_fn(model(x), w).backward()
         norms = gh.clip_and_accumulate(max_norm, method=method)
     _assert_close(norms, ref_norms, dtype, "norms")
-    for n, p in model.named_parameters():
-        if not p.requires_grad:
-            assert p.grad is None, n
-            continue
-        assert p.grad.dtype == dtype and p.grad.shape == p.shape, n
-        _assert_close(p.grad, expected[n], dtype, n, scales[n])
+    assert_clipped_grads(model, expected, scales, dtype)
 
 
 @pytest.mark.parametrize("name", ["cnn", "seq", "tied"])
