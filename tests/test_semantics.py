@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
+from gradhooks.per_sample import BufferPool
 from conftest import assert_close_to_loop, check_against_loop, loop_grads, weighted_square_loss
 
 F64 = torch.float64
@@ -344,7 +345,8 @@ def test_torch_func_transforms_on_an_attached_model_record_nothing():
         torch.testing.assert_close(ours[k], per[k], rtol=1e-10, atol=1e-12)
 
 
-def test_result_buffers_are_reused_only_when_nothing_holds_them():
+def test_result_buffers_are_reused_only_when_nothing_holds_them(monkeypatch):
+    monkeypatch.setattr(BufferPool, "MIN_BYTES", 0)  # the test's tensors are small
     model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 2)).double()
 
     def step(x):
@@ -366,7 +368,8 @@ def test_result_buffers_are_reused_only_when_nothing_holds_them():
         assert_close_to_loop(res3, ref, torch.float64)
 
 
-def test_result_buffers_are_reused_in_a_loop_that_rebinds_its_variable():
+def test_result_buffers_are_reused_in_a_loop_that_rebinds_its_variable(monkeypatch):
+    monkeypatch.setattr(BufferPool, "MIN_BYTES", 0)
     model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 2)).double()
     ptrs = []
     with gradhooks.attach(model, loss_reduction="sum") as gh:
@@ -379,6 +382,18 @@ def test_result_buffers_are_reused_in_a_loop_that_rebinds_its_variable():
         ref = loop_grads(model, lambda out, _: (out ** 2).sum(), x, torch.zeros(3))
         assert_close_to_loop(grads, ref, torch.float64)
     assert ptrs[2] == ptrs[0] and ptrs[3] == ptrs[1] and ptrs[0] != ptrs[1]
+
+
+def test_buffer_pool_keeps_only_large_cpu_tensors():
+    pool = BufferPool()
+    big = torch.empty(BufferPool.MIN_BYTES // 4, dtype=torch.float32)
+    small = torch.empty(BufferPool.MIN_BYTES // 4 - 1, dtype=torch.float32)
+    meta = torch.empty(BufferPool.MIN_BYTES, device="meta")  # not CPU: left to its allocator
+    shapes = [(t.shape, t.dtype, t.device) for t in (big, small, meta)]
+    pool.give([big, small, meta])
+    del big, small, meta
+    assert pool.take(*shapes[0]) is not None
+    assert pool.take(*shapes[1]) is None and pool.take(*shapes[2]) is None
 
 
 def test_weight_tied_between_two_bias_free_layers(loss_reduction, dtype):
