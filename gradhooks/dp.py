@@ -329,9 +329,10 @@ class _Param:
         self.pid, self.name, self.entries, self.kind = pid, name, [], _GENERIC
 
 
-def _plan(gh) -> Tuple[Dict[int, _Param], Optional[float]]:
+def _plan(gh, read: str) -> Tuple[Dict[int, _Param], Optional[float]]:
     """Validate the records and decide per parameter: ``({id(param): _Param}, scale)``, in the
-    order of ``model.named_parameters()``."""
+    order of ``model.named_parameters()``; ``read`` names the call for the error messages."""
+    gh._check_records(read)
     if not gh._reached:
         raise NoBackwardError(
             "no backward pass has reached a hooked layer since the last forward: call "
@@ -812,7 +813,9 @@ def per_sample_grad_norms(gh, *, per_param: bool = False) -> Union[Tensor, Dict[
         ``model.named_parameters()`` (a tied parameter once). Dtype: the promoted dtype of the
         records, at least float32. Linear/Conv weights use the Gram form when cheaper (Li et al.
         2022, arXiv:2110.05679, sec. 4), other parameters are materialised one layer at a time;
-        see the module docstring. Not cached: each call recomputes.
+        see the module docstring. Not cached: each call recomputes. After
+        :meth:`~gradhooks.GradHooks.per_sample_grads` released the records (its default), the
+        norms of its result.
 
     Raises:
         NoBackwardError: if no backward pass reached a hooked layer since the batch started.
@@ -823,7 +826,12 @@ def per_sample_grad_norms(gh, *, per_param: bool = False) -> Union[Tensor, Dict[
     """
     from .hooks import _no_autocast
 
-    plans, scale = _plan(gh)
+    if gh._released:  # per_sample_grads() formed the result and released the records
+        sq_of = _result_sq_norms(gh.per_sample_grads())
+        if per_param:
+            return {name: t.sqrt_() for name, t in sq_of.items()}
+        return _total(sq_of.values()).sqrt_()
+    plans, scale = _plan(gh, "per_sample_grad_norms()")
     with _no_autocast():
         sq = _sq_norms(gh, plans, _Forms(gh, plans))
     factor = 1.0 if scale is None else scale
@@ -871,7 +879,8 @@ def clip_and_accumulate(gh, max_norm: float, *, method: str = "ghost",
             once for the norms, once for the sum); peak memory close to plain training. ``"materialize"``:
             :meth:`~gradhooks.GradHooks.per_sample_grads` (kept, and set as
             ``param.grad_sample``; runs its sum check), then the weighted sum. Both give the
-            same result up to rounding.
+            same result up to rounding. After ``per_sample_grads()`` released the records (its
+            default), ``"ghost"`` clips its result as ``"materialize"`` does.
         noise_multiplier: ``sigma >= 0``; ``0`` adds no noise.
         generator: a ``torch.Generator`` on the parameters' device, for reproducible noise
             (default: torch's global generator). The noise is drawn parameter by parameter in the
@@ -895,8 +904,11 @@ def clip_and_accumulate(gh, max_norm: float, *, method: str = "ghost",
     if method not in CLIP_METHODS:
         raise ValueError(f"method must be one of {CLIP_METHODS}, got {method!r}")
     trainable = _clip_setup(gh, max_norm, noise_multiplier)
-    plans, scale = _plan(gh)
-    divisor = 1.0 if scale is None else scale  # loss_reduction="mean": scale == B
+    if gh._released:  # per_sample_grads() formed the result and released the records
+        method = "materialize"
+    else:
+        plans, scale = _plan(gh, "clip_and_accumulate()")
+    divisor = reduction_scale(gh.loss_reduction, gh._batch_size) or 1.0  # "mean": B
     assigned = set()
 
     def assign(pid: int, t: Tensor) -> None:
@@ -915,13 +927,19 @@ def clip_and_accumulate(gh, max_norm: float, *, method: str = "ghost",
         else:
             grads = gh.per_sample_grads()
             pids = {name: pid for pid, name in gh._names.items()}
-            norms = _total(_sq(t.reshape(t.shape[0], -1).to(compute_dtype(t)), 1)
-                           for t in grads.values()).sqrt_()
+            norms = _total(_result_sq_norms(grads).values()).sqrt_()
             factors = (max_norm / norms).clamp_(max=1.0)
             for name, t in grads.items():
                 assign(pids[name], torch.tensordot(factors.to(t.dtype), t, 1).div_(divisor))
     _add_noise(trainable, assigned, noise_multiplier * max_norm / divisor, generator)
     return norms
+
+
+def _result_sq_norms(grads: Dict[str, Tensor]) -> Dict[str, Tensor]:
+    """``{name: (B,)}`` squared L2 norms of materialised per-sample gradients ``(B, ...)``, in
+    at least float32."""
+    return {name: _sq(t.reshape(t.shape[0], -1).to(compute_dtype(t)), 1)
+            for name, t in grads.items()}
 
 
 def _clip_setup(gh, max_norm, noise_multiplier) -> List[Tuple[str, nn.Parameter]]:
@@ -1087,9 +1105,9 @@ def clipped_backward(gh, losses: Tensor, max_norm: float, *, noise_multiplier: f
         if gh._drive(losses.sum(), None, True, stream):
             sq = streams[0].finish()
             if sq is None:
-                _plan(gh)  # raises NoBackwardError
+                _plan(gh, "clipped_backward()")  # raises NoBackwardError
         else:  # the sum check is due: records kept, checked, then reduced
-            plans, _ = _plan(gh)
+            plans, _ = _plan(gh, "clipped_backward()")
             sq = _total(_sq_norms(gh, plans, _Forms(gh, plans)).values())
     norms = sq.sqrt_()
     factors = (max_norm / norms).clamp_(max=1.0)

@@ -37,6 +37,7 @@ from .registry import (
     HigherOrderGradError,
     LayerRule,
     NoBackwardError,
+    RecordsReleasedError,
     UnsupportedModuleError,
     find_rule,
     supported_types,
@@ -459,6 +460,9 @@ class GradHooks:
         self._batch_source: Optional[str] = None
         self._batch_forward = -1  # the top-level forward in which the batch size was set
         self._backward_seen = False
+        # per_sample_grads() released the records; _stale: a module a backward then reached.
+        self._released = False
+        self._stale: Optional[str] = None
         self._param_grads: Dict[int, GradTotal] = {}  # autograd's, for the sum check
         self._param_passes: Dict[int, int] = {}
         self._drop_result()
@@ -591,6 +595,11 @@ class GradHooks:
                 f"size); per-sample results are per batch: run the backward passes of a forward "
                 f"before the next forward, and give one loss only outputs of one batch"
             )
+        if self._released:  # nothing to add the grad_output to: reads now raise
+            self._stale = self._stale or cap.layer.describe()
+            self._backward_seen = True
+            self._drop_result()
+            return
         if grad.requires_grad and self._higher_order is None:
             self._higher_order = cap.layer.describe()
         if not cap.hits:  # the first grad_output this call receives
@@ -613,7 +622,7 @@ class GradHooks:
     def _on_internal(self, cap: _Capture, saved: dict, grad_inputs: tuple,
                      grad_outputs: tuple) -> None:
         # Post-hook on a node a rule asked for (LayerRule.internal): sum its input gradients.
-        if _PAUSED or self._muted:
+        if _PAUSED or self._muted or self._released:
             return None
         prev = saved.get("grad_inputs")
         new = tuple(None if t is None else t.detach() for t in grad_inputs)
@@ -644,6 +653,31 @@ class GradHooks:
             total.add(grad)
         self._param_passes[pid] = self._param_passes.get(pid, 0) + 1
         return None
+
+    def _check_records(self, read: Optional[str]) -> None:
+        """Raise :class:`RecordsReleasedError` if the records ``read`` (a method call, ``None``
+        for :meth:`per_sample_grads` itself) needs are gone."""
+        if self._stale is not None:
+            raise RecordsReleasedError(
+                f"a backward pass reached module {self._stale} after per_sample_grads() released "
+                f"this batch's records (activations and grad_outputs), so its grad_outputs were "
+                f"not recorded: to read per-sample results over several backward passes of one "
+                f"forward, call per_sample_grads(retain_records=True) before the later passes, "
+                f"or run a new forward"
+            )
+        if not self._released:
+            return
+        if read is None:
+            raise RecordsReleasedError(
+                "per_sample_grads() released this batch's records as it read them and did not "
+                "finish (it raised an error): run the forward and backward again, with "
+                "per_sample_grads(retain_records=True) to keep the records through a failed read"
+            )
+        raise RecordsReleasedError(
+            f"per_sample_grads() released this batch's records (activations and grad_outputs) as "
+            f"it read them, and {read} needs them: call {read} before per_sample_grads(), or "
+            f"per_sample_grads(retain_records=True) to keep them"
+        )
 
     def _check_unrecorded(self, recorded) -> None:
         # Parameters autograd reached whose module the hooks never saw called (a parent reading
@@ -821,8 +855,19 @@ class GradHooks:
         return list(caps.values()), captures, events
 
     # ------------------------------------------------------------------ results
-    def per_sample_grads(self) -> Dict[str, Tensor]:
+    def per_sample_grads(self, *, retain_records: bool = False) -> Dict[str, Tensor]:
         """Per-sample gradients of every trainable parameter the backward reached.
+
+        Args:
+            retain_records: keep the batch's records (input activations, grad_outputs) after
+                the read. By default they are released layer by layer as the result is formed,
+                like ``loss.backward()`` frees the graph (``retain_graph=False``): the peak
+                memory of the read is then about the result plus one layer's records, not all
+                records plus the result. Later reads of this batch still work where the result
+                suffices (this call again, :meth:`per_sample_grad_norms`,
+                :meth:`clip_and_accumulate`); :meth:`kfac_factors`, and reads after another
+                backward pass through the hooked layers, need the records: call them first or
+                pass ``retain_records=True``.
 
         Returns:
             ``{name: tensor}`` keyed by the parameter's name in ``model.named_parameters()``
@@ -836,6 +881,8 @@ class GradHooks:
 
         Raises:
             NoBackwardError: if no backward pass reached a hooked layer since the batch started.
+            RecordsReleasedError: if a backward pass reached the hooked layers after a read
+                released the records, or a read that released them failed.
             HigherOrderGradError: if a backward pass ran with ``create_graph=True`` through a
                 hooked layer (a loss containing input derivatives).
             GradientMismatchError: if the sum check fails (see the class docstring), or an input
@@ -843,6 +890,7 @@ class GradHooks:
         """
         if self._result is not None:
             return self._result
+        self._check_records(None)
         if not self._reached:
             raise NoBackwardError(
                 "no backward pass has reached a hooked layer since the last forward: call "
@@ -859,21 +907,24 @@ class GradHooks:
                 f"torch.func (vmap over grad of the per-sample loss), or detach the derivative term"
             )
         scale = reduction_scale(self.loss_reduction, self._batch_size)
+        for cap in self._reached:
+            if cap.modified():
+                raise GradientMismatchError(
+                    f"the input of module {cap.layer.describe()} was modified in place after its "
+                    f"forward; per-sample gradients would be wrong. Avoid in-place ops on the "
+                    f"layer's input (e.g. use ReLU(inplace=False) after the layer that feeds it)"
+                )
         raw: Dict[int, Tensor] = {}
         low: Dict[int, torch.dtype] = {}
+        self._released = not retain_records
         with _no_autocast(), using_pool(self._pool):
             for cap in self._reached:
                 layer = cap.layer
-                if cap.modified():
-                    raise GradientMismatchError(
-                        f"the input of module {layer.describe()} was modified in place after its "
-                        f"forward; per-sample gradients would be wrong. Avoid in-place ops on the "
-                        f"layer's input (e.g. use ReLU(inplace=False) after the layer that feeds it)"
-                    )
-                grads = cap.grad_struct() if cap.spec is not None else cap.grads
-                try:
-                    out = call_grads(layer.rule, layer.module, cap.a, grads, self.batch_first,
-                                     cap.names, scale)
+                try:  # (no local holds the records: a released cap frees them during the call)
+                    out = call_grads(layer.rule, layer.module, cap.a,
+                                     cap.grad_struct() if cap.spec is not None else cap.grads,
+                                     self.batch_first, cap.names, scale,
+                                     cap.release if self._released else None)
                 except GradHooksError as e:
                     raise type(e)(f"module {layer.describe()}: {e}") from None
                 for local, t in out.items():

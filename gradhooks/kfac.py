@@ -307,6 +307,7 @@ def _kfac_layer(layer) -> bool:
 
 
 def _check_readable(gh: GradHooks) -> None:
+    gh._check_records("kfac_factors()")
     if not gh._reached:
         raise NoBackwardError(
             "no backward pass has reached a hooked layer since the last forward: run the "

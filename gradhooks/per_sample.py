@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -244,7 +244,8 @@ def compute_dtype(*tensors: Tensor) -> torch.dtype:
 
 
 def call_grads(rule, module: nn.Module, a, grads, batch_first: bool,
-               names: Iterable[str], scale: Optional[float]) -> Dict[str, Tensor]:
+               names: Iterable[str], scale: Optional[float],
+               release: Optional[Callable[[], None]] = None) -> Dict[str, Tensor]:
     """Per-sample gradients of one recorded call, with the ``loss_reduction`` scale applied.
 
     Args:
@@ -258,6 +259,9 @@ def call_grads(rule, module: nn.Module, a, grads, batch_first: bool,
         batch_first: as given to :func:`gradhooks.attach`.
         names: the parameters wanted.
         scale: from :func:`reduction_scale` (``None``: no scaling).
+        release: called once the rule no longer needs the caller's references to ``a`` and
+            ``grads`` (after scaled copies are made): the caller drops its records there, so
+            that an unscaled grad_output is not held beside its copy while the rule runs.
 
     Returns:
         ``{name: (B, *param.shape)}``, scaled. The scale is applied to whichever is smaller,
@@ -273,12 +277,17 @@ def call_grads(rule, module: nn.Module, a, grads, batch_first: bool,
             if inner is not None:  # gradients recorded inside the call (LayerRule.internal)
                 a = a._replace(internal={**a.internal, "grad_inputs": tuple(
                     None if t is None else t * scale for t in inner)})
+        if release is not None:
+            release()
         return rule.per_sample_grads(module, a, grads, batch_first, names)
     g = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
+    del grads
     if a.dtype != g.dtype or a.dtype in _LOW_PRECISION:
         dt = compute_dtype(a, g)
         a, g = a.to(dt), g.to(dt)
     if scale is None:
+        if release is not None:
+            release()
         return rule.per_sample_grads(module, a, g, batch_first, names)
     own = module._parameters  # (faster than nn.Module.__getattr__)
     out_numel = g.shape[0] * sum((own[n] if n in own else getattr(module, n)).numel() for n in names)
@@ -291,6 +300,8 @@ def call_grads(rule, module: nn.Module, a, grads, batch_first: bool,
         a = a * scale
     elif scale_g:
         g = g * scale
+    if release is not None:
+        release()
     out = rule.per_sample_grads(module, a, g, batch_first, names)
     for name, t in out.items():
         if not (scale_g or (scale_a and name == "weight")):

@@ -25,6 +25,7 @@ __all__ = [
     "HigherOrderGradError",
     "FallbackWarning",
     "NoBackwardError",
+    "RecordsReleasedError",
     "GradientMismatchError",
     "LayerRule",
     "Call",
@@ -72,6 +73,14 @@ class BatchSizeError(GradHooksError, ValueError):
 
 class NoBackwardError(GradHooksError):
     """Per-sample results were asked for before any backward pass reached a hooked layer."""
+
+
+class RecordsReleasedError(NoBackwardError):
+    """A read needs the activations and grad_outputs of the batch, but
+    :meth:`~gradhooks.GradHooks.per_sample_grads` released them (its default, as
+    ``loss.backward()`` frees the graph), or a backward pass reached the hooked layers after it
+    did. The message says what to do: read what needs them first, or pass
+    ``retain_records=True``."""
 
 
 class GradientMismatchError(GradHooksError):

@@ -118,7 +118,7 @@ def test_several_backward_passes_accumulate_then_next_forward_replaces(grad_tota
     with gradhooks.attach(model, loss_reduction="sum") as gh:
         out = model(x)
         f1(out, w).backward(retain_graph=True)
-        first = {k: v.clone() for k, v in gh.per_sample_grads().items()}
+        first = {k: v.clone() for k, v in gh.per_sample_grads(retain_records=True).items()}
         f2(out, w).backward()
         assert_close_to_loop(gh.per_sample_grads(), loop_grads(model, both, x, w), F64)
         assert_close_to_loop(first, loop_grads(model, f1, x, w), F64)
@@ -130,6 +130,86 @@ def test_several_backward_passes_accumulate_then_next_forward_replaces(grad_tota
         assert all(p.grad_sample is None for p in model.parameters())
         with pytest.raises(gradhooks.NoBackwardError):
             gh.per_sample_grads()
+
+
+def test_a_backward_after_a_releasing_read_makes_reads_raise():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, w = torch.randn(4, 3, dtype=F64), torch.rand(4, dtype=F64)
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        out = model(x)
+        weighted_square_loss("sum")(out, w).backward(retain_graph=True)
+        gh.per_sample_grads()  # releases the records
+        out.sum().backward()  # autograd's part still works
+        for read in (gh.per_sample_grads, gh.per_sample_grad_norms, gh.kfac_factors,
+                     lambda: gh.clip_and_accumulate(1.0)):
+            with pytest.raises(gradhooks.RecordsReleasedError,
+                               match=r"reached module '2' \(Linear\).*retain_records=True"):
+                read()
+        weighted_square_loss("sum")(model(x), w).backward()  # a new batch reads again
+        assert_close_to_loop(gh.per_sample_grads(), loop_grads(model, weighted_square_loss("sum"), x, w), F64)
+
+
+class _LSTMHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm, self.head = nn.LSTM(3, 5, batch_first=True), nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0])
+
+
+def _holders(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+@pytest.mark.parametrize("retain", [False, True])
+def test_per_sample_grads_releases_the_records_unless_asked_to_retain(retain):
+    torch.manual_seed(0)
+    model = _LSTMHead().double()
+    lstm, head = model.lstm, model.head
+    x, w = torch.randn(4, 6, 3, dtype=F64), torch.rand(4, dtype=F64)
+    loss_fn = lambda out, w: (w[:, None, None] * out ** 2).sum()  # noqa: E731
+    h = lstm(x)[0]
+    loss_fn(head(h), w).backward(retain_graph=True)  # the graph (and the hooks on it) stay alive
+    plain = (_holders(x), _holders(h))  # what autograd and the variables hold without hooks
+    model.zero_grad()
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        h = lstm(x)[0]
+        loss_fn(head(h), w).backward(retain_graph=True)
+        held = (_holders(x), _holders(h))
+        assert held[0] > plain[0] and held[1] > plain[1]  # records: lstm's input; its output
+        grads = gh.per_sample_grads(retain_records=retain)
+        assert (_holders(x), _holders(h)) == (held if retain else plain)
+        norms = gh.per_sample_grad_norms(per_param=True)  # from the records, or the result
+        if retain:
+            assert set(gh.kfac_factors()) == {"head"}
+        else:
+            with pytest.raises(gradhooks.RecordsReleasedError,
+                               match=r"kfac_factors\(\) before per_sample_grads\(\)"):
+                gh.kfac_factors()
+    ref = loop_grads(model, loss_fn, x, w)
+    assert_close_to_loop(grads, ref, F64)
+    for name, n in norms.items():
+        torch.testing.assert_close(n, ref[name].flatten(1).norm(dim=1), rtol=1e-10, atol=1e-12)
+
+
+def test_reads_after_a_releasing_read_match_those_from_the_records():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, w = torch.randn(5, 3, dtype=F64), torch.rand(5, dtype=F64)
+    got = {}
+    for retain in (True, False):
+        with gradhooks.attach(model, loss_reduction="mean") as gh:
+            weighted_square_loss("mean")(model(x), w).backward()
+            gh.per_sample_grads(retain_records=retain)
+            assert gh._released is not retain
+            norms = gh.per_sample_grad_norms()
+            clip_norms = gh.clip_and_accumulate(0.5)  # ghost from the records, else the result
+            got[retain] = (norms, clip_norms, [p.grad.clone() for p in model.parameters()])
+    for a, b in zip(got[True][:2], got[False][:2]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    for a, b in zip(got[True][2], got[False][2]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
 def test_new_batch_may_have_another_batch_size():

@@ -611,9 +611,9 @@ class RecurrentRule(LayerRule):
                 order = x.unsorted_indices
             if lengths[-1] == lengths[0]:
                 lengths = None
-        elif module.batch_first:  # time-major from here on
-            xs = x.transpose(0, 1).contiguous()
-            g_out = None if g_out is None else g_out.transpose(0, 1).contiguous()
+        elif module.batch_first:  # time-major from here on (views: the steps are strided)
+            xs = x.transpose(0, 1)
+            g_out = None if g_out is None else g_out.transpose(0, 1)
         else:
             xs = x
         B = xs.shape[1]
