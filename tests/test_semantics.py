@@ -193,6 +193,24 @@ def test_per_sample_grads_releases_the_records_unless_asked_to_retain(retain):
         torch.testing.assert_close(n, ref[name].flatten(1).norm(dim=1), rtol=1e-10, atol=1e-12)
 
 
+def test_the_next_forward_drops_the_records_before_its_first_layer_runs():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x1, x2, w = torch.randn(5, 3, dtype=F64), torch.randn(5, 3, dtype=F64), torch.rand(5, dtype=F64)
+    before = _holders(x1)
+    seen = []
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        weighted_square_loss("sum")(model(x1), w).backward()
+        assert _holders(x1) > before  # recorded
+        with torch.no_grad():
+            model(x1)  # records nothing, drops nothing
+        assert _holders(x1) > before
+        handle = model[0].register_forward_pre_hook(lambda m, args: seen.append(_holders(x1)))
+        weighted_square_loss("sum")(model(x2), w).backward()
+        handle.remove()
+        assert seen == [before]  # not held beside the first layer's new activations
+        assert_close_to_loop(gh.per_sample_grads(), loop_grads(model, weighted_square_loss("sum"), x2, w), F64)
+
+
 def test_reads_after_a_releasing_read_match_those_from_the_records():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
