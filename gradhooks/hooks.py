@@ -273,8 +273,11 @@ class GradHooks:
     rules recompute sample by sample anyway), and ``param.grad`` is left alone.
 
     **Memory.** Inputs of calls whose output never reaches a backward are freed with the autograd
-    graph. Inputs and grad_outputs of calls the backward reached are kept until the next batch
-    starts, :meth:`clear` or :meth:`detach`, so that results can be read (again) at any time.
+    graph. Inputs and grad_outputs of calls the backward reached are kept until the next
+    recording forward of the model starts, :meth:`clear` or :meth:`detach`, so that norms,
+    clipping and KFAC factors can be read in any order, or until :meth:`per_sample_grads`
+    releases them layer by layer as it forms its result (its default, ``retain_records=False``;
+    later norms and clipping then read the result).
 
     **Sum check.** :meth:`per_sample_grads` verifies, on up to 256 coordinates of each
     parameter, that the per-sample gradients sum to the gradient autograd computed for the
