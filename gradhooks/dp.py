@@ -71,7 +71,6 @@ from the records as ``sum_{n,g,s} (a[n,g,s] . u_g)(g[n,g,s] . v_g)`` (cost ``N G
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Dict, List, Optional, Tuple, Union
 
@@ -355,12 +354,7 @@ def _plan_caps(gh, caps) -> Dict[int, _Param]:
     grad_output shapes, so they are kept per such structure (``gh._plans``) and reused for the
     next batch of the same structure."""
     for cap in caps:
-        if cap.modified():
-            raise GradientMismatchError(
-                f"the input of module {cap.layer.describe()} was modified in place after its "
-                f"forward; per-sample norms would be wrong. Avoid in-place ops on the layer's "
-                f"input (e.g. use ReLU(inplace=False) after the layer that feeds it)"
-            )
+        cap.check_unmodified("per-sample norms")
     key = (gh._batch_size, tuple((id(cap.layer), cap.names, None if cap.spec is not None
                                   else tuple(cap.grads[0].shape)) for cap in caps))
     template = gh._plans.get(key)

@@ -137,11 +137,16 @@ class _Capture:
         self.low: Optional[torch.dtype] = None  # grad_output dtype when below float32 (autocast)
         self.hits = 0  # grad_output hook calls (backward passes x output tensors reached)
 
-    def modified(self) -> bool:
+    def check_unmodified(self, result: str) -> None:
+        """Raise :class:`GradientMismatchError` if a recorded input was modified in place since
+        the forward: ``result`` (e.g. ``"per-sample gradients"``) computed from it would be wrong."""
         for t, v in self.versions:
             if t._version != v:
-                return True
-        return False
+                raise GradientMismatchError(
+                    f"the input of module {self.layer.describe()} was modified in place after its "
+                    f"forward; {result} would be wrong. Avoid in-place ops on the layer's input "
+                    f"(e.g. use ReLU(inplace=False) after the layer that feeds it)"
+                )
 
     def grad_struct(self):
         return tree_unflatten(self.grads, self.spec)
@@ -918,12 +923,7 @@ class GradHooks:
             )
         scale = reduction_scale(self.loss_reduction, self._batch_size)
         for cap in self._reached:
-            if cap.modified():
-                raise GradientMismatchError(
-                    f"the input of module {cap.layer.describe()} was modified in place after its "
-                    f"forward; per-sample gradients would be wrong. Avoid in-place ops on the "
-                    f"layer's input (e.g. use ReLU(inplace=False) after the layer that feeds it)"
-                )
+            cap.check_unmodified("per-sample gradients")
         raw: Dict[int, Tensor] = {}
         low: Dict[int, torch.dtype] = {}
         self._released = not retain_records

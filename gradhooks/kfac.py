@@ -64,7 +64,6 @@ from .per_sample import compute_dtype
 from .registry import (
     BatchSizeError,
     GradHooksError,
-    GradientMismatchError,
     HigherOrderGradError,
     NoBackwardError,
 )
@@ -391,11 +390,7 @@ def kfac_factors(
         layer = cap.layer
         if not _kfac_layer(layer) or (wanted is not None and layer.path not in wanted):
             continue
-        if cap.modified():
-            raise GradientMismatchError(
-                f"the input of module {layer.describe()} was modified in place after its forward; "
-                f"its KFAC factor A would be wrong. Avoid in-place ops on the layer's input"
-            )
+        cap.check_unmodified("its KFAC factor A")
         by_layer.setdefault(id(layer), []).append(cap)
     # backward passes: one grad_output per pass in single-output captures (multi_io captures
     # hold one summed grad_output per output tensor instead)
