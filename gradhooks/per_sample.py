@@ -285,27 +285,27 @@ def call_grads(rule, module: nn.Module, a, grads, batch_first: bool,
     if a.dtype != g.dtype or a.dtype in _LOW_PRECISION:
         dt = compute_dtype(a, g)
         a, g = a.to(dt), g.to(dt)
-    if scale is None:
-        if release is not None:
-            release()
-        return rule.per_sample_grads(module, a, g, batch_first, names)
-    own = module._parameters  # (faster than nn.Module.__getattr__)
-    out_numel = g.shape[0] * sum((own[n] if n in own else getattr(module, n)).numel() for n in names)
-    # The results are linear in g, and for rules with ``weight_linear_in_input`` the weight's
-    # is linear in a too (the bias's does not depend on a): scale the smallest of a, g and the
-    # results (a Transformer's Linear on (B, T, 128) -> 512: a, 4x smaller than g).
-    scale_a = rule.weight_linear_in_input and a.numel() < min(g.numel(), out_numel)
-    scale_g = not scale_a and g.numel() <= out_numel
-    if scale_a:
-        a = a * scale
-    elif scale_g:
-        g = g * scale
+    scale_a = scale_g = False
+    if scale is not None:
+        own = module._parameters  # (faster than nn.Module.__getattr__)
+        out_numel = g.shape[0] * sum((own[n] if n in own else getattr(module, n)).numel()
+                                     for n in names)
+        # The results are linear in g, and for rules with ``weight_linear_in_input`` the
+        # weight's is linear in a too (the bias's does not depend on a): scale the smallest of
+        # a, g and the results (a Transformer's Linear on (B, T, 128) -> 512: a, 4x smaller).
+        scale_a = rule.weight_linear_in_input and a.numel() < min(g.numel(), out_numel)
+        scale_g = not scale_a and g.numel() <= out_numel
+        if scale_a:
+            a = a * scale
+        elif scale_g:
+            g = g * scale
     if release is not None:
         release()
     out = rule.per_sample_grads(module, a, g, batch_first, names)
-    for name, t in out.items():
-        if not (scale_g or (scale_a and name == "weight")):
-            t.mul_(scale)  # rules return tensors they own
+    if scale is not None and not scale_g:
+        for name, t in out.items():
+            if not (scale_a and name == "weight"):
+                t.mul_(scale)  # rules return tensors they own
     return out
 
 
