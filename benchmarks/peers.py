@@ -693,8 +693,8 @@ def summary_table(report: dict) -> str:
         mb = {k: _step_mb(report, wl_name, k) for k in recs}
         peer_mb = sorted((mb[k], SHORT[k]) for k in PEER_KEYS if k != "loop" and mb.get(k)
                          and recs[k].get("max_rel_err", math.inf) <= TOL)
-        grads_mb = "-" if mb.get("gh_grads") is None else f"{mb['gh_grads']:.0f}" + (
-            f" ({peer_mb[0][1]} {peer_mb[0][0]:.0f})" if peer_mb else "")
+        grads_mb = "-" if mb.get("gh_grads") is None else f"{mb['gh_grads']:.3g}" + (
+            f" ({peer_mb[0][1]} {peer_mb[0][0]:.3g})" if peer_mb else "")
         ghost_mb = ["-" if not mb.get(k) or not mb.get("plain") else f"{mb[k] / mb['plain']:.2f}x"
                     for k in ("gh_ghost", "gh_two_pass")]
         rows.append([f"{wl_name}, B={wl.batch_size}", plain_ms,
