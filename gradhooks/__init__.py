@@ -30,6 +30,7 @@ from .registry import (
     NoBackwardError,
     RecordsReleasedError,
     Rows,
+    SumCheckSkippedWarning,
     UnsupportedCallError,
     UnsupportedModuleError,
     register_rule,
@@ -64,4 +65,5 @@ __all__ = [
     "UnsupportedCallError",
     "HigherOrderGradError",
     "FallbackWarning",
+    "SumCheckSkippedWarning",
 ]
