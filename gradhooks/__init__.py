@@ -30,7 +30,6 @@ from .registry import (
     NoBackwardError,
     RecordsReleasedError,
     Rows,
-    SumCheckSkippedWarning,
     UnsupportedCallError,
     UnsupportedModuleError,
     register_rule,
@@ -65,5 +64,4 @@ __all__ = [
     "UnsupportedCallError",
     "HigherOrderGradError",
     "FallbackWarning",
-    "SumCheckSkippedWarning",
 ]

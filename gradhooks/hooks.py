@@ -38,7 +38,6 @@ from .registry import (
     LayerRule,
     NoBackwardError,
     RecordsReleasedError,
-    SumCheckSkippedWarning,
     UnsupportedModuleError,
     find_rule,
     supported_types,
@@ -293,13 +292,10 @@ class GradHooks:
     (``torch.autograd.grad`` w.r.t. the input only). Its cost is a few torch calls and a read
     of ``B x 256`` values per parameter (0.5 ms per read on a 3-layer MLP, noise on real
     models); autograd's gradients are taken in the backward as
-    :class:`~gradhooks.per_sample.GradTotal`: shared with ``param.grad`` when it was empty (no
-    copy, no extra memory), else held or, if large, reduced at once. A read after an in-place
-    change of such a ``.grad`` (``clip_grad_norm_``, ...) skips the check, with a
-    :class:`~gradhooks.SumCheckSkippedWarning` when the structure is new. With ``check=True``
-    (default) it runs on every read whose *structure* has not been checked before -- which
-    modules were called how often, by how many backward passes, and which parameters autograd
-    reached -- and on every 100th read: the failures above are
+    :class:`~gradhooks.per_sample.GradTotal` (large ones reduced at once, so that autograd
+    still moves them into ``.grad``). With ``check=True`` (default) it runs on every read whose *structure* has not
+    been checked before -- which modules were called how often, by how many backward passes,
+    and which parameters autograd reached -- and on every 100th read: the failures above are
     properties of that structure, so a training loop pays for the check once, and any new
     structure is checked when it appears. ``check="always"`` checks every read; ``check=False``
     never. Calls whose input was modified in place after the forward, and ``create_graph``
@@ -318,7 +314,6 @@ class GradHooks:
             raise ValueError(f"check must be True, False or 'always', got {check!r}")
         self.check = check
         self._checked: set = set()  # structures whose sum check passed
-        self._warned_skip = False  # SumCheckSkippedWarning issued
         self._reads = 0
         self.strict = bool(strict)
         self._options = {"allow_batchnorm_train": bool(allow_batchnorm_train)}
@@ -663,24 +658,15 @@ class GradHooks:
             self._hooks_were_none.append(p)
         self._handles.append(p.register_hook(functools.partial(self._on_param_grad, id(p))))
 
-    def _on_param_grad(self, pid: int, grad: Tensor) -> Optional[Tensor]:
-        # Autograd's gradient of a parameter, for the sum check (GradTotal). When it will go into
-        # an empty .grad, it is shared rather than held: returning a detached alias lets
-        # AccumulateGrad move it into .grad without the copy that holding the tensor itself
-        # would force (use count above one), and without a summary's passes over it.
+    def _on_param_grad(self, pid: int, grad: Tensor) -> None:
         if _PAUSED or self._muted:
             return None
-        self._param_passes[pid] = self._param_passes.get(pid, 0) + 1
         total = self._param_grads.get(pid)
-        if total is not None:
+        if total is None:
+            self._param_grads[pid] = GradTotal(grad)
+        else:
             total.add(grad)
-            return None
-        p = self._params[pid]
-        if (GradTotal.SHARE and p.grad is None and grad.layout == torch.strided
-                and not grad.requires_grad and grad.stride() == p.stride()):
-            self._param_grads[pid] = GradTotal(grad, shared=True)
-            return grad.detach()
-        self._param_grads[pid] = GradTotal(grad)
+        self._param_passes[pid] = self._param_passes.get(pid, 0) + 1
         return None
 
     def _check_records(self, read: Optional[str]) -> None:
@@ -735,25 +721,10 @@ class GradHooks:
             return None
         self._reads += 1
         key = self._structure()
-        if not (self._sum_check == "due" or self.check == "always" or key not in self._checked
+        if (self._sum_check == "due" or self.check == "always" or key not in self._checked
                 or self._reads % 100 == 0):
-            return None
-        changed = [self._names[pid] for pid, total in self._param_grads.items()
-                   if not total.intact()]
-        if changed:  # autograd's values are gone (GradTotal, shared form): nothing to compare
-            if key not in self._checked and not self._warned_skip:
-                self._warned_skip = True
-                warnings.warn(
-                    f"gradhooks skipped the sum check of this read: param.grad of "
-                    f"{', '.join(map(repr, changed[:3]))} was modified in place after the "
-                    f"backward pass (e.g. by clip_grad_norm_, zero_grad(set_to_none=False) or "
-                    f"clip_and_accumulate), and the check compares the per-sample gradients "
-                    f"with autograd's values there. The results are not affected, but this call "
-                    f"structure stays unchecked until a read finds .grad untouched: read "
-                    f"per-sample results before changing .grad (or attach(..., check=False))",
-                    SumCheckSkippedWarning, stacklevel=3)
-            return None
-        return key
+            return key
+        return None
 
     def _sum_check_passed(self, key: tuple) -> None:
         self._checked.add(key)

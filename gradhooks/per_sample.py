@@ -339,62 +339,31 @@ class GradTotal:
     """Autograd's gradient of one parameter summed over the backward passes of a batch, kept in
     the form the sum check reads it.
 
-    Three forms, chosen by the parameter's gradient hook (``GradHooks._on_param_grad``):
-
-    * **shared** (``shared=True``): the gradient itself, which the hook also hands on to
-      autograd as a detached alias, so that ``AccumulateGrad`` moves it into an empty
-      ``param.grad`` without a copy: holding it costs no memory and no time in the backward.
-      ``param.grad`` and this total then share storage and version counter, so an in-place
-      change of ``param.grad`` after the backward (``clip_grad_norm_``, ``zero_grad(
-      set_to_none=False)``, gradhooks' own clipping) is seen: :meth:`intact` turns ``False``,
-      and the sum check of such a read is skipped instead of comparing with changed values.
-    * **kept** (fewer than :attr:`SUMMARISE` elements, or a sparse gradient): the gradient,
-      held (autograd then copies it into ``param.grad``).
-    * **summarised** (larger): reduced at once to its values at the probe coordinates
-      (:func:`check_sums`) and, with 2 or more dims, to ``v^T W u`` and ``||W||`` for the
-      directions of :func:`bilinear_directions` (``W`` = the gradient viewed as ``(dim 0,
-      rest)``), so that neither a copy nor the gradient is held (CNN: 4.8 MB, wide MLP: 2.5 MB).
-
-    A second backward pass of the batch adds to the total (:meth:`add`); a shared or kept total
-    then holds a private sum.
+    A parameter with fewer than :attr:`SUMMARISE` elements (or a sparse gradient) is kept whole.
+    A larger one is reduced at once to its values at the probe coordinates
+    (:func:`check_sums`) and, with 2 or more dims, to ``v^T W u`` and ``||W||`` for the
+    directions of :func:`bilinear_directions` (``W`` = the gradient viewed as ``(dim 0, rest)``):
+    holding the gradient itself would make autograd copy it into ``param.grad`` instead of
+    moving it there, one parameter-sized allocation per step (CNN: 4.8 MB, wide MLP: 2.5 MB).
     """
 
-    #: elements from which an unshared gradient is summarised instead of kept.
+    #: elements from which the gradient is summarised instead of kept.
     SUMMARISE = 1 << 16
-    #: whether the hook may share gradients with ``param.grad`` (tests switch it off to exercise
-    #: the other forms).
-    SHARE = True
 
-    __slots__ = ("full", "shape", "device", "probes", "proj", "norm", "version", "lost")
+    __slots__ = ("full", "shape", "device", "probes", "proj", "norm")
 
-    def __init__(self, grad: Tensor, shared: bool = False):
+    def __init__(self, grad: Tensor):
         self.shape, self.device = grad.shape, grad.device
         self.full: Optional[Tensor] = None
-        self.version: Optional[int] = None  # of a shared gradient when taken; None: private
-        self.lost = False  # a shared gradient was changed in place before a later pass added to it
-        if shared:
-            self.full, self.version = grad, grad._version
-            return
         if grad.numel() < self.SUMMARISE or grad.layout != torch.strided:
             self.full = grad
             return
         self.probes, self.proj, self.norm = self._summary(grad)
 
-    def intact(self) -> bool:
-        """Whether the total still holds autograd's values: ``False`` once a shared gradient
-        was modified in place (through ``param.grad``) since the backward pass."""
-        return not self.lost and (self.version is None or self.full._version == self.version)
-
     def add(self, grad: Tensor) -> None:
         """Add the gradient of another backward pass."""
-        self.lost = not self.intact()
-        if self.version is not None and self.full.numel() >= self.SUMMARISE:
-            # a large shared gradient: summarised now (before autograd adds the new pass into
-            # param.grad, in place) rather than summed into a second parameter-sized tensor
-            self.probes, self.proj, self.norm = self._summary(self.full)
-            self.full, self.version = None, None
         if self.full is not None:
-            self.full, self.version = self.full + grad, None
+            self.full = self.full + grad
             return
         probes, proj, norm = self._summary(grad)
         self.probes = self.probes + probes

@@ -96,13 +96,6 @@ class FallbackWarning(UserWarning):
     """Issued once per :func:`gradhooks.attach`, listing the modules the torch.func fallback covers."""
 
 
-class SumCheckSkippedWarning(UserWarning):
-    """A read skipped the sum check because ``param.grad``, which holds the gradient autograd
-    computed and which the check compares with, was modified in place after the backward pass
-    (``clip_grad_norm_``, ``zero_grad(set_to_none=False)``, ...). The per-sample results are not
-    affected; the check runs again at the next read of a batch whose ``.grad`` is untouched."""
-
-
 # --------------------------------------------------------------------------- rules
 class Call(NamedTuple):
     """The inputs of one recorded call of a ``multi_io`` rule's module: ``module(*args, **kwargs)``.

@@ -104,16 +104,13 @@ def loss_reduction(request):
     return request.param
 
 
-@pytest.fixture(params=["shared", "kept", "summarised"])
+@pytest.fixture(params=["kept", "summarised"])
 def grad_totals(request, monkeypatch):
-    """How the sum check holds autograd's parameter gradients (GradTotal): shared with an empty
-    param.grad (the default where possible), or, with sharing off, whole (parameters below
-    GradTotal.SUMMARISE elements) or reduced to probes and a projection at once (larger ones;
+    """How the sum check holds autograd's parameter gradients: whole (parameters below
+    GradTotal.SUMMARISE elements), or reduced to probes and a projection at once (larger ones;
     forced here for every parameter)."""
-    from gradhooks.per_sample import GradTotal
-    if request.param != "shared":
-        monkeypatch.setattr(GradTotal, "SHARE", False)
     if request.param == "summarised":
+        from gradhooks.per_sample import GradTotal
         monkeypatch.setattr(GradTotal, "SUMMARISE", 1)
     return request.param
 

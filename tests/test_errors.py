@@ -1,13 +1,11 @@
 """Bad input gets a clear, typed error that names the module -- never a wrong number."""
-import warnings
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
-from conftest import loop_grads, weighted_square_loss
+from conftest import weighted_square_loss
 
 
 class WithPReLU(nn.Module):
@@ -269,91 +267,3 @@ def test_sum_check_runs_once_per_structure_and_again_when_it_changes():
         hooks_mod.check_sums = real
     with pytest.raises(ValueError, match="check must be"):
         gradhooks.attach(model, check="sometimes")
-
-
-# ------------------------------------------------------------------ the sum check's gradients
-class _TiedHead(nn.Module):
-    """enc.weight is also used outside its module: the sum check must fail."""
-
-    def __init__(self):
-        super().__init__()
-        self.enc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return torch.tanh(self.enc(x)) @ self.enc.weight.T
-
-
-def _shared(gh, p) -> bool:
-    total = gh._param_grads[id(p)]
-    return total.version is not None and total.full.data_ptr() == p.grad.data_ptr()
-
-
-@pytest.mark.parametrize("summarise", [False, True], ids=["small", "large"])
-def test_sum_check_shares_autograd_gradient_with_an_empty_grad(summarise, monkeypatch):
-    # No copy: param.grad is the tensor the check reads (GradTotal, shared form), large
-    # parameters included; the check runs on it, and a second backward pass of the batch adds.
-    from gradhooks.per_sample import GradTotal
-    if summarise:
-        monkeypatch.setattr(GradTotal, "SUMMARISE", 1)
-    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double()
-    x, w = torch.randn(6, 3, dtype=torch.float64), torch.rand(6, dtype=torch.float64) + 0.5
-    loss_fn = weighted_square_loss("sum")
-    with gradhooks.attach(model, loss_reduction="sum") as gh:
-        out = model(x)
-        loss_fn(out, w).backward(retain_graph=True)
-        assert all(_shared(gh, p) for p in model.parameters())
-        loss_fn(out, w).backward()  # in place into .grad, after the hook summed the passes
-        per = gh.per_sample_grads()
-        assert gh._checked  # the check ran, and passed
-        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    ref = loop_grads(model, lambda o, t: 2 * loss_fn(o, t), x, w)
-    for name in grads:
-        torch.testing.assert_close(per[name], ref[name], rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(grads[name], ref[name].sum(0), rtol=1e-10, atol=1e-12)
-
-
-def test_sum_check_does_not_share_a_grad_it_accumulates_into():
-    # .grad already holds an earlier batch's gradient: autograd adds in place, so the check
-    # keeps this batch's gradient itself, and still compares this batch only.
-    model = nn.Linear(3, 2).double()
-    x, w = torch.randn(5, 3, dtype=torch.float64), torch.rand(5, dtype=torch.float64)
-    loss_fn = weighted_square_loss("sum")
-    with gradhooks.attach(model, loss_reduction="sum", check="always") as gh:
-        loss_fn(model(x), w).backward()
-        first = {n: p.grad.clone() for n, p in model.named_parameters()}
-        loss_fn(model(x), w).backward()
-        assert not any(_shared(gh, p) for p in model.parameters())
-        per = gh.per_sample_grads()
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, 2 * first[name], rtol=1e-12, atol=1e-14)
-            torch.testing.assert_close(per[name].sum(0), first[name], rtol=1e-10, atol=1e-12)
-
-
-def test_grad_changed_in_place_before_the_read_skips_the_check_with_a_warning():
-    model = _TiedHead()
-    x, w = torch.randn(3, 4), torch.ones(3)
-    with gradhooks.attach(model, check=True) as gh:
-        weighted_square_loss()(model(x), w).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # in place, into the shared values
-        with pytest.warns(gradhooks.SumCheckSkippedWarning, match="'enc.weight'.*modified in place"):
-            per = gh.per_sample_grads()  # the misuse goes unseen here, but not for good:
-        assert set(per) == {"enc.weight", "enc.bias"} and not gh._checked
-        weighted_square_loss()(model(x), w).backward()  # the next batch, .grad untouched
-        with pytest.raises(gradhooks.GradientMismatchError, match="'enc.weight'.*outside the module"):
-            gh.per_sample_grads()
-
-
-def test_grad_changed_in_place_after_a_checked_read_changes_nothing():
-    # clip_and_accumulate writes the clipped sum into the shared .grad; later reads of the batch
-    # (even with check="always") skip the check instead of comparing with the clipped values,
-    # and warn only for a structure not checked before.
-    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
-    x, w = torch.randn(5, 3), torch.rand(5)
-    with gradhooks.attach(model, check="always") as gh:
-        weighted_square_loss()(model(x), w).backward()
-        norms = gh.per_sample_grad_norms()
-        gh.clip_and_accumulate(0.1 * float(norms.min()))
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            torch.testing.assert_close(gh.per_sample_grad_norms(), norms)
-            gh.per_sample_grads()
