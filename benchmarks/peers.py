@@ -703,7 +703,7 @@ def summary_table(report: dict) -> str:
     header = ["workload", "plain batch", *(SUMMARY_LABELS[k] for k in SUMMARY_KEYS),
               "best peer (ratio)", "others", "grads peak MB (lowest peer)",
               "book-keeping MB x plain", "two-pass MB x plain"]
-    return _table(header, rows, [False, True, *[True] * len(SUMMARY_KEYS), True, False, True,
+    return _table(header, rows, [False, True, *[True] * len(SUMMARY_KEYS), False, False, True,
                                  True, True])
 
 
