@@ -1,4 +1,4 @@
-"""KFAC factors of Linear and Conv layers, and first-order curvature statistics, from the hooks.
+"""The KFAC reader: Kronecker factors of every layer with a linear form (Linear, Conv).
 
 Index conventions: ``n`` sample (``N`` of them, ``B`` for one process's batch), ``g`` group
 (``G = 1`` except for grouped convolutions), ``r`` weight-sharing position (the positions ``s``
@@ -7,7 +7,7 @@ convolution), ``i`` input feature (for a convolution: ``(c, k)``, an input chann
 and a kernel offset, ordered like ``weight[o].flatten()``), ``o`` output feature, ``p`` backward
 pass.
 
-Forward (the canonical form of :mod:`gradhooks.per_sample`)::
+Forward (the canonical form of :mod:`gradhooks.forms`)::
 
     y[n, g, r] = W[g] a[n, g, r] + b[g]          ã = [a; 1] when the bias is covered
 
@@ -54,47 +54,23 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
-from torch import Tensor, nn
+import torch.distributed as dist
+from torch import Tensor
 
-from .hooks import GradHooks, _no_autocast, attach
-from .per_sample import compute_dtype
-from .registry import (
-    BatchSizeError,
-    GradHooksError,
-    HigherOrderGradError,
-    NoBackwardError,
-)
-from .rules.conv import ConvRule, unfold
-from .rules.linear import LinearRule
+from .capture import Layer, Recorder
+from .errors import GradHooksError
+from .utils import compute_dtype, no_autocast, own_loss_scale
 
-__all__ = [
-    "KFACFactors",
-    "kfac_factors",
-    "kfac",
-    "sum_grad_squared",
-    "variance",
-    "UnsupportedLossError",
-    "KFAC_APPROX",
-    "FISHER_TYPES",
-]
+__all__ = ["KFACFactors", "kfac_factors", "KFAC_APPROX", "check_choice"]
 
 #: Values of ``kfac_approx``.
 KFAC_APPROX = ("expand", "reduce")
-#: Values of ``fisher`` in :func:`kfac`.
-FISHER_TYPES = ("empirical", "mc", "type-2")
 _PASSES = ("sum", "mean")
 
 
-class UnsupportedLossError(GradHooksError, TypeError):
-    """:func:`kfac` was given a loss it cannot form the Fisher of (not ``nn.CrossEntropyLoss``,
-    ``nn.MSELoss`` or ``nn.BCEWithLogitsLoss``; an option that changes the loss's curvature or
-    reduction; or a model output of the wrong shape for the loss)."""
-
-
-# ----------------------------------------------------------------------------------- factors
 @dataclasses.dataclass(repr=False)
 class KFACFactors:
     """The Kronecker factors of one ``nn.Linear`` / ``nn.ConvNd`` (conventions: module docstring).
@@ -204,7 +180,8 @@ class KFACFactors:
         return out
 
 
-def _check_choice(name: str, value, choices: Sequence[str]) -> None:
+def check_choice(name: str, value, choices: Sequence[str]) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is one of ``choices``."""
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
@@ -228,19 +205,12 @@ def _moment(x: Tensor, ones: bool, diagonal: bool) -> Tensor:
     return out
 
 
-def _canonical(layer, a: Tensor, grads: List[Tensor], batch_first: bool):
-    # a (N, G, S, I) once, and one g (N, G, S, O) per backward pass.
+def _canonical(layer: Layer, a: Tensor, grads: List[Tensor], batch_first: bool):
+    # a (N, G, S, I) once, and one g (N, G, S, O) per backward pass (the rule's linear form).
     module, rule = layer.module, layer.rule
     dt = compute_dtype(a, *grads)
-    a = a.to(dt)
-    grads = [g.to(dt) for g in grads]
-    if isinstance(rule, ConvRule):
-        n, groups = a.shape[0], module.groups
-        per = module.out_channels // groups
-        gs = [g.reshape(n, groups, per, -1).transpose(-1, -2) for g in grads]
-        return unfold(module, a), gs
-    pairs = [rule.canonical(a, g, batch_first) for g in grads]
-    return pairs[0][0], [g for _, g in pairs]
+    a, g0 = rule.linear_form(module, a.to(dt), grads[0].to(dt), batch_first)
+    return a, [g0] + [rule.linear_form(module, None, g.to(dt), batch_first)[1] for g in grads[1:]]
 
 
 class _Sums:
@@ -300,28 +270,13 @@ def _too_big(dim: int, max_dense: Optional[int]) -> bool:
     return max_dense is not None and dim > max_dense
 
 
-def _kfac_layer(layer) -> bool:
-    return isinstance(layer.rule, (LinearRule, ConvRule)) and isinstance(
-        layer.module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
-
-
-def _check_readable(gh: GradHooks) -> None:
-    gh._check_records("kfac_factors()")
-    if not gh._reached:
-        raise NoBackwardError(
-            "no backward pass has reached a hooked layer since the last forward: run the "
-            "backward pass(es) before kfac_factors() (forwards under torch.no_grad() or "
-            "inference_mode() record nothing)"
-        )
-    if gh._higher_order is not None:
-        raise HigherOrderGradError(
-            f"a backward pass with create_graph=True reached module {gh._higher_order}: the "
-            f"recorded grad_outputs are not the gradients KFAC needs; detach the derivative term"
-        )
+def _kfac_layer(layer: Layer) -> bool:
+    return layer.rule.has_linear_form and not layer.rule.multi_io and "weight" in (
+        layer.rule.params_of(layer.module))
 
 
 def kfac_factors(
-    gh: GradHooks,
+    recorder: Recorder,
     kfac_approx: str = "expand",
     *,
     backward_passes: str = "sum",
@@ -340,7 +295,8 @@ def kfac_factors(
     float32 (autocast captures are promoted).
 
     Args:
-        gh: the hook manager, after one or more backward passes of the current batch.
+        recorder: the :class:`~gradhooks.capture.Recorder` of a :class:`~gradhooks.GradHooks`,
+            after one or more backward passes of the current batch.
         kfac_approx: ``"expand"`` or ``"reduce"`` (Eschenhagen et al. 2023); identical for
             layers without weight sharing.
         backward_passes: ``"sum"``: ``G`` sums ``e e^T`` over the backward passes (one pass
@@ -371,33 +327,32 @@ def kfac_factors(
             by different numbers of backward passes.
         ValueError: for an unknown ``kfac_approx`` / ``backward_passes`` value or module name.
     """
-    _check_choice("kfac_approx", kfac_approx, KFAC_APPROX)
-    _check_choice("backward_passes", backward_passes, _PASSES)
+    check_choice("kfac_approx", kfac_approx, KFAC_APPROX)
+    check_choice("backward_passes", backward_passes, _PASSES)
     if max_dense is not None and max_dense < 1:
         raise ValueError(f"max_dense must be a positive int or None, got {max_dense!r}")
-    _check_readable(gh)
-    order = {id(layer): i for i, layer in enumerate(gh._layers)}
+    layers = recorder.layers
+    order = {id(layer): i for i, layer in enumerate(layers)}
     wanted = None
     if modules is not None:
         wanted = set(modules)
-        known = {layer.path for layer in gh._layers if _kfac_layer(layer)}
+        known = {layer.path for layer in layers if _kfac_layer(layer)}
         unknown = sorted(wanted - known)
         if unknown:
             raise ValueError(f"modules {unknown} are not hooked Linear/Conv layers of the model; "
                              f"these are: {sorted(known)}")
+    batch = recorder.snapshot("kfac_factors()", sum_check=False, records=[
+        cap for cap in recorder.records if _kfac_layer(cap.layer)
+        and (wanted is None or cap.layer.path in wanted)])
     by_layer: Dict[int, list] = {}
-    for cap in gh._reached:
-        layer = cap.layer
-        if not _kfac_layer(layer) or (wanted is not None and layer.path not in wanted):
-            continue
-        cap.check_unmodified("its KFAC factor A")
-        by_layer.setdefault(id(layer), []).append(cap)
+    for cap in batch.records:
+        by_layer.setdefault(id(cap.layer), []).append(cap)
     # backward passes: one grad_output per pass in single-output captures (multi_io captures
     # hold one summed grad_output per output tensor instead)
-    passes = max((len(cap.grads) for cap in gh._reached if cap.spec is None), default=1)
-    scale = float(gh._batch_size) if gh.loss_reduction == "mean" else 1.0
+    passes = max((len(cap.grads) for cap in recorder.records if cap.spec is None), default=1)
+    scale = batch.divisor
     sums: List[_Sums] = []
-    with _no_autocast():
+    with no_autocast():
         for key in sorted(by_layer, key=order.__getitem__):
             caps = by_layer[key]
             layer = caps[0].layer
@@ -405,7 +360,7 @@ def kfac_factors(
             weight, bias = "weight" in names, "bias" in names
             entry = None
             for cap in caps:
-                a, gs = _canonical(layer, cap.a, cap.grads, gh.batch_first)
+                a, gs = _canonical(layer, cap.a, cap.grads, batch.batch_first)
                 if entry is None:
                     d_in, d_out = a.shape[-1] * weight + bias, gs[0].shape[-1]
                     entry = _Sums(layer, weight, bias, kfac_approx, _too_big(d_in, max_dense),
@@ -415,22 +370,22 @@ def kfac_factors(
             # own-loss gradients: the recorded ones times N (mean); MC passes averaged
             entry.g_sum.mul_(scale * scale / (passes if backward_passes == "mean" else 1))
             sums.append(entry)
-    n_total = gh._batch_size
+    n_total = batch.size
     counts = [e.a_count for e in sums]
     if all_reduce:
         n_total, counts = _all_reduce(sums, n_total, counts, group)
     out = {}
     for e, count in zip(sums, counts):
         layer = e.layer
-        a_fac, g_fac = e.a_sum / count, e.g_sum / (n_total if gh.loss_reduction == "mean" else 1)
-        groups = layer.module.groups if isinstance(layer.rule, ConvRule) else 1
+        a_fac, g_fac = e.a_sum / count, e.g_sum / (own_loss_scale(batch.loss_reduction, n_total) or 1.0)
+        groups = a_fac.shape[0]
         if groups == 1:
             a_fac, g_fac = a_fac[0], g_fac[0]
         weight = layer.params.get("weight") if e.weight else None
         out[layer.path] = KFACFactors(
             A=a_fac, G=g_fac, module=layer.path,
-            weight=gh._names[id(weight)] if weight is not None else None,
-            bias=gh._names[id(layer.params["bias"])] if e.bias else None,
+            weight=batch.names[id(weight)] if weight is not None else None,
+            bias=batch.names[id(layer.params["bias"])] if e.bias else None,
             weight_shape=tuple(weight.shape) if weight is not None else None,
             groups=groups, kfac_approx=kfac_approx, diagonal_A=e.diag_a, diagonal_G=e.diag_g,
         )
@@ -439,8 +394,6 @@ def kfac_factors(
 
 def _all_reduce(sums: List[_Sums], n_local: int, counts: List[int], group) -> Tuple[int, List[int]]:
     # One collective for the float sums, one for the integer counts, one (MAX) for the layout.
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         raise GradHooksError(
             "all_reduce=True needs an initialised torch.distributed process group "
@@ -470,256 +423,3 @@ def _all_reduce(sums: List[_Sums], n_local: int, counts: List[int], group) -> Tu
     return ints[0], ints[1:]
 
 
-# ----------------------------------------------------------------------- first-order statistics
-def sum_grad_squared(gh: GradHooks) -> Dict[str, Tensor]:
-    """Sum over the batch of the squared per-sample gradients (BackPACK's ``SumGradSquared``).
-
-    Convention: the per-sample gradients are those of :meth:`GradHooks.per_sample_grads`, the
-    gradients ``d l_n`` of each sample's *own* loss, whatever the loss reduction::
-
-        sgs[theta] = sum_n (d l_n / d theta)^2
-
-    For ``loss_reduction="sum"`` this equals BackPACK's ``SumGradSquared``; for ``"mean"`` it is
-    ``N^2`` times BackPACK's, which squares the ``(1/N)``-scaled contributions to the batch
-    gradient. We follow the own-loss convention so that the value does not depend on the
-    reduction or the batch size, like every other per-sample quantity of gradhooks. The
-    diagonal of the empirical Fisher of the loss as reduced (the convention of
-    :func:`kfac_factors`) is ``sgs / N`` for ``"mean"`` and ``sgs`` for ``"sum"``.
-
-    Returns:
-        ``{name: (*param.shape)}`` for the parameters of :meth:`GradHooks.per_sample_grads`
-        (every hooked layer type, not only Linear / Conv).
-
-    Raises:
-        The errors of :meth:`GradHooks.per_sample_grads` (e.g. ``NoBackwardError``).
-    """
-    return {name: (g * g).sum(0) for name, g in gh.per_sample_grads().items()}
-
-
-def variance(gh: GradHooks) -> Dict[str, Tensor]:
-    """Per-parameter variance of the per-sample gradients over the batch (BackPACK's ``Variance``).
-
-    Convention: the population variance (``1/N``, as BackPACK) of the own-loss per-sample
-    gradients of :meth:`GradHooks.per_sample_grads`::
-
-        var[theta] = 1/N sum_n (d l_n/d theta - mean_m d l_m/d theta)^2
-
-    Equal to BackPACK's ``Variance`` for ``loss_reduction="sum"``; ``N^2`` times it for
-    ``"mean"`` (BackPACK takes the variance of the ``(1/N)``-scaled contributions). Computed
-    around the mean (two passes), not as ``E[g^2] - E[g]^2``, which cancels catastrophically.
-
-    Returns:
-        ``{name: (*param.shape)}``; zeros for a batch of one.
-
-    Raises:
-        The errors of :meth:`GradHooks.per_sample_grads` (e.g. ``NoBackwardError``).
-    """
-    return {name: torch.var(g, dim=0, correction=0) for name, g in gh.per_sample_grads().items()}
-
-
-# --------------------------------------------------------------------------- one call: kfac()
-class _Loss:
-    """What :func:`kfac` needs of a supported loss: its kind, reduction and per-sample scale.
-
-    The per-sample loss of sample ``n`` is ``l_n = k * nll(f_n, y_n)`` with ``nll`` the negative
-    log-likelihood of a categorical (CE), Gaussian with variance 1/2 (MSE) or Bernoulli (BCE)
-    distribution, and ``k = 1/D`` for MSE / BCE with ``reduction="mean"`` over ``D`` outputs
-    per sample (torch averages over all elements), ``k = 1`` otherwise.
-    """
-
-    @staticmethod
-    def check(loss_fn) -> None:
-        """Refuse (before any forward) a loss whose Fisher :func:`kfac` cannot form."""
-        supported = (nn.CrossEntropyLoss, nn.MSELoss, nn.BCEWithLogitsLoss)
-        if not isinstance(loss_fn, supported):
-            raise UnsupportedLossError(
-                f"kfac() supports nn.CrossEntropyLoss, nn.MSELoss and nn.BCEWithLogitsLoss "
-                f"instances (their Fisher is known), got {type(loss_fn).__name__}; for a "
-                f"functional loss pass e.g. nn.CrossEntropyLoss(reduction='mean'), for another "
-                f"loss attach gradhooks and call kfac_factors() after your own backward passes"
-            )
-        name = type(loss_fn).__name__
-        if loss_fn.reduction not in ("mean", "sum"):
-            raise UnsupportedLossError(
-                f"{name}(reduction={loss_fn.reduction!r}): KFAC needs the batch loss reduced "
-                f"over samples, use reduction='mean' or 'sum'")
-        if any(getattr(loss_fn, w, None) is not None for w in ("weight", "pos_weight")):
-            raise UnsupportedLossError(
-                f"{name} with weight/pos_weight: the weighted loss is not the likelihood the "
-                f"Fisher types assume (and CE's 'mean' divides by the sum of weights); drop them")
-        if getattr(loss_fn, "label_smoothing", 0.0):
-            raise UnsupportedLossError(
-                f"{name}(label_smoothing={loss_fn.label_smoothing}): its gradient with sampled "
-                f"targets does not estimate the Fisher; use label_smoothing=0")
-
-    def __init__(self, loss_fn, out: Tensor, batch: int):
-        if out.dim() == 0 or out.shape[0] != batch:
-            raise BatchSizeError(
-                f"the model output has shape {tuple(out.shape)} but the hooked layers saw batch "
-                f"size {batch}; kfac() needs the output batched on dim 0")
-        self.ce = isinstance(loss_fn, nn.CrossEntropyLoss)
-        if self.ce and out.dim() != 2:
-            raise UnsupportedLossError(
-                f"CrossEntropyLoss needs a model output of shape (B, C) for kfac(), got "
-                f"{tuple(out.shape)}; for (B, C, d1, ...) outputs the loss averages over positions "
-                f"as well: move them into the batch (out.movedim(1, -1).flatten(0, -2))")
-        self.fn, self.reduction = loss_fn, loss_fn.reduction
-        self.dim = out[0].numel()
-        self.k = 1.0 if self.ce or self.reduction == "sum" else 1.0 / self.dim
-        # the batch loss is w * sum_n l_n
-        self.w = 1.0 / batch if self.reduction == "mean" else 1.0
-
-    def check_targets(self, targets) -> None:
-        if self.ce and isinstance(targets, Tensor) and not targets.is_floating_point():
-            if bool((targets == self.fn.ignore_index).any()):
-                raise UnsupportedLossError(
-                    f"targets contain CrossEntropyLoss's ignore_index ({self.fn.ignore_index}); "
-                    f"the mean would run over fewer samples than the batch: drop those samples")
-
-    def sample(self, out: Tensor, generator: Optional[torch.Generator]) -> Tensor:
-        """Targets drawn from the predictive distribution the loss is the NLL of."""
-        f = out.detach()
-        if self.ce:
-            return torch.multinomial(f.softmax(1), 1, generator=generator).squeeze(1)
-        if isinstance(self.fn, nn.MSELoss):
-            return f + math.sqrt(0.5) * torch.randn(f.shape, generator=generator, dtype=f.dtype,
-                                                    device=f.device)
-        return torch.bernoulli(torch.sigmoid(f), generator=generator)
-
-    def hessian_sqrt_columns(self, out: Tensor) -> Iterable[Tensor]:
-        """Columns ``S[:, :, c]`` (each shaped like ``out``) with ``sum_c S S^T`` the Hessian of
-        ``l_n`` w.r.t. ``f_n``, times ``w`` (so that they scale like the batch loss's grads)."""
-        f = out.detach().reshape(out.shape[0], -1).to(compute_dtype(out))
-        if self.ce:  # H = diag(p) - p p^T = S S^T, S[:, c] = sqrt(p_c) (e_c - p)
-            p = f.softmax(1)
-            root = p.sqrt()
-            for c in range(f.shape[1]):
-                col = p * (-root[:, c:c + 1])
-                col[:, c] += root[:, c]
-                yield (col * self.w).to(out.dtype).reshape(out.shape)
-            return
-        if isinstance(self.fn, nn.MSELoss):  # H = 2k I
-            diag = torch.full_like(f, math.sqrt(2 * self.k))
-        else:  # H = k diag(s (1 - s)), s = sigmoid(f)
-            s = torch.sigmoid(f)
-            diag = (self.k * s * (1 - s)).sqrt()
-        for c in range(f.shape[1]):
-            col = torch.zeros_like(f)
-            col[:, c] = diag[:, c] * self.w
-            yield col.to(out.dtype).reshape(out.shape)
-
-
-def kfac(
-    model: nn.Module,
-    inputs: Union[Tensor, Sequence[Tensor]],
-    targets,
-    loss_fn: nn.Module,
-    fisher: str = "empirical",
-    mc_samples: int = 1,
-    kfac_approx: str = "expand",
-    generator: Optional[torch.Generator] = None,
-    *,
-    batch_first: bool = True,
-    allow_batchnorm_train: bool = False,
-    modules: Optional[Iterable[str]] = None,
-    max_dense: Optional[int] = None,
-    all_reduce: bool = False,
-    group=None,
-) -> Dict[str, KFACFactors]:
-    """KFAC factors of a model on one batch, for the empirical, Monte-Carlo or type-2 Fisher.
-
-    Attaches gradhooks (with ``loss_reduction = loss_fn.reduction``), runs one forward
-    ``model(*inputs)`` and the backward passes the Fisher type needs, with
-    ``torch.autograd.grad`` (``param.grad`` is not touched), and returns
-    :func:`kfac_factors`. Conventions: see the module docstring (``A ⊗ G`` approximates the
-    Fisher / GGN of ``loss_fn(model(inputs), targets)`` as reduced: mean or sum over samples).
-
-    * ``"empirical"``: one backward pass of ``loss_fn(out, targets)``: the same factors as
-      :func:`kfac_factors` after the training ``loss.backward()``. (curvlinops also multiplies
-      this pass by ``sqrt(D)`` for MSE / BCE with ``reduction="mean"``, so its empirical ``G``
-      is ``D`` times the empirical Fisher of the loss as written; ours is not.)
-    * ``"mc"``: ``mc_samples`` backward passes of ``loss_fn(out, y~) / sqrt(k)``, ``y~`` drawn
-      from the predictive distribution (categorical ``softmax(out)`` for cross-entropy,
-      ``N(out, I/2)`` for MSE, ``Bernoulli(sigmoid(out))`` for BCE) with ``generator``;
-      ``G`` is their average (Martens & Grosse 2015, sec. 5). ``k = 1/D`` undoes the extra
-      mean over the ``D`` outputs per sample that ``reduction="mean"`` of MSE / BCE applies
-      (curvlinops' ``_maybe_adjust_loss_scale``), so that MC converges to type-2.
-    * ``"type-2"``: one backward pass per column ``c`` of ``S`` with ``S S^T`` the Hessian of
-      the loss w.r.t. the outputs (CE: ``S = diag(sqrt p) - p sqrt(p)^T``; MSE: ``sqrt(2k) I``;
-      BCE: ``diag(sqrt(k s(1-s)))``), giving the GGN's exact ``G`` (Martens & Grosse 2015,
-      sec. 5; Botev et al. 2017, arXiv:1706.03662). ``D`` (or ``C``) backward passes.
-
-    Memory: the hooks keep every pass's grad_outputs of the hooked layers until the factors are
-    formed, i.e. ``mc_samples`` (or ``D``) times the size of those layers' outputs.
-
-    Under ``DistributedDataParallel`` pass ``ddp.module`` (DDP's reducer expects one backward per
-    forward), or attach to the DDP model and call :func:`kfac_factors` with ``all_reduce=True``
-    after the training backward.
-
-    Args:
-        model: the model; it must not be attached to another GradHooks.
-        inputs: a tensor or a sequence of tensors (``model(*inputs)``), batched.
-        targets: what ``loss_fn`` takes with the output (only its shape matters for
-            ``"mc"`` / ``"type-2"``).
-        loss_fn: an ``nn.CrossEntropyLoss`` (output ``(B, C)``), ``nn.MSELoss`` or
-            ``nn.BCEWithLogitsLoss`` (output ``(B, ...)``) with ``reduction`` ``"mean"`` or
-            ``"sum"``.
-        fisher: ``"empirical"``, ``"mc"`` or ``"type-2"``.
-        mc_samples: number of sampled targets for ``"mc"`` (must be 1 otherwise).
-        kfac_approx: ``"expand"`` or ``"reduce"``.
-        generator: ``torch.Generator`` (on the output's device) for ``"mc"``; ``None`` uses
-            torch's global RNG.
-        batch_first, allow_batchnorm_train: as for :func:`gradhooks.attach` (BatchNorm in
-            training mode mixes the samples; the factors of the Linear / Conv layers are then
-            those of the batch as the model computes it).
-        modules, max_dense, all_reduce, group: as for :func:`kfac_factors`.
-
-    Returns:
-        ``{module name: KFACFactors}`` (see :func:`kfac_factors`).
-
-    Raises:
-        UnsupportedLossError: for another loss, ``reduction="none"``, class / positive weights,
-            label smoothing, targets equal to ``ignore_index``, or a cross-entropy output that
-            is not ``(B, C)``.
-        BatchSizeError: if the output is not batched like the hooked layers' inputs.
-        ValueError: for an unknown ``fisher`` / ``kfac_approx``, ``mc_samples < 1``, or
-            ``mc_samples != 1`` with a Fisher type other than ``"mc"``.
-        GradHooksError: if the model is already hooked by a live GradHooks; the errors of
-            :func:`kfac_factors`.
-    """
-    _check_choice("fisher", fisher, FISHER_TYPES)
-    _check_choice("kfac_approx", kfac_approx, KFAC_APPROX)
-    if not isinstance(mc_samples, int) or mc_samples < 1:
-        raise ValueError(f"mc_samples must be a positive int, got {mc_samples!r}")
-    if fisher != "mc" and mc_samples != 1:
-        raise ValueError(f"mc_samples={mc_samples} is only meaningful for fisher='mc' "
-                         f"(got fisher={fisher!r})")
-    _Loss.check(loss_fn)
-    xs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
-    with attach(model, loss_reduction=loss_fn.reduction, batch_first=batch_first, check=False,
-                allow_batchnorm_train=allow_batchnorm_train) as gh:
-        out = model(*xs)
-        if not isinstance(out, Tensor):
-            raise UnsupportedLossError(
-                f"kfac() needs a model returning one tensor, got {type(out).__name__}")
-        if gh.batch_size is None:
-            raise NoBackwardError(
-                "the forward reached no hooked layer that requires grad; the model has no "
-                "trainable Linear/Conv layer to compute KFAC for")
-        loss = _Loss(loss_fn, out, gh.batch_size)
-        params = [p for p in model.parameters() if p.requires_grad]
-        if fisher == "empirical":
-            loss.check_targets(targets)
-            passes: Iterable = [(loss_fn(out, targets), None)]
-        elif fisher == "mc":
-            scale = torch.tensor(1.0 / math.sqrt(loss.k), dtype=out.dtype, device=out.device)
-            passes = ((loss_fn(out, loss.sample(out, generator)), scale) for _ in range(mc_samples))
-        else:
-            passes = ((out, col) for col in loss.hessian_sqrt_columns(out))
-        total = {"empirical": 1, "mc": mc_samples, "type-2": loss.dim}[fisher]
-        for i, (tensor, grad_out) in enumerate(passes):
-            torch.autograd.grad(tensor, params, grad_out, retain_graph=i < total - 1,
-                                allow_unused=True)
-        return kfac_factors(gh, kfac_approx, backward_passes="mean" if fisher == "mc" else "sum",
-                            modules=modules, max_dense=max_dense, all_reduce=all_reduce,
-                            group=group)

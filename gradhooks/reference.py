@@ -14,9 +14,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .hooks import _HOOKED, attach, paused
-from .per_sample import check_loss_reduction
-from .registry import GradHooksError
+from .capture import is_hooked
+from .errors import GradHooksError
+from .hooks import attach
+from .utils import check_loss_reduction, paused
 
 __all__ = ["looped_per_sample_grads", "compare", "Comparison", "ParamError", "max_rel_error"]
 
@@ -220,7 +221,7 @@ def compare(
         GradHooksError: if ``model`` is already attached (detach it first), and the errors of
             :func:`gradhooks.attach` and :func:`looped_per_sample_grads`.
     """
-    if any(m in _HOOKED for m in model.modules()):
+    if is_hooked(model):
         raise GradHooksError("compare() attaches its own hooks: detach the model's GradHooks first")
     xs = _as_tuple(inputs)
     params = [p for p in model.parameters() if p.requires_grad]

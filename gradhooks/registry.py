@@ -1,4 +1,4 @@
-"""Layer rules: the registry, the base class every rule derives from, and the typed errors.
+"""Layer rules: the registry and the base class every rule derives from.
 
 A *rule* knows one family of layers (``nn.Linear``, the ``nn.ConvNd`` ...). Given what the
 hooks recorded for one call of a module -- its input activations ``a`` and the gradient of the
@@ -13,151 +13,23 @@ numbers, so :func:`find_rule` refuses it with :class:`UnsupportedModuleError`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple, Type
+from typing import Callable, Dict, Iterable, List, Optional, Tuple, Type
 
+import torch
 from torch import Tensor, nn
 
+from .errors import UnsupportedModuleError
+from .forms import Block, Call, Rows, from_blocks
+
 __all__ = [
-    "GradHooksError",
-    "UnsupportedModuleError",
-    "BatchSizeError",
-    "UnsupportedCallError",
-    "HigherOrderGradError",
-    "FallbackWarning",
-    "NoBackwardError",
-    "RecordsReleasedError",
-    "GradientMismatchError",
     "LayerRule",
     "Call",
     "Block",
+    "Rows",
     "register_rule",
     "find_rule",
     "supported_types",
 ]
-
-
-# --------------------------------------------------------------------------- errors
-class GradHooksError(RuntimeError):
-    """Base class of every error gradhooks raises on purpose."""
-
-
-class UnsupportedModuleError(GradHooksError, TypeError):
-    """A module owns trainable parameters that no rule can give per-sample gradients for.
-
-    Raised by :func:`gradhooks.attach`; the message names the module's path in the model, its
-    type, and the supported types.
-    """
-
-
-class UnsupportedCallError(GradHooksError, ValueError):
-    """A supported module was called in a way whose per-sample gradients are not defined.
-
-    Raised at the forward, naming the module: ``BatchNorm`` in training mode (batch statistics
-    mix the samples), a recurrent layer with inter-layer dropout in training mode (the dropout
-    masks cannot be replayed). The message says what to do instead.
-    """
-
-
-class HigherOrderGradError(GradHooksError):
-    """A backward pass ran with ``create_graph=True`` through a hooked layer.
-
-    The loss then contains derivatives (a gradient penalty, a Laplacian built with
-    ``torch.autograd.grad(..., create_graph=True)``), and the parameter gradient has terms that
-    grad_output-based rules do not see; per-sample results are refused rather than wrong.
-    """
-
-
-class BatchSizeError(GradHooksError, ValueError):
-    """A layer's input has no batch dimension, or layers of one forward disagree on its size."""
-
-
-class NoBackwardError(GradHooksError):
-    """Per-sample results were asked for before any backward pass reached a hooked layer."""
-
-
-class RecordsReleasedError(NoBackwardError):
-    """A read needs the activations and grad_outputs of the batch, but
-    :meth:`~gradhooks.GradHooks.per_sample_grads` released them (its default, as
-    ``loss.backward()`` frees the graph), or a backward pass reached the hooked layers after it
-    did. The message says what to do: read what needs them first, or pass
-    ``retain_records=True``."""
-
-
-class GradientMismatchError(GradHooksError):
-    """The per-sample gradients do not sum to the gradient autograd computed for a parameter.
-
-    This happens when a parameter also receives gradient outside the module that owns it (for
-    instance used functionally, ``x @ layer.weight.T``), or when the captured input was modified
-    in place after the forward. The result would be wrong, so it is refused.
-    """
-
-
-class FallbackWarning(UserWarning):
-    """Issued once per :func:`gradhooks.attach`, listing the modules the torch.func fallback covers."""
-
-
-# --------------------------------------------------------------------------- rules
-class Call(NamedTuple):
-    """The inputs of one recorded call of a ``multi_io`` rule's module: ``module(*args, **kwargs)``.
-
-    Tensors are detached copies (sharing storage) of what the module received; other values
-    (ints, ``None``, ``PackedSequence`` fields ...) are kept as they were. ``internal``: what
-    the rule's :meth:`LayerRule.internal` asked to record for this call (``None`` otherwise).
-    """
-
-    args: Tuple[Any, ...]
-    kwargs: Dict[str, Any]
-    internal: Optional[Dict[str, Any]] = None
-
-
-class Block(NamedTuple):
-    """Part of a parameter's per-sample gradient in factored form (the rows ``rows`` of dim 0,
-    or the whole parameter for ``rows=None``)::
-
-        weight-like (a given):  d(param)_n[rows] = sum_s g[n, s] a[n, s]^T   (O, I), reshaped
-        bias-like  (a = None):  d(param)_n[rows] = sum_s g[n, s]             (O,), reshaped
-
-    The Linear form of Goodfellow 2015 (arXiv:1510.01799, sec. 3) with ``S`` shared positions
-    (time steps, tokens). Rules that can give their gradients this way (recurrent layers,
-    attention: :meth:`LayerRule.forms`) let per-sample norms use the Gram form and DP clipping
-    form the clipped sum with one matmul, without a per-sample tensor (Li et al. 2022,
-    arXiv:2110.05679, sec. 4).
-
-    Attributes:
-        rows: a ``slice`` of the parameter's dim 0, or ``None`` for all of it.
-        a: ``(N, S, I)`` activations, or ``None`` for a bias-like block.
-        g: ``(N, S, O)`` the gradients the block's rows multiply (``O * I`` = number of elements
-            of ``param[rows]``, or ``O`` of them for a bias-like block).
-    """
-
-    rows: Optional[slice]
-    a: Optional[Tensor]
-    g: Tensor
-
-
-class Rows(NamedTuple):
-    """A parameter's per-sample gradient as a scatter of row contributions (a lookup table:
-    ``nn.Embedding``)::
-
-        d(param)_n[v] = sum_j [sample_j = n] [row_j = v] values_j          (D,)
-
-    for a parameter of shape ``(V, D)``. Per-sample norms then need no ``(B, V, D)`` tensor:
-    ``||d(param)_n||^2 = sum_v ||sum_{j: sample_j = n, row_j = v} values_j||^2``, the squared
-    norms of the entries summed per ``(sample, row)`` pair (``O(E D)``); and the clipped sum
-    ``sum_n c_n d(param)_n`` is one ``index_add`` of ``c[sample_j] values_j`` at ``row_j``.
-    (An embedding is a Linear layer on one-hot inputs, whose Gram form ``sum_{s,t} [x_s = x_t]
-    (g_s . g_t)`` Li et al. 2022, arXiv:2110.05679, sec. 4, use for ghost clipping; summing
-    per row first gives the same value in ``O(E D)`` instead of ``O(S^2 D)`` per sample.)
-
-    Attributes:
-        sample: ``(E,)`` int64, the sample of each entry, in ``[0, B)``.
-        row: ``(E,)`` int64, the row of the table it adds to, in ``[0, V)``.
-        values: ``(E, D)`` what it adds (grad_output rows, at least float32).
-    """
-
-    sample: Tensor
-    row: Tensor
-    values: Tensor
 
 
 class LayerRule:
@@ -240,6 +112,78 @@ class LayerRule:
     #: then be applied to ``a`` when it is the smallest tensor.
     weight_linear_in_input: bool = False
 
+    #: ``True`` if the rule implements :meth:`linear_form` (the layer is linear in its weight:
+    #: ``nn.Linear``, ``nn.ConvNd``). Readers then form norms, clipped sums and KFAC factors from
+    #: the canonical form instead of a per-sample tensor.
+    has_linear_form: bool = False
+
+    def linear_form(self, module: nn.Module, a: Optional[Tensor], g: Tensor, batch_first: bool
+                    ) -> Optional[Tuple[Optional[Tensor], Tensor]]:
+        """Optional: one call's records in the canonical form of :mod:`gradhooks.forms`.
+
+        Args:
+            module: the layer.
+            a: its input activations as recorded, or ``None`` when only ``g`` is wanted (a
+                convolution's patches cost an unfold).
+            g: its grad_output (summed over backward passes), same layout as the output.
+            batch_first: the layout flag given to :func:`gradhooks.attach`.
+
+        Returns:
+            ``(a, g)`` with ``a`` ``(N, G, S, I)`` (``None`` if ``a`` was ``None``) and ``g``
+            ``(N, G, S, O)``, such that the layer computes ``y[n,g,s] = W[g] a[n,g,s] + b[g]``
+            with ``W[g]`` the ``(O, I)`` matrix of group ``g``'s rows of ``weight``
+            (``weight.view(G, O, I)``) and ``b[g]`` its bias entries (``bias.view(G, O)``), in
+            the dtypes given; or ``None`` (default) if the layer has no such form (then set
+            :attr:`has_linear_form` to ``False``).
+        """
+        return None
+
+    def weighted_sum(self, module: nn.Module, a: Tensor, g: Tensor, c: Tensor, batch_first: bool,
+                     names: Iterable[str], out: Optional[Dict[str, Tensor]] = None
+                     ) -> Dict[str, Tensor]:
+        """``sum_n c_n d(param)_n`` of one call from its records, for rules with a linear form,
+        without a per-sample tensor: ``sum_{n,s} (c_n g[n,g,s]) a[n,g,s]^T`` for the weight and
+        ``sum_{n,s} c_n g[n,g,s]`` for the bias (Bu et al. 2023, arXiv:2210.00038, sec. 3,
+        book-keeping).
+
+        Args:
+            module, a, g, batch_first: as for :meth:`linear_form` (``a``, ``g`` in one dtype, at
+                least float32).
+            c: ``(N,)`` the per-sample weights, in that dtype.
+            names: the wanted parameters among ``"weight"``, ``"bias"``.
+            out: optional ``{name: tensor}`` of the parameter's shape to write into.
+
+        Returns:
+            ``{name: tensor of the parameter's shape}``. The default contracts the canonical
+            form (one ``mm`` for ``G = 1``, a batched one over groups otherwise); a rule with a
+            faster kernel (convolutions: torch's weight-backward) overrides it.
+        """
+        out = out or {}
+        names = tuple(names)
+        a_c, g_c = self.linear_form(module, a if "weight" in names else None, g, batch_first)
+        n, groups, _, o = g_c.shape
+        result = {}
+        if "weight" in names:
+            shape = module.weight.shape
+            a_w, g_w = a_c, g_c
+            if a_c.numel() < g_c.numel():  # weigh the smaller one (the sum is linear in both)
+                a_w = a_c * c.view(n, 1, 1, 1)
+            else:
+                g_w = g_c * c.view(n, 1, 1, 1)
+            a2 = a_w.transpose(0, 1).reshape(groups, -1, a_w.shape[-1])  # (G, N S, I)
+            g2 = g_w.transpose(0, 1).reshape(groups, -1, o)  # (G, N S, O)
+            dest = out.get("weight")
+            if groups == 1:
+                w = torch.mm(g2[0].t(), a2[0], out=None if dest is None else dest.view(o, -1))
+            else:
+                w = torch.bmm(g2.transpose(1, 2), a2)
+            result["weight"] = w.view(shape) if dest is None else dest
+        if "bias" in names:
+            dest = out.get("bias")
+            per = g_c.sum(2).reshape(n, groups * o)  # (N, G O)
+            result["bias"] = torch.mv(per.t(), c, out=dest)
+        return result
+
     #: ``True`` if the rule implements :meth:`forms`.
     has_forms: bool = False
 
@@ -249,7 +193,7 @@ class LayerRule:
 
         Same arguments as :meth:`per_sample_grads`. Returns ``{name: [Block, ...]}``, the
         blocks covering disjoint rows of the parameter (together all of it, in increasing row
-        order); :func:`gradhooks.per_sample.from_blocks` materialises them. Set
+        order); :func:`gradhooks.forms.from_blocks` materialises them. Set
         :attr:`has_forms` when implementing it.
         """
         raise NotImplementedError
@@ -285,15 +229,13 @@ class LayerRule:
         Returns:
             ``{name: tensor of shape (B, *param.shape)}``; entry ``n`` is ``d loss / d param``
             restricted to sample ``n`` (no ``loss_reduction`` scaling: that is applied once, in
-            :mod:`gradhooks.per_sample`). The tensors must be new (owned by the caller, which
+            :func:`gradhooks.utils.own_loss_scale`). The tensors must be new (owned by the caller, which
             scales them in place), never views of ``a`` or ``g``. Default for rules with
             :attr:`has_forms`: :meth:`forms` materialised by
-            :func:`gradhooks.per_sample.from_blocks`.
+            :func:`gradhooks.forms.from_blocks`.
         """
         if not self.has_forms:
             raise NotImplementedError
-        from .per_sample import from_blocks  # (per_sample imports this module)
-
         params = self.params_of(module)
         return {name: from_blocks(blocks, (blocks[0].g.shape[0], *params[name].shape))
                 for name, blocks in self.forms(module, a, g, batch_first, names).items()}

@@ -110,7 +110,7 @@ def grad_totals(request, monkeypatch):
     GradTotal.SUMMARISE elements), or reduced to probes and a projection at once (larger ones;
     forced here for every parameter)."""
     if request.param == "summarised":
-        from gradhooks.per_sample import GradTotal
+        from gradhooks.checks import GradTotal
         monkeypatch.setattr(GradTotal, "SUMMARISE", 1)
     return request.param
 

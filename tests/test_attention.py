@@ -433,7 +433,7 @@ def test_attention_core_gradients_taken_from_the_graph(batch, dtype):
         l1, l2 = losses(x)
         l1.backward(retain_graph=True)
         l2.backward()
-        cap = gh._reached[0]
+        cap = gh.recorder.records[0]
         assert cap.a.internal is not None and cap.a.internal.get("grad_inputs") is not None
         ours = gh.per_sample_grads()
     tol = 1e-10 if dtype == torch.float64 else 1e-5

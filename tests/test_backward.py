@@ -31,7 +31,7 @@ def test_backward_matches_loop(name, batch, loss_reduction, dtype):
     with gradhooks.attach(model, loss_reduction=loss_reduction, batch_first=batch_first) as gh:
         for _ in range(STEPS):
             gh.backward(loss_fn(model(x), w))
-            modes.append(gh._sum_check)
+            modes.append(gh.recorder.sum_check_state)
             ours = gh.per_sample_grads()
             assert_close_to_loop(ours, ref, dtype)
             _assert_close(gh.per_sample_grad_norms(), _ref_norms(ref), dtype, "norms")
@@ -125,10 +125,10 @@ def test_attention_first_layer_runs_its_internal_node():
     with gradhooks.attach(model) as gh:
         for _ in range(STEPS):
             gh.backward(loss_fn(model(x), w))
-            saved = gh._reached[0].a.internal
+            saved = gh.recorder.records[0].a.internal
             assert saved is not None and saved.get("grad_inputs") is not None
             assert_close_to_loop(gh.per_sample_grads(), ref, torch.float64)
-        assert gh._sum_check == "skip"
+        assert gh.recorder.sum_check_state == "skip"
 
 
 def _count_checks(monkeypatch):
@@ -139,8 +139,7 @@ def _count_checks(monkeypatch):
         calls.append(1)
         return real(*args, **kwargs)
 
-    import gradhooks.hooks as hooks_mod
-    monkeypatch.setattr(hooks_mod, "check_sums", counting)
+    monkeypatch.setattr(per_sample, "check_sums", counting)
     return calls
 
 
@@ -153,7 +152,7 @@ def test_sum_check_schedule(monkeypatch):
         modes = []
         for step in range(205):
             gh.backward(loss_fn(model(x), w))
-            modes.append(gh._sum_check)
+            modes.append(gh.recorder.sum_check_state)
             gh.per_sample_grads()
         # the first forward recorded no edges; the second checks the forward structure; then
         # every 100th call (the counter counts calls of backward())
@@ -162,7 +161,7 @@ def test_sum_check_schedule(monkeypatch):
         assert len(calls) == 4
         # a new forward structure is checked when it appears
         gh.backward(loss_fn(model[2](model[1](model[0](x))) + model[2](torch.zeros(3, 5)), w))
-        assert gh._sum_check == "due"
+        assert gh.recorder.sum_check_state == "due"
 
 
 @pytest.mark.parametrize("check", ["always", False])
@@ -174,7 +173,7 @@ def test_sum_check_option(check, monkeypatch):
         modes = []
         for _ in range(4):
             gh.backward(weighted_square_loss()(model(x), w))
-            modes.append(gh._sum_check)
+            modes.append(gh.recorder.sum_check_state)
             gh.per_sample_grads()
     if check == "always":
         assert modes == ["due"] * 4 and len(calls) == 4
@@ -212,7 +211,7 @@ def test_mixing_with_loss_backward():
             loss = weighted_square_loss()(model(x), w)
             if step % 2:
                 loss.backward()
-                assert gh._sum_check is None
+                assert gh.recorder.sum_check_state is None
             else:
                 gh.backward(loss)
             assert_close_to_loop(gh.per_sample_grads(), ref, torch.float64)
@@ -240,7 +239,7 @@ def test_forward_without_backward_is_freed():
             gh.backward(model(x).sum())
             out = model(x)  # a forward nobody backpropagates through
             tags = out.grad_fn.metadata["gradhooks"]
-            assert len(tags) == 1 and tags[0][0] is gh
+            assert len(tags) == 1 and tags[0][0] is gh.recorder
             ref = weakref.ref(tags[0][1])
             del tags, out
             assert ref() is None
@@ -270,11 +269,11 @@ def _per_sample_losses(out, w, batch_dim):
 @FALLBACK_OK
 @pytest.mark.parametrize("name", list(MODELS))
 def test_clipped_backward_matches_loop(name, loss_reduction, dtype, monkeypatch):
-    from gradhooks import dp
+    from gradhooks import clipping
 
     streamed = []
-    real_finish = dp._NormStream.finish
-    monkeypatch.setattr(dp._NormStream, "finish",
+    real_finish = clipping._NormStream.finish
+    monkeypatch.setattr(clipping._NormStream, "finish",
                         lambda self: streamed.append(1) or real_finish(self))
     batch = 5
     model, x, w, batch_first, bd = _setup(name, batch, dtype)
@@ -295,19 +294,19 @@ def test_clipped_backward_streams_the_norms(monkeypatch):
     """In the output-edges pass every group of records is reduced (and dropped) as soon as its
     grad_outputs are in: while a later layer's norms are formed, the earlier-reduced ones hold
     nothing any more."""
-    from gradhooks import dp
+    from gradhooks import clipping
 
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
     x, w = torch.randn(5, 4), torch.rand(5)
     seen = []
-    real = dp._NormStream._reduce
+    real = clipping._NormStream._reduce
 
     def spy(self, group):
         held = sum(1 for c in self.group_of.values() for cap in c if cap.grads)
         seen.append((len(group), held))
         return real(self, group)
 
-    monkeypatch.setattr(dp._NormStream, "_reduce", spy)
+    monkeypatch.setattr(clipping._NormStream, "_reduce", spy)
     with gradhooks.attach(model, loss_reduction="sum") as gh:
         for _ in range(STEPS):
             seen.clear()

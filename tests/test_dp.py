@@ -1,4 +1,4 @@
-"""Per-sample gradient norms and DP-SGD clipping (gradhooks.dp) against looped autograd."""
+"""Per-sample gradient norms and DP-SGD clipping (gradhooks.norms, gradhooks.clipping) against looped autograd."""
 import pathlib
 import re
 import subprocess
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import gradhooks
-from gradhooks import dp
+from gradhooks import clipping, norms
 from conftest import RTOL, loop_grads, weighted_square_loss
 
 FALLBACK_OK = pytest.mark.filterwarnings("ignore::gradhooks.FallbackWarning")
@@ -215,7 +215,7 @@ def _setup(name, batch, dtype):
 def form(request, monkeypatch):
     """Which norm form Linear/Conv weights use: the cost model's choice, or forced."""
     if request.param != "auto":
-        monkeypatch.setattr(dp, "use_gram", lambda *a: request.param == "gram")
+        monkeypatch.setattr(norms, "use_gram", lambda *a: request.param == "gram")
     return request.param
 
 
@@ -273,7 +273,7 @@ def test_norms_and_clipping_follow_the_structure_of_each_batch(dtype, grad_total
                 model.repeats = repeats
                 x = torch.randn(batch, *shape, dtype=dtype)
                 w = torch.rand(batch, dtype=dtype) + 0.5
-                with gradhooks.hooks.paused():
+                with gradhooks.utils.paused():
                     ref = loop_grads(model, loss_fn, x, w)
                 loss_fn(model(x), w).backward()
                 _assert_close(gh.per_sample_grad_norms(), _ref_norms(ref), dtype,
@@ -309,12 +309,12 @@ def test_norms_of_several_backward_passes(dtype, grad_totals):
 
 
 def test_use_gram_is_the_flop_count():
-    assert dp.use_gram(1, 10, 10)            # S = 1: always the product of norms
-    assert dp.use_gram(63, 128, 128)         # 63 * 256 < 128 * 128
-    assert not dp.use_gram(64, 128, 128)
-    assert not dp.use_gram(576, 288, 64)     # the seed CNN's conv2: materialised
+    assert norms.use_gram(1, 10, 10)            # S = 1: always the product of norms
+    assert norms.use_gram(63, 128, 128)         # 63 * 256 < 128 * 128
+    assert not norms.use_gram(64, 128, 128)
+    assert not norms.use_gram(576, 288, 64)     # the seed CNN's conv2: materialised
     # the LSTM LM's weight_ih (32 steps, 32 -> 256 gates): its gate-gradient Gram is shared
-    assert not dp.use_gram(32, 32, 256) and dp.use_gram(32, 32, 256, shared=2)
+    assert not norms.use_gram(32, 32, 256) and norms.use_gram(32, 32, 256, shared=2)
 
 
 class _LSTMHead(nn.Module):
@@ -331,8 +331,8 @@ def test_lstm_gate_gradient_gram_is_formed_once(monkeypatch, dtype):
     """weight_ih and weight_hh of an LSTM have the same grad_output (the gate gradients): its
     Gram matrix is formed once for both, and the norms stay exact."""
     formed = []
-    gram = dp._Forms.gram
-    monkeypatch.setattr(dp._Forms, "gram",
+    gram = norms.Forms.gram
+    monkeypatch.setattr(norms.Forms, "gram",
                         lambda self, g: formed.append((g.shape, self._key(g) in self.grams))
                         or gram(self, g))
     model, x, w = _LSTMHead().to(dtype), torch.randn(3, 12, 8, dtype=dtype), torch.rand(3, dtype=dtype)
@@ -351,7 +351,8 @@ def test_lstm_gate_gradient_gram_is_formed_once(monkeypatch, dtype):
 def test_gram_form_forms_no_per_sample_tensor(monkeypatch):
     """Linear without bias on (B, in): norms and ghost clipping never call a rule."""
     model = nn.Sequential(nn.Linear(30, 20, bias=False), nn.Tanh(), nn.Linear(20, 10, bias=False))
-    monkeypatch.setattr(dp, "call_grads", lambda *a, **k: pytest.fail("materialised"))
+    for module in (norms, clipping):
+        monkeypatch.setattr(module, "call_grads", lambda *a, **k: pytest.fail("materialised"))
     with gradhooks.attach(model) as gh:
         weighted_square_loss()(model(torch.randn(8, 30)), torch.ones(8)).backward()
         gh.per_sample_grad_norms()
@@ -382,7 +383,7 @@ def _ref_clipped(ref, max_norm, loss_reduction, batch):
 
 
 @FALLBACK_OK
-@pytest.mark.parametrize("method", dp.CLIP_METHODS)
+@pytest.mark.parametrize("method", clipping.CLIP_METHODS)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_clipping_matches_loop(name, method, loss_reduction, dtype, grad_totals):
     batch = 5
@@ -405,7 +406,7 @@ def test_ghost_equals_materialize(name):
     with gradhooks.attach(model, batch_first=batch_first) as gh:
         weighted_square_loss("mean", bd)(model(x), w).backward()
         results = []
-        for method in dp.CLIP_METHODS:
+        for method in clipping.CLIP_METHODS:
             norms = gh.clip_and_accumulate(0.05, method=method, noise_multiplier=0.5,
                                            generator=torch.Generator().manual_seed(3))
             results.append((norms, {n: p.grad.clone() for n, p in model.named_parameters()}))
@@ -443,7 +444,7 @@ def test_clipping_overwrites_grad_and_handles_unreached_params():
         assert model.frozen.weight.grad is None
 
 
-@pytest.mark.parametrize("method", dp.CLIP_METHODS)
+@pytest.mark.parametrize("method", clipping.CLIP_METHODS)
 @pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
 def test_noise_is_exact_and_reproducible(method, loss_reduction):
     """grad = clipped sum + sigma * C * z / D, z drawn param by param from the generator."""
@@ -526,7 +527,7 @@ def test_input_modified_in_place():
 @pytest.mark.parametrize("layer", ["linear", "conv", "lstm", "attention", "embedding"])
 def test_functional_use_of_a_weight_is_caught(layer, form, monkeypatch, grad_totals):
     """A weight also used outside its module: the sum check refuses the norms and the clipping."""
-    monkeypatch.setattr(dp, "use_gram", lambda *a: form == "gram")
+    monkeypatch.setattr(norms, "use_gram", lambda *a: form == "gram")
     if layer == "linear":
         mod, x = nn.Linear(4, 4), torch.randn(3, 4)
         extra = lambda: (x @ mod.weight.T).square().sum()  # noqa: E731
@@ -578,9 +579,9 @@ def test_sum_check_schedule_follows_per_sample_grads(monkeypatch):
     """check=True: once per call structure (a structure checked by either path counts);
     check="always": every read."""
     calls = []
-    for fn in ("check_sums", "_check_projections"):
-        real = getattr(dp, fn)
-        monkeypatch.setattr(dp, fn,
+    for fn in ("check_sums", "check_projections"):
+        real = getattr(norms, fn)
+        monkeypatch.setattr(norms, fn,
                             lambda *a, _real=real, **k: (calls.append(1), _real(*a, **k))[1])
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     for check, expected in ((True, 2), ("always", 2 * 4)):  # 2 calls per checked read
@@ -631,7 +632,7 @@ def test_ghost_clipping_writes_into_the_existing_grad():
     model = TiedLM().double()
     x = torch.randint(0, 11, (4, 5))
     results = {}
-    for method in dp.CLIP_METHODS:
+    for method in clipping.CLIP_METHODS:
         with gradhooks.attach(model) as gh:
             model.zero_grad(set_to_none=True)
             model(x).square().mean().backward()

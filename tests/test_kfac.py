@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
-from gradhooks.kfac import KFACFactors, UnsupportedLossError, kfac, kfac_factors
-from gradhooks.registry import (BatchSizeError, GradHooksError, GradientMismatchError,
+from gradhooks import KFACFactors, UnsupportedLossError, kfac
+from gradhooks import (BatchSizeError, GradHooksError, GradientMismatchError,
                                 HigherOrderGradError, NoBackwardError)
 
 from conftest import RTOL, loop_grads
@@ -443,7 +443,7 @@ def test_backward_passes_accumulate(approx):
         out = model(x)
         losses[0](out).backward(retain_graph=True)
         losses[1](out).backward()
-        both, mean = gh.kfac_factors(approx), kfac_factors(gh, approx, backward_passes="mean")
+        both, mean = gh.kfac_factors(approx), gh.kfac_factors(approx, backward_passes="mean")
     for k in both:
         assert torch.allclose(both[k].A, single[0][k].A, rtol=1e-13, atol=0)
         assert torch.allclose(both[k].G, single[0][k].G + single[1][k].G, rtol=1e-12, atol=0)

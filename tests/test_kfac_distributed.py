@@ -15,8 +15,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import gradhooks
-from gradhooks.kfac import kfac
-from gradhooks.registry import GradHooksError
+from gradhooks import GradHooksError, kfac
 
 WORLD = 2
 SIZES = (3, 5)  # samples per rank

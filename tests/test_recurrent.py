@@ -13,7 +13,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import gradhooks
 from conftest import assert_close_to_loop
-from gradhooks.registry import BatchSizeError, UnsupportedCallError
+from gradhooks import BatchSizeError, UnsupportedCallError
 
 
 I, H, P, T = 3, 4, 2, 5  # input, hidden, proj_size, time steps

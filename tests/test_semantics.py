@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
-from gradhooks.per_sample import BufferPool
+from gradhooks._pool import BufferPool
 from conftest import assert_close_to_loop, check_against_loop, loop_grads, weighted_square_loss
 
 F64 = torch.float64
@@ -220,7 +220,7 @@ def test_reads_after_a_releasing_read_match_those_from_the_records():
         with gradhooks.attach(model, loss_reduction="mean") as gh:
             weighted_square_loss("mean")(model(x), w).backward()
             gh.per_sample_grads(retain_records=retain)
-            assert gh._released is not retain
+            assert gh.recorder.released is not retain
             norms = gh.per_sample_grad_norms()
             clip_norms = gh.clip_and_accumulate(0.5)  # ghost from the records, else the result
             got[retain] = (norms, clip_norms, [p.grad.clone() for p in model.parameters()])
@@ -335,7 +335,7 @@ def test_memory_does_not_grow_over_100_steps():
             step(gh)
         gc.collect()
         grown = _rss_bytes() - start
-        assert len(gh._reached) == 2  # only the last batch's two calls are held
+        assert len(gh.recorder.records) == 2  # only the last batch's two calls are held
     assert grown < 60e6, f"RSS grew by {grown / 1e6:.1f} MB over 100 steps"
 
 
@@ -524,18 +524,18 @@ def test_structure_walk_matches_torch_pytree():
     from hypothesis import given, settings
     from torch.utils._pytree import tree_flatten
 
-    from gradhooks import hooks
+    from gradhooks import utils
 
     @settings(max_examples=300, deadline=None)
     @given(_structures())
     def check(obj):
         leaves, spec = tree_flatten(obj)
-        fast_leaves, fast_spec = hooks._flatten(obj)
+        fast_leaves, fast_spec = utils.flatten(obj)
         assert fast_spec == spec
         assert len(fast_leaves) == len(leaves) and all(a is b for a, b in zip(fast_leaves, leaves))
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        assert [id(t) for t in hooks._tensors(obj)] == [id(t) for t in tensors]
-        det_leaves, det_spec = tree_flatten(hooks._detached(obj))
+        assert [id(t) for t in utils.tensors(obj)] == [id(t) for t in tensors]
+        det_leaves, det_spec = tree_flatten(utils.detached(obj))
         assert det_spec == spec
         for a, b in zip(det_leaves, leaves):
             if isinstance(b, torch.Tensor):

@@ -194,7 +194,7 @@ def test_no_grad_and_inference_mode_forwards_capture_nothing(ctx):
     with gradhooks.attach(model) as gh:
         with ctx():
             model(torch.randn(7, 5))
-        assert gh.batch_size is None and not gh._reached
+        assert gh.batch_size is None and not gh.recorder.records
         with pytest.raises(gradhooks.NoBackwardError):
             gh.per_sample_grads()
         (model(torch.randn(2, 5)) ** 2).sum().backward()

@@ -56,7 +56,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..registry import BatchSizeError, Block, Call, LayerRule, UnsupportedCallError, register_rule
+from ..errors import BatchSizeError, UnsupportedCallError
+from ..registry import Block, Call, LayerRule, register_rule
 
 __all__ = ["MultiheadAttentionRule"]
 

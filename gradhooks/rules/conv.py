@@ -35,8 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..per_sample import weight_grad
-from ..registry import BatchSizeError, LayerRule, register_rule
+from ..forms import weight_grad
+from ..errors import BatchSizeError
+from ..registry import LayerRule, register_rule
 
 
 def padding_pairs(module: nn.Module) -> List[Tuple[int, int]]:
@@ -180,6 +181,7 @@ class ConvRule(LayerRule):
     """
 
     weight_linear_in_input = True
+    has_linear_form = True
 
     #: ``"auto"`` (per call, :func:`choose_method`), ``"conv"`` or ``"unfold"``.
     method = "auto"
@@ -193,11 +195,33 @@ class ConvRule(LayerRule):
             )
         return x.shape[0]
 
-    def canonical(self, module: nn.Module, a: Tensor, g: Tensor):
-        """Canonical form: ``a`` ``(N, G, S, C_in/G * K)`` patches, ``g`` ``(N, G, S, C_out/G)``."""
+    def linear_form(self, module: nn.Module, a: Optional[Tensor], g: Tensor, batch_first: bool
+                    ) -> Tuple[Optional[Tensor], Tensor]:
+        """Canonical form: ``a`` ``(N, G, S, C_in/G * K)`` unfolded patches (:func:`unfold`),
+        ``g`` ``(N, G, S, C_out/G)`` (a view), ``S`` the output positions."""
         n, groups = g.shape[0], module.groups
         g = g.reshape(n, groups, module.out_channels // groups, -1).transpose(-1, -2)
-        return unfold(module, a), g
+        return (None if a is None else unfold(module, a)), g
+
+    def weighted_sum(self, module: nn.Module, a: Tensor, g: Tensor, c: Tensor, batch_first: bool,
+                     names: Iterable[str], out: Optional[Dict[str, Tensor]] = None
+                     ) -> Dict[str, Tensor]:
+        """As :meth:`LayerRule.weighted_sum`; the weight by torch's convolution weight-backward
+        kernel on the weighted input or grad_output (no unfolded patches)."""
+        names = tuple(names)
+        result = {}
+        if "weight" in names:
+            shape = [-1] + [1] * (g.dim() - 1)
+            if a.numel() < g.numel():
+                x, gw = a * c.view(shape), g
+            else:
+                x, gw = a, g * c.view(shape)
+            x, padding = pad_as_torch(module, x)
+            result["weight"] = weight_backward(module, x, gw, padding, per_sample=False)
+        if "bias" in names:
+            per = g.reshape(g.shape[0], g.shape[1], -1).sum(-1)  # (N, C_out)
+            result["bias"] = torch.mv(per.t(), c, out=(out or {}).get("bias"))
+        return result
 
     def per_sample_grads(
         self, module: nn.Module, a: Tensor, g: Tensor, batch_first: bool, names: Iterable[str]
@@ -211,7 +235,7 @@ class ConvRule(LayerRule):
             if method == "conv":
                 out["weight"] = conv_weight_grad(module, a, g)
             else:
-                a_c, g_c = self.canonical(module, a, g)
+                a_c, g_c = self.linear_form(module, a, g, batch_first)
                 out["weight"] = weight_grad(a_c, g_c, (n, *module.weight.shape))
         if "bias" in names:
             out["bias"] = g.reshape(n, module.out_channels, -1).sum(-1)

@@ -41,7 +41,7 @@ from typing import Dict, Iterable, List
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..per_sample import weight_grad
+from ..forms import weight_grad
 from ..registry import LayerRule, register_rule
 from .conv import ConvRule, choose_method, unfold, weight_backward
 

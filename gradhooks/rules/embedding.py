@@ -44,8 +44,9 @@ from typing import Dict, Iterable, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..per_sample import compute_dtype
-from ..registry import BatchSizeError, Call, LayerRule, Rows, UnsupportedCallError, register_rule
+from ..utils import compute_dtype
+from ..errors import BatchSizeError, UnsupportedCallError
+from ..registry import Call, LayerRule, Rows, register_rule
 
 __all__ = ["EmbeddingRule", "EmbeddingBagRule", "scatter_rows"]
 

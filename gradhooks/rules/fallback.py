@@ -37,7 +37,9 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..registry import BatchSizeError, Call, LayerRule, UnsupportedCallError
+from ..errors import BatchSizeError, UnsupportedCallError
+from ..registry import Call, LayerRule
+from ..utils import paused
 
 __all__ = ["FallbackRule", "FALLBACK"]
 
@@ -70,8 +72,6 @@ class FallbackRule(LayerRule):
 
     def per_sample_grads(self, module: nn.Module, a: Call, g, batch_first: bool,
                          names: Iterable[str]) -> Dict[str, Tensor]:
-        from ..hooks import paused  # late: hooks imports this module
-
         names = tuple(names)
         b = self.batch_size(module, a.args[0] if a.args else next(iter(a.kwargs.values())), batch_first)
         in_leaves, in_spec = tree_flatten((a.args, a.kwargs))

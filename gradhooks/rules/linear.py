@@ -2,17 +2,19 @@
 
 Forward: ``y[n, s] = W a[n, s] + b`` for every position ``s`` of the extra dims. Per-sample
 gradients (Goodfellow 2015, arXiv:1510.01799, sec. 3): ``dL_n/dW = sum_s g[n,s] a[n,s]^T``,
-``dL_n/db = sum_s g[n,s]`` -- the canonical form of :mod:`gradhooks.per_sample` with ``G = 1``.
+``dL_n/db = sum_s g[n,s]`` -- the canonical form of :mod:`gradhooks.forms` with ``G = 1``.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable
+from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from ..per_sample import bias_grad, new_empty, weight_grad
-from ..registry import BatchSizeError, LayerRule, register_rule
+from .._pool import new_empty
+from ..forms import bias_grad, weight_grad
+from ..errors import BatchSizeError
+from ..registry import LayerRule, register_rule
 
 
 def _batch_dim(x: Tensor, batch_first: bool) -> int:
@@ -30,6 +32,7 @@ class LinearRule(LayerRule):
     """
 
     weight_linear_in_input = True
+    has_linear_form = True
 
     def batch_size(self, module: nn.Module, x: Tensor, batch_first: bool) -> int:
         if x.dim() < 2:
@@ -39,12 +42,16 @@ class LinearRule(LayerRule):
             )
         return x.shape[_batch_dim(x, batch_first)]
 
-    def canonical(self, a: Tensor, g: Tensor, batch_first: bool):
-        """Reshape to the canonical form: ``a`` ``(N, 1, S, in)``, ``g`` ``(N, 1, S, out)``."""
-        if _batch_dim(a, batch_first) == 1:
-            a, g = a.transpose(0, 1), g.transpose(0, 1)
-        n = a.shape[0]
-        return a.reshape(n, 1, -1, a.shape[-1]), g.reshape(n, 1, -1, g.shape[-1])
+    def linear_form(self, module: nn.Module, a: Optional[Tensor], g: Tensor, batch_first: bool
+                    ) -> Tuple[Optional[Tensor], Tensor]:
+        """Canonical form (views where the layout allows): ``a`` ``(N, 1, S, in)``, ``g``
+        ``(N, 1, S, out)``, the positions ``S`` being the flattened extra dims."""
+        if _batch_dim(g, batch_first) == 1:
+            g = g.transpose(0, 1)
+            a = None if a is None else a.transpose(0, 1)
+        n = g.shape[0]
+        return (None if a is None else a.reshape(n, 1, -1, a.shape[-1]),
+                g.reshape(n, 1, -1, g.shape[-1]))
 
     def per_sample_grads(
         self, module: nn.Module, a: Tensor, g: Tensor, batch_first: bool, names: Iterable[str]
@@ -57,7 +64,7 @@ class LinearRule(LayerRule):
             if "bias" in names:
                 out["bias"] = new_empty(g.shape, g).copy_(g)
             return out
-        a, g = self.canonical(a, g, batch_first)
+        a, g = self.linear_form(module, a, g, batch_first)
         n = a.shape[0]
         out = {}
         if "weight" in names:

@@ -59,7 +59,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..registry import BatchSizeError, LayerRule, UnsupportedCallError, register_rule
+from ..errors import BatchSizeError, UnsupportedCallError
+from ..registry import LayerRule, register_rule
 
 __all__ = ["LayerNormRule", "RMSNormRule", "GroupNormRule", "InstanceNormRule", "BatchNormRule"]
 

@@ -78,8 +78,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from ..per_sample import compute_dtype
-from ..registry import BatchSizeError, Block, Call, LayerRule, UnsupportedCallError, register_rule
+from ..utils import compute_dtype
+from ..errors import BatchSizeError, UnsupportedCallError
+from ..registry import Block, Call, LayerRule, register_rule
 
 __all__ = ["RecurrentRule", "RecurrentCellRule"]
 

@@ -1,0 +1,825 @@
+"""The recorder: attach to a model, record activations and grad_outputs per call, detach.
+
+How it works (Goodfellow 2015, arXiv:1510.01799): for every module that has a rule, a forward
+hook records the call's input activations ``a`` and registers a pre-hook on the autograd node that
+produced the call's output (like curvlinops' ``output.register_hook``, but cheaper to register;
+unlike ``register_full_backward_hook`` it works when an in-place op such as
+``ReLU(inplace=True)`` follows the layer). In the backward the pre-hook receives the gradient
+w.r.t. that output, ``g``. Each call gets its own :class:`Record`, so a layer called several times
+in one forward pairs every input with its own grad_output.
+
+The recorder computes nothing from its records. Readers (:mod:`gradhooks.per_sample`,
+:mod:`gradhooks.norms`, :mod:`gradhooks.clipping`, :mod:`gradhooks.kfac`, ...) ask it for a
+:class:`Batch`: a read-only snapshot of the batch's records, its size ``B``, the own-loss scale
+(computed once, :func:`gradhooks.utils.own_loss_scale`) and autograd's parameter gradients for
+the sum check, validated once (records released, stale, modified in place, ``create_graph``).
+
+All state lives in the :class:`Recorder`; the only attribute put on user objects is
+``param.grad_sample`` (set by the per-sample reader), removed by :meth:`Recorder.detach`.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+import weakref
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge
+from torch.utils._pytree import tree_unflatten
+
+from . import rules as _rules  # noqa: F401  (registers the built-in rules)
+from . import utils
+from ._pool import BufferPool
+from .checks import GradTotal, SumCheck, check_unrecorded
+from .errors import (BatchSizeError, FallbackWarning, GradHooksError, GradientMismatchError,
+                     HigherOrderGradError, NoBackwardError, RecordsReleasedError,
+                     UnsupportedModuleError)
+from .forms import Call
+from .registry import LayerRule, find_rule, supported_types
+from .rules.fallback import FALLBACK
+from .utils import check_loss_reduction, detached, flatten, is_functorch_wrapped, own_loss_scale, tensors
+
+__all__ = ["Recorder", "Batch", "Layer", "Record", "is_hooked"]
+
+# Modules currently hooked by a live Recorder (to refuse a second attach to the same layer).
+_HOOKED: "weakref.WeakKeyDictionary[nn.Module, Recorder]" = weakref.WeakKeyDictionary()
+
+_MISSING = object()
+
+
+def is_hooked(model: nn.Module) -> bool:
+    """Whether any module of ``model`` is hooked by a live :class:`Recorder`."""
+    return any(m in _HOOKED for m in model.modules())
+
+
+def _accumulate_grad_type() -> type:
+    x = torch.zeros(1, requires_grad=True)
+    return type((x * 1).grad_fn.next_functions[0][0])
+
+
+_ACCUMULATE_GRAD = _accumulate_grad_type()  # autograd's node of a leaf: nothing below it
+_TAG = "gradhooks"  # key of the entries GradHooks.backward finds in autograd nodes' metadata
+
+
+class Layer:
+    """A hooked module: its path in the model, its rule and the parameters the rule handles."""
+
+    __slots__ = ("path", "module", "rule", "params", "items", "all_names", "validates", "watched")
+
+    def __init__(self, path: str, module: nn.Module, rule: LayerRule, params: Dict[str, nn.Parameter]):
+        self.path, self.module, self.rule, self.params = path, module, rule, params
+        # Precomputed for the forward hook, which runs on every call of every hooked layer.
+        self.items = tuple(params.items())
+        self.all_names = tuple(params)
+        self.validates = type(rule).check_call is not LayerRule.check_call
+        self.watched = False  # every parameter has its sum-check gradient hook
+
+    def trainable(self) -> Tuple[str, ...]:
+        """Names of the parameters that currently require grad."""
+        for _, p in self.items:
+            if not p.requires_grad:
+                return tuple(n for n, p in self.items if p.requires_grad)
+        return self.all_names
+
+    def describe(self) -> str:
+        """``'path' (Type)`` for messages."""
+        return f"{self.path or '<root>'!r} ({type(self.module).__name__})"
+
+
+class Record:
+    """One call of one hooked module: input activations and the grad_outputs it received.
+
+    Single-output rules: ``a`` is the first input, ``grads`` one grad_output per backward pass.
+    ``multi_io`` rules: ``a`` is a :class:`Call`, ``grads`` holds per output tensor (leaf of
+    the output's pytree ``spec``) the grad_output summed over backward passes, or ``None``.
+    """
+
+    __slots__ = ("layer", "a", "versions", "names", "grads", "step", "spec", "low", "hits", "__weakref__")
+
+    def __init__(self, layer: "Layer", a, names: Tuple[str, ...], step: int, spec=None,
+                 leaves: Optional[list] = None):
+        self.layer, self.a, self.names, self.step, self.spec = layer, a, names, step, spec
+        self.versions = [(a, a._version)] if isinstance(a, Tensor) else [(t, t._version) for t in tensors(a)]
+        self.grads: list = leaves if spec is not None else []
+        self.low: Optional[torch.dtype] = None  # grad_output dtype when below float32 (autocast)
+        self.hits = 0  # grad_output hook calls (backward passes x output tensors reached)
+
+    def check_unmodified(self, result: str) -> None:
+        """Raise :class:`GradientMismatchError` if a recorded input was modified in place since
+        the forward: what the read ``result`` (e.g. ``"per_sample_grads()"``) computes from it
+        would be wrong."""
+        for t, v in self.versions:
+            if t._version != v:
+                raise GradientMismatchError(
+                    f"the input of module {self.layer.describe()} was modified in place after its "
+                    f"forward; what {result} computes from it would be wrong. Avoid in-place ops on the layer's input "
+                    f"(e.g. use ReLU(inplace=False) after the layer that feeds it)"
+                )
+
+    def grad_struct(self):
+        """``multi_io`` rules: the output's structure with each tensor's grad_output (or
+        ``None``), as :meth:`~gradhooks.registry.LayerRule.per_sample_grads` takes it."""
+        return tree_unflatten(self.grads, self.spec)
+
+    def grads_arg(self):
+        """The grad_outputs as the rule takes them: :meth:`grad_struct` for ``multi_io`` rules,
+        else the list of one grad_output per backward pass."""
+        return tree_unflatten(self.grads, self.spec) if self.spec is not None else self.grads
+
+    def summed_grad(self) -> Tensor:
+        """Single-output rules: the grad_output summed over the backward passes."""
+        return self.grads[0] if len(self.grads) == 1 else torch.stack(self.grads).sum(0)
+
+    def release(self) -> None:
+        """Drop the activations and grad_outputs (the read that released them is done)."""
+        self.a = None
+        self.versions = []
+        self.grads = []
+
+
+def _on_grad(t: Tensor, fn) -> None:
+    """Call ``fn(grad_outputs, nr)`` whenever a backward pass reaches the tensor ``t``:
+    ``grad_outputs[nr]`` is the gradient w.r.t. ``t`` (``None`` when the node that produced
+    ``t`` runs for another of its outputs only).
+
+    A pre-hook on ``t``'s autograd node: cheaper to register than ``Tensor.register_hook``, and
+    like it unaffected by in-place ops that later rebase ``t`` onto another node (the node that
+    produced ``t`` still receives the gradient w.r.t. the value the layer returned).
+    """
+    node = t.grad_fn
+    if node is None:  # a leaf returned as the output
+        t.register_hook(lambda g: fn((g,), 0))
+    else:
+        node.register_prehook(functools.partial(fn, nr=t.output_nr))
+
+
+class Recorder:
+    """The hook manager behind :class:`~gradhooks.GradHooks`: hooks, records, batch lifecycle.
+
+    Batches and memory are as the :class:`~gradhooks.GradHooks` docstring says. Readers use the
+    public attributes below (read only) and :meth:`snapshot`; the facade adds the user API.
+
+    Attributes:
+        model: the attached model.
+        loss_reduction: ``"mean"`` or ``"sum"``, as given to :func:`gradhooks.attach`.
+        batch_first: the layout flag given to :func:`gradhooks.attach`.
+        strict: refuse modules without a dedicated rule instead of the fallback.
+        sum_check: the :class:`~gradhooks.checks.SumCheck` policy (``check=``).
+        names: ``{id(param): name}`` of every parameter of the model, in
+            ``model.named_parameters()`` order.
+        params: ``{id(param): param}`` of the hooked parameters.
+        layers: the hooked :class:`Layer` objects, in ``model.named_modules()`` order.
+        cache: per-structure decisions readers keep between batches (cleared on detach).
+    """
+
+    def __init__(self, model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
+                 check=True, strict: bool = False, allow_batchnorm_train: bool = False):
+        check_loss_reduction(loss_reduction)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"attach expects an nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.loss_reduction = loss_reduction
+        self.batch_first = bool(batch_first)
+        self.sum_check = SumCheck(check)
+        self.check = check  # (read on every forward: a plain attribute)
+        self.strict = bool(strict)
+        self._options = {"allow_batchnorm_train": bool(allow_batchnorm_train)}
+        self.layers: List[Layer] = []
+        self._handles: list = []
+        self.names: Dict[int, str] = {}  # id(param) -> name in model.named_parameters()
+        self.params: Dict[int, nn.Parameter] = {}
+        self._hooks_were_none: List[nn.Parameter] = []  # params whose _backward_hooks we created
+        self._saved_grad_sample: Dict[int, object] = {}
+        self._watched: set = set()  # ids of params with a gradient hook (sum check)
+        self._attached = False
+        self.pool = BufferPool()
+        self.cache: Dict[object, object] = {}
+        # backward(): once called, forwards record their outputs' autograd edges.
+        self._driven = False
+        # Inside drive(): (id(record), leaf) whose grad_outputs arrive as its return values.
+        self._captured: frozenset = frozenset()
+        self._muted = False  # hooks record nothing (muted(): clipped_backward's second pass)
+        self._listener = None  # told of every hook call while drive()'s pass runs (two-pass clipping)
+        self._step = 0
+        self._forward_id = 0
+        self.reset_batch()
+        self._attach()
+
+    # ------------------------------------------------------------------ attach / detach
+    def _attach(self) -> None:
+        for name, p in self.model.named_parameters():
+            self.names[id(p)] = name
+        self.order = {pid: i for i, pid in enumerate(self.names)}  # results in this order
+        unsupported, fallback = [], []
+        claimed: set = set()  # ids of submodules an ancestor's rule claims (MHA's out_proj)
+        for path, module in self.model.named_modules():
+            own = dict(module.named_parameters(recurse=False))
+            if not own:
+                rule = find_rule(module, path)
+                if rule is not None and rule.check_always:  # BatchNorm(affine=False)
+                    self.layers.append(Layer(path, module, rule, {}))
+                continue
+            if id(module) in claimed:
+                continue
+            try:
+                rule = find_rule(module, path)
+            except UnsupportedModuleError:  # a subclass overriding forward
+                if self.strict:
+                    raise
+                rule = None
+            handled = rule.params_of(module) if rule is not None else {}
+            extra = [n for n, p in own.items() if n not in handled and p.requires_grad]
+            if extra:
+                if self.strict:
+                    unsupported.append((path, module, extra))
+                    continue
+                rule, handled = FALLBACK, FALLBACK.params_of(module)
+                fallback.append(f"{path or '<root>'!r} ({type(module).__qualname__})")
+            if handled:
+                if module in _HOOKED:
+                    raise GradHooksError(
+                        f"module {path or '<root>'!r} ({type(module).__name__}) is already hooked "
+                        f"by another GradHooks; call detach() on that one first"
+                    )
+                claimed.update(id(module.get_submodule(n.rsplit(".", 1)[0]))
+                               for n in handled if "." in n)
+                self.layers.append(Layer(path, module, rule, handled))
+        if unsupported:
+            lines = "\n".join(
+                f"  {p or '<root>'!r} ({type(m).__qualname__}): parameters {', '.join(e)}"
+                for p, m, e in unsupported
+            )
+            raise UnsupportedModuleError(
+                "gradhooks has no per-sample gradient rule for these modules, which own trainable "
+                f"parameters:\n{lines}\nSupported types: {', '.join(supported_types())}. "
+                "attach(model, strict=False) covers them with the torch.func fallback (exact if "
+                "the module treats samples independently); or freeze those parameters "
+                "(requires_grad_(False)), or register a rule with @gradhooks.register_rule."
+            )
+        if fallback:
+            warnings.warn(
+                "gradhooks has no dedicated rule for these modules and uses its torch.func "
+                f"fallback (vmap of the module's vjp per sample) for them: {', '.join(fallback)}. "
+                "It is exact only if each module treats the samples of a batch independently "
+                "(see gradhooks.rules.fallback); attach(model, strict=True) refuses such modules.",
+                FallbackWarning, stacklevel=4,
+            )
+        # A top-level forward starts here: layers of one forward must agree on the batch size,
+        # while a forward that never reached a backward may be followed by another batch size.
+        self._handles.append(self.model.register_forward_pre_hook(self._on_model_forward))
+        for layer in self.layers:
+            _HOOKED[layer.module] = self
+            self._handles.append(layer.module.register_forward_hook(
+                functools.partial(self._on_forward, layer), with_kwargs=True))
+            for p in layer.params.values():
+                if id(p) in self.params:
+                    continue  # tied: one hook per parameter
+                self.params[id(p)] = p
+                if self.check and p.requires_grad:
+                    self._watch_param(p)  # also catches a module whose forward never runs
+                value = p.__dict__.get("grad_sample", _MISSING)
+                if value is not _MISSING:
+                    self._saved_grad_sample[id(p)] = value
+        self._attached = True
+
+    def detach(self) -> None:
+        """Remove every hook, record and ``grad_sample`` attribute; the model is as before attach.
+
+        Afterwards the model's hook dictionaries, ``state_dict()``, ``copy.deepcopy`` and
+        ``pickle`` behave exactly as before :func:`attach`. Calling it twice is harmless.
+        """
+        if not self._attached:
+            return
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for p in self._hooks_were_none:
+            if not p._backward_hooks:
+                p._backward_hooks = None
+        self._hooks_were_none.clear()
+        self._watched.clear()
+        for pid, p in self.params.items():
+            if pid in self._saved_grad_sample:
+                p.grad_sample = self._saved_grad_sample[pid]
+            else:
+                p.__dict__.pop("grad_sample", None)
+        for layer in self.layers:
+            if _HOOKED.get(layer.module) is self:
+                del _HOOKED[layer.module]
+        self.reset_batch()
+        self.pool.clear()
+        self._attached = False
+
+    # ------------------------------------------------------------------ batch state
+    def reset_batch(self) -> None:
+        """Drop the current batch's records and result; the next forward starts a new batch."""
+        for cap in getattr(self, "_records", ()):
+            cap.release()
+        self._step += 1
+        self._records: List[Record] = []
+        # Whether every forward of this batch marked its output nodes for GradHooks.backward.
+        self._edges_complete = self._driven
+        # How reads run the sum check: None (decided at the read), "due" (backward() computed
+        # autograd's parameter gradients for it), "skip" (backward() computed none).
+        self._sum_check: Optional[str] = None
+        self._drive_key: Optional[tuple] = None
+        self._higher_order: Optional[str] = None  # a layer a create_graph=True backward reached
+        self._batch_size: Optional[int] = None
+        self._batch_source: Optional[str] = None
+        self._batch_forward = -1  # the top-level forward in which the batch size was set
+        self._backward_seen = False
+        # per_sample_grads() released the records; _stale: a module a backward then reached.
+        self._released = False
+        self._stale: Optional[str] = None
+        self.totals: Dict[int, GradTotal] = {}  # autograd's, for the sum check
+        self._param_passes: Dict[int, int] = {}
+        self._drop_result()
+
+    def _drop_result(self) -> None:
+        # A superseded result's tensors may be reused for the next one (BufferPool), unless the
+        # user still holds them.
+        result = getattr(self, "_result", None)
+        if result:
+            self.pool.give(result.values())
+        self._result: Optional[Dict[str, Tensor]] = None
+
+    def clear(self) -> None:
+        """Drop everything recorded (activations, grad_outputs, results) and set every
+        ``param.grad_sample`` to ``None``. The next forward starts a new batch."""
+        self.reset_batch()
+        for p in self.params.values():
+            if "grad_sample" in p.__dict__:
+                p.grad_sample = None
+
+    @property
+    def batch_size(self) -> Optional[int]:
+        """Batch size ``B`` of the current batch, or ``None`` before its first forward."""
+        return self._batch_size
+
+    # ------------------------------------------------------------------ hooks
+    def _on_forward(self, layer: Layer, module: nn.Module, args, kwargs, output) -> None:
+        # Hot path: runs for every call of every hooked layer, so attribute lookups and Python
+        # calls are kept to what the bookkeeping needs (hooks attached but nothing read cost
+        # little more than the plain forward + backward; benchmarks/peers.py "hooks only").
+        if utils.PAUSED or not torch.is_grad_enabled():
+            return
+        rule = layer.rule
+        if rule.multi_io:
+            leaves, spec = flatten(output)
+            reached = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
+            if not reached:
+                return
+            x = args[0] if args else next(iter(kwargs.values()), None)
+            if any(is_functorch_wrapped(t) for t in tensors((args, kwargs))):
+                return
+        else:
+            if not isinstance(output, Tensor) or not output.requires_grad:
+                return
+            x = args[0] if args else next(iter(kwargs.values()), None)
+            if not isinstance(x, Tensor) or is_functorch_wrapped(x):
+                return
+        names = layer.trainable()
+        if not names and not rule.check_always:
+            return
+        try:
+            if layer.validates:
+                rule.check_call(module, args, kwargs, self._options)
+            if not names:
+                return
+            b = rule.call_batch_size(module, args, kwargs, self.batch_first)
+        except GradHooksError as e:
+            raise type(e)(f"module {layer.describe()}: {e}") from None
+        if self.check and not layer.watched:
+            for n in names:
+                self._watch_param(layer.params[n])
+            layer.watched = len(names) == len(layer.items)
+        if self._backward_seen:
+            self.clear()
+        if b != self._batch_size:
+            if self._batch_size is not None and self._forward_id != self._batch_forward:
+                self.reset_batch()  # an earlier forward that no backward reached: drop it
+            if self._batch_size is None:
+                self._batch_size, self._batch_source, self._batch_forward = b, layer.describe(), self._forward_id
+            else:
+                raise BatchSizeError(
+                    f"module {layer.describe()} sees batch size {b}, but {self._batch_source} saw "
+                    f"{self._batch_size} in the same forward. Per-sample gradients need every hooked "
+                    f"layer to see the whole batch on the batch dim (batch_first={self.batch_first}); "
+                    f"check the input layout, or pass batch_first=False for (T, B, ...) inputs."
+                )
+        if rule.multi_io:
+            # Output leaves that carry no gradient but structure (a PackedSequence's batch_sizes
+            # and indices) are kept so that the grad structure rebuilds; the others start as None.
+            fill = [t if isinstance(t, Tensor) and not t.is_floating_point() and not t.is_complex()
+                    else None for t in leaves]
+            found = rule.internal(module, args, kwargs, output)
+            node = None if found is None else found[0]
+            cap = Record(layer, Call(detached(tuple(args)), detached(dict(kwargs)),
+                                       None if found is None else found[1]),
+                           names, self._step, spec, fill)
+            if node is not None:
+                node.register_hook(functools.partial(self._on_internal, cap, found[1]))
+            for i in reached:
+                _on_grad(leaves[i], functools.partial(self._on_grad_output, cap, i))
+            if self._driven:
+                self._mark(cap, [(leaves[i], i) for i in reached], node)
+        else:
+            cap = Record(layer, x.detach(), names, self._step)
+            _on_grad(output, functools.partial(self._on_grad_output, cap, None))
+            if self._driven:
+                self._mark(cap, [(output, None)], None)
+
+    def _mark(self, cap: Record, outputs: list, internal) -> None:
+        # For GradHooks.backward, which finds them by walking the graph: tag the autograd nodes
+        # of the outputs ``(tensor, leaf)`` and the rule's ``internal`` node (whose inputs it
+        # asks gradients for, so that autograd runs that node and its post-hook). The tag lives
+        # in the node's metadata dict and goes with the graph.
+        for t, leaf in outputs:
+            if t.grad_fn is None:  # an output that is a leaf tensor: backward() falls back
+                self._edges_complete = False
+                return
+        for t, leaf in outputs:
+            t.grad_fn.metadata.setdefault(_TAG, []).append((self, cap, leaf, t.output_nr))
+        if internal is not None:
+            internal.metadata.setdefault(_TAG, []).append((self, cap, -1, None))
+
+    def _on_model_forward(self, module: nn.Module, args) -> None:
+        self._forward_id += 1
+        # A forward that will record starts a new batch: drop the last one's records here, not
+        # at the first hooked layer's forward hook (after that layer's forward), so that they
+        # are not held beside the new batch's first activations (about 3 MB more peak memory
+        # on the Transformer block, whose first hooked layer is the attention).
+        if (self._backward_seen and not utils.PAUSED and torch.is_grad_enabled() and args
+                and not any(is_functorch_wrapped(t) for t in tensors(args))):
+            self.clear()
+
+    def _on_grad_output(self, cap: Record, leaf: Optional[int], grads: tuple, nr: int) -> None:
+        # grads[nr]: the gradient w.r.t. the recorded output tensor (see _on_grad).
+        grad = grads[nr]
+        if utils.PAUSED or grad is None or self._muted or (id(cap), leaf) in self._captured:
+            return None
+        self._receive(cap, leaf, grad)
+        return None
+
+    def _receive(self, cap: Record, leaf: Optional[int], grad: Tensor) -> None:
+        # Record a grad_output of ``cap`` (of output leaf ``leaf`` for multi_io rules).
+        if cap.step != self._step:
+            raise GradHooksError(
+                f"a backward pass reached module {cap.layer.describe()} through a graph built "
+                f"before the current batch started (an earlier forward, or one with another batch "
+                f"size); per-sample results are per batch: run the backward passes of a forward "
+                f"before the next forward, and give one loss only outputs of one batch"
+            )
+        if self._released:  # nothing to add the grad_output to: reads now raise
+            self._stale = self._stale or cap.layer.describe()
+            self._backward_seen = True
+            self._drop_result()
+            return
+        if grad.requires_grad and self._higher_order is None:
+            self._higher_order = cap.layer.describe()
+        if not cap.hits:  # the first grad_output this call receives
+            self._records.append(cap)
+        cap.hits += 1
+        if grad.dtype in (torch.bfloat16, torch.float16):
+            cap.low = grad.dtype
+        grad = grad.detach()
+        if leaf is None:
+            cap.grads.append(grad)
+        else:
+            prev = cap.grads[leaf]
+            cap.grads[leaf] = grad if prev is None else prev + grad
+        self._backward_seen = True
+        if self._result is not None:
+            self._drop_result()
+        if self._listener is not None:
+            self._listener.hit(cap)
+
+    def _on_internal(self, cap: Record, saved: dict, grad_inputs: tuple,
+                     grad_outputs: tuple) -> None:
+        # Post-hook on a node a rule asked for (LayerRule.internal): sum its input gradients.
+        if utils.PAUSED or self._muted or self._released:
+            return None
+        prev = saved.get("grad_inputs")
+        new = tuple(None if t is None else t.detach() for t in grad_inputs)
+        if prev is not None:
+            new = tuple(b if a is None else a if b is None else a + b for a, b in zip(prev, new))
+        saved["grad_inputs"] = new
+        if self._listener is not None:
+            self._listener.hit(cap)
+        return None
+
+    def _watch_param(self, p: nn.Parameter) -> None:
+        # Gradient hook for the sum check, registered at the first forward in which ``p`` is
+        # trainable (torch refuses hooks on tensors that do not require grad).
+        if id(p) in self._watched:
+            return
+        self._watched.add(id(p))
+        if p._backward_hooks is None:
+            self._hooks_were_none.append(p)
+        self._handles.append(p.register_hook(functools.partial(self._on_param_grad, id(p))))
+
+    def _on_param_grad(self, pid: int, grad: Tensor) -> None:
+        if utils.PAUSED or self._muted:
+            return None
+        total = self.totals.get(pid)
+        if total is None:
+            self.totals[pid] = GradTotal(grad)
+        else:
+            total.add(grad)
+        self._param_passes[pid] = self._param_passes.get(pid, 0) + 1
+        return None
+
+    # ------------------------------------------------------------------ what readers see
+    @property
+    def records(self) -> Tuple["Record", ...]:
+        """The current batch's records that a backward pass reached, in the order reached."""
+        return tuple(self._records)
+
+    @property
+    def released(self) -> bool:
+        """Whether a read released this batch's records (``per_sample_grads()``'s default)."""
+        return self._released
+
+    @property
+    def sum_check_state(self) -> Optional[str]:
+        """How this batch's reads run the sum check: ``None`` (decided at the read by
+        :attr:`sum_check`), ``"due"`` (:meth:`drive` computed autograd's parameter gradients for
+        it) or ``"skip"`` (:meth:`drive` computed none)."""
+        return self._sum_check
+
+    @property
+    def result(self) -> Optional[Dict[str, Tensor]]:
+        """The per-sample gradients kept by :meth:`keep_result` for this batch, or ``None``."""
+        return self._result
+
+    def keep_result(self, result: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        """Keep ``result`` (the per-sample reader's) until the next backward pass or batch, when
+        its tensors are offered to :attr:`pool`; returns it."""
+        self._result = result
+        return result
+
+    def snapshot(self, read: str, *, records: Optional[List["Record"]] = None,
+                 release: bool = False, sum_check: bool = True) -> "Batch":
+        """The batch as a reader sees it, validated once.
+
+        Args:
+            read: the reading call, e.g. ``"per_sample_grad_norms()"``, for the messages.
+            records: a subset of the records (a group two-pass clipping reduces during its
+                backward); default: every record of the batch.
+            release: the reader releases each record as it uses it (the records are gone for
+                later reads, which then raise :class:`RecordsReleasedError`).
+            sum_check: whether the read runs the sum check when it is due (counts as a read for
+                :attr:`sum_check`); ``False`` for reads that check nothing (KFAC factors).
+
+        Raises:
+            RecordsReleasedError: if an earlier read released the records (or one that did
+                failed), or a backward pass reached the hooked layers after that.
+            NoBackwardError: if no backward pass reached a hooked layer in this batch.
+            HigherOrderGradError: if a backward pass with ``create_graph=True`` did.
+            GradientMismatchError: if a recorded input was modified in place since its forward.
+        """
+        self._check_records(read)
+        if not self._records:
+            raise NoBackwardError(
+                f"no backward pass has reached a hooked layer since the last forward: call "
+                f"loss.backward() (or gh.backward(loss)) before {read} (forwards under "
+                f"torch.no_grad() or inference_mode() record nothing)"
+            )
+        if self._higher_order is not None:
+            raise HigherOrderGradError(
+                f"a backward pass with create_graph=True reached module {self._higher_order}: the "
+                f"loss contains derivatives (a gradient penalty or a Laplacian built with "
+                f"torch.autograd.grad(..., create_graph=True)), so each parameter's gradient has "
+                f"terms through the derivative graph that grad_output-based rules do not see; "
+                f"{read} would be wrong. Compute such per-sample quantities with torch.func (vmap "
+                f"over grad of the per-sample loss), or detach the derivative term"
+            )
+        records = tuple(self._records if records is None else records)
+        for cap in records:
+            cap.check_unmodified(read)
+        checking = sum_check and bool(self.check) and self._sum_check != "skip"
+        key = None
+        if checking:
+            structure = self._structure()
+            if self._sum_check == "due" or self.sum_check.read_due(structure):
+                key = structure
+        if release:
+            self._released = True
+        return Batch(self, records, key, checking)
+
+    def _check_passed(self, key: tuple) -> None:
+        self.sum_check.passed(key, self._drive_key)
+        self._sum_check = None
+
+    def _check_records(self, read: str) -> None:
+        # RecordsReleasedError if the records ``read`` needs are gone.
+        if self._stale is not None:
+            raise RecordsReleasedError(
+                f"a backward pass reached module {self._stale} after per_sample_grads() released "
+                f"this batch's records (activations and grad_outputs), so its grad_outputs were "
+                f"not recorded: to read per-sample results over several backward passes of one "
+                f"forward, call per_sample_grads(retain_records=True) before the later passes, "
+                f"or run a new forward"
+            )
+        if not self._released:
+            return
+        if read == "per_sample_grads()":
+            raise RecordsReleasedError(
+                "per_sample_grads() released this batch's records as it read them and did not "
+                "finish (it raised an error): run the forward and backward again, with "
+                "per_sample_grads(retain_records=True) to keep the records through a failed read"
+            )
+        raise RecordsReleasedError(
+            f"per_sample_grads() released this batch's records (activations and grad_outputs) as "
+            f"it read them, and {read} needs them: call {read} before per_sample_grads(), or "
+            f"per_sample_grads(retain_records=True) to keep them"
+        )
+
+    def _structure(self) -> tuple:
+        # What the sum check's verdict depends on: the calls and backward passes each module
+        # received, and the passes in which autograd reached each parameter.
+        calls = tuple((id(cap.layer), cap.names, cap.hits) for cap in self._records)
+        return calls, tuple(sorted(self._param_passes.items()))
+
+    @contextlib.contextmanager
+    def muted(self) -> Iterator[None]:
+        """Within this context the hooks record nothing (an ordinary backward pass through a
+        batch whose records were consumed: two-pass clipping's second pass)."""
+        self._muted = True
+        try:
+            yield
+        finally:
+            self._muted = False
+
+    # ------------------------------------------------------------------ backward
+    def drive(self, loss: Tensor, gradient: Optional[Tensor], retain_graph: bool,
+              listen: Optional[Callable[[list, Dict[int, int]], object]] = None) -> bool:
+        """The backward pass of :meth:`gradhooks.GradHooks.backward` (see its docstring): asks
+        autograd for the hooked layers' output gradients (``GradientEdge`` inputs) instead of the
+        parameters', except where the sum check is due (:meth:`SumCheck.edges_allowed`).
+
+        Args:
+            loss, gradient, retain_graph: as for ``torch.autograd.grad``.
+            listen: ``listen(records, events)``, called before an output-edges pass with the
+                records below ``loss`` and the hook calls each will get; returns an object whose
+                ``hit(record)`` is called on each of those calls during the pass (two-pass
+                clipping forms norms as a layer's gradients come in).
+
+        Returns:
+            Whether the pass asked for the output edges (else for the parameters, whose
+            gradients go to the sum check of the next read).
+
+        Raises:
+            GradHooksError: if the pass must compute parameter gradients and none is trainable.
+        """
+        caps, captures, events = self._walk(loss.grad_fn)
+        key = tuple((id(c.layer), c.names) for c in caps)
+        edges_mode = self.sum_check.edges_allowed(key) and self._edges_complete and bool(caps)
+        self._driven = True
+        if edges_mode:
+            self._sum_check = "skip"  # this batch's parameter gradients are incomplete
+            self._captured = {(id(cap), leaf) for _, cap, leaf in captures}
+            self._listener = None if listen is None else listen(caps, events)
+            try:
+                grads = torch.autograd.grad(loss, [e for e, _, _ in captures], gradient,
+                                            retain_graph=retain_graph, allow_unused=True)
+                for (_, cap, leaf), grad in zip(captures, grads):
+                    if grad is not None and leaf != -1:
+                        self._receive(cap, leaf, grad)
+            finally:
+                self._captured = frozenset()
+                self._listener = None
+        else:
+            params = [p for p in self.params.values() if p.requires_grad]
+            if not params:
+                raise GradHooksError(
+                    "GradHooks.backward: no hooked parameter requires grad; nothing to record")
+            torch.autograd.grad(loss, params, gradient, retain_graph=retain_graph,
+                                allow_unused=True)  # gradient hooks hand them to the sum check
+            if self.check and self._sum_check != "skip":
+                self._sum_check = "due"
+                self._drive_key = key if self._edges_complete else None
+        return edges_mode
+
+    def _walk(self, root) -> Tuple[List[Record], List[tuple], Dict[int, int]]:
+        """The graph below ``root`` as :meth:`backward` needs it: the captures whose nodes this
+        GradHooks tagged (:meth:`_mark`), in the order of a depth-first walk from the loss, the
+        edges to ask autograd for, ``[(GradientEdge, capture, leaf)]``, and ``{id(capture):
+        number of its tags}`` (the hook calls a pass gives it).
+
+        Autograd runs a node iff a requested edge lies below it. So only the tagged nodes with
+        no tagged node below them (the first layers) are requested -- their output edge, or for
+        a rule's internal node its input edges (``leaf == -1``) --, and every other tagged node
+        runs and gets its gradient through its pre-hook as in ``loss.backward()``: autograd then
+        holds the requested gradients until it returns, the others are the hooks' to keep or
+        drop.
+        """
+        if root is None:
+            return [], [], {}
+        below: Dict[object, bool] = {}  # node -> a tagged node lies (strictly) below it
+        kids: Dict[object, list] = {}  # visited node -> its next nodes (leaves' AccumulateGrad left out)
+        tags: Dict[object, list] = {}
+        leaf_node = _ACCUMULATE_GRAD
+        stack = [root]
+        while stack:  # depth-first, post-order
+            node = stack[-1]
+            nexts = kids.get(node)
+            if nexts is None:  # first visit
+                nexts = kids[node] = [n for n, _ in node.next_functions
+                                      if n is not None and type(n) is not leaf_node]
+                entries = node.metadata.get(_TAG)
+                if entries:
+                    mine = [e for e in entries if e[0] is self]
+                    if mine:
+                        tags[node] = mine
+                todo = [n for n in nexts if n not in kids]
+                if todo:
+                    stack.extend(todo)
+                    continue
+            stack.pop()
+            if node not in below:  # (a node reached twice is finished once)
+                below[node] = any(n in tags or below[n] for n in nexts)
+        caps: Dict[int, Record] = {}
+        captures: List[tuple] = []
+        events: Dict[int, int] = {}
+        for node, entries in tags.items():
+            for _, cap, leaf, nr in entries:
+                caps.setdefault(id(cap), cap)
+                events[id(cap)] = events.get(id(cap), 0) + 1
+                if below[node]:
+                    continue
+                if leaf == -1:
+                    captures.extend((GradientEdge(n, i), cap, -1)
+                                    for n, i in node.next_functions if n is not None)
+                else:
+                    captures.append((GradientEdge(node, nr), cap, leaf))
+        return list(caps.values()), captures, events
+
+
+
+class Batch:
+    """A read-only snapshot of one batch, as :meth:`Recorder.snapshot` hands it to a reader.
+
+    Attributes:
+        records: the :class:`Record` of every call a backward pass reached (or the subset asked
+            for), in the order reached. Each holds ``a`` (the input activations; a
+            :class:`~gradhooks.forms.Call` for ``multi_io`` rules), ``grads`` (the grad_outputs:
+            one per backward pass, or per output leaf for ``multi_io`` rules), ``names`` (the
+            trainable parameters of the call), ``layer`` (:class:`Layer`) and ``low`` (the
+            grad_output dtype when below float32).
+        size: ``B``.
+        scale: the own-loss scale (:func:`gradhooks.utils.own_loss_scale`): ``B`` for
+            ``loss_reduction="mean"``, ``None`` for ``"sum"``; computed here, once.
+        divisor: ``D``, the same as a number (``B`` or ``1.0``): the batch loss is
+            ``(1/D) sum_n l_n``.
+        loss_reduction, batch_first: as given to :func:`gradhooks.attach`.
+        names: ``{id(param): name}`` of the model's parameters, in ``named_parameters()`` order.
+        order: ``{id(param): position}`` in that order.
+        params: ``{id(param): param}`` of the hooked parameters.
+        layers: the hooked :class:`Layer` objects, in ``named_modules()`` order.
+        totals: ``{id(param): GradTotal}``: autograd's gradients of this batch (sum check).
+        checking: whether this read checks for parameters it has no records of
+            (:func:`~gradhooks.checks.check_unrecorded`): ``check`` is on and the backward
+            computed parameter gradients.
+        check_key: the structure whose sum check this read runs, or ``None`` (not due).
+        cache: the recorder's per-structure cache for readers.
+        pool: the recorder's :class:`~gradhooks._pool.BufferPool`.
+        releasing: whether the reader releases each record once used.
+    """
+
+    __slots__ = ("records", "size", "scale", "divisor", "loss_reduction", "batch_first", "names",
+                 "order", "params", "layers", "totals", "checking", "check_key", "cache", "pool",
+                 "releasing", "_recorder")
+
+    def __init__(self, recorder: Recorder, records: Tuple["Record", ...], check_key: Optional[tuple],
+                 checking: bool):
+        self.records = records
+        self.size: int = recorder.batch_size
+        self.scale = own_loss_scale(recorder.loss_reduction, self.size)
+        self.divisor = 1.0 if self.scale is None else self.scale
+        self.loss_reduction = recorder.loss_reduction
+        self.batch_first = recorder.batch_first
+        self.names: Mapping[int, str] = recorder.names
+        self.order: Mapping[int, int] = recorder.order
+        self.params: Mapping[int, nn.Parameter] = recorder.params
+        self.layers: Tuple[Layer, ...] = tuple(recorder.layers)
+        self.totals: Mapping[int, GradTotal] = recorder.totals
+        self.checking = checking
+        self.check_key = check_key
+        self.cache = recorder.cache
+        self.pool = recorder.pool
+        self.releasing = recorder.released
+        self._recorder = recorder
+
+    def check_unrecorded(self, recorded) -> None:
+        """:func:`~gradhooks.checks.check_unrecorded` for the parameter ids ``recorded``, if
+        :attr:`checking`."""
+        if self.checking:
+            check_unrecorded(self.names, self.params, self.totals, recorded)
+
+    def check_passed(self) -> None:
+        """Tell the recorder that this read's sum check (:attr:`check_key`) passed."""
+        self._recorder._check_passed(self.check_key)

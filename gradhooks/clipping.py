@@ -1,0 +1,428 @@
+"""The clipping readers: DP-SGD per-sample clipping, by book-keeping ghost clipping or two passes.
+
+**Clipping** (:func:`clip_and_accumulate`). DP-SGD (Abadi et al. 2016, arXiv:1607.00133,
+algorithm 1) needs ``sum_n c_n dtheta_n`` with ``c_n = min(1, C / ||dtheta_n||)``. Ghost
+clipping with book-keeping (Bu et al. 2023, "Differentially private optimization on large model
+at small cost", ICML, arXiv:2210.00038, sec. 3; Li et al. 2022, sec. 4) takes the norms as above
+and forms the clipped sum directly from the recorded activations and grad_outputs -- no second
+backward pass and, for Linear and Conv, no per-sample tensor::
+
+    sum_n c_n dW_n = sum_{n,s} (c_n g[n,s]) a[n,s]^T     (one matmul / one conv weight-backward)
+    sum_n c_n db_n = sum_{n,s} c_n g[n,s]
+
+and per block for factored forms. Layers without either are materialised a second time, one
+layer at a time, and reduced with the weights ``c_n`` at once.
+
+**Two-pass clipping** (:func:`clipped_backward`; Li et al. 2022, sec. 4): book-keeping keeps
+every layer's activations and grad_outputs until all norms are known. From per-sample losses,
+a first backward (no weight gradients, graph retained) forms each group of records' norms as soon
+as its grad_outputs are in and drops them (:class:`_NormStream`); a second, ordinary backward of
+``sum_n c_n loss_n / D`` then gives the clipped sum through autograd's own weight-gradient
+kernels. One more backward pass, but no grad_output outlives its layer.
+
+Norms are formed by :mod:`gradhooks.norms`, with its sum checks.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .capture import Batch, Recorder
+from .errors import GradHooksError
+from .norms import (CLOSED, FORMS, GENERIC, GRAM, ROWS, Forms, PlannedParam, add_up, plan,
+                    result_sq_norms, squared_norms, summed)
+from .per_sample import call_grads, per_sample_grads
+from .utils import no_autocast, own_loss_scale
+
+__all__ = ["clip_and_accumulate", "clipped_backward", "CLIP_METHODS"]
+
+#: The values ``method`` of :func:`clip_and_accumulate` may take.
+CLIP_METHODS = ("ghost", "materialize")
+
+
+def _no_dest(pid: int, dtype: torch.dtype) -> Optional[Tensor]:
+    return None
+
+
+def _forms_weighted(batch: Batch, p: PlannedParam, forms: Forms, c: Tensor, dest=_no_dest) -> Tensor:
+    """``sum_n c_n d(param)_n`` of a parameter in factored form: per block one matmul
+    ``sum_{n,s} (c_n g[n,s]) a[n,s]^T`` (or ``sum_{n,s} c_n g[n,s]``), rows concatenated;
+    written into ``dest(id(param), dtype)`` when that gives a tensor (one block only)."""
+    shape = batch.params[p.pid].shape
+    blocks = forms.blocks(p)
+    if blocks is None:
+        t = forms.materialised(p, shape)
+        return torch.tensordot(c.to(t.dtype), t, 1)
+    if not blocks:  # no backward reached this path of the layer
+        return torch.zeros(shape, dtype=c.dtype, device=c.device)
+    parts = []
+    for b in blocks:
+        cw = c.to(b.g.dtype)
+        if b.a is None:
+            parts.append((b.g.sum(1).t(), cw))  # (O, N) @ (N,)
+            continue
+        if b.a.numel() < b.g.numel():  # weigh the smaller (the sum is linear in both)
+            a, g = b.a * cw.view(-1, 1, 1), b.g
+        else:
+            a, g = b.a, b.g * cw.view(-1, 1, 1)
+        if a.stride(0) < a.stride(1) and g.stride(0) < g.stride(1):
+            # stored position-major (a recurrent replay's (T, B, .)): the sum over (n, s) does
+            # not care for the order, and flattening that way needs no copy
+            a, g = a.transpose(0, 1), g.transpose(0, 1)
+        parts.append((g.reshape(-1, g.shape[-1]).t(), a.reshape(-1, a.shape[-1])))
+    if len(parts) == 1:
+        m, v = parts[0]
+        into = dest(p.pid, m.dtype)
+        if into is not None:
+            into = into.view(m.shape[0], *v.shape[1:])
+        return torch.matmul(m, v, out=into).view(shape)
+    return torch.cat([(m @ v).reshape(m.shape[0], -1) for m, v in parts], 0).reshape(shape)
+
+
+def _ghost_sums(batch: Batch, plans: Dict[int, PlannedParam], c: Tensor, assign, forms: Forms) -> None:
+    """``sum_n c_n d(param)_n`` (unscaled per-sample gradients) for each parameter, from the
+    records: :meth:`~gradhooks.registry.LayerRule.weighted_sum` for rules with a linear form
+    (Linear, Conv), one matmul per block for factored forms, one ``index_add`` for row
+    scatters, one materialised layer at a time otherwise. Calls
+    ``assign(pid, sum)`` as soon as a parameter's sum is complete (so that its old ``.grad`` can
+    be freed before the next layer is processed). Linear weights and biases and single-block
+    factored forms are written straight into the parameter's ``.grad`` when it has the
+    parameter's shape, the computation's dtype and a contiguous layout (no second tensor of the
+    parameter's size: ghost clipping's peak stays at plain training's)."""
+    left = {pid: len(p.entries) for pid, p in plans.items()}
+    partial: Dict[int, Tensor] = {}
+    offered: set = set()
+
+    def dest(pid: int, dtype: torch.dtype) -> Optional[Tensor]:
+        # The parameter's current .grad, for its first contribution only (later ones add to it).
+        if pid in offered:
+            return None
+        offered.add(pid)
+        grad = batch.params[pid].grad
+        if (grad is None or grad.dtype != dtype or grad.layout != torch.strided
+                or grad.shape != batch.params[pid].shape or not grad.is_contiguous()):
+            return None
+        return grad
+
+    def add(pid: int, t: Tensor) -> None:  # ``t`` is a new tensor
+        if pid in partial:
+            t = partial.pop(pid).add_(t)
+        left[pid] -= 1
+        if left[pid]:
+            partial[pid] = t
+        else:
+            assign(pid, t)
+
+    for pid, p in plans.items():
+        if p.kind == FORMS:
+            assign(pid, _forms_weighted(batch, p, forms, c, dest))
+        elif p.kind == ROWS:  # sum_n c_n d(param)_n: one index_add of the weighted entries
+            r = forms.rows(p)
+            out = r.values.new_zeros(batch.params[pid].shape)
+            assign(pid, out.index_add_(0, r.row, r.values * c.to(r.values.dtype)[r.sample, None]))
+    forms.calls.clear()
+    forms.joined.clear()
+    forms.scatters.clear()
+    for cap in batch.records:
+        layer = cap.layer
+        kinds = [plans[id(layer.params[n])].kind for n in cap.names]
+        closed = [n for n, k in zip(cap.names, kinds) if k in (GRAM, CLOSED)]
+        generic = [n for n, k in zip(cap.names, kinds) if k == GENERIC]
+        if closed:
+            a, g = summed(cap)
+            dt = a.dtype
+            into = {n: dest(id(layer.params[n]), dt) for n in closed}
+            sums = layer.rule.weighted_sum(layer.module, a, g, c.to(dt), batch.batch_first, closed,
+                                           {n: t for n, t in into.items() if t is not None})
+            del a, g
+            for local, t in sums.items():
+                add(id(layer.params[local]), t)
+        if generic:
+            out = call_grads(layer.rule, layer.module, cap.a, cap.grads_arg(), batch.batch_first,
+                             generic, None)
+            for local, t in out.items():
+                pid = id(layer.params[local])
+                offered.add(pid)
+                add(pid, torch.tensordot(c.to(t.dtype), t, 1))
+
+
+def clip_and_accumulate(recorder: Recorder, max_norm: float, *, method: str = "ghost",
+                        noise_multiplier: float = 0.0,
+                        generator: Optional[torch.Generator] = None) -> Tensor:
+    """DP-SGD step gradient: per-sample clipping to ``max_norm``, summed, plus Gaussian noise,
+    written to ``param.grad``.
+
+    Sets, for every trainable parameter ``theta`` of the model (Abadi et al. 2016,
+    arXiv:1607.00133, algorithm 1)::
+
+        theta.grad = (sum_n min(1, C / ||dtheta_n||) dtheta_n + sigma C z) / D
+
+    with ``C = max_norm``, ``sigma = noise_multiplier``, ``z ~ N(0, I)`` drawn from
+    ``generator``, ``||dtheta_n||`` the norm over all parameters
+    (:func:`gradhooks.norms.per_sample_grad_norms`;
+    ``dtheta_n`` is the gradient of sample ``n``'s own loss), and ``D = B`` for
+    ``loss_reduction="mean"``, ``D = 1`` for ``"sum"``. For Poisson sampling (where DP-SGD
+    divides by the *expected* batch size) use ``loss_reduction="sum"`` and divide
+    ``param.grad`` (or the learning rate) by it yourself.
+
+    **param.grad is overwritten**, whatever autograd accumulated into it (the unclipped batch
+    gradient, and anything earlier): for gradient accumulation over several batches, sum the
+    results yourself. With ``method="ghost"`` Linear parameters and those of recurrent and
+    attention layers are written into the existing ``.grad`` tensor where it has the
+    parameter's shape, dtype and a contiguous layout (like ``torch.nn.utils.clip_grad_norm_``,
+    in place: a reference to the old ``.grad`` sees the new values), so that no second
+    gradient-sized tensor is allocated; the others get a new tensor. Trainable parameters the
+    backward did not reach get the clipped sum 0 plus the noise (DP requires noise on every
+    released coordinate); frozen parameters (``requires_grad=False``) are left alone.
+
+    Args:
+        recorder: the :class:`~gradhooks.capture.Recorder` of a :class:`~gradhooks.GradHooks`
+            (called as ``gh.clip_and_accumulate(...)``).
+        max_norm: ``C > 0``.
+        method: ``"ghost"`` (default): norms by the Gram form where cheaper, clipped sums from
+            the records with one weighted contraction per Linear/Conv call and per block of
+            recurrent and attention layers, one ``index_add`` per Embedding (Li et al. 2022,
+            sec. 4; Bu et al. 2023,
+            arXiv:2210.00038, book-keeping), other layers materialised one at a time (twice:
+            once for the norms, once for the sum); peak memory close to plain training. ``"materialize"``:
+            :meth:`~gradhooks.GradHooks.per_sample_grads` (kept, and set as
+            ``param.grad_sample``; runs its sum check), then the weighted sum. Both give the
+            same result up to rounding. After ``per_sample_grads()`` released the records (its
+            default), ``"ghost"`` clips its result as ``"materialize"`` does.
+        noise_multiplier: ``sigma >= 0``; ``0`` adds no noise.
+        generator: a ``torch.Generator`` on the parameters' device, for reproducible noise
+            (default: torch's global generator). The noise is drawn parameter by parameter in the
+            order of ``model.named_parameters()``.
+
+    Returns:
+        ``(B,)``: the per-sample gradient norms before clipping (the clip factors are
+        ``(max_norm / norms).clamp(max=1)``).
+
+    Raises:
+        ValueError: if ``max_norm`` is not a positive finite number, ``noise_multiplier`` is
+            negative, or ``method`` is unknown.
+        GradHooksError: if a trainable parameter of the model is not covered by the hooks (it
+            was frozen when :func:`gradhooks.attach` ran and its module has no rule): it could
+            not be clipped.
+        NoBackwardError, HigherOrderGradError, GradientMismatchError: as
+            :func:`gradhooks.norms.per_sample_grad_norms`.
+    """
+    if method not in CLIP_METHODS:
+        raise ValueError(f"method must be one of {CLIP_METHODS}, got {method!r}")
+    trainable = _clip_setup(recorder, max_norm, noise_multiplier)
+    if recorder.released:  # per_sample_grads() formed the result and released the records
+        method = "materialize"
+    batch = recorder.snapshot("clip_and_accumulate()") if method == "ghost" else None
+    assigned = set()
+
+    def assign(pid: int, t: Tensor) -> None:
+        p = recorder.params[pid]
+        if p.grad is None or t.data_ptr() != p.grad.data_ptr():  # else written into it already
+            p.grad = t.to(p.dtype)  # replaces (frees) autograd's gradient right away
+        assigned.add(pid)
+
+    with no_autocast():
+        if batch is not None:
+            divisor = batch.divisor
+            plans, units = plan(batch)
+            forms = Forms(batch, plans)
+            norms = add_up(squared_norms(batch, plans, units, forms).values()).sqrt_().mul_(divisor)
+            factors = (max_norm / norms).clamp_(max=1.0)
+            # The records are the per-sample gradients divided by D: weighting them gives sum / D.
+            _ghost_sums(batch, plans, factors, assign, forms)
+        else:
+            grads = per_sample_grads(recorder)
+            divisor = own_loss_scale(recorder.loss_reduction, recorder.batch_size) or 1.0
+            pids = {name: pid for pid, name in recorder.names.items()}
+            norms = add_up(result_sq_norms(grads).values()).sqrt_()
+            factors = (max_norm / norms).clamp_(max=1.0)
+            for name, t in grads.items():
+                assign(pids[name], torch.tensordot(factors.to(t.dtype), t, 1).div_(divisor))
+    _add_noise(trainable, assigned, noise_multiplier * max_norm / divisor, generator)
+    return norms
+
+
+def _clip_setup(recorder: Recorder, max_norm, noise_multiplier) -> List[Tuple[str, nn.Parameter]]:
+    """Check the clipping arguments; return the model's trainable ``(name, param)``.
+
+    Raises:
+        ValueError: ``max_norm`` not a positive finite number, ``noise_multiplier`` negative.
+        GradHooksError: a trainable parameter the hooks do not cover."""
+    if not (isinstance(max_norm, (int, float)) and math.isfinite(max_norm) and max_norm > 0):
+        raise ValueError(f"max_norm must be a positive finite number (the clipping bound C), "
+                         f"got {max_norm!r}")
+    if not (isinstance(noise_multiplier, (int, float)) and noise_multiplier >= 0):
+        raise ValueError(f"noise_multiplier must be >= 0 (noise std / max_norm), got "
+                         f"{noise_multiplier!r}")
+    trainable = [(n, p) for n, p in recorder.model.named_parameters() if p.requires_grad]
+    missing = [n for n, p in trainable if id(p) not in recorder.params]
+    if missing:
+        raise GradHooksError(
+            f"trainable parameters {', '.join(map(repr, missing))} are not covered by the hooks "
+            f"(they were frozen when attach() ran and their module has no rule), so they cannot "
+            f"be clipped: detach and attach again after unfreezing them"
+        )
+    return trainable
+
+
+def _add_noise(trainable, assigned, std: float, generator) -> None:
+    """``param.grad += std * N(0, I)`` in the order of ``trainable``; parameters whose id is not
+    in ``assigned`` first get ``.grad = 0`` (DP noises every released coordinate)."""
+    for _, p in trainable:
+        if id(p) not in assigned:
+            p.grad = torch.zeros_like(p)
+        if std > 0:
+            p.grad.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype, device=p.device),
+                        alpha=std)
+
+
+class _NormStream:
+    """Per-sample squared norms formed while :func:`clipped_backward`'s first pass runs.
+
+    The records are split into groups linked by shared parameters (a layer called twice, tied
+    weights). As soon as every record of a group has had all its hook calls (``events``), the
+    group's norms are formed (:func:`gradhooks.norms.squared_norms`) and its activations and
+    grad_outputs dropped, so grad_outputs do not pile up over the backward as in book-keeping.
+    """
+
+    def __init__(self, recorder: Recorder, caps: list, events: Dict[int, int]):
+        self.recorder, self.events, self.hits = recorder, events, {}
+        parent = {id(c): id(c) for c in caps}
+
+        def root(x: int) -> int:
+            while parent[x] != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        owner: Dict[int, int] = {}  # id(param) -> a record that uses it
+        for cap in caps:
+            for local in cap.names:
+                pid = id(cap.layer.params[local])
+                if pid in owner:
+                    parent[root(id(cap))] = root(owner[pid])
+                else:
+                    owner[pid] = id(cap)
+        groups: Dict[int, list] = {}
+        for cap in caps:
+            groups.setdefault(root(id(cap)), []).append(cap)
+        self.group_of = {id(c): g for g in groups.values() for c in g}
+        self.waiting = {id(g): len(g) for g in groups.values()}
+        self.groups = list(groups.values())
+        self.sq: Optional[Tensor] = None
+
+    def hit(self, cap) -> None:
+        """A hook call of the record ``cap`` (:meth:`~gradhooks.capture.Recorder.drive`)."""
+        k = self.hits.get(id(cap), 0) + 1
+        self.hits[id(cap)] = k
+        if k == self.events.get(id(cap)):
+            group = self.group_of[id(cap)]
+            self.waiting[id(group)] -= 1
+            if not self.waiting[id(group)]:
+                self._reduce(group)
+
+    def _reduce(self, group: list) -> None:
+        del self.waiting[id(group)]
+        reached = [cap for cap in group if cap.hits]
+        if reached:
+            batch = self.recorder.snapshot("clipped_backward()", records=reached)
+            plans, units = plan(batch)
+            sq = squared_norms(batch, plans, units, Forms(batch, plans))
+            self.sq = add_up([self.sq, *sq.values()])
+        for cap in group:
+            cap.release()
+
+    def finish(self) -> Optional[Tensor]:
+        """Reduce the groups some of whose hooks did not run (an output no gradient reached);
+        ``(N,)`` squared norms summed over all parameters, or ``None`` if nothing was reached."""
+        for group in self.groups:
+            if id(group) in self.waiting:
+                self._reduce(group)
+        return self.sq
+
+
+def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noise_multiplier: float = 0.0,
+                     generator: Optional[torch.Generator] = None) -> Tensor:
+    """DP-SGD step gradient by two-pass ghost clipping (Li et al. 2022, arXiv:2110.05679,
+    sec. 4): ``param.grad`` as :func:`clip_and_accumulate` sets it, from the per-sample losses,
+    with peak memory close to plain training.
+
+    Replaces ``loss.backward()`` (call it after the forward, instead of any backward). First pass:
+    a backward of ``losses.sum()`` (as :meth:`~gradhooks.GradHooks.backward`: no weight
+    gradients, graph retained) during which each layer's per-sample squared norms are formed as
+    soon as its grad_outputs are in (Gram form where cheaper, as
+    :func:`gradhooks.norms.per_sample_grad_norms`) and its records dropped. Then ``c_n = min(1, C / ||g_n||)``,
+    and a second, ordinary backward of ``sum_n c_n losses[n] / D`` writes the clipped sum into
+    ``param.grad`` (autograd's weight-gradient kernels, no per-sample tensor, no records kept).
+    Book-keeping (:func:`clip_and_accumulate` after a backward) instead keeps every layer's
+    activations and grad_outputs until the norms are known and needs no per-sample losses;
+    this costs one more backward pass but keeps only what plain training keeps (measured in
+    ``benchmarks/``).
+
+    **param.grad is overwritten** (set to ``None`` before the second pass), parameters the
+    passes do not reach get ``0``, plus the noise, frozen ones are left alone -- as
+    :func:`clip_and_accumulate`. The records of the batch are consumed: reading per-sample
+    results afterwards raises :class:`~gradhooks.NoBackwardError`. The sum check runs on the
+    steps :meth:`~gradhooks.GradHooks.backward` computes parameter gradients for it (first
+    steps, new structures, every 100th); on those the first pass keeps the records until the
+    end, as book-keeping does.
+
+    Args:
+        recorder: the :class:`~gradhooks.capture.Recorder` of a :class:`~gradhooks.GradHooks`
+            (called as ``gh.clipped_backward(...)``).
+        losses: ``(B,)`` per-sample losses of the current batch (``reduction="none"``), sample
+            ``n``'s own loss, whose gradient is the per-sample gradient ``g_n``.
+        max_norm: ``C > 0``.
+        noise_multiplier: ``sigma >= 0``; the noise ``sigma C z / D`` is added as in
+            :func:`clip_and_accumulate` (``D = B`` for ``loss_reduction="mean"``, else 1).
+        generator: a ``torch.Generator`` for the noise.
+
+    Returns:
+        ``(B,)``: the per-sample gradient norms ``||g_n||`` before clipping.
+
+    Raises:
+        ValueError: bad ``max_norm`` or ``noise_multiplier``, or ``losses`` not a ``(B,)`` tensor
+            that requires grad, ``B`` the batch size the hooks recorded.
+        GradHooksError: a trainable parameter the hooks do not cover.
+        NoBackwardError, GradientMismatchError: as :func:`gradhooks.norms.per_sample_grad_norms`.
+    """
+    trainable = _clip_setup(recorder, max_norm, noise_multiplier)
+    batch = recorder.batch_size
+    if not (isinstance(losses, Tensor) and losses.dim() == 1 and losses.requires_grad
+            and losses.shape[0] == batch):
+        shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+        raise ValueError(
+            f"clipped_backward needs the (B,) per-sample losses of the current batch (B = "
+            f"{batch}, e.g. F.cross_entropy(out, y, reduction='none')) that require grad; got "
+            f"{shape}" + ("" if not isinstance(losses, Tensor) or losses.requires_grad
+                          else " not requiring grad"))
+    streams: list = []
+
+    def stream(caps, events):
+        streams.append(_NormStream(recorder, caps, events))
+        return streams[0]
+
+    with no_autocast():
+        if recorder.drive(losses.sum(), None, True, stream):
+            sq = streams[0].finish()
+            if sq is None:
+                recorder.snapshot("clipped_backward()")  # raises NoBackwardError
+        else:  # the sum check is due: records kept, checked, then reduced
+            snap = recorder.snapshot("clipped_backward()")
+            plans, units = plan(snap)
+            sq = add_up(squared_norms(snap, plans, units, Forms(snap, plans)).values())
+            del snap
+    norms = sq.sqrt_()
+    factors = (max_norm / norms).clamp_(max=1.0)
+    divisor = own_loss_scale(recorder.loss_reduction, batch) or 1.0
+    recorder.reset_batch()  # records consumed; the second pass records nothing
+    for _, p in trainable:
+        p.grad = None
+    with recorder.muted():
+        (losses * (factors / divisor).to(losses.dtype)).sum().backward()
+    _add_noise(trainable, {id(p) for _, p in trainable if p.grad is not None},
+               noise_multiplier * max_norm / divisor, generator)
+    return norms

@@ -1,0 +1,230 @@
+"""The one-call KFAC driver: :func:`kfac` attaches, runs the backward passes a Fisher type
+needs (empirical, Monte-Carlo or type-2 / GGN) and reads :func:`gradhooks.kfac.kfac_factors`.
+
+Conventions of the factors: :mod:`gradhooks.kfac`. Fisher types: Martens & Grosse 2015,
+arXiv:1503.05671, sec. 5; Botev et al. 2017, arXiv:1706.03662 (type-2).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from .errors import BatchSizeError, NoBackwardError, UnsupportedLossError
+from .hooks import attach
+from .kfac import KFAC_APPROX, KFACFactors, check_choice
+from .utils import compute_dtype
+
+__all__ = ["kfac", "FISHER_TYPES"]
+
+#: Values of ``fisher`` in :func:`kfac`.
+FISHER_TYPES = ("empirical", "mc", "type-2")
+
+
+class _Loss:
+    """What :func:`kfac` needs of a supported loss: its kind, reduction and per-sample scale.
+
+    The per-sample loss of sample ``n`` is ``l_n = k * nll(f_n, y_n)`` with ``nll`` the negative
+    log-likelihood of a categorical (CE), Gaussian with variance 1/2 (MSE) or Bernoulli (BCE)
+    distribution, and ``k = 1/D`` for MSE / BCE with ``reduction="mean"`` over ``D`` outputs
+    per sample (torch averages over all elements), ``k = 1`` otherwise.
+    """
+
+    @staticmethod
+    def check(loss_fn) -> None:
+        """Refuse (before any forward) a loss whose Fisher :func:`kfac` cannot form."""
+        supported = (nn.CrossEntropyLoss, nn.MSELoss, nn.BCEWithLogitsLoss)
+        if not isinstance(loss_fn, supported):
+            raise UnsupportedLossError(
+                f"kfac() supports nn.CrossEntropyLoss, nn.MSELoss and nn.BCEWithLogitsLoss "
+                f"instances (their Fisher is known), got {type(loss_fn).__name__}; for a "
+                f"functional loss pass e.g. nn.CrossEntropyLoss(reduction='mean'), for another "
+                f"loss attach gradhooks and call kfac_factors() after your own backward passes"
+            )
+        name = type(loss_fn).__name__
+        if loss_fn.reduction not in ("mean", "sum"):
+            raise UnsupportedLossError(
+                f"{name}(reduction={loss_fn.reduction!r}): KFAC needs the batch loss reduced "
+                f"over samples, use reduction='mean' or 'sum'")
+        if any(getattr(loss_fn, w, None) is not None for w in ("weight", "pos_weight")):
+            raise UnsupportedLossError(
+                f"{name} with weight/pos_weight: the weighted loss is not the likelihood the "
+                f"Fisher types assume (and CE's 'mean' divides by the sum of weights); drop them")
+        if getattr(loss_fn, "label_smoothing", 0.0):
+            raise UnsupportedLossError(
+                f"{name}(label_smoothing={loss_fn.label_smoothing}): its gradient with sampled "
+                f"targets does not estimate the Fisher; use label_smoothing=0")
+
+    def __init__(self, loss_fn, out: Tensor, batch: int):
+        if out.dim() == 0 or out.shape[0] != batch:
+            raise BatchSizeError(
+                f"the model output has shape {tuple(out.shape)} but the hooked layers saw batch "
+                f"size {batch}; kfac() needs the output batched on dim 0")
+        self.ce = isinstance(loss_fn, nn.CrossEntropyLoss)
+        if self.ce and out.dim() != 2:
+            raise UnsupportedLossError(
+                f"CrossEntropyLoss needs a model output of shape (B, C) for kfac(), got "
+                f"{tuple(out.shape)}; for (B, C, d1, ...) outputs the loss averages over positions "
+                f"as well: move them into the batch (out.movedim(1, -1).flatten(0, -2))")
+        self.fn, self.reduction = loss_fn, loss_fn.reduction
+        self.dim = out[0].numel()
+        self.k = 1.0 if self.ce or self.reduction == "sum" else 1.0 / self.dim
+        # the batch loss is w * sum_n l_n
+        self.w = 1.0 / batch if self.reduction == "mean" else 1.0
+
+    def check_targets(self, targets) -> None:
+        if self.ce and isinstance(targets, Tensor) and not targets.is_floating_point():
+            if bool((targets == self.fn.ignore_index).any()):
+                raise UnsupportedLossError(
+                    f"targets contain CrossEntropyLoss's ignore_index ({self.fn.ignore_index}); "
+                    f"the mean would run over fewer samples than the batch: drop those samples")
+
+    def sample(self, out: Tensor, generator: Optional[torch.Generator]) -> Tensor:
+        """Targets drawn from the predictive distribution the loss is the NLL of."""
+        f = out.detach()
+        if self.ce:
+            return torch.multinomial(f.softmax(1), 1, generator=generator).squeeze(1)
+        if isinstance(self.fn, nn.MSELoss):
+            return f + math.sqrt(0.5) * torch.randn(f.shape, generator=generator, dtype=f.dtype,
+                                                    device=f.device)
+        return torch.bernoulli(torch.sigmoid(f), generator=generator)
+
+    def hessian_sqrt_columns(self, out: Tensor) -> Iterable[Tensor]:
+        """Columns ``S[:, :, c]`` (each shaped like ``out``) with ``sum_c S S^T`` the Hessian of
+        ``l_n`` w.r.t. ``f_n``, times ``w`` (so that they scale like the batch loss's grads)."""
+        f = out.detach().reshape(out.shape[0], -1).to(compute_dtype(out))
+        if self.ce:  # H = diag(p) - p p^T = S S^T, S[:, c] = sqrt(p_c) (e_c - p)
+            p = f.softmax(1)
+            root = p.sqrt()
+            for c in range(f.shape[1]):
+                col = p * (-root[:, c:c + 1])
+                col[:, c] += root[:, c]
+                yield (col * self.w).to(out.dtype).reshape(out.shape)
+            return
+        if isinstance(self.fn, nn.MSELoss):  # H = 2k I
+            diag = torch.full_like(f, math.sqrt(2 * self.k))
+        else:  # H = k diag(s (1 - s)), s = sigmoid(f)
+            s = torch.sigmoid(f)
+            diag = (self.k * s * (1 - s)).sqrt()
+        for c in range(f.shape[1]):
+            col = torch.zeros_like(f)
+            col[:, c] = diag[:, c] * self.w
+            yield col.to(out.dtype).reshape(out.shape)
+
+
+def kfac(
+    model: nn.Module,
+    inputs: Union[Tensor, Sequence[Tensor]],
+    targets,
+    loss_fn: nn.Module,
+    fisher: str = "empirical",
+    mc_samples: int = 1,
+    kfac_approx: str = "expand",
+    generator: Optional[torch.Generator] = None,
+    *,
+    batch_first: bool = True,
+    allow_batchnorm_train: bool = False,
+    modules: Optional[Iterable[str]] = None,
+    max_dense: Optional[int] = None,
+    all_reduce: bool = False,
+    group=None,
+) -> Dict[str, KFACFactors]:
+    """KFAC factors of a model on one batch, for the empirical, Monte-Carlo or type-2 Fisher.
+
+    Attaches gradhooks (with ``loss_reduction = loss_fn.reduction``), runs one forward
+    ``model(*inputs)`` and the backward passes the Fisher type needs, with
+    ``torch.autograd.grad`` (``param.grad`` is not touched), and returns
+    :func:`kfac_factors`. Conventions: see the module docstring (``A ⊗ G`` approximates the
+    Fisher / GGN of ``loss_fn(model(inputs), targets)`` as reduced: mean or sum over samples).
+
+    * ``"empirical"``: one backward pass of ``loss_fn(out, targets)``: the same factors as
+      :func:`kfac_factors` after the training ``loss.backward()``. (curvlinops also multiplies
+      this pass by ``sqrt(D)`` for MSE / BCE with ``reduction="mean"``, so its empirical ``G``
+      is ``D`` times the empirical Fisher of the loss as written; ours is not.)
+    * ``"mc"``: ``mc_samples`` backward passes of ``loss_fn(out, y~) / sqrt(k)``, ``y~`` drawn
+      from the predictive distribution (categorical ``softmax(out)`` for cross-entropy,
+      ``N(out, I/2)`` for MSE, ``Bernoulli(sigmoid(out))`` for BCE) with ``generator``;
+      ``G`` is their average (Martens & Grosse 2015, sec. 5). ``k = 1/D`` undoes the extra
+      mean over the ``D`` outputs per sample that ``reduction="mean"`` of MSE / BCE applies
+      (curvlinops' ``_maybe_adjust_loss_scale``), so that MC converges to type-2.
+    * ``"type-2"``: one backward pass per column ``c`` of ``S`` with ``S S^T`` the Hessian of
+      the loss w.r.t. the outputs (CE: ``S = diag(sqrt p) - p sqrt(p)^T``; MSE: ``sqrt(2k) I``;
+      BCE: ``diag(sqrt(k s(1-s)))``), giving the GGN's exact ``G`` (Martens & Grosse 2015,
+      sec. 5; Botev et al. 2017, arXiv:1706.03662). ``D`` (or ``C``) backward passes.
+
+    Memory: the hooks keep every pass's grad_outputs of the hooked layers until the factors are
+    formed, i.e. ``mc_samples`` (or ``D``) times the size of those layers' outputs.
+
+    Under ``DistributedDataParallel`` pass ``ddp.module`` (DDP's reducer expects one backward per
+    forward), or attach to the DDP model and call :func:`kfac_factors` with ``all_reduce=True``
+    after the training backward.
+
+    Args:
+        model: the model; it must not be attached to another GradHooks.
+        inputs: a tensor or a sequence of tensors (``model(*inputs)``), batched.
+        targets: what ``loss_fn`` takes with the output (only its shape matters for
+            ``"mc"`` / ``"type-2"``).
+        loss_fn: an ``nn.CrossEntropyLoss`` (output ``(B, C)``), ``nn.MSELoss`` or
+            ``nn.BCEWithLogitsLoss`` (output ``(B, ...)``) with ``reduction`` ``"mean"`` or
+            ``"sum"``.
+        fisher: ``"empirical"``, ``"mc"`` or ``"type-2"``.
+        mc_samples: number of sampled targets for ``"mc"`` (must be 1 otherwise).
+        kfac_approx: ``"expand"`` or ``"reduce"``.
+        generator: ``torch.Generator`` (on the output's device) for ``"mc"``; ``None`` uses
+            torch's global RNG.
+        batch_first, allow_batchnorm_train: as for :func:`gradhooks.attach` (BatchNorm in
+            training mode mixes the samples; the factors of the Linear / Conv layers are then
+            those of the batch as the model computes it).
+        modules, max_dense, all_reduce, group: as for :func:`kfac_factors`.
+
+    Returns:
+        ``{module name: KFACFactors}`` (see :func:`kfac_factors`).
+
+    Raises:
+        UnsupportedLossError: for another loss, ``reduction="none"``, class / positive weights,
+            label smoothing, targets equal to ``ignore_index``, or a cross-entropy output that
+            is not ``(B, C)``.
+        BatchSizeError: if the output is not batched like the hooked layers' inputs.
+        ValueError: for an unknown ``fisher`` / ``kfac_approx``, ``mc_samples < 1``, or
+            ``mc_samples != 1`` with a Fisher type other than ``"mc"``.
+        GradHooksError: if the model is already hooked by a live GradHooks; the errors of
+            :func:`kfac_factors`.
+    """
+    check_choice("fisher", fisher, FISHER_TYPES)
+    check_choice("kfac_approx", kfac_approx, KFAC_APPROX)
+    if not isinstance(mc_samples, int) or mc_samples < 1:
+        raise ValueError(f"mc_samples must be a positive int, got {mc_samples!r}")
+    if fisher != "mc" and mc_samples != 1:
+        raise ValueError(f"mc_samples={mc_samples} is only meaningful for fisher='mc' "
+                         f"(got fisher={fisher!r})")
+    _Loss.check(loss_fn)
+    xs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+    with attach(model, loss_reduction=loss_fn.reduction, batch_first=batch_first, check=False,
+                allow_batchnorm_train=allow_batchnorm_train) as gh:
+        out = model(*xs)
+        if not isinstance(out, Tensor):
+            raise UnsupportedLossError(
+                f"kfac() needs a model returning one tensor, got {type(out).__name__}")
+        if gh.batch_size is None:
+            raise NoBackwardError(
+                "the forward reached no hooked layer that requires grad; the model has no "
+                "trainable Linear/Conv layer to compute KFAC for")
+        loss = _Loss(loss_fn, out, gh.batch_size)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if fisher == "empirical":
+            loss.check_targets(targets)
+            passes: Iterable = [(loss_fn(out, targets), None)]
+        elif fisher == "mc":
+            scale = torch.tensor(1.0 / math.sqrt(loss.k), dtype=out.dtype, device=out.device)
+            passes = ((loss_fn(out, loss.sample(out, generator)), scale) for _ in range(mc_samples))
+        else:
+            passes = ((out, col) for col in loss.hessian_sqrt_columns(out))
+        total = {"empirical": 1, "mc": mc_samples, "type-2": loss.dim}[fisher]
+        for i, (tensor, grad_out) in enumerate(passes):
+            torch.autograd.grad(tensor, params, grad_out, retain_graph=i < total - 1,
+                                allow_unused=True)
+        return gh.kfac_factors(kfac_approx, backward_passes="mean" if fisher == "mc" else "sum",
+                            modules=modules, max_dense=max_dense, all_reduce=all_reduce,
+                            group=group)

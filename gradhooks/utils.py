@@ -1,0 +1,179 @@
+"""Small utilities shared by the recorder, the rules and the readers: the pause switch, the
+autocast guard, pytree walkers for call arguments and outputs, the computation dtype, and the
+one definition of ``loss_reduction`` and its own-loss scale.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["paused", "is_paused", "no_autocast", "is_functorch_wrapped", "tensors", "detached",
+           "flatten", "compute_dtype", "LOW_PRECISION", "LOSS_REDUCTIONS", "check_loss_reduction",
+           "own_loss_scale"]
+
+#: The values ``loss_reduction`` may take.
+LOSS_REDUCTIONS = ("mean", "sum")
+
+#: Dtypes below float32 (autocast records them); rules and readers compute in float32 then.
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+# > 0 while hooks must record nothing (the looped reference and the fallback's replay run the
+# model or a module again).
+PAUSED = 0
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Context in which no :class:`~gradhooks.GradHooks` records anything (used by the looped
+    reference and by the fallback rule's replay of a module)."""
+    global PAUSED
+    PAUSED += 1
+    try:
+        yield
+    finally:
+        PAUSED -= 1
+
+
+def is_paused() -> bool:
+    """Whether a :func:`paused` context is active."""
+    return PAUSED > 0
+
+
+#: Inputs wrapped by torch.func transforms (vmap, grad) are not recorded.
+is_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda x: False)
+
+_AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+
+@contextlib.contextmanager
+def no_autocast() -> Iterator[None]:
+    """Context with autocast off on every device where it is on: rules and readers compute in the
+    recorded dtypes (promoted to float32), whatever autocast the caller runs under. Entering
+    ``torch.autocast`` costs about 10 µs, so only where autocast is on."""
+    on = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
+    if not on:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for d in on:
+            stack.enter_context(torch.autocast(d, enabled=False))
+        yield
+
+
+def compute_dtype(*tensors: Tensor) -> torch.dtype:
+    """The dtype per-sample quantities are accumulated in: the promoted dtype of ``tensors``, at
+    least ``float32`` (an autocast forward records bfloat16/float16 grad_outputs)."""
+    dt = tensors[0].dtype
+    for t in tensors[1:]:
+        dt = torch.promote_types(dt, t.dtype)
+    return torch.promote_types(dt, torch.float32)
+
+
+def check_loss_reduction(loss_reduction: str) -> None:
+    """Raise ``ValueError`` unless ``loss_reduction`` is ``"mean"`` or ``"sum"``."""
+    if loss_reduction not in LOSS_REDUCTIONS:
+        raise ValueError(
+            f"loss_reduction must be 'mean' or 'sum' (how the batch loss was reduced over "
+            f"samples), got {loss_reduction!r}"
+        )
+
+
+def own_loss_scale(loss_reduction: str, batch_size: int) -> Optional[float]:
+    """Factor that turns gradients of the reduced batch loss into per-sample-loss gradients.
+
+    The one place this is computed (the recorder puts it in every batch snapshot). With
+    ``loss_reduction="mean"`` the batch loss is ``(1/B) sum_n l_n``, so what the hooks see for
+    sample ``n`` is ``(1/B) dl_n``; multiplying by ``B`` gives ``dl_n``, the gradient of the
+    sample's own loss, independent of the batch size (Opacus' convention). With ``"sum"`` no
+    scaling is needed and ``None`` is returned.
+
+    Raises:
+        ValueError: if ``loss_reduction`` is not ``"mean"`` or ``"sum"``.
+    """
+    check_loss_reduction(loss_reduction)
+    return float(batch_size) if loss_reduction == "mean" else None
+
+
+# ---------------------------------------------------------------------------- pytree walkers
+# The forward hook walks call arguments and outputs on every call. torch's Python pytree costs
+# about 15 µs per walk of an LSTM's (out, (h, c)); plain tuples, lists and dicts (exact types)
+# with tensors and scalars in them are walked here instead, anything else by the pytree.
+_PLAIN_LEAVES = (type(None), int, float, bool, str, torch.dtype, torch.device)
+
+
+def tensors(obj) -> List[Tensor]:
+    """The tensors in ``obj`` (pytree order)."""
+    found: List[Tensor] = []
+    _collect(obj, found)
+    return found
+
+
+def _collect(obj, found: List[Tensor]) -> None:
+    # Named tuples (Call, PackedSequence) and dict subclasses flatten like their bases.
+    if isinstance(obj, Tensor):
+        found.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            _collect(o, found)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _collect(o, found)
+    elif type(obj) not in _PLAIN_LEAVES:
+        found.extend(x for x in tree_flatten(obj)[0] if isinstance(x, Tensor))
+
+
+def detached(obj):
+    """``obj`` with every tensor detached (same structure)."""
+    t = type(obj)
+    if t is tuple:
+        return tuple([detached(o) for o in obj])
+    if t is list:
+        return [detached(o) for o in obj]
+    if t is dict:
+        return {k: detached(v) for k, v in obj.items()}
+    if isinstance(obj, Tensor):
+        return obj.detach()
+    if t in _PLAIN_LEAVES:
+        return obj
+    return tree_map(lambda x: x.detach() if isinstance(x, Tensor) else x, obj)
+
+
+class _Opaque(Exception):
+    pass
+
+
+_SPECS: Dict[tuple, object] = {}  # structure key (_key) -> its pytree TreeSpec
+
+
+def _key(obj, leaves: list):
+    # Appends the leaves of plain tuples / lists / dicts to ``leaves`` (pytree order) and
+    # returns a hashable key of the structure; raises _Opaque for any other container.
+    t = type(obj)
+    if t is tuple or t is list:
+        return (t, *[_key(o, leaves) for o in obj])
+    if t is dict:
+        return (dict, tuple(obj), *[_key(o, leaves) for o in obj.values()])
+    if not isinstance(obj, Tensor) and t not in _PLAIN_LEAVES:
+        raise _Opaque
+    leaves.append(obj)
+    return None
+
+
+def flatten(obj) -> Tuple[list, object]:
+    """``tree_flatten(obj)``, with the spec of a structure of plain containers built once."""
+    leaves: list = []
+    try:
+        key = _key(obj, leaves)
+    except _Opaque:
+        return tree_flatten(obj)
+    spec = _SPECS.get(key)
+    if spec is None:
+        if len(_SPECS) > 1024:  # structures vary without bound (e.g. dict keys): stop caching
+            _SPECS.clear()
+        spec = _SPECS[key] = tree_flatten(obj)[1]
+    return leaves, spec
+
