@@ -5,12 +5,12 @@ hook records the call's input activations ``a`` and registers a pre-hook on the 
 produced the call's output (like curvlinops' ``output.register_hook``, but cheaper to register;
 unlike ``register_full_backward_hook`` it works when an in-place op such as
 ``ReLU(inplace=True)`` follows the layer). In the backward the pre-hook receives the gradient
-w.r.t. that output, ``g``. Each call gets its own :class:`Record`, so a layer called several times
+w.r.t. that output, ``g``. Each call gets its own :class:`~gradhooks.records.Record`, so a layer called several times
 in one forward pairs every input with its own grad_output.
 
 The recorder computes nothing from its records. Readers (:mod:`gradhooks.per_sample`,
 :mod:`gradhooks.norms`, :mod:`gradhooks.clipping`, :mod:`gradhooks.kfac`, ...) ask it for a
-:class:`Batch`: a read-only snapshot of the batch's records, its size ``B``, the own-loss scale
+:class:`~gradhooks.records.Batch`: a read-only snapshot of the batch's records, its size ``B``, the own-loss scale
 (computed once, :func:`gradhooks.utils.own_loss_scale`) and autograd's parameter gradients for
 the sum check, validated once (records released, stale, modified in place, ``create_graph``).
 
@@ -21,26 +21,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 import weakref
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import GradientEdge
-from torch.utils._pytree import tree_unflatten
 
-from . import rules as _rules  # noqa: F401  (registers the built-in rules)
 from . import utils
 from ._pool import BufferPool
-from .checks import GradTotal, SumCheck, check_unrecorded
-from .errors import (BatchSizeError, FallbackWarning, GradHooksError, GradientMismatchError,
-                     HigherOrderGradError, NoBackwardError, RecordsReleasedError,
-                     UnsupportedModuleError)
+from .checks import GradTotal, SumCheck
+from .errors import (BatchSizeError, GradHooksError, HigherOrderGradError, NoBackwardError,
+                     RecordsReleasedError)
 from .forms import Call
-from .registry import LayerRule, find_rule, supported_types
-from .rules.fallback import FALLBACK
-from .utils import check_loss_reduction, detached, flatten, is_functorch_wrapped, own_loss_scale, tensors
+from .graph import on_grad, tag, walk
+from .records import Batch, Layer, Record, find_layers
+from .utils import check_loss_reduction, detached, flatten, is_functorch_wrapped, tensors
 
 __all__ = ["Recorder", "Batch", "Layer", "Record", "is_hooked"]
 
@@ -53,107 +48,6 @@ _MISSING = object()
 def is_hooked(model: nn.Module) -> bool:
     """Whether any module of ``model`` is hooked by a live :class:`Recorder`."""
     return any(m in _HOOKED for m in model.modules())
-
-
-def _accumulate_grad_type() -> type:
-    x = torch.zeros(1, requires_grad=True)
-    return type((x * 1).grad_fn.next_functions[0][0])
-
-
-_ACCUMULATE_GRAD = _accumulate_grad_type()  # autograd's node of a leaf: nothing below it
-_TAG = "gradhooks"  # key of the entries GradHooks.backward finds in autograd nodes' metadata
-
-
-class Layer:
-    """A hooked module: its path in the model, its rule and the parameters the rule handles."""
-
-    __slots__ = ("path", "module", "rule", "params", "items", "all_names", "validates", "watched")
-
-    def __init__(self, path: str, module: nn.Module, rule: LayerRule, params: Dict[str, nn.Parameter]):
-        self.path, self.module, self.rule, self.params = path, module, rule, params
-        # Precomputed for the forward hook, which runs on every call of every hooked layer.
-        self.items = tuple(params.items())
-        self.all_names = tuple(params)
-        self.validates = type(rule).check_call is not LayerRule.check_call
-        self.watched = False  # every parameter has its sum-check gradient hook
-
-    def trainable(self) -> Tuple[str, ...]:
-        """Names of the parameters that currently require grad."""
-        for _, p in self.items:
-            if not p.requires_grad:
-                return tuple(n for n, p in self.items if p.requires_grad)
-        return self.all_names
-
-    def describe(self) -> str:
-        """``'path' (Type)`` for messages."""
-        return f"{self.path or '<root>'!r} ({type(self.module).__name__})"
-
-
-class Record:
-    """One call of one hooked module: input activations and the grad_outputs it received.
-
-    Single-output rules: ``a`` is the first input, ``grads`` one grad_output per backward pass.
-    ``multi_io`` rules: ``a`` is a :class:`Call`, ``grads`` holds per output tensor (leaf of
-    the output's pytree ``spec``) the grad_output summed over backward passes, or ``None``.
-    """
-
-    __slots__ = ("layer", "a", "versions", "names", "grads", "step", "spec", "low", "hits", "__weakref__")
-
-    def __init__(self, layer: "Layer", a, names: Tuple[str, ...], step: int, spec=None,
-                 leaves: Optional[list] = None):
-        self.layer, self.a, self.names, self.step, self.spec = layer, a, names, step, spec
-        self.versions = [(a, a._version)] if isinstance(a, Tensor) else [(t, t._version) for t in tensors(a)]
-        self.grads: list = leaves if spec is not None else []
-        self.low: Optional[torch.dtype] = None  # grad_output dtype when below float32 (autocast)
-        self.hits = 0  # grad_output hook calls (backward passes x output tensors reached)
-
-    def check_unmodified(self, result: str) -> None:
-        """Raise :class:`GradientMismatchError` if a recorded input was modified in place since
-        the forward: what the read ``result`` (e.g. ``"per_sample_grads()"``) computes from it
-        would be wrong."""
-        for t, v in self.versions:
-            if t._version != v:
-                raise GradientMismatchError(
-                    f"the input of module {self.layer.describe()} was modified in place after its "
-                    f"forward; what {result} computes from it would be wrong. Avoid in-place ops on the layer's input "
-                    f"(e.g. use ReLU(inplace=False) after the layer that feeds it)"
-                )
-
-    def grad_struct(self):
-        """``multi_io`` rules: the output's structure with each tensor's grad_output (or
-        ``None``), as :meth:`~gradhooks.registry.LayerRule.per_sample_grads` takes it."""
-        return tree_unflatten(self.grads, self.spec)
-
-    def grads_arg(self):
-        """The grad_outputs as the rule takes them: :meth:`grad_struct` for ``multi_io`` rules,
-        else the list of one grad_output per backward pass."""
-        return tree_unflatten(self.grads, self.spec) if self.spec is not None else self.grads
-
-    def summed_grad(self) -> Tensor:
-        """Single-output rules: the grad_output summed over the backward passes."""
-        return self.grads[0] if len(self.grads) == 1 else torch.stack(self.grads).sum(0)
-
-    def release(self) -> None:
-        """Drop the activations and grad_outputs (the read that released them is done)."""
-        self.a = None
-        self.versions = []
-        self.grads = []
-
-
-def _on_grad(t: Tensor, fn) -> None:
-    """Call ``fn(grad_outputs, nr)`` whenever a backward pass reaches the tensor ``t``:
-    ``grad_outputs[nr]`` is the gradient w.r.t. ``t`` (``None`` when the node that produced
-    ``t`` runs for another of its outputs only).
-
-    A pre-hook on ``t``'s autograd node: cheaper to register than ``Tensor.register_hook``, and
-    like it unaffected by in-place ops that later rebase ``t`` onto another node (the node that
-    produced ``t`` still receives the gradient w.r.t. the value the layer returned).
-    """
-    node = t.grad_fn
-    if node is None:  # a leaf returned as the output
-        t.register_hook(lambda g: fn((g,), 0))
-    else:
-        node.register_prehook(functools.partial(fn, nr=t.output_nr))
 
 
 class Recorder:
@@ -213,60 +107,7 @@ class Recorder:
         for name, p in self.model.named_parameters():
             self.names[id(p)] = name
         self.order = {pid: i for i, pid in enumerate(self.names)}  # results in this order
-        unsupported, fallback = [], []
-        claimed: set = set()  # ids of submodules an ancestor's rule claims (MHA's out_proj)
-        for path, module in self.model.named_modules():
-            own = dict(module.named_parameters(recurse=False))
-            if not own:
-                rule = find_rule(module, path)
-                if rule is not None and rule.check_always:  # BatchNorm(affine=False)
-                    self.layers.append(Layer(path, module, rule, {}))
-                continue
-            if id(module) in claimed:
-                continue
-            try:
-                rule = find_rule(module, path)
-            except UnsupportedModuleError:  # a subclass overriding forward
-                if self.strict:
-                    raise
-                rule = None
-            handled = rule.params_of(module) if rule is not None else {}
-            extra = [n for n, p in own.items() if n not in handled and p.requires_grad]
-            if extra:
-                if self.strict:
-                    unsupported.append((path, module, extra))
-                    continue
-                rule, handled = FALLBACK, FALLBACK.params_of(module)
-                fallback.append(f"{path or '<root>'!r} ({type(module).__qualname__})")
-            if handled:
-                if module in _HOOKED:
-                    raise GradHooksError(
-                        f"module {path or '<root>'!r} ({type(module).__name__}) is already hooked "
-                        f"by another GradHooks; call detach() on that one first"
-                    )
-                claimed.update(id(module.get_submodule(n.rsplit(".", 1)[0]))
-                               for n in handled if "." in n)
-                self.layers.append(Layer(path, module, rule, handled))
-        if unsupported:
-            lines = "\n".join(
-                f"  {p or '<root>'!r} ({type(m).__qualname__}): parameters {', '.join(e)}"
-                for p, m, e in unsupported
-            )
-            raise UnsupportedModuleError(
-                "gradhooks has no per-sample gradient rule for these modules, which own trainable "
-                f"parameters:\n{lines}\nSupported types: {', '.join(supported_types())}. "
-                "attach(model, strict=False) covers them with the torch.func fallback (exact if "
-                "the module treats samples independently); or freeze those parameters "
-                "(requires_grad_(False)), or register a rule with @gradhooks.register_rule."
-            )
-        if fallback:
-            warnings.warn(
-                "gradhooks has no dedicated rule for these modules and uses its torch.func "
-                f"fallback (vmap of the module's vjp per sample) for them: {', '.join(fallback)}. "
-                "It is exact only if each module treats the samples of a batch independently "
-                "(see gradhooks.rules.fallback); attach(model, strict=True) refuses such modules.",
-                FallbackWarning, stacklevel=4,
-            )
+        self.layers = find_layers(self.model, self.strict, lambda m: m in _HOOKED)
         # A top-level forward starts here: layers of one forward must agree on the batch size,
         # while a forward that never reached a backward may be followed by another batch size.
         self._handles.append(self.model.register_forward_pre_hook(self._on_model_forward))
@@ -423,12 +264,12 @@ class Recorder:
             if node is not None:
                 node.register_hook(functools.partial(self._on_internal, cap, found[1]))
             for i in reached:
-                _on_grad(leaves[i], functools.partial(self._on_grad_output, cap, i))
+                on_grad(leaves[i], functools.partial(self._on_grad_output, cap, i))
             if self._driven:
                 self._mark(cap, [(leaves[i], i) for i in reached], node)
         else:
             cap = Record(layer, x.detach(), names, self._step)
-            _on_grad(output, functools.partial(self._on_grad_output, cap, None))
+            on_grad(output, functools.partial(self._on_grad_output, cap, None))
             if self._driven:
                 self._mark(cap, [(output, None)], None)
 
@@ -442,9 +283,9 @@ class Recorder:
                 self._edges_complete = False
                 return
         for t, leaf in outputs:
-            t.grad_fn.metadata.setdefault(_TAG, []).append((self, cap, leaf, t.output_nr))
+            tag(t.grad_fn, (self, cap, leaf, t.output_nr))
         if internal is not None:
-            internal.metadata.setdefault(_TAG, []).append((self, cap, -1, None))
+            tag(internal, (self, cap, -1, None))
 
     def _on_model_forward(self, module: nn.Module, args) -> None:
         self._forward_id += 1
@@ -608,7 +449,7 @@ class Recorder:
                 key = structure
         if release:
             self._released = True
-        return Batch(self, records, key, checking)
+        return Batch(self, records, key, checking, self._check_passed)
 
     def _check_passed(self, key: tuple) -> None:
         self.sum_check.passed(key, self._drive_key)
@@ -675,7 +516,7 @@ class Recorder:
         Raises:
             GradHooksError: if the pass must compute parameter gradients and none is trainable.
         """
-        caps, captures, events = self._walk(loss.grad_fn)
+        caps, captures, events = walk(loss.grad_fn, self)
         key = tuple((id(c.layer), c.names) for c in caps)
         edges_mode = self.sum_check.edges_allowed(key) and self._edges_complete and bool(caps)
         self._driven = True
@@ -703,123 +544,3 @@ class Recorder:
                 self._sum_check = "due"
                 self._drive_key = key if self._edges_complete else None
         return edges_mode
-
-    def _walk(self, root) -> Tuple[List[Record], List[tuple], Dict[int, int]]:
-        """The graph below ``root`` as :meth:`backward` needs it: the captures whose nodes this
-        GradHooks tagged (:meth:`_mark`), in the order of a depth-first walk from the loss, the
-        edges to ask autograd for, ``[(GradientEdge, capture, leaf)]``, and ``{id(capture):
-        number of its tags}`` (the hook calls a pass gives it).
-
-        Autograd runs a node iff a requested edge lies below it. So only the tagged nodes with
-        no tagged node below them (the first layers) are requested -- their output edge, or for
-        a rule's internal node its input edges (``leaf == -1``) --, and every other tagged node
-        runs and gets its gradient through its pre-hook as in ``loss.backward()``: autograd then
-        holds the requested gradients until it returns, the others are the hooks' to keep or
-        drop.
-        """
-        if root is None:
-            return [], [], {}
-        below: Dict[object, bool] = {}  # node -> a tagged node lies (strictly) below it
-        kids: Dict[object, list] = {}  # visited node -> its next nodes (leaves' AccumulateGrad left out)
-        tags: Dict[object, list] = {}
-        leaf_node = _ACCUMULATE_GRAD
-        stack = [root]
-        while stack:  # depth-first, post-order
-            node = stack[-1]
-            nexts = kids.get(node)
-            if nexts is None:  # first visit
-                nexts = kids[node] = [n for n, _ in node.next_functions
-                                      if n is not None and type(n) is not leaf_node]
-                entries = node.metadata.get(_TAG)
-                if entries:
-                    mine = [e for e in entries if e[0] is self]
-                    if mine:
-                        tags[node] = mine
-                todo = [n for n in nexts if n not in kids]
-                if todo:
-                    stack.extend(todo)
-                    continue
-            stack.pop()
-            if node not in below:  # (a node reached twice is finished once)
-                below[node] = any(n in tags or below[n] for n in nexts)
-        caps: Dict[int, Record] = {}
-        captures: List[tuple] = []
-        events: Dict[int, int] = {}
-        for node, entries in tags.items():
-            for _, cap, leaf, nr in entries:
-                caps.setdefault(id(cap), cap)
-                events[id(cap)] = events.get(id(cap), 0) + 1
-                if below[node]:
-                    continue
-                if leaf == -1:
-                    captures.extend((GradientEdge(n, i), cap, -1)
-                                    for n, i in node.next_functions if n is not None)
-                else:
-                    captures.append((GradientEdge(node, nr), cap, leaf))
-        return list(caps.values()), captures, events
-
-
-
-class Batch:
-    """A read-only snapshot of one batch, as :meth:`Recorder.snapshot` hands it to a reader.
-
-    Attributes:
-        records: the :class:`Record` of every call a backward pass reached (or the subset asked
-            for), in the order reached. Each holds ``a`` (the input activations; a
-            :class:`~gradhooks.forms.Call` for ``multi_io`` rules), ``grads`` (the grad_outputs:
-            one per backward pass, or per output leaf for ``multi_io`` rules), ``names`` (the
-            trainable parameters of the call), ``layer`` (:class:`Layer`) and ``low`` (the
-            grad_output dtype when below float32).
-        size: ``B``.
-        scale: the own-loss scale (:func:`gradhooks.utils.own_loss_scale`): ``B`` for
-            ``loss_reduction="mean"``, ``None`` for ``"sum"``; computed here, once.
-        divisor: ``D``, the same as a number (``B`` or ``1.0``): the batch loss is
-            ``(1/D) sum_n l_n``.
-        loss_reduction, batch_first: as given to :func:`gradhooks.attach`.
-        names: ``{id(param): name}`` of the model's parameters, in ``named_parameters()`` order.
-        order: ``{id(param): position}`` in that order.
-        params: ``{id(param): param}`` of the hooked parameters.
-        layers: the hooked :class:`Layer` objects, in ``named_modules()`` order.
-        totals: ``{id(param): GradTotal}``: autograd's gradients of this batch (sum check).
-        checking: whether this read checks for parameters it has no records of
-            (:func:`~gradhooks.checks.check_unrecorded`): ``check`` is on and the backward
-            computed parameter gradients.
-        check_key: the structure whose sum check this read runs, or ``None`` (not due).
-        cache: the recorder's per-structure cache for readers.
-        pool: the recorder's :class:`~gradhooks._pool.BufferPool`.
-        releasing: whether the reader releases each record once used.
-    """
-
-    __slots__ = ("records", "size", "scale", "divisor", "loss_reduction", "batch_first", "names",
-                 "order", "params", "layers", "totals", "checking", "check_key", "cache", "pool",
-                 "releasing", "_recorder")
-
-    def __init__(self, recorder: Recorder, records: Tuple["Record", ...], check_key: Optional[tuple],
-                 checking: bool):
-        self.records = records
-        self.size: int = recorder.batch_size
-        self.scale = own_loss_scale(recorder.loss_reduction, self.size)
-        self.divisor = 1.0 if self.scale is None else self.scale
-        self.loss_reduction = recorder.loss_reduction
-        self.batch_first = recorder.batch_first
-        self.names: Mapping[int, str] = recorder.names
-        self.order: Mapping[int, int] = recorder.order
-        self.params: Mapping[int, nn.Parameter] = recorder.params
-        self.layers: Tuple[Layer, ...] = tuple(recorder.layers)
-        self.totals: Mapping[int, GradTotal] = recorder.totals
-        self.checking = checking
-        self.check_key = check_key
-        self.cache = recorder.cache
-        self.pool = recorder.pool
-        self.releasing = recorder.released
-        self._recorder = recorder
-
-    def check_unrecorded(self, recorded) -> None:
-        """:func:`~gradhooks.checks.check_unrecorded` for the parameter ids ``recorded``, if
-        :attr:`checking`."""
-        if self.checking:
-            check_unrecorded(self.names, self.params, self.totals, recorded)
-
-    def check_passed(self) -> None:
-        """Tell the recorder that this read's sum check (:attr:`check_key`) passed."""
-        self._recorder._check_passed(self.check_key)

@@ -1,0 +1,102 @@
+"""The autograd-graph side of the recorder: grad_output pre-hooks, and the tags and graph walk
+that :meth:`gradhooks.GradHooks.backward` uses to ask autograd for the hooked layers' output
+gradients instead of the parameters' (``torch.autograd.grad`` with
+:class:`torch.autograd.graph.GradientEdge` inputs).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Dict, List, Tuple
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import GradientEdge
+
+__all__ = ["on_grad", "tag", "walk", "TAG"]
+
+
+def _accumulate_grad_type() -> type:
+    x = torch.zeros(1, requires_grad=True)
+    return type((x * 1).grad_fn.next_functions[0][0])
+
+
+_ACCUMULATE_GRAD = _accumulate_grad_type()  # autograd's node of a leaf: nothing below it
+TAG = "gradhooks"  # key of the entries drive() finds in autograd nodes' metadata
+
+
+
+def on_grad(t: Tensor, fn) -> None:
+    """Call ``fn(grad_outputs, nr)`` whenever a backward pass reaches the tensor ``t``:
+    ``grad_outputs[nr]`` is the gradient w.r.t. ``t`` (``None`` when the node that produced
+    ``t`` runs for another of its outputs only).
+
+    A pre-hook on ``t``'s autograd node: cheaper to register than ``Tensor.register_hook``, and
+    like it unaffected by in-place ops that later rebase ``t`` onto another node (the node that
+    produced ``t`` still receives the gradient w.r.t. the value the layer returned).
+    """
+    node = t.grad_fn
+    if node is None:  # a leaf returned as the output
+        t.register_hook(lambda g: fn((g,), 0))
+    else:
+        node.register_prehook(functools.partial(fn, nr=t.output_nr))
+
+
+def tag(node, entry: tuple) -> None:
+    """Tag the autograd ``node`` with ``entry = (owner, record, leaf, output_nr)`` for
+    :func:`walk`; the tag lives in the node's metadata dict and goes with the graph."""
+    node.metadata.setdefault(TAG, []).append(entry)
+
+
+def walk(root, owner) -> Tuple[list, List[tuple], Dict[int, int]]:
+    """The graph below ``root`` as :meth:`gradhooks.capture.Recorder.drive` needs it: the records
+    whose nodes ``owner`` tagged (:func:`tag`), in the order of a depth-first walk from the loss, the
+    edges to ask autograd for, ``[(GradientEdge, capture, leaf)]``, and ``{id(capture):
+    number of its tags}`` (the hook calls a pass gives it).
+
+    Autograd runs a node iff a requested edge lies below it. So only the tagged nodes with
+    no tagged node below them (the first layers) are requested -- their output edge, or for
+    a rule's internal node its input edges (``leaf == -1``) --, and every other tagged node
+    runs and gets its gradient through its pre-hook as in ``loss.backward()``: autograd then
+    holds the requested gradients until it returns, the others are the hooks' to keep or
+    drop.
+    """
+    if root is None:
+        return [], [], {}
+    below: Dict[object, bool] = {}  # node -> a tagged node lies (strictly) below it
+    kids: Dict[object, list] = {}  # visited node -> its next nodes (leaves' AccumulateGrad left out)
+    tags: Dict[object, list] = {}
+    leaf_node = _ACCUMULATE_GRAD
+    stack = [root]
+    while stack:  # depth-first, post-order
+        node = stack[-1]
+        nexts = kids.get(node)
+        if nexts is None:  # first visit
+            nexts = kids[node] = [n for n, _ in node.next_functions
+                                  if n is not None and type(n) is not leaf_node]
+            entries = node.metadata.get(TAG)
+            if entries:
+                mine = [e for e in entries if e[0] is owner]
+                if mine:
+                    tags[node] = mine
+            todo = [n for n in nexts if n not in kids]
+            if todo:
+                stack.extend(todo)
+                continue
+        stack.pop()
+        if node not in below:  # (a node reached twice is finished once)
+            below[node] = any(n in tags or below[n] for n in nexts)
+    caps: Dict[int, object] = {}
+    captures: List[tuple] = []
+    events: Dict[int, int] = {}
+    for node, entries in tags.items():
+        for _, cap, leaf, nr in entries:
+            caps.setdefault(id(cap), cap)
+            events[id(cap)] = events.get(id(cap), 0) + 1
+            if below[node]:
+                continue
+            if leaf == -1:
+                captures.extend((GradientEdge(n, i), cap, -1)
+                                for n, i in node.next_functions if n is not None)
+            else:
+                captures.append((GradientEdge(node, nr), cap, leaf))
+    return list(caps.values()), captures, events

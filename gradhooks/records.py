@@ -1,0 +1,246 @@
+"""What the recorder records and what readers see: hooked layers, per-call records, and the
+read-only :class:`Batch` snapshot of one batch.
+
+:class:`Layer`: a hooked module with its rule and parameters (:func:`find_layers` chooses them).
+:class:`Record`: one call of a hooked module: its input activations ``a`` and the grad_outputs
+it received. :class:`Batch`: what a reader gets from
+:meth:`gradhooks.capture.Recorder.snapshot`.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_unflatten
+
+from . import rules as _rules  # noqa: F401  (registers the built-in rules)
+from .checks import GradTotal, check_unrecorded
+from .errors import FallbackWarning, GradHooksError, GradientMismatchError, UnsupportedModuleError
+from .registry import LayerRule, find_rule, supported_types
+from .rules.fallback import FALLBACK
+from .utils import own_loss_scale, tensors
+
+__all__ = ["Layer", "Record", "Batch", "find_layers"]
+
+
+class Layer:
+    """A hooked module: its path in the model, its rule and the parameters the rule handles."""
+
+    __slots__ = ("path", "module", "rule", "params", "items", "all_names", "validates", "watched")
+
+    def __init__(self, path: str, module: nn.Module, rule: LayerRule, params: Dict[str, nn.Parameter]):
+        self.path, self.module, self.rule, self.params = path, module, rule, params
+        # Precomputed for the forward hook, which runs on every call of every hooked layer.
+        self.items = tuple(params.items())
+        self.all_names = tuple(params)
+        self.validates = type(rule).check_call is not LayerRule.check_call
+        self.watched = False  # every parameter has its sum-check gradient hook
+
+    def trainable(self) -> Tuple[str, ...]:
+        """Names of the parameters that currently require grad."""
+        for _, p in self.items:
+            if not p.requires_grad:
+                return tuple(n for n, p in self.items if p.requires_grad)
+        return self.all_names
+
+    def describe(self) -> str:
+        """``'path' (Type)`` for messages."""
+        return f"{self.path or '<root>'!r} ({type(self.module).__name__})"
+
+
+class Record:
+    """One call of one hooked module: input activations and the grad_outputs it received.
+
+    Single-output rules: ``a`` is the first input, ``grads`` one grad_output per backward pass.
+    ``multi_io`` rules: ``a`` is a :class:`Call`, ``grads`` holds per output tensor (leaf of
+    the output's pytree ``spec``) the grad_output summed over backward passes, or ``None``.
+    """
+
+    __slots__ = ("layer", "a", "versions", "names", "grads", "step", "spec", "low", "hits", "__weakref__")
+
+    def __init__(self, layer: "Layer", a, names: Tuple[str, ...], step: int, spec=None,
+                 leaves: Optional[list] = None):
+        self.layer, self.a, self.names, self.step, self.spec = layer, a, names, step, spec
+        self.versions = [(a, a._version)] if isinstance(a, Tensor) else [(t, t._version) for t in tensors(a)]
+        self.grads: list = leaves if spec is not None else []
+        self.low: Optional[torch.dtype] = None  # grad_output dtype when below float32 (autocast)
+        self.hits = 0  # grad_output hook calls (backward passes x output tensors reached)
+
+    def check_unmodified(self, result: str) -> None:
+        """Raise :class:`GradientMismatchError` if a recorded input was modified in place since
+        the forward: what the read ``result`` (e.g. ``"per_sample_grads()"``) computes from it
+        would be wrong."""
+        for t, v in self.versions:
+            if t._version != v:
+                raise GradientMismatchError(
+                    f"the input of module {self.layer.describe()} was modified in place after its "
+                    f"forward; what {result} computes from it would be wrong. Avoid in-place ops on the layer's input "
+                    f"(e.g. use ReLU(inplace=False) after the layer that feeds it)"
+                )
+
+    def grad_struct(self):
+        """``multi_io`` rules: the output's structure with each tensor's grad_output (or
+        ``None``), as :meth:`~gradhooks.registry.LayerRule.per_sample_grads` takes it."""
+        return tree_unflatten(self.grads, self.spec)
+
+    def grads_arg(self):
+        """The grad_outputs as the rule takes them: :meth:`grad_struct` for ``multi_io`` rules,
+        else the list of one grad_output per backward pass."""
+        return tree_unflatten(self.grads, self.spec) if self.spec is not None else self.grads
+
+    def summed_grad(self) -> Tensor:
+        """Single-output rules: the grad_output summed over the backward passes."""
+        return self.grads[0] if len(self.grads) == 1 else torch.stack(self.grads).sum(0)
+
+    def release(self) -> None:
+        """Drop the activations and grad_outputs (the read that released them is done)."""
+        self.a = None
+        self.versions = []
+        self.grads = []
+
+
+
+def find_layers(model: nn.Module, strict: bool, hooked: Callable[[nn.Module], bool]) -> List[Layer]:
+    """The modules of ``model`` to hook, in ``named_modules()`` order, with their rules.
+
+    A module with trainable parameters gets its rule (exact type, then parents:
+    :func:`~gradhooks.registry.find_rule`), or the ``torch.func`` fallback for parameters no rule
+    handles (one :class:`FallbackWarning` lists them); a rule may claim a submodule's parameters
+    (``MultiheadAttention``'s ``out_proj``), which is then not hooked itself. Parameter-free
+    modules whose rule must validate every call (``BatchNorm(affine=False)``) are included.
+
+    Args:
+        model: the model.
+        strict: refuse modules without a dedicated rule instead of the fallback.
+        hooked: whether a module is already hooked by another recorder.
+
+    Raises:
+        UnsupportedModuleError: with ``strict``, naming every module without a rule; or for a
+            subclass of a supported type that overrides ``forward``.
+        GradHooksError: if a module to hook is already hooked.
+    """
+    layers: List[Layer] = []
+    unsupported, fallback = [], []
+    claimed: set = set()  # ids of submodules an ancestor's rule claims (MHA's out_proj)
+    for path, module in model.named_modules():
+        own = dict(module.named_parameters(recurse=False))
+        if not own:
+            rule = find_rule(module, path)
+            if rule is not None and rule.check_always:  # BatchNorm(affine=False)
+                layers.append(Layer(path, module, rule, {}))
+            continue
+        if id(module) in claimed:
+            continue
+        try:
+            rule = find_rule(module, path)
+        except UnsupportedModuleError:  # a subclass overriding forward
+            if strict:
+                raise
+            rule = None
+        handled = rule.params_of(module) if rule is not None else {}
+        extra = [n for n, p in own.items() if n not in handled and p.requires_grad]
+        if extra:
+            if strict:
+                unsupported.append((path, module, extra))
+                continue
+            rule, handled = FALLBACK, FALLBACK.params_of(module)
+            fallback.append(f"{path or '<root>'!r} ({type(module).__qualname__})")
+        if handled:
+            if hooked(module):
+                raise GradHooksError(
+                    f"module {path or '<root>'!r} ({type(module).__name__}) is already hooked "
+                    f"by another GradHooks; call detach() on that one first"
+                )
+            claimed.update(id(module.get_submodule(n.rsplit(".", 1)[0]))
+                           for n in handled if "." in n)
+            layers.append(Layer(path, module, rule, handled))
+    if unsupported:
+        lines = "\n".join(
+            f"  {p or '<root>'!r} ({type(m).__qualname__}): parameters {', '.join(e)}"
+            for p, m, e in unsupported
+        )
+        raise UnsupportedModuleError(
+            "gradhooks has no per-sample gradient rule for these modules, which own trainable "
+            f"parameters:\n{lines}\nSupported types: {', '.join(supported_types())}. "
+            "attach(model, strict=False) covers them with the torch.func fallback (exact if "
+            "the module treats samples independently); or freeze those parameters "
+            "(requires_grad_(False)), or register a rule with @gradhooks.register_rule."
+        )
+    if fallback:
+        warnings.warn(
+            "gradhooks has no dedicated rule for these modules and uses its torch.func "
+            f"fallback (vmap of the module's vjp per sample) for them: {', '.join(fallback)}. "
+            "It is exact only if each module treats the samples of a batch independently "
+            "(see gradhooks.rules.fallback); attach(model, strict=True) refuses such modules.",
+            FallbackWarning, stacklevel=6,
+        )
+    return layers
+
+
+class Batch:
+    """A read-only snapshot of one batch, as :meth:`~gradhooks.capture.Recorder.snapshot` hands it
+    to a reader.
+
+    Attributes:
+        records: the :class:`Record` of every call a backward pass reached (or the subset asked
+            for), in the order reached. Each holds ``a`` (the input activations; a
+            :class:`~gradhooks.forms.Call` for ``multi_io`` rules), ``grads`` (the grad_outputs:
+            one per backward pass, or per output leaf for ``multi_io`` rules), ``names`` (the
+            trainable parameters of the call), ``layer`` (:class:`Layer`) and ``low`` (the
+            grad_output dtype when below float32).
+        size: ``B``.
+        scale: the own-loss scale (:func:`gradhooks.utils.own_loss_scale`): ``B`` for
+            ``loss_reduction="mean"``, ``None`` for ``"sum"``; computed here, once.
+        divisor: ``D``, the same as a number (``B`` or ``1.0``): the batch loss is
+            ``(1/D) sum_n l_n``.
+        loss_reduction, batch_first: as given to :func:`gradhooks.attach`.
+        names: ``{id(param): name}`` of the model's parameters, in ``named_parameters()`` order.
+        order: ``{id(param): position}`` in that order.
+        params: ``{id(param): param}`` of the hooked parameters.
+        layers: the hooked :class:`Layer` objects, in ``named_modules()`` order.
+        totals: ``{id(param): GradTotal}``: autograd's gradients of this batch (sum check).
+        checking: whether this read checks for parameters it has no records of
+            (:func:`~gradhooks.checks.check_unrecorded`): ``check`` is on and the backward
+            computed parameter gradients.
+        check_key: the structure whose sum check this read runs, or ``None`` (not due).
+        cache: the recorder's per-structure cache for readers.
+        pool: the recorder's :class:`~gradhooks._pool.BufferPool`.
+        releasing: whether the reader releases each record once used.
+    """
+
+    __slots__ = ("records", "size", "scale", "divisor", "loss_reduction", "batch_first", "names",
+                 "order", "params", "layers", "totals", "checking", "check_key", "cache", "pool",
+                 "releasing", "_on_passed")
+
+    def __init__(self, recorder, records: Tuple[Record, ...], check_key: Optional[tuple],
+                 checking: bool, on_passed: Callable[[tuple], None]):
+        # ``recorder``: the :class:`~gradhooks.capture.Recorder` (its public attributes).
+        self.records = records
+        self.size: int = recorder.batch_size
+        self.scale = own_loss_scale(recorder.loss_reduction, self.size)
+        self.divisor = 1.0 if self.scale is None else self.scale
+        self.loss_reduction = recorder.loss_reduction
+        self.batch_first = recorder.batch_first
+        self.names: Mapping[int, str] = recorder.names
+        self.order: Mapping[int, int] = recorder.order
+        self.params: Mapping[int, nn.Parameter] = recorder.params
+        self.layers: Tuple[Layer, ...] = tuple(recorder.layers)
+        self.totals: Mapping[int, GradTotal] = recorder.totals
+        self.checking = checking
+        self.check_key = check_key
+        self.cache = recorder.cache
+        self.pool = recorder.pool
+        self.releasing = recorder.released
+        self._on_passed = on_passed
+
+    def check_unrecorded(self, recorded) -> None:
+        """:func:`~gradhooks.checks.check_unrecorded` for the parameter ids ``recorded``, if
+        :attr:`checking`."""
+        if self.checking:
+            check_unrecorded(self.names, self.params, self.totals, recorded)
+
+    def check_passed(self) -> None:
+        """Tell the recorder that this read's sum check (:attr:`check_key`) passed."""
+        self._on_passed(self.check_key)
