@@ -147,7 +147,6 @@ class KinkRecorder(TorchDispatchMode):
         def pre(name: str) -> Callable[..., None]:
             def hook(module: nn.Module, args: Any) -> None:
                 self._stack.append((name, type(module).__name__))
-                self._last = None  # "after" means after a sibling inside the current module
             return hook
 
         def post(name: str) -> Callable[..., None]:
