@@ -396,7 +396,7 @@ METHODS: Dict[str, type] = {m.key: m for m in (
     Loop, Vmap, Opacus, BackPACK, ExpandedWeights)}
 GRADHOOKS_KEYS = ("gh_attached", "gh_grads", "gh_grads_batch", "gh_norms", "gh_ghost",
                   "gh_two_pass", "gh_clip")
-# gradhooks.dp's API: AttributeError / NotImplementedError from these means "n/a" (not there yet)
+# gradhooks' DP API: AttributeError / NotImplementedError from these means "n/a" (not there yet)
 DP_API_KEYS = ("gh_norms", "gh_ghost", "gh_two_pass", "gh_clip")
 SHORT = {"loop": "loop", "vmap": "vmap", "opacus": "Opacus hooks", "backpack": "BackPACK",
          "ew": "ExpandedWeights"}

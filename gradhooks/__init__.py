@@ -12,8 +12,9 @@ Public API::
     gh.kfac_factors()              # {module: KFACFactors(A, G)} from the same records
     gradhooks.kfac(model, x, y, nn.CrossEntropyLoss(), fisher="type-2")  # one-call KFAC
 
-    gradhooks.looped_per_sample_grads(model, loss_fn, inputs, targets)   # the reference
-    gradhooks.compare(model, loss_fn, inputs, targets)                    # check + time both
+    gradhooks.batched_forward_per_sample_grads(model, loss_fn, inputs, targets)  # same forward
+    gradhooks.looped_per_sample_grads(model, loss_fn, inputs, targets)   # one forward per sample
+    gradhooks.compare(model, loss_fn, inputs, targets)   # check against both, time the loop
 """
 from .errors import (
     BatchSizeError,
@@ -32,7 +33,14 @@ from .hooks import GradHooks, attach
 from .kfac import KFACFactors
 from .registry import LayerRule, register_rule, supported_types
 from .fisher import kfac  # noqa: E402  (after .kfac: the name gradhooks.kfac is this function)
-from .reference import Comparison, ParamError, compare, looped_per_sample_grads, max_rel_error
+from .reference import (
+    Comparison,
+    ParamError,
+    batched_forward_per_sample_grads,
+    compare,
+    looped_per_sample_grads,
+    max_rel_error,
+)
 
 __version__ = "0.1.0"
 
@@ -43,6 +51,7 @@ __all__ = [
     "KFACFactors",
     "UnsupportedLossError",
     "looped_per_sample_grads",
+    "batched_forward_per_sample_grads",
     "compare",
     "Comparison",
     "ParamError",

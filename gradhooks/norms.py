@@ -27,13 +27,13 @@ Gram conv needs the unfolded patches). Bias: ``||db_n||^2 = ||sum_s g[n,s]||^2``
 ``(N, O)`` tensor. A parameter used by several calls (a layer called twice, weights tied between
 layers) has gradient ``sum_calls dW_n``; its Gram form concatenates the calls' positions, which
 includes the cross terms between calls. Rules that give their gradients in factored form
-(:class:`~gradhooks.registry.Block`: recurrent layers and cells, with the time steps as
+(:class:`~gradhooks.forms.Block`: recurrent layers and cells, with the time steps as
 positions; MultiheadAttention, with the tokens) are treated the same way, block by block: Gram
 form or materialised block per the same count, their replay run once per call for norms and
 clipped sum together; blocks that share their grad_output (an LSTM's ``weight_ih`` and
 ``weight_hh``: the gate gradients) form its Gram matrix once, which counts as ``O / shared``
 in the comparison. Rules that give their gradients as row scatters
-(:class:`~gradhooks.registry.Rows`: ``nn.Embedding``, ``dW_n[v] = sum_s [x[n,s] = v] g[n,s]``)
+(:class:`~gradhooks.forms.Rows`: ``nn.Embedding``, ``dW_n[v] = sum_s [x[n,s] = v] g[n,s]``)
 need no ``(N, V, D)`` tensor: ``||dW_n||^2`` is the sum of the squared norms of the
 grad_output rows summed per ``(sample, row)`` pair (``O(N S D)``: one sort of the pair keys and
 an ``index_add``), and the clipped sum is one ``index_add`` of ``c_n g[n,s]`` at row ``x[n,s]``.
@@ -148,7 +148,7 @@ class Forms:
         self.scatters: Dict[int, Rows] = {}  # id(param) -> its row scatters (_rows)
 
     def rows(self, p: "PlannedParam") -> Rows:
-        """The parameter's :class:`~gradhooks.registry.Rows` (:func:`_rows`), formed once for
+        """The parameter's :class:`~gradhooks.forms.Rows` (:func:`_rows`), formed once for
         norms and clipped sum."""
         if p.pid not in self.scatters:
             self.scatters[p.pid] = _rows(self.batch, p)
@@ -440,7 +440,7 @@ def _forms_sq_norm(batch: Batch, p: PlannedParam, forms: Forms, sq, probes, proj
 
 
 def _rows(batch: Batch, p: PlannedParam) -> Rows:
-    """The parameter's :class:`~gradhooks.registry.Rows` over all its calls (entries
+    """The parameter's :class:`~gradhooks.forms.Rows` over all its calls (entries
     concatenated: calls of one table add up)."""
     parts = []
     for cap, local in p.entries:

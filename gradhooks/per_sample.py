@@ -78,7 +78,7 @@ def call_grads(rule, module: nn.Module, a, grads, batch_first: bool,
     Args:
         rule: the module's :class:`~gradhooks.registry.LayerRule`.
         module: the layer.
-        a: the call's input activations (a :class:`~gradhooks.registry.Call` for ``multi_io``
+        a: the call's input activations (a :class:`~gradhooks.forms.Call` for ``multi_io``
             rules).
         grads: the grad_outputs of every backward pass through the call (summed: the
             gradients are linear in the grad_output); for ``multi_io`` rules, the output's

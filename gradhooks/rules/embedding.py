@@ -30,7 +30,7 @@ step).
 
 Not per-sample: ``scale_grad_by_freq=True`` divides each row's batch gradient by the row's
 frequency in the whole batch, which is not the sum of the samples' own gradients (each would
-divide by its own frequency); such calls raise :class:`~gradhooks.registry.UnsupportedCallError`.
+divide by its own frequency); such calls raise :class:`~gradhooks.errors.UnsupportedCallError`.
 ``sparse=True`` is supported: the per-sample results are dense ``(B, V, D)`` either way.
 
 Both rules are ``multi_io`` (they receive the recorded call itself): the integer indices are used
@@ -123,7 +123,7 @@ class EmbeddingRule(LayerRule):
 
     def rows(self, module: nn.Module, a: Call, g: Tensor, batch_first: bool,
              names: Iterable[str]) -> Dict[str, Rows]:
-        """The per-sample gradient as row scatters (:class:`~gradhooks.registry.Rows`): one
+        """The per-sample gradient as row scatters (:class:`~gradhooks.forms.Rows`): one
         entry per index ``x[n, s]`` except those equal to ``padding_idx`` (whose row gets no
         gradient), ``values`` the matching rows of ``g`` (at least float32)."""
         idx = _first_input(a)

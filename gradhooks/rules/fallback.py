@@ -20,9 +20,9 @@ Assumptions (documented in the README):
 * Every input and output tensor that carries the batch has it on the batch dim (dim 0, or dim 1
   for inputs of 3 or more dims with ``batch_first=False``) with size ``B``; other tensor inputs
   are broadcast to every sample. An output reached by the backward without such a batch dim
-  raises :class:`~gradhooks.registry.BatchSizeError`.
+  raises :class:`~gradhooks.errors.BatchSizeError`.
 * The forward is deterministic (no dropout in training mode): ``torch.func.vmap`` refuses random
-  operations, which is reported as :class:`~gradhooks.registry.UnsupportedCallError`.
+  operations, which is reported as :class:`~gradhooks.errors.UnsupportedCallError`.
 * Only the module's own (direct) parameters are differentiated; its submodules are replayed with
   their parameters held fixed and get their per-sample gradients from their own rules.
 
@@ -51,7 +51,7 @@ def _batch_dim(t: Tensor, batch_first: bool) -> int:
 class FallbackRule(LayerRule):
     """Any module: per-sample vjp of the module's own parameters with ``torch.func.vmap``.
 
-    ``a`` is the recorded :class:`~gradhooks.registry.Call`; ``g`` the output structure with the
+    ``a`` is the recorded :class:`~gradhooks.forms.Call`; ``g`` the output structure with the
     grad_output of each output tensor (``(B, ...)`` on the batch dim). Returns
     ``{name: (B, *param.shape)}`` for each of the module's own trainable parameters.
     """

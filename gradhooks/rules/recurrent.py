@@ -54,7 +54,7 @@ The rule replays the call batched over samples (never per sample), with the modu
    formed for all steps at once; the gradient w.r.t. layer ``k``'s output is
    ``sum_d δ^ih W_ih`` of layer ``k + 1``;
 4. the per-sample contractions above, one batched matmul over ``t`` per weight
-   (:func:`gradhooks.per_sample.weight_grad`), ``B G (I + P) T`` multiply-adds per layer and
+   (:func:`gradhooks.forms.weight_grad`), ``B G (I + P) T`` multiply-adds per layer and
    direction.
 
 Unlike BackPACK's LSTM extension, which assumes a zero initial state, the recorded ``h0`` / ``c0``
@@ -375,7 +375,7 @@ def _layer_grads(w: _Weights, tape: _Tape, d_ih: Tensor, d_hh: Tensor, dhs: Tens
     """Per-sample gradients of one layer and direction's parameters in ``names``, in factored
     form: ``{name: [Block(None, a (B, K, in) or None, g (B, K, out))]}`` with the ``K`` replayed
     steps as shared positions (``sum_t g[t, n] a[t, n]^T``, the canonical form of
-    :func:`~gradhooks.per_sample.weight_grad`); ``order`` (``(B,)`` or ``None``) maps the
+    :func:`~gradhooks.forms.weight_grad`); ``order`` (``(B,)`` or ``None``) maps the
     replay's sample order to the user's."""
     def user(t: Tensor) -> Tensor:  # (K, B, .) time-major -> (B, K, .) in the user's order
         return (t if order is None else t.index_select(1, order)).transpose(0, 1)
@@ -588,7 +588,7 @@ class RecurrentRule(LayerRule):
 
     def forms(self, module: nn.Module, a: Call, g, batch_first: bool,
               names: Iterable[str]) -> Dict[str, List[Block]]:
-        """Factored form of :meth:`per_sample_grads`: one :class:`~gradhooks.registry.Block`
+        """Factored form of :meth:`per_sample_grads`: one :class:`~gradhooks.forms.Block`
         per parameter, ``a`` the layer input / previous state / cell output ``(B, T, .)``, ``g``
         the gate (or projection) gradients ``(B, T, .)``."""
         x, hx = _inputs(a)
