@@ -48,10 +48,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `workloads` next to this file
 
 import gradhooks  # noqa: E402
-from workloads import WORKLOADS, Workload  # noqa: E402
+from gradhooks.workloads import BENCH_WORKLOADS as WORKLOADS  # noqa: E402
+from gradhooks.workloads import Workload  # noqa: E402
 
 TOL = 1e-4          # float32 max relative error against the loop (as `gradhooks bench`)
 CLIP_NORM = 1.0     # C of the clipping methods

@@ -34,177 +34,17 @@ import time
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 import gradhooks
 from gradhooks.kinks import first_kink_difference
+from gradhooks.workloads import JOB_WORKLOADS as WORKLOADS
+from gradhooks.workloads import Workload
 
-__all__ = ["main", "DigitsCNN", "CharLSTM", "CharTransformer", "make_mlp", "Workload", "WORKLOADS", "Result", "median_ms", "format_table"]
+__all__ = ["main", "WORKLOADS", "Result", "median_ms", "format_table", "run_workload"]
 
 Grads = Dict[str, Tensor]
 DEFAULT_TOL = {"float32": 1e-4, "float64": 1e-10}
-
-
-class DigitsCNN(nn.Module):
-    """The CNN of PyTorch's per-sample-gradients tutorial: ``(B, 1, 28, 28) -> logits (B, 10)``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 32, 3, 1)
-        self.conv2 = nn.Conv2d(32, 64, 3, 1)
-        self.fc1 = nn.Linear(9216, 128)
-        self.fc2 = nn.Linear(128, 10)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """``x``: ``(B, 1, 28, 28)``; returns logits ``(B, 10)``."""
-        x = F.relu(self.conv2(F.relu(self.conv1(x))))
-        x = torch.flatten(F.max_pool2d(x, 2), 1)
-        return self.fc2(F.relu(self.fc1(x)))
-
-
-def load_digits_batch(dtype: torch.dtype, batch: int = 64) -> Tuple[Tensor, Tensor]:
-    """The first ``batch`` handwritten digits of scikit-learn's ``load_digits``, MNIST-like.
-
-    The 8x8 images (values 0..16) are scaled to [0, 1], upsampled bilinearly to 28x28 and
-    normalised with MNIST's mean/std. Returns images ``(batch, 1, 28, 28)`` of ``dtype`` and
-    labels ``(batch,)`` (int64).
-    """
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x = torch.as_tensor(digits.images[:batch], dtype=dtype).unsqueeze(1) / 16.0
-    x = F.interpolate(x, size=(28, 28), mode="bilinear", align_corners=False)
-    return (x - 0.1307) / 0.3081, torch.as_tensor(digits.target[:batch], dtype=torch.long)
-
-
-def load_diabetes_batch(dtype: torch.dtype, batch: int = 256) -> Tuple[Tensor, Tensor]:
-    """The first ``batch`` rows of scikit-learn's ``load_diabetes``: features ``(batch, 10)`` and
-    targets ``(batch,)``, both of ``dtype``."""
-    from sklearn.datasets import load_diabetes
-
-    data = load_diabetes()
-    return (torch.as_tensor(data.data[:batch], dtype=dtype),
-            torch.as_tensor(data.target[:batch], dtype=dtype))
-
-
-def make_mlp() -> nn.Sequential:
-    """The MLP of the Julia forum thread: ``(B, 10) -> (B, 10)``, three Linear layers, no
-    activations."""
-    return nn.Sequential(nn.Linear(10, 32), nn.Linear(32, 32), nn.Linear(32, 10))
-
-
-VOCAB = 100  # 99 most frequent characters + one for every other character
-
-
-def load_text_batch(dtype: torch.dtype, batch: int = 32, length: int = 32) -> Tuple[Tensor, Tensor]:
-    """Character windows of real English/Python text that ships with Python: the standard
-    library's ``argparse.py`` source (about 100 KB).
-
-    Characters are mapped to ids by frequency (the 99 most frequent get ``0..98``, every other
-    character ``99``). Returns ``batch`` windows taken at evenly spaced offsets: inputs
-    ``(batch, length)`` and next-character targets ``(batch, length)``, both int64 (``dtype``
-    is unused: token ids are integers).
-    """
-    import argparse as source
-    from collections import Counter
-
-    with open(source.__file__, encoding="utf-8") as f:
-        text = f.read()
-    ids = {c: i for i, (c, _) in enumerate(Counter(text).most_common(VOCAB - 1))}
-    tokens = torch.tensor([ids.get(c, VOCAB - 1) for c in text], dtype=torch.long)
-    starts = torch.linspace(0, len(tokens) - length - 2, batch).long()
-    windows = torch.stack([tokens[s:s + length + 1] for s in starts.tolist()])
-    return windows[:, :-1], windows[:, 1:]
-
-
-class CharLSTM(nn.Module):
-    """Character-level LSTM language model: ``Embedding(100, 64) -> 2-layer LSTM(64, 64) ->
-    Linear(64, 100)`` with the decoder weight tied to the embedding (Press & Wolf 2017).
-
-    ``(B, T)`` int64 token ids -> logits ``(B, T, 100)``.
-    """
-
-    def __init__(self, vocab: int = VOCAB, dim: int = 64, layers: int = 2) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.lstm = nn.LSTM(dim, dim, layers, batch_first=True)
-        self.decoder = nn.Linear(dim, vocab)
-        self.decoder.weight = self.embed.weight
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        """``tokens``: ``(B, T)`` int64; returns logits ``(B, T, vocab)``."""
-        return self.decoder(self.lstm(self.embed(tokens))[0])
-
-
-class CharTransformer(nn.Module):
-    """Causal Transformer encoder on characters: token + position ``Embedding`` -> one
-    ``TransformerEncoderLayer(128, 4 heads, 512, dropout=0, batch_first)`` -> ``Linear(128, 100)``.
-
-    ``(B, T)`` int64 token ids (``T <= 64``) -> next-character logits ``(B, T, 100)``.
-    """
-
-    def __init__(self, vocab: int = VOCAB, dim: int = 128, heads: int = 4, max_len: int = 64) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.pos = nn.Embedding(max_len, dim)
-        self.encoder = nn.TransformerEncoder(
-            nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True),
-            num_layers=1, enable_nested_tensor=False)
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        """``tokens``: ``(B, T)`` int64; returns logits ``(B, T, vocab)``."""
-        t = tokens.shape[1]
-        positions = torch.arange(t, device=tokens.device).expand_as(tokens)
-        mask = nn.Transformer.generate_square_subsequent_mask(t, device=tokens.device)
-        h = self.encoder(self.embed(tokens) + self.pos(positions), mask=mask, is_causal=True)
-        return self.head(h)
-
-
-def _token_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
-    # mean over all B*T tokens = mean over samples of each sample's mean token loss
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def _sum_of_outputs(out: Tensor, targets: Tensor) -> Tensor:
-    return out.sum()
-
-
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    """A model, a batch of real data and its loss, as benchmarked by ``gradhooks bench``.
-
-    Attributes:
-        name: the name used by ``--workloads``.
-        description: one line for the report.
-        make_model: builds the model (initialised from torch's global RNG).
-        load: ``load(dtype) -> (inputs, targets)``, both batched on dim 0.
-        loss_fn: ``loss_fn(outputs, targets) -> scalar`` batch loss.
-        loss_reduction: how ``loss_fn`` reduces over samples, ``"mean"`` or ``"sum"``.
-    """
-
-    name: str
-    description: str
-    make_model: Callable[[], nn.Module]
-    load: Callable[[torch.dtype], Tuple[Tensor, Tensor]]
-    loss_fn: Callable[[Tensor, Tensor], Tensor]
-    loss_reduction: str
-
-
-WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
-    Workload("cnn", "tutorial CNN, 64 sklearn digits upsampled to 28x28, cross-entropy (mean)",
-             DigitsCNN, load_digits_batch, F.cross_entropy, "mean"),
-    Workload("mlp", "Linear(10,32)-Linear(32,32)-Linear(32,10), 256 sklearn diabetes rows, "
-             "sum of outputs", make_mlp, load_diabetes_batch, _sum_of_outputs, "sum"),
-    Workload("lstm", "char LSTM LM (Embedding-2xLSTM(64)-Linear, tied decoder), 32 windows of 32 "
-             "chars of Python's argparse.py, token cross-entropy (mean)", CharLSTM,
-             load_text_batch, _token_cross_entropy, "mean"),
-    Workload("transformer", "causal Transformer encoder layer (d=128, 4 heads), 16 windows of 64 "
-             "chars of Python's argparse.py, token cross-entropy (mean)", CharTransformer,
-             lambda dtype: load_text_batch(dtype, batch=16, length=64), _token_cross_entropy,
-             "mean"),
-)}
 
 
 # ---------------------------------------------------------------------------------- methods
@@ -319,7 +159,7 @@ def run_workload(wl: Workload, dtype: torch.dtype, repeats: int, loop_repeats: i
     of its calls. Returns one :class:`Result` per method, in :data:`METHODS` order."""
     torch.manual_seed(seed)
     model = wl.make_model().to(dtype)
-    x, y = wl.load(dtype)
+    x, y = wl.load(dtype, wl.batch_size)
 
     def reset() -> None:
         for p in model.parameters():

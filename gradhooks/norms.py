@@ -126,6 +126,20 @@ def _sizes(cap: Record, batch_first: bool) -> Tuple[int, int, int, int]:
     return groups, positions, (0 if weight is None else weight.numel() // (groups * o)), o
 
 
+def _identity_form(cap: Record, batch_first: bool) -> bool:
+    """Whether a call's linear form (with ``G = S = 1``) is its recorded 2-D input and
+    grad_output themselves, ``(N, I)`` and ``(N, O)`` viewed as ``(N, 1, 1, .)`` (a Linear on
+    ``(B, in)``): then the readers use the records as they are, without the views (a few
+    microseconds a layer, which the seed MLP's 0.1 ms step notices). Checked on the tensors, once
+    per structure (:func:`plan` keeps it)."""
+    a, g = cap.a, cap.grads[0]
+    if a.dim() != 2 or g.dim() != 2:
+        return False
+    a4, g4 = cap.layer.rule.linear_form(cap.layer.module, a, g, batch_first)
+    return all(t4.shape == (t.shape[0], 1, 1, t.shape[1]) and t4.data_ptr() == t.data_ptr()
+               and (t4.stride(0), t4.stride(3)) == t.stride() for t, t4 in ((a, a4), (g, g4)))
+
+
 def _bias_grads(cap: Record, batch_first: bool) -> Tensor:
     """Per-sample bias gradient ``(N, G O)`` of a linear-form call: ``sum_s g[n, g, s]``."""
     layer = cap.layer
@@ -234,11 +248,12 @@ class PlannedParam:
         self.pid, self.name, self.entries, self.kind = pid, name, [], GENERIC
 
 
-def plan(batch: Batch) -> Tuple[Dict[int, PlannedParam], Tuple[bool, ...]]:
+def plan(batch: Batch) -> Tuple[Dict[int, PlannedParam], Tuple[int, ...]]:
     """Decide per parameter how its norm and clipped sum are formed: ``{id(param):
     PlannedParam}`` in the order of ``model.named_parameters()``, for the records of ``batch``
-    (which must hold every call of their parameters); and per record whether its rule has a
-    linear form with ``G = S = 1`` (a Linear on ``(B, in)``: outer-product norms).
+    (which must hold every call of their parameters); and per record ``0``, or ``1`` if its rule
+    has a linear form with ``G = S = 1`` (outer-product norms), ``2`` if that form is the records
+    themselves (:func:`_identity_form`: a Linear on ``(B, in)``).
 
     The decisions depend only on which layers were called with which parameters and on the
     grad_output shapes, so they are kept per such structure (in ``batch.cache``) and reused for
@@ -294,12 +309,14 @@ def _plan_template(batch: Batch):
                     _, i, o = shapes.pop()
                     if use_gram(sum(s for _, s, _, _ in calls), i, o):
                         p.kind = GRAM
-    units = tuple(i in sizes and sizes[i][0] == 1 and sizes[i][1] == 1 for i in range(len(caps)))
+    units = tuple(0 if not (i in sizes and sizes[i][0] == 1 and sizes[i][1] == 1)
+                  else 2 if _identity_form(caps[i], batch.batch_first) else 1
+                  for i in range(len(caps)))
     return ([(pid, found[pid].kind, [(i, local) for _, local, i in found[pid].entries])
              for pid in batch.names if pid in found], units)
 
 
-def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[bool, ...],
+def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[int, ...],
                   forms: Forms) -> Dict[int, Tensor]:
     """Squared per-sample norms ``(N,)`` of each parameter's gradient, UNSCALED (gradients of the
     reduced loss restricted to sample ``n``), running the sum checks when due
@@ -334,9 +351,11 @@ def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[boo
         if unit and all(len(plans[id(layer.params[n])].entries) == 1 for n in cap.names):
             # G = S = 1 (Linear on (B, in)), used once: ||dW_n||^2 = ||a_n||^2 ||g_n||^2,
             # ||db_n||^2 = ||g_n||^2
-            a, g = _canonical(cap, batch.batch_first)
-            n = g.shape[0]
-            a, g = a.reshape(n, -1), g.reshape(n, -1)
+            if unit == 2:  # the records are the canonical form already
+                a, g = summed(cap)
+            else:
+                a, g = _canonical(cap, batch.batch_first)
+                a, g = a.reshape(g.shape[0], -1), g.reshape(g.shape[0], -1)
             dt = a.dtype
             g_sq = torch.linalg.vecdot(g, g)
             for local in cap.names:

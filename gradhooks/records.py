@@ -226,7 +226,7 @@ class Batch:
         self.names: Mapping[int, str] = recorder.names
         self.order: Mapping[int, int] = recorder.order
         self.params: Mapping[int, nn.Parameter] = recorder.params
-        self.layers: Tuple[Layer, ...] = tuple(recorder.layers)
+        self.layers: List[Layer] = recorder.layers
         self.totals: Mapping[int, GradTotal] = recorder.totals
         self.checking = checking
         self.check_key = check_key

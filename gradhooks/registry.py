@@ -170,17 +170,18 @@ class LayerRule:
                 a_w = a_c * c.view(n, 1, 1, 1)
             else:
                 g_w = g_c * c.view(n, 1, 1, 1)
-            a2 = a_w.transpose(0, 1).reshape(groups, -1, a_w.shape[-1])  # (G, N S, I)
-            g2 = g_w.transpose(0, 1).reshape(groups, -1, o)  # (G, N S, O)
             dest = out.get("weight")
-            if groups == 1:
-                w = torch.mm(g2[0].t(), a2[0], out=None if dest is None else dest.view(o, -1))
+            if groups == 1:  # (N S, O)^T (N S, I): positions and samples in any order
+                w = torch.mm(g_w.reshape(-1, o).t(), a_w.reshape(-1, a_w.shape[-1]),
+                             out=None if dest is None else dest.view(o, -1))
             else:
+                a2 = a_w.transpose(0, 1).reshape(groups, -1, a_w.shape[-1])  # (G, N S, I)
+                g2 = g_w.transpose(0, 1).reshape(groups, -1, o)  # (G, N S, O)
                 w = torch.bmm(g2.transpose(1, 2), a2)
             result["weight"] = w.view(shape) if dest is None else dest
         if "bias" in names:
             dest = out.get("bias")
-            per = g_c.sum(2).reshape(n, groups * o)  # (N, G O)
+            per = (g_c if g_c.shape[2] == 1 else g_c.sum(2, keepdim=True)).reshape(n, groups * o)
             result["bias"] = torch.mv(per.t(), c, out=dest)
         return result
 

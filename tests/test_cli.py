@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from gradhooks import cli
+from gradhooks import cli, workloads
 
 METHODS = ["plain batch gradient", "gradhooks", "torch.func vmap(grad)", "looped autograd"]
 PER_SAMPLE = {"gradhooks", "torch.func vmap(grad)"}
@@ -77,10 +77,10 @@ def test_zero_tolerance_fails_iff_errors_nonzero(tmp_path, capsys):
 
 
 def test_text_workloads_read_python_source():
-    x, y = cli.load_text_batch(torch.float32, batch=4, length=10)
+    x, y = workloads.load_text_batch(torch.float32, batch=4, length=10)
     assert x.shape == y.shape == (4, 10) and x.dtype == torch.long
     assert torch.equal(x[:, 1:], y[:, :-1])  # next-character targets
-    assert 0 <= int(x.min()) and int(x.max()) < cli.VOCAB
+    assert 0 <= int(x.min()) and int(x.max()) < workloads.VOCAB
 
 
 def test_missing_extras_exit_code_2(monkeypatch, capsys):
