@@ -189,6 +189,7 @@ def check_sums(items: Sequence[Tuple], scale: Optional[float]) -> None:
             )
 
 def no_total(name: str) -> GradientMismatchError:
+    """The error for a parameter with per-sample results but no autograd gradient."""
     return GradientMismatchError(
         f"grad_outputs were recorded for the module owning {name!r}, but autograd computed no "
         f"gradient for {name!r} in those backward passes (e.g. torch.autograd.grad with respect "

@@ -118,6 +118,7 @@ class LSTMLanguageModel(nn.Module):
         self.head = nn.Linear(64, VOCAB)
 
     def forward(self, tokens: Tensor) -> Tensor:
+        """``tokens``: ``(B, T)`` int64; returns logits ``(B, T, 100)``."""
         out, _ = self.lstm(self.emb(tokens))
         return self.head(out)
 
@@ -138,6 +139,7 @@ class TransformerBlock(nn.Module):
         self.head = nn.Linear(128, 10)
 
     def forward(self, x: Tensor) -> Tensor:
+        """``x``: ``(B, T, 128)``; returns per-token logits ``(B, T, 10)``."""
         if self.seq_first:
             return self.head(self.block(x.transpose(0, 1))).transpose(0, 1)
         return self.head(self.block(x))
