@@ -37,12 +37,33 @@ from .graph import on_grad, tag, walk
 from .records import Batch, Layer, Record, find_layers
 from .utils import check_loss_reduction, detached, flatten, is_functorch_wrapped, tensors
 
+from torch.nn.modules.module import (register_module_forward_hook, register_module_forward_pre_hook,
+                                     register_module_module_registration_hook,
+                                     register_module_parameter_registration_hook)
+
 __all__ = ["Recorder", "Batch", "Layer", "Record", "is_hooked"]
 
 # Modules currently hooked by a live Recorder (to refuse a second attach to the same layer).
 _HOOKED: "weakref.WeakKeyDictionary[nn.Module, Recorder]" = weakref.WeakKeyDictionary()
 
 _MISSING = object()
+
+
+#: Values of ``forwards``: how the top-level forwards before one backward map to rows.
+FORWARDS = ("one", "same_samples")
+
+
+def _plain_state(p: nn.Parameter) -> dict:
+    # A hooked parameter's pickled state (``Parameter.__reduce_ex__`` reads ``__getstate__``,
+    # found on the instance first): its ``__dict__`` without gradhooks' attributes, so that
+    # ``pickle`` / ``torch.save`` of an attached model write a plain model.
+    return {k: v for k, v in p.__dict__.items() if k not in ("grad_sample", "__getstate__")}
+
+
+def _in_backward() -> bool:
+    # True inside an autograd backward pass: a forward running now is a recomputation
+    # (torch.utils.checkpoint) of the batch being differentiated.
+    return torch._C._current_graph_task_id() != -1
 
 
 def is_hooked(model: nn.Module) -> bool:
@@ -70,8 +91,16 @@ class Recorder:
     """
 
     def __init__(self, model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
-                 check=True, strict: bool = False, allow_batchnorm_train: bool = False):
+                 check=True, strict: bool = False, allow_batchnorm_train: bool = False,
+                 forwards: str = "one", grad_scaler=None):
         check_loss_reduction(loss_reduction)
+        if forwards not in FORWARDS:
+            raise ValueError(f"forwards must be one of {FORWARDS}, got {forwards!r}")
+        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+            raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got "
+                            f"{type(grad_scaler).__name__}")
+        self.forwards = forwards
+        self.grad_scaler = grad_scaler
         if not isinstance(model, nn.Module):
             raise TypeError(f"attach expects an nn.Module, got {type(model).__name__}")
         self.model = model
@@ -99,22 +128,40 @@ class Recorder:
         self._listener = None  # told of every hook call while drive()'s pass runs (two-pass clipping)
         self._step = 0
         self._forward_id = 0
+        self._param_handles: list = []
+        self._layer_of: Dict[int, Layer] = {}  # id(module) -> its Layer, for the global hooks
+        self._module_ids: set = set()  # ids of the model's modules (registration hooks)
+        self._unhooked: List[nn.Parameter] = []  # frozen parameters no layer covers
+        self._changed: Optional[str] = None  # what changed in the model since the last sync
         self.reset_batch()
         self._attach()
 
     # ------------------------------------------------------------------ attach / detach
     def _attach(self) -> None:
-        for name, p in self.model.named_parameters():
-            self.names[id(p)] = name
+        # Global module hooks, filtered by module: the model itself carries no hook of ours, so
+        # copy.deepcopy / pickle / torch.save of an attached model give a plain model.
+        self._handles += [
+            register_module_forward_pre_hook(self._on_pre_forward),
+            register_module_forward_hook(self._on_any_forward, with_kwargs=True),
+            register_module_parameter_registration_hook(self._on_registration),
+            register_module_module_registration_hook(self._on_registration),
+        ]
+        self._attached = True
+        self._sync()
+
+    def _sync(self) -> None:
+        # (Re)build what is hooked from the model as it is now: at attach, and at the first
+        # forward after the model changed (a submodule or parameter replaced, a frozen
+        # parameter no layer covers unfrozen).
+        self._unsync()
+        self.names = {id(p): name for name, p in self.model.named_parameters()}
         self.order = {pid: i for i, pid in enumerate(self.names)}  # results in this order
-        self.layers = find_layers(self.model, self.strict, lambda m: m in _HOOKED)
-        # A top-level forward starts here: layers of one forward must agree on the batch size,
-        # while a forward that never reached a backward may be followed by another batch size.
-        self._handles.append(self.model.register_forward_pre_hook(self._on_model_forward))
+        self.layers = find_layers(self.model, self.strict,
+                                  lambda m: _HOOKED.get(m, self) is not self)
+        self._layer_of = {id(layer.module): layer for layer in self.layers}
+        self._module_ids = {id(m) for m in self.model.modules()}
         for layer in self.layers:
             _HOOKED[layer.module] = self
-            self._handles.append(layer.module.register_forward_hook(
-                functools.partial(self._on_forward, layer), with_kwargs=True))
             for p in layer.params.values():
                 if id(p) in self.params:
                     continue  # tied: one hook per parameter
@@ -124,7 +171,44 @@ class Recorder:
                 value = p.__dict__.get("grad_sample", _MISSING)
                 if value is not _MISSING:
                     self._saved_grad_sample[id(p)] = value
-        self._attached = True
+                p.__getstate__ = functools.partial(_plain_state, p)  # (see _plain_state)
+        self._unhooked = [p for p in self.model.parameters() if id(p) not in self.params]
+        self._changed = None
+        self.cache.clear()
+        self.reset_batch()
+
+    def _unsync(self) -> None:
+        # Undo what _sync did to the parameters and the hooked-module registry.
+        for h in self._param_handles:
+            h.remove()
+        self._param_handles.clear()
+        for p in self._hooks_were_none:
+            if not p._backward_hooks:
+                p._backward_hooks = None
+        self._hooks_were_none.clear()
+        self._watched.clear()
+        for pid, p in self.params.items():
+            if pid in self._saved_grad_sample:
+                p.grad_sample = self._saved_grad_sample[pid]
+            else:
+                p.__dict__.pop("grad_sample", None)
+            p.__dict__.pop("__getstate__", None)
+        self._saved_grad_sample.clear()
+        self.params.clear()
+        for layer in self.layers:
+            if _HOOKED.get(layer.module) is self:
+                del _HOOKED[layer.module]
+
+    def _on_registration(self, module: nn.Module, name: str, value) -> None:
+        # Global registration hook: a parameter or submodule is set on some module.
+        if id(module) in self._module_ids and self._changed is None:
+            self._changed = f"{type(value).__name__} {name!r} set on {type(module).__name__}"
+        return None
+
+    @property
+    def attached(self) -> bool:
+        """Whether the hooks are attached (``False`` after :meth:`detach`)."""
+        return self._attached
 
     def detach(self) -> None:
         """Remove every hook, record and ``grad_sample`` attribute; the model is as before attach.
@@ -137,22 +221,10 @@ class Recorder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        for p in self._hooks_were_none:
-            if not p._backward_hooks:
-                p._backward_hooks = None
-        self._hooks_were_none.clear()
-        self._watched.clear()
-        for pid, p in self.params.items():
-            if pid in self._saved_grad_sample:
-                p.grad_sample = self._saved_grad_sample[pid]
-            else:
-                p.__dict__.pop("grad_sample", None)
-        for layer in self.layers:
-            if _HOOKED.get(layer.module) is self:
-                del _HOOKED[layer.module]
+        self._unsync()
+        self._attached = False  # graphs built before: their hooks now do nothing
         self.reset_batch()
         self.pool.clear()
-        self._attached = False
 
     # ------------------------------------------------------------------ batch state
     def reset_batch(self) -> None:
@@ -177,6 +249,7 @@ class Recorder:
         self._stale: Optional[str] = None
         self.totals: Dict[int, GradTotal] = {}  # autograd's, for the sum check
         self._param_passes: Dict[int, int] = {}
+        self._calls = 0  # hooked-layer calls recorded in this batch
         self._drop_result()
 
     def _drop_result(self) -> None:
@@ -201,6 +274,17 @@ class Recorder:
         return self._batch_size
 
     # ------------------------------------------------------------------ hooks
+    def _on_pre_forward(self, module: nn.Module, args) -> None:
+        # Global forward pre-hook: only the model's own forward starts anything.
+        if module is self.model:
+            self._on_model_forward(module, args)
+
+    def _on_any_forward(self, module: nn.Module, args, kwargs, output) -> None:
+        # Global forward hook: the hooked layers' calls.
+        layer = self._layer_of.get(id(module))
+        if layer is not None:
+            self._on_forward(layer, module, args, kwargs, output)
+
     def _on_forward(self, layer: Layer, module: nn.Module, args, kwargs, output) -> None:
         # Hot path: runs for every call of every hooked layer, so attribute lookups and Python
         # calls are kept to what the bookkeeping needs (hooks attached but nothing read cost
@@ -237,10 +321,11 @@ class Recorder:
             for n in names:
                 self._watch_param(layer.params[n])
             layer.watched = len(names) == len(layer.items)
-        if self._backward_seen:
+        if self._backward_seen and not _in_backward():  # (a recomputation belongs to this batch)
             self.clear()
         if b != self._batch_size:
-            if self._batch_size is not None and self._forward_id != self._batch_forward:
+            if (self._batch_size is not None and self._forward_id != self._batch_forward
+                    and not _in_backward()):
                 self.reset_batch()  # an earlier forward that no backward reached: drop it
             if self._batch_size is None:
                 self._batch_size, self._batch_source, self._batch_forward = b, layer.describe(), self._forward_id
@@ -251,6 +336,7 @@ class Recorder:
                     f"layer to see the whole batch on the batch dim (batch_first={self.batch_first}); "
                     f"check the input layout, or pass batch_first=False for (T, B, ...) inputs."
                 )
+        self._calls += 1
         if rule.multi_io:
             # Output leaves that carry no gradient but structure (a PackedSequence's batch_sizes
             # and indices) are kept so that the grad structure rebuilds; the others start as None.
@@ -259,8 +345,9 @@ class Recorder:
             found = rule.internal(module, args, kwargs, output)
             node = None if found is None else found[0]
             cap = Record(layer, Call(detached(tuple(args)), detached(dict(kwargs)),
-                                       None if found is None else found[1]),
-                           names, self._step, spec, fill)
+                                     None if found is None else found[1]),
+                         names, self._step, spec, fill)
+            cap.forward = self._forward_id
             if node is not None:
                 node.register_hook(functools.partial(self._on_internal, cap, found[1]))
             for i in reached:
@@ -269,6 +356,7 @@ class Recorder:
                 self._mark(cap, [(leaves[i], i) for i in reached], node)
         else:
             cap = Record(layer, x.detach(), names, self._step)
+            cap.forward = self._forward_id
             on_grad(output, functools.partial(self._on_grad_output, cap, None))
             if self._driven:
                 self._mark(cap, [(output, None)], None)
@@ -288,19 +376,23 @@ class Recorder:
             tag(internal, (self, cap, -1, None))
 
     def _on_model_forward(self, module: nn.Module, args) -> None:
+        if utils.PAUSED or not torch.is_grad_enabled() or _in_backward():
+            return  # records nothing; or a recomputation (checkpoint) of the current batch
+        if self._changed is not None or any(p.requires_grad for p in self._unhooked):
+            self._sync()  # the model changed since attach: follow it
         self._forward_id += 1
         # A forward that will record starts a new batch: drop the last one's records here, not
         # at the first hooked layer's forward hook (after that layer's forward), so that they
         # are not held beside the new batch's first activations (about 3 MB more peak memory
         # on the Transformer block, whose first hooked layer is the attention).
-        if (self._backward_seen and not utils.PAUSED and torch.is_grad_enabled() and args
-                and not any(is_functorch_wrapped(t) for t in tensors(args))):
+        if self._backward_seen and args and not any(is_functorch_wrapped(t) for t in tensors(args)):
             self.clear()
 
     def _on_grad_output(self, cap: Record, leaf: Optional[int], grads: tuple, nr: int) -> None:
         # grads[nr]: the gradient w.r.t. the recorded output tensor (see _on_grad).
         grad = grads[nr]
-        if utils.PAUSED or grad is None or self._muted or (id(cap), leaf) in self._captured:
+        if (utils.PAUSED or grad is None or self._muted or not self._attached
+                or (id(cap), leaf) in self._captured):
             return None
         self._receive(cap, leaf, grad)
         return None
@@ -341,7 +433,7 @@ class Recorder:
     def _on_internal(self, cap: Record, saved: dict, grad_inputs: tuple,
                      grad_outputs: tuple) -> None:
         # Post-hook on a node a rule asked for (LayerRule.internal): sum its input gradients.
-        if utils.PAUSED or self._muted or self._released:
+        if utils.PAUSED or self._muted or self._released or not self._attached:
             return None
         prev = saved.get("grad_inputs")
         new = tuple(None if t is None else t.detach() for t in grad_inputs)
@@ -360,10 +452,10 @@ class Recorder:
         self._watched.add(id(p))
         if p._backward_hooks is None:
             self._hooks_were_none.append(p)
-        self._handles.append(p.register_hook(functools.partial(self._on_param_grad, id(p))))
+        self._param_handles.append(p.register_hook(functools.partial(self._on_param_grad, id(p))))
 
     def _on_param_grad(self, pid: int, grad: Tensor) -> None:
-        if utils.PAUSED or self._muted:
+        if utils.PAUSED or self._muted or not self._attached:
             return None
         total = self.totals.get(pid)
         if total is None:
@@ -422,13 +514,40 @@ class Recorder:
             HigherOrderGradError: if a backward pass with ``create_graph=True`` did.
             GradientMismatchError: if a recorded input was modified in place since its forward.
         """
+        if not self._attached:
+            raise GradHooksError(
+                f"{read}: this GradHooks was detached from the model, which dropped its records "
+                f"(also at the end of a `with gradhooks.attach(model) as gh:` block): read inside "
+                f"the block / before detach(), or attach again and rerun the forward and backward")
+        if self._changed is not None:
+            raise GradHooksError(
+                f"{read}: the model changed after its forward ({self._changed}), so the records "
+                f"do not describe its parameters any more: run the forward and backward again "
+                f"(gradhooks follows the change at the next forward)")
         self._check_records(read)
         if not self._records:
+            if self._calls == 0 and self.totals:
+                raise NoBackwardError(
+                    f"{read}: autograd computed parameter gradients, but no hooked layer's forward "
+                    f"hook ran: the forward went through code compiled by torch.compile before "
+                    f"attach (compiled code does not see hooks added later). Attach before "
+                    f"compiling, or call torch._dynamo.reset() after attach so that it recompiles")
             raise NoBackwardError(
                 f"no backward pass has reached a hooked layer since the last forward: call "
                 f"loss.backward() (or gh.backward(loss)) before {read} (forwards under "
-                f"torch.no_grad() or inference_mode() record nothing)"
+                f"torch.no_grad() or inference_mode() record nothing; a model compiled with "
+                f"torch.compile before attach runs without the hooks: attach first)"
             )
+        forwards = {cap.forward for cap in self._records}
+        # (A model that is itself a hooked layer, a cell called per time step, is a layer
+        # called several times: its calls see the same samples.)
+        if len(forwards) > 1 and self.forwards == "one" and id(self.model) not in self._layer_of:
+            raise GradHooksError(
+                f"{read}: the backward reached the records of {len(forwards)} forwards of the "
+                f"model, whose rows would be added sample by sample (row n = sample n of every "
+                f"forward). Run one forward per backward (concatenate the inputs), or, if every "
+                f"forward saw the same samples in the same order (two views of one batch), "
+                f"declare it: attach(model, forwards='same_samples')")
         if self._higher_order is not None:
             raise HigherOrderGradError(
                 f"a backward pass with create_graph=True reached module {self._higher_order}: the "
@@ -449,7 +568,16 @@ class Recorder:
                 key = structure
         if release:
             self._released = True
-        return Batch(self, records, key, checking, self._check_passed)
+        return Batch(self, records, key, checking, self._check_passed, self.grad_scale())
+
+    def grad_scale(self) -> float:
+        """The loss scale ``S`` of the ``grad_scaler`` given to :func:`gradhooks.attach` (its
+        current ``get_scale()``, the one the last ``scaler.scale(loss).backward()`` used), or
+        ``1.0``: the recorded grad_outputs are ``S`` times those of the loss."""
+        scaler = self.grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return 1.0
+        return float(scaler.get_scale())
 
     def _check_passed(self, key: tuple) -> None:
         self.sum_check.passed(key, self._drive_key)
@@ -516,9 +644,11 @@ class Recorder:
         Raises:
             GradHooksError: if the pass must compute parameter gradients and none is trainable.
         """
-        caps, captures, events = walk(loss.grad_fn, self)
+        walked = walk(loss.grad_fn, self)
+        caps, captures, events = walked or ([], [], {})
         key = tuple((id(c.layer), c.names) for c in caps)
-        edges_mode = self.sum_check.edges_allowed(key) and self._edges_complete and bool(caps)
+        edges_mode = (self.sum_check.edges_allowed(key) and self._edges_complete and bool(caps)
+                      and walked is not None)
         self._driven = True
         if edges_mode:
             self._sum_check = "skip"  # this batch's parameter gradients are incomplete

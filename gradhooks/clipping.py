@@ -168,6 +168,13 @@ def clip_and_accumulate(recorder: Recorder, max_norm: float, *, method: str = "g
     divides by the *expected* batch size) use ``loss_reduction="sum"`` and divide
     ``param.grad`` (or the learning rate) by it yourself.
 
+    **GradScaler.** With ``attach(..., grad_scaler=scaler)`` after
+    ``scaler.scale(loss).backward()``, norms and clipping are those of the unscaled loss, and
+    ``param.grad`` is written ``S`` times the clipped, noised sum (``S = scaler.get_scale()``),
+    as autograd would have: call ``scaler.step(optimizer)`` and ``scaler.update()`` as usual. A
+    step with a non-finite per-sample norm (an overflow) sets every ``.grad`` to ``inf``, so
+    that the scaler skips it and lowers the scale.
+
     **param.grad is overwritten**, whatever autograd accumulated into it (the unclipped batch
     gradient, and anything earlier): for gradient accumulation over several batches, sum the
     results yourself. With ``method="ghost"`` Linear parameters and those of recurrent and
@@ -225,24 +232,46 @@ def clip_and_accumulate(recorder: Recorder, max_norm: float, *, method: str = "g
         assigned.add(pid)
 
     with no_autocast():
-        if batch is not None:
-            divisor = batch.divisor
+        if batch is not None and batch.size == 0:  # an empty (Poisson) batch: the sum is 0
+            scale, norms = batch.grad_scale / batch.divisor, _empty_norms(trainable)
+        elif batch is not None:
+            scale = batch.grad_scale / batch.divisor
             plans, units = plan(batch)
             forms = Forms(batch, plans)
-            norms = add_up(squared_norms(batch, plans, units, forms).values()).sqrt_().mul_(divisor)
+            sq = squared_norms(batch, plans, units, forms)
+            norms = add_up(sq.values()).sqrt_().mul_(batch.factor)
             factors = (max_norm / norms).clamp_(max=1.0)
-            # The records are the per-sample gradients divided by D: weighting them gives sum / D.
+            # The records are S / D times the per-sample gradients: weighting them gives the
+            # clipped sum times S / D.
             _ghost_sums(batch, plans, factors, assign, forms)
         else:
             grads = per_sample_grads(recorder)
-            divisor = own_loss_scale(recorder.loss_reduction, recorder.batch_size) or 1.0
+            scale = recorder.grad_scale() / (
+                own_loss_scale(recorder.loss_reduction, recorder.batch_size) or 1.0)
             pids = {name: pid for pid, name in recorder.names.items()}
-            norms = add_up(result_sq_norms(grads).values()).sqrt_()
+            norms = add_up(result_sq_norms(grads).values())
+            norms = _empty_norms(trainable) if norms is None else norms.sqrt_()
             factors = (max_norm / norms).clamp_(max=1.0)
             for name, t in grads.items():
-                assign(pids[name], torch.tensordot(factors.to(t.dtype), t, 1).div_(divisor))
-    _add_noise(trainable, assigned, noise_multiplier * max_norm / divisor, generator)
+                assign(pids[name], torch.tensordot(factors.to(t.dtype), t, 1).mul_(scale))
+    _add_noise(trainable, assigned, noise_multiplier * max_norm * scale, generator)
+    _skip_if_not_finite(recorder, trainable, norms)
     return norms
+
+
+def _empty_norms(trainable) -> Tensor:
+    """``(0,)`` norms of an empty batch, in the parameters' dtype (at least float32)."""
+    p = trainable[0][1] if trainable else torch.empty(0)
+    return torch.zeros(0, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
+
+
+def _skip_if_not_finite(recorder: Recorder, trainable, norms: Tensor) -> None:
+    """With a ``GradScaler``: a step whose per-sample gradients overflowed (a non-finite norm)
+    sets every ``.grad`` to ``inf``, so that ``scaler.step()`` skips it and ``scaler.update()``
+    lowers the scale, as for plain training (a clipping factor of 0 would hide the overflow)."""
+    if recorder.grad_scale() != 1.0 and not bool(torch.isfinite(norms).all()):
+        for _, p in trainable:
+            p.grad.fill_(float("inf"))
 
 
 def _clip_setup(recorder: Recorder, max_norm, noise_multiplier) -> List[Tuple[str, nn.Parameter]]:
@@ -380,6 +409,10 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noi
             :func:`clip_and_accumulate` (``D = B`` for ``loss_reduction="mean"``, else 1).
         generator: a ``torch.Generator`` for the noise.
 
+    With ``attach(..., grad_scaler=scaler)`` both passes backpropagate ``S`` times the losses
+    (``S = scaler.get_scale()``): pass the unscaled losses; ``param.grad`` is then ``S`` times
+    the clipped, noised sum, for ``scaler.step(optimizer)``, as in :func:`clip_and_accumulate`.
+
     Returns:
         ``(B,)``: the per-sample gradient norms ``||g_n||`` before clipping.
 
@@ -399,14 +432,23 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noi
             f"{batch}, e.g. F.cross_entropy(out, y, reduction='none')) that require grad; got "
             f"{shape}" + ("" if not isinstance(losses, Tensor) or losses.requires_grad
                           else " not requiring grad"))
+    divisor = own_loss_scale(recorder.loss_reduction, batch) or 1.0
+    scale = recorder.grad_scale()  # S: both passes backpropagate S times the losses
+    if batch == 0:  # an empty (Poisson) batch: the clipped sum is 0, the noise is not
+        recorder.reset_batch()
+        for _, p in trainable:
+            p.grad = None
+        _add_noise(trainable, set(), noise_multiplier * max_norm * scale / divisor, generator)
+        return _empty_norms(trainable)
     streams: list = []
 
     def stream(caps, events):
         streams.append(_NormStream(recorder, caps, events))
         return streams[0]
 
+    total = losses.sum() if scale == 1.0 else losses.sum() * scale
     with no_autocast():
-        if recorder.drive(losses.sum(), None, True, stream):
+        if recorder.drive(total, None, True, stream):
             sq = streams[0].finish()
             if sq is None:
                 recorder.snapshot("clipped_backward()")  # raises NoBackwardError
@@ -415,14 +457,14 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noi
             plans, units = plan(snap)
             sq = add_up(squared_norms(snap, plans, units, Forms(snap, plans)).values())
             del snap
-    norms = sq.sqrt_()
+    norms = sq.sqrt_().div_(scale)
     factors = (max_norm / norms).clamp_(max=1.0)
-    divisor = own_loss_scale(recorder.loss_reduction, batch) or 1.0
     recorder.reset_batch()  # records consumed; the second pass records nothing
     for _, p in trainable:
         p.grad = None
     with recorder.muted():
-        (losses * (factors / divisor).to(losses.dtype)).sum().backward()
+        (losses * (factors * (scale / divisor)).to(losses.dtype)).sum().backward()
     _add_noise(trainable, {id(p) for _, p in trainable if p.grad is not None},
-               noise_multiplier * max_norm / divisor, generator)
+               noise_multiplier * max_norm * scale / divisor, generator)
+    _skip_if_not_finite(recorder, trainable, norms)
     return norms

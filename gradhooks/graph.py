@@ -6,13 +6,18 @@ gradients instead of the parameters' (``torch.autograd.grad`` with
 from __future__ import annotations
 
 import functools
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
-__all__ = ["on_grad", "tag", "walk", "TAG"]
+__all__ = ["on_grad", "tag", "walk", "TAG", "RECOMPUTING"]
+
+#: Autograd nodes whose backward runs a forward again and differentiates it on its own
+#: (``torch.utils.checkpoint`` with ``use_reentrant=True``): the hooked layers inside are not
+#: in the graph :func:`walk` sees, so the output-edges pass cannot reach them.
+RECOMPUTING = frozenset({"CheckpointFunctionBackward"})
 
 
 def _accumulate_grad_type() -> type:
@@ -47,11 +52,12 @@ def tag(node, entry: tuple) -> None:
     node.metadata.setdefault(TAG, []).append(entry)
 
 
-def walk(root, owner) -> Tuple[list, List[tuple], Dict[int, int]]:
+def walk(root, owner) -> Optional[Tuple[list, List[tuple], Dict[int, int]]]:
     """The graph below ``root`` as :meth:`gradhooks.capture.Recorder.drive` needs it: the records
     whose nodes ``owner`` tagged (:func:`tag`), in the order of a depth-first walk from the loss, the
     edges to ask autograd for, ``[(GradientEdge, capture, leaf)]``, and ``{id(capture):
-    number of its tags}`` (the hook calls a pass gives it).
+    number of its tags}`` (the hook calls a pass gives it); ``None`` if the graph holds a
+    :data:`RECOMPUTING` node (then only an ordinary backward reaches every hooked layer).
 
     Autograd runs a node iff a requested edge lies below it. So only the tagged nodes with
     no tagged node below them (the first layers) are requested -- their output edge, or for
@@ -71,6 +77,8 @@ def walk(root, owner) -> Tuple[list, List[tuple], Dict[int, int]]:
         node = stack[-1]
         nexts = kids.get(node)
         if nexts is None:  # first visit
+            if type(node).__name__ in RECOMPUTING:
+                return None  # layers inside run their forward again in the backward
             nexts = kids[node] = [n for n, _ in node.next_functions
                                   if n is not None and type(n) is not leaf_node]
             entries = node.metadata.get(TAG)

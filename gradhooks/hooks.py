@@ -75,11 +75,13 @@ class GradHooks:
     """
 
     def __init__(self, model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
-                 check=True, strict: bool = False, allow_batchnorm_train: bool = False):
+                 check=True, strict: bool = False, allow_batchnorm_train: bool = False,
+                 forwards: str = "one", grad_scaler=None):
         #: The :class:`~gradhooks.capture.Recorder`: hooks and records (read-only for users).
         self.recorder = Recorder(model, loss_reduction=loss_reduction, batch_first=batch_first,
                                  check=check, strict=strict,
-                                 allow_batchnorm_train=allow_batchnorm_train)
+                                 allow_batchnorm_train=allow_batchnorm_train, forwards=forwards,
+                                 grad_scaler=grad_scaler)
 
     @property
     def model(self) -> nn.Module:
@@ -260,7 +262,8 @@ class GradHooks:
 
 
 def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
-           check=True, strict: bool = False, allow_batchnorm_train: bool = False) -> GradHooks:
+           check=True, strict: bool = False, allow_batchnorm_train: bool = False,
+           forwards: str = "one", grad_scaler=None) -> GradHooks:
     """Attach per-sample-gradient hooks to every supported layer of an existing model.
 
     Registers a forward hook on each module that has a rule (``nn.Linear``, ``nn.Conv1d/2d/3d``;
@@ -287,6 +290,16 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
             held fixed (they sum to ``param.grad``), not gradients of each sample's own loss;
             the layers before the BatchNorm then also get such contributions.
 
+        forwards: ``"one"`` (default): one forward of the model per backward; the records of
+            several top-level forwards reached by one backward are refused at the read (their
+            rows would be added sample by sample). ``"same_samples"``: every forward before a
+            backward saw the same samples in the same order (two views or augmentations of one
+            batch); the per-sample results then sum over the forwards.
+        grad_scaler: the ``torch.amp.GradScaler`` that scales the loss
+            (``scaler.scale(loss).backward()``): per-sample results, norms and KFAC factors
+            are those of the unscaled loss, and clipping writes ``.grad`` at the scaler's scale
+            for ``scaler.step(optimizer)`` (:func:`gradhooks.clipping.clip_and_accumulate`).
+
     Returns:
         A :class:`GradHooks`, also a context manager that detaches on exit.
 
@@ -297,4 +310,5 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
         GradHooksError: if a layer is already hooked by another live :class:`GradHooks`.
     """
     return GradHooks(model, loss_reduction=loss_reduction, batch_first=batch_first, check=check,
-                     strict=strict, allow_batchnorm_train=allow_batchnorm_train)
+                     strict=strict, allow_batchnorm_train=allow_batchnorm_train,
+                     forwards=forwards, grad_scaler=grad_scaler)

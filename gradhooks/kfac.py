@@ -350,7 +350,7 @@ def kfac_factors(
     # backward passes: one grad_output per pass in single-output captures (multi_io captures
     # hold one summed grad_output per output tensor instead)
     passes = max((len(cap.grads) for cap in recorder.records if cap.spec is None), default=1)
-    scale = batch.divisor
+    scale = batch.factor  # own-loss gradients: the records times B (mean) / S (GradScaler)
     sums: List[_Sums] = []
     with no_autocast():
         for key in sorted(by_layer, key=order.__getitem__):

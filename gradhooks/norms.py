@@ -541,12 +541,16 @@ def per_sample_grad_norms(recorder: Recorder, *, per_param: bool = False) -> Uni
             return {name: t.sqrt_() for name, t in sq_of.items()}
         return add_up(sq_of.values()).sqrt_()
     batch = recorder.snapshot("per_sample_grad_norms()")
+    if batch.size == 0:  # an empty (Poisson) batch
+        empty = {batch.names[pid]: p.new_zeros(0, dtype=compute_dtype(p))
+                 for pid, p in batch.params.items() if p.requires_grad}
+        return empty if per_param else next(iter(empty.values()))
     plans, units = plan(batch)
     with no_autocast():
         sq = squared_norms(batch, plans, units, Forms(batch, plans))
     if per_param:
-        return {p.name: sq[pid].sqrt().mul_(batch.divisor) for pid, p in plans.items()}
-    return add_up(sq.values()).sqrt_().mul_(batch.divisor)
+        return {p.name: sq[pid].sqrt().mul_(batch.factor) for pid, p in plans.items()}
+    return add_up(sq.values()).sqrt_().mul_(batch.factor)
 
 
 def result_sq_norms(grads: Dict[str, Tensor]) -> Dict[str, Tensor]:

@@ -37,8 +37,15 @@ def per_sample_grads(recorder: Recorder, *, retain_records: bool = False) -> Dic
     batch = recorder.snapshot("per_sample_grads()", release=not retain_records)
     raw: Dict[int, Tensor] = {}
     low: Dict[int, torch.dtype] = {}
-    with no_autocast(), using_pool(batch.pool):
+    if batch.size == 0:  # an empty (Poisson) batch: (0, *shape), no rule runs
         for cap in batch.records:
+            for local in cap.names:
+                p = cap.layer.params[local]
+                raw[id(p)] = p.new_zeros((0, *p.shape))
+            if batch.releasing:
+                cap.release()
+    with no_autocast(), using_pool(batch.pool):
+        for cap in batch.records if batch.size else ():
             layer = cap.layer
             try:  # (no local holds the records: a released cap frees them during the call)
                 out = call_grads(layer.rule, layer.module, cap.a, cap.grads_arg(),
@@ -55,7 +62,7 @@ def per_sample_grads(recorder: Recorder, *, retain_records: bool = False) -> Dic
                 else:
                     raw[pid] = t
     batch.check_unrecorded(raw)
-    if batch.check_key is not None:
+    if batch.check_key is not None and batch.size:
         check_sums([(batch.names[pid], t, batch.totals.get(pid), low.get(pid, t.dtype))
                     for pid, t in raw.items()], batch.scale)
         batch.check_passed()

@@ -58,7 +58,8 @@ class Record:
     the output's pytree ``spec``) the grad_output summed over backward passes, or ``None``.
     """
 
-    __slots__ = ("layer", "a", "versions", "names", "grads", "step", "spec", "low", "hits", "__weakref__")
+    __slots__ = ("layer", "a", "versions", "names", "grads", "step", "spec", "low", "hits", "forward",
+                 "__weakref__")
 
     def __init__(self, layer: "Layer", a, names: Tuple[str, ...], step: int, spec=None,
                  leaves: Optional[list] = None):
@@ -67,6 +68,7 @@ class Record:
         self.grads: list = leaves if spec is not None else []
         self.low: Optional[torch.dtype] = None  # grad_output dtype when below float32 (autocast)
         self.hits = 0  # grad_output hook calls (backward passes x output tensors reached)
+        self.forward = 0  # the model's top-level forward (a count) this call belongs to
 
     def check_unmodified(self, result: str) -> None:
         """Raise :class:`GradientMismatchError` if a recorded input was modified in place since
@@ -191,10 +193,14 @@ class Batch:
             trainable parameters of the call), ``layer`` (:class:`Layer`) and ``low`` (the
             grad_output dtype when below float32).
         size: ``B``.
-        scale: the own-loss scale (:func:`gradhooks.utils.own_loss_scale`): ``B`` for
-            ``loss_reduction="mean"``, ``None`` for ``"sum"``; computed here, once.
-        divisor: ``D``, the same as a number (``B`` or ``1.0``): the batch loss is
-            ``(1/D) sum_n l_n``.
+        scale: what turns the records into the gradients of each sample's own loss, computed
+            here, once: the own-loss scale (:func:`gradhooks.utils.own_loss_scale`: ``B`` for
+            ``loss_reduction="mean"``, ``None`` for ``"sum"``) divided by :attr:`grad_scale`;
+            ``None`` when that is 1 (no scaling).
+        factor: :attr:`scale` as a number (``1.0`` for ``None``).
+        divisor: ``D`` (``B`` or ``1.0``): the batch loss is ``(1/D) sum_n l_n``.
+        grad_scale: ``S``, the ``GradScaler``'s scale the backward used (``1.0`` without one):
+            the records are ``S`` times the gradients of the loss.
         loss_reduction, batch_first: as given to :func:`gradhooks.attach`.
         names: ``{id(param): name}`` of the model's parameters, in ``named_parameters()`` order.
         order: ``{id(param): position}`` in that order.
@@ -212,15 +218,18 @@ class Batch:
 
     __slots__ = ("records", "size", "scale", "divisor", "loss_reduction", "batch_first", "names",
                  "order", "params", "layers", "totals", "checking", "check_key", "cache", "pool",
-                 "releasing", "_on_passed")
+                 "releasing", "_on_passed", "grad_scale", "factor")
 
     def __init__(self, recorder, records: Tuple[Record, ...], check_key: Optional[tuple],
-                 checking: bool, on_passed: Callable[[tuple], None]):
+                 checking: bool, on_passed: Callable[[tuple], None], grad_scale: float = 1.0):
         # ``recorder``: the :class:`~gradhooks.capture.Recorder` (its public attributes).
         self.records = records
         self.size: int = recorder.batch_size
-        self.scale = own_loss_scale(recorder.loss_reduction, self.size)
-        self.divisor = 1.0 if self.scale is None else self.scale
+        own = own_loss_scale(recorder.loss_reduction, self.size)
+        self.divisor = 1.0 if own is None else own
+        self.grad_scale = grad_scale
+        self.scale = own if grad_scale == 1.0 else self.divisor / grad_scale
+        self.factor = 1.0 if self.scale is None else self.scale
         self.loss_reduction = recorder.loss_reduction
         self.batch_first = recorder.batch_first
         self.names: Mapping[int, str] = recorder.names

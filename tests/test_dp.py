@@ -599,14 +599,21 @@ def test_sum_check_schedule_follows_per_sample_grads(monkeypatch):
         assert not calls
 
 
-def test_trainable_parameter_without_hooks():
-    model = nn.Sequential(nn.Linear(3, 3), nn.PReLU())
+def test_parameter_unfrozen_after_attach_is_followed():
+    """The PReLU, frozen at attach, is not hooked; unfrozen, the next forward hooks it (issue
+    17: followed, not silently left out of the clipped sum)."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.PReLU()).double()
     model[1].weight.requires_grad_(False)
-    with gradhooks.attach(model) as gh:  # the PReLU, frozen, is not hooked
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with pytest.warns(gradhooks.FallbackWarning), gradhooks.attach(model, loss_reduction="sum") as gh:
         model[1].weight.requires_grad_(True)
-        model(torch.randn(2, 3)).sum().backward()
-        with pytest.raises(gradhooks.GradHooksError, match=r"'1.weight' are not covered"):
-            gh.clip_and_accumulate(1.0)
+        model(x).sum().backward()
+        ours = gh.per_sample_grads()
+    ref = gradhooks.looped_per_sample_grads(model, lambda out, y: out.sum(), x, x,
+                                            loss_reduction="sum")
+    assert list(ours) == ["0.weight", "0.bias", "1.weight"]
+    for name, g in ref.items():
+        _assert_close(ours[name], g, torch.float64, name)
 
 
 # ------------------------------------------------------------------------------------ example
