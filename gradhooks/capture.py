@@ -133,6 +133,10 @@ class Recorder:
         self._module_ids: set = set()  # ids of the model's modules (registration hooks)
         self._unhooked: List[nn.Parameter] = []  # frozen parameters no layer covers
         self._changed: Optional[str] = None  # what changed in the model since the last sync
+        # Under torch.compile the recording runs eagerly (a graph break), instead of dynamo
+        # tracing it and recompiling for every record; the filters above stay traceable.
+        self._record = torch.compiler.disable(self._on_forward)
+        self._model_forward = torch.compiler.disable(self._on_model_forward)
         self.reset_batch()
         self._attach()
 
@@ -277,13 +281,13 @@ class Recorder:
     def _on_pre_forward(self, module: nn.Module, args) -> None:
         # Global forward pre-hook: only the model's own forward starts anything.
         if module is self.model:
-            self._on_model_forward(module, args)
+            self._model_forward(module, args)
 
     def _on_any_forward(self, module: nn.Module, args, kwargs, output) -> None:
         # Global forward hook: the hooked layers' calls.
         layer = self._layer_of.get(id(module))
         if layer is not None:
-            self._on_forward(layer, module, args, kwargs, output)
+            self._record(layer, module, args, kwargs, output)
 
     def _on_forward(self, layer: Layer, module: nn.Module, args, kwargs, output) -> None:
         # Hot path: runs for every call of every hooked layer, so attribute lookups and Python
@@ -330,11 +334,18 @@ class Recorder:
             if self._batch_size is None:
                 self._batch_size, self._batch_source, self._batch_forward = b, layer.describe(), self._forward_id
             else:
+                hint = ("check the input layout, or pass batch_first=False for (T, B, ...) "
+                        "inputs.")
+                if type(module).__module__.startswith("opacus."):  # RNNLinear in a DP RNN
+                    hint = ("Opacus' DPLSTM / DPGRU / DPRNN run their cells on fewer samples at "
+                            "later time steps of a PackedSequence, so these calls cover only part "
+                            "of the batch: use torch's nn.LSTM / nn.GRU / nn.RNN (gradhooks' "
+                            "recurrent rule takes PackedSequence), or padded inputs.")
                 raise BatchSizeError(
                     f"module {layer.describe()} sees batch size {b}, but {self._batch_source} saw "
                     f"{self._batch_size} in the same forward. Per-sample gradients need every hooked "
                     f"layer to see the whole batch on the batch dim (batch_first={self.batch_first}); "
-                    f"check the input layout, or pass batch_first=False for (T, B, ...) inputs."
+                    + hint
                 )
         self._calls += 1
         if rule.multi_io:

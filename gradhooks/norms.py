@@ -556,5 +556,5 @@ def per_sample_grad_norms(recorder: Recorder, *, per_param: bool = False) -> Uni
 def result_sq_norms(grads: Dict[str, Tensor]) -> Dict[str, Tensor]:
     """``{name: (B,)}`` squared L2 norms of materialised per-sample gradients ``(B, ...)``, in
     at least float32."""
-    return {name: sq_norms(t.reshape(t.shape[0], -1).to(compute_dtype(t)), 1)
+    return {name: sq_norms(t.flatten(1).to(compute_dtype(t)), 1)
             for name, t in grads.items()}

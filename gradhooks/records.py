@@ -110,8 +110,12 @@ def find_layers(model: nn.Module, strict: bool, hooked: Callable[[nn.Module], bo
     A module with trainable parameters gets its rule (exact type, then parents:
     :func:`~gradhooks.registry.find_rule`), or the ``torch.func`` fallback for parameters no rule
     handles (one :class:`FallbackWarning` lists them); a rule may claim a submodule's parameters
-    (``MultiheadAttention``'s ``out_proj``), which is then not hooked itself. Parameter-free
-    modules whose rule must validate every call (``BatchNorm(affine=False)``) are included.
+    (``MultiheadAttention``'s ``out_proj``), which is then not hooked itself. A parameter that a
+    module and one of its descendants both register (Opacus' ``DPLSTM`` / ``DPGRU`` / ``DPRNN``
+    register their cells' weights again under the ``nn.LSTM`` names) is handled by the
+    descendant, which computes with it; results keep the model's names
+    (``named_parameters()``). Parameter-free modules whose rule must validate every call
+    (``BatchNorm(affine=False)``) are included.
 
     Args:
         model: the model.
@@ -126,8 +130,20 @@ def find_layers(model: nn.Module, strict: bool, hooked: Callable[[nn.Module], bo
     layers: List[Layer] = []
     unsupported, fallback = [], []
     claimed: set = set()  # ids of submodules an ancestor's rule claims (MHA's out_proj)
+    registered: Dict[int, List[str]] = {}  # id(param) -> paths of the modules that register it
     for path, module in model.named_modules():
-        own = dict(module.named_parameters(recurse=False))
+        for p in module._parameters.values():
+            if p is not None:
+                registered.setdefault(id(p), []).append(path)
+
+    def alias(path: str, p: nn.Parameter) -> bool:
+        # ``p`` is registered again by a descendant of ``path`` (Opacus' DPLSTM registers its
+        # cells' weights under its own names): the descendant computes with it and handles it.
+        prefix = path + "." if path else ""
+        return any(q != path and q.startswith(prefix) for q in registered[id(p)])
+
+    for path, module in model.named_modules():
+        own = {n: p for n, p in module.named_parameters(recurse=False) if not alias(path, p)}
         if not own:
             rule = find_rule(module, path)
             if rule is not None and rule.check_always:  # BatchNorm(affine=False)
@@ -142,6 +158,7 @@ def find_layers(model: nn.Module, strict: bool, hooked: Callable[[nn.Module], bo
                 raise
             rule = None
         handled = rule.params_of(module) if rule is not None else {}
+        handled = {n: p for n, p in handled.items() if "." in n or n in own}
         extra = [n for n, p in own.items() if n not in handled and p.requires_grad]
         if extra:
             if strict:
