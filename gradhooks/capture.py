@@ -474,6 +474,7 @@ class Recorder:
         else:
             total.add(grad)
         self._param_passes[pid] = self._param_passes.get(pid, 0) + 1
+        self._backward_seen = True  # (also when no hook ran: the next forward starts anew)
         return None
 
     # ------------------------------------------------------------------ what readers see
@@ -656,7 +657,14 @@ class Recorder:
             GradHooksError: if the pass must compute parameter gradients and none is trainable.
         """
         walked = walk(loss.grad_fn, self)
-        caps, captures, events = walked or ([], [], {})
+        if walked is None:
+            raise GradHooksError(
+                "GradHooks.backward(loss) cannot reach the layers inside a reentrant "
+                "torch.utils.checkpoint (use_reentrant=True): their backward runs only within "
+                "loss.backward(), which torch.autograd.grad does not call into. Use "
+                "loss.backward() (exact, per-sample results as usual), or "
+                "checkpoint(..., use_reentrant=False)")
+        caps, captures, events = walked
         key = tuple((id(c.layer), c.names) for c in caps)
         edges_mode = (self.sum_check.edges_allowed(key) and self._edges_complete and bool(caps)
                       and walked is not None)

@@ -433,6 +433,8 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noi
             f"{shape}" + ("" if not isinstance(losses, Tensor) or losses.requires_grad
                           else " not requiring grad"))
     divisor = own_loss_scale(recorder.loss_reduction, batch) or 1.0
+    scaler = recorder.grad_scaler if recorder.grad_scale() != 1.0 else None
+    total = losses.sum() if scaler is None else scaler.scale(losses.sum())
     scale = recorder.grad_scale()  # S: both passes backpropagate S times the losses
     if batch == 0:  # an empty (Poisson) batch: the clipped sum is 0, the noise is not
         recorder.reset_batch()
@@ -446,7 +448,6 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noi
         streams.append(_NormStream(recorder, caps, events))
         return streams[0]
 
-    total = losses.sum() if scale == 1.0 else losses.sum() * scale
     with no_autocast():
         if recorder.drive(total, None, True, stream):
             sq = streams[0].finish()
@@ -462,8 +463,9 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noi
     recorder.reset_batch()  # records consumed; the second pass records nothing
     for _, p in trainable:
         p.grad = None
+    second = (losses * (factors / divisor).to(losses.dtype)).sum()
     with recorder.muted():
-        (losses * (factors * (scale / divisor)).to(losses.dtype)).sum().backward()
+        (second if scaler is None else scaler.scale(second)).backward()
     _add_noise(trainable, {id(p) for _, p in trainable if p.grad is not None},
                noise_multiplier * max_norm * scale / divisor, generator)
     _skip_if_not_finite(recorder, trainable, norms)

@@ -57,7 +57,7 @@ def walk(root, owner) -> Optional[Tuple[list, List[tuple], Dict[int, int]]]:
     whose nodes ``owner`` tagged (:func:`tag`), in the order of a depth-first walk from the loss, the
     edges to ask autograd for, ``[(GradientEdge, capture, leaf)]``, and ``{id(capture):
     number of its tags}`` (the hook calls a pass gives it); ``None`` if the graph holds a
-    :data:`RECOMPUTING` node (then only an ordinary backward reaches every hooked layer).
+    :data:`RECOMPUTING` node (then only ``loss.backward()`` reaches every hooked layer).
 
     Autograd runs a node iff a requested edge lies below it. So only the tagged nodes with
     no tagged node below them (the first layers) are requested -- their output edge, or for

@@ -19,6 +19,7 @@ from .errors import GradHooksError
 from .kfac import KFACFactors, kfac_factors
 from .norms import per_sample_grad_norms
 from .per_sample import per_sample_grads
+from .spotcheck import check_samples
 from .statistics import sum_grad_squared, variance
 
 __all__ = ["attach", "GradHooks"]
@@ -248,6 +249,16 @@ class GradHooks:
         return kfac_factors(self.recorder, kfac_approx, backward_passes=backward_passes,
                             modules=modules, max_dense=max_dense, all_reduce=all_reduce,
                             group=group)
+
+    def check_samples(self, loss_fn, inputs, targets, *, samples: int = 2,
+                      generator: Optional[torch.Generator] = None) -> None:
+        """Spot check against mixing samples: recompute ``samples`` random samples of the
+        current batch alone (``model(*inputs[n:n+1])``, ``loss_fn`` of it) and compare with their
+        rows of :meth:`per_sample_grads`; raises :class:`~gradhooks.GradientMismatchError` when
+        the loss or the model mixes samples (which the sum check cannot see). Arguments:
+        :func:`gradhooks.spotcheck.check_samples`."""
+        check_samples(self.recorder, loss_fn, inputs, targets, samples=samples,
+                      generator=generator)
 
     def sum_grad_squared(self) -> Dict[str, Tensor]:
         """Diagonal of the empirical Fisher ``{name: (*param.shape)}``, ``sum_n g_n**2`` of the
