@@ -29,6 +29,7 @@ named relative to the module (``"parametrizations.weight.original0"``), so
 """
 from __future__ import annotations
 
+import warnings
 from typing import Dict, Iterable, Optional
 
 import torch
@@ -90,7 +91,10 @@ class ParametrizedRule(LayerRule):
             grad_w = out.pop(t)  # (B, *W.shape)
             plist = module.parametrizations[t]
             originals = {k: p.detach() for k, p in plist.named_parameters(recurse=False)}
-            with paused(), torch.enable_grad():
+            with paused(), torch.enable_grad(), warnings.catch_warnings():
+                # weight_norm's backward has no batching rule: vmap loops over the samples in
+                # C++ and says so on every read; the result is exact, the cost is in the README
+                warnings.filterwarnings("ignore", message="There is a performance drop")
                 w, pull = vjp(lambda o: functional_call(plist, o, ()), originals)
                 per = vmap(pull)(grad_w.to(w.dtype))[0]
             for k, v in per.items():
