@@ -199,7 +199,7 @@ def no_total(name: str) -> GradientMismatchError:
 
 
 def projection_terms(name: str, a: Tensor, g: Tensor, total: Optional[GradTotal],
-                      rows: Optional[slice] = None) -> Tensor:
+                      rows: Optional[slice] = None, transposed: bool = False) -> Tensor:
     """Sum check of a Gram-form weight on a random rank-one projection (module docstring):
     ``(got, ref, bound)``, with ``got = sum_{n,g,s} (a . u)(g . v_g)`` from the records,
     ``ref = v^T W u`` from autograd's gradient ``W`` (viewed as ``(dim 0, rest)``,
@@ -207,7 +207,9 @@ def projection_terms(name: str, a: Tensor, g: Tensor, total: Optional[GradTotal]
     errors of both (``sum |a . u||g . v| + ||W|| ||u|| ||v||``). ``a`` ``(N, G, S, I)``, ``g``
     ``(N, G, S, O)``: the canonical form, or one row block ``rows`` of ``W`` (``G = 1``); then
     ``ref`` and the bound's second term count only for the first block (``rows.start == 0``):
-    the blocks' ``got`` add up to the whole projection.
+    the blocks' ``got`` add up to the whole projection. ``transposed``: the weight is stored as
+    ``W^T`` ``(I, O)`` (:attr:`~gradhooks.registry.LayerRule.weight_transposed`), so ``u`` runs
+    over ``O`` and ``v`` over ``I``: ``got = sum (a . v)(g . u)`` (``G = 1``, no ``rows``).
 
     Raises:
         GradientMismatchError: if autograd computed no gradient for the parameter.
@@ -216,6 +218,8 @@ def projection_terms(name: str, a: Tensor, g: Tensor, total: Optional[GradTotal]
         raise no_total(name)
     shape = total.shape
     u, v, uv = bilinear_directions(shape[0], shape.numel() // shape[0], a.dtype, a.device)
+    if transposed:
+        u, v = v, u
     if rows is not None:
         v = v[rows]
     grp, o = a.shape[1], g.shape[-1]

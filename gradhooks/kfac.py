@@ -93,6 +93,10 @@ class KFACFactors:
         groups: number of convolution groups (1 for a Linear).
         kfac_approx: ``"expand"`` or ``"reduce"``.
         diagonal_A / diagonal_G: the factor is stored as its diagonal (``max_dense``).
+        weight_transposed: the weight is stored as ``W^T``, ``(d_in, d_out)`` (transformers'
+            ``Conv1D``, :attr:`~gradhooks.registry.LayerRule.weight_transposed`):
+            :meth:`grad_matrix` transposes it into the ``(d_out, d_in)`` block of ``[W b]`` and
+            :meth:`split` back, so the factors act on ``[W b]`` as for an ``nn.Linear``.
 
     The block of the Fisher / GGN for ``[W[g] b[g]]`` flattened row-major is
     ``torch.kron(G[g], A[g])`` (:meth:`dense` gives it in the parameters' own order);
@@ -110,6 +114,7 @@ class KFACFactors:
     kfac_approx: str = "expand"
     diagonal_A: bool = False
     diagonal_G: bool = False
+    weight_transposed: bool = False
 
     @property
     def params(self) -> Tuple[str, ...]:
@@ -139,6 +144,8 @@ class KFACFactors:
         parts = []
         if self.weight is not None:
             w = grads[self.weight]
+            if self.weight_transposed:  # (d_in, d_out) -> (d_out, d_in); groups is 1
+                w = w.t()
             parts.append(w.reshape(self.groups, w.shape[0] // self.groups, -1))
         if self.bias is not None:
             parts.append(grads[self.bias].reshape(self.groups, -1, 1))
@@ -151,7 +158,9 @@ class KFACFactors:
         out = {}
         if self.weight is not None:
             cols = mat.shape[-1] - (self.bias is not None)
-            out[self.weight] = mat[..., :cols].reshape(self.weight_shape)
+            w = mat[..., :cols]
+            out[self.weight] = (w[0].t().contiguous() if self.weight_transposed
+                                else w.reshape(self.weight_shape))
         if self.bias is not None:
             out[self.bias] = mat[..., -1].reshape(-1)
         return out
@@ -388,6 +397,7 @@ def kfac_factors(
             bias=batch.names[id(layer.params["bias"])] if e.bias else None,
             weight_shape=tuple(weight.shape) if weight is not None else None,
             groups=groups, kfac_approx=kfac_approx, diagonal_A=e.diag_a, diagonal_G=e.diag_g,
+            weight_transposed=layer.rule.weight_transposed,
         )
     return out
 

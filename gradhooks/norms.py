@@ -343,7 +343,9 @@ def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[int
     def project(pid: int, a: Tensor, g: Tensor, caps) -> None:
         low = next((cap.low for cap in caps if cap.low is not None), a.dtype)
         name = plans[pid].name
-        projections.append((name, projection_terms(name, a, g, batch.totals.get(pid)), low))
+        transposed = caps[0].layer.rule.weight_transposed
+        projections.append((name, projection_terms(name, a, g, batch.totals.get(pid),
+                                                   transposed=transposed), low))
 
     done = set()
     for cap, unit in zip(batch.records, units):

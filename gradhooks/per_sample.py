@@ -122,7 +122,7 @@ def call_grads(rule, module: nn.Module, a, grads, batch_first: bool,
     scale_a = scale_g = False
     if scale is not None:
         own = module._parameters  # (faster than nn.Module.__getattr__)
-        out_numel = g.shape[0] * sum((own[n] if n in own else getattr(module, n)).numel()
+        out_numel = g.shape[0] * sum((own[n] if n in own else module.get_parameter(n)).numel()
                                      for n in names)
         # The results are linear in g, and for rules with ``weight_linear_in_input`` the
         # weight's is linear in a too (the bias's does not depend on a): scale the smallest of

@@ -6,10 +6,14 @@ loss w.r.t. its output ``g`` (grad_output, "backprops") -- it forms the per-samp
 each parameter the module owns. Adding a layer family means adding one file under
 ``gradhooks/rules/`` with a class decorated by :func:`register_rule`; nothing else changes.
 
-Lookup is by exact type first, then by the class's parents (``type(module).__mro__``) so that
-subclasses are covered, but only if the subclass keeps the parent's ``forward``: a subclass that
-overrides ``forward`` computes something else, and the parent's rule would silently give wrong
-numbers, so :func:`find_rule` refuses it with :class:`UnsupportedModuleError`.
+Lookup is by exact type first; then the *recognisers* (:func:`register_recogniser`) may name a
+rule for a module whose class gradhooks cannot import (transformers' ``Conv1D``, timm's
+``LayerNorm2d``: :mod:`gradhooks.rules.known`) or whose class is made at run time
+(``torch.nn.utils.parametrize``: :mod:`gradhooks.rules.parametrize`); then the class's parents
+(``type(module).__mro__``) so that subclasses are covered, but only if the subclass keeps the
+parent's ``forward``: a subclass that overrides ``forward`` computes something else, and the
+parent's rule would silently give wrong numbers, so :func:`find_rule` refuses it with
+:class:`UnsupportedModuleError`.
 """
 from __future__ import annotations
 
@@ -27,7 +31,9 @@ __all__ = [
     "Block",
     "Rows",
     "register_rule",
+    "register_recogniser",
     "find_rule",
+    "find_type_rule",
     "supported_types",
 ]
 
@@ -111,6 +117,15 @@ class LayerRule:
     #: ``bias`` result does not depend on them (Linear, Conv): the ``loss_reduction`` scale may
     #: then be applied to ``a`` when it is the smallest tensor.
     weight_linear_in_input: bool = False
+
+    #: ``True`` if the module stores its weight transposed, ``(I, O)`` instead of ``(O, I)``
+    #: (transformers' ``Conv1D``: ``y = x @ W + b``). :meth:`linear_form` is unchanged (the
+    #: canonical ``a``, ``g``; ``W[g]`` there is ``weight.T``), so norms (Frobenius, layout-free)
+    #: need nothing; a reader that reshapes a weight-shaped tensor into ``(G, O, I)`` (KFAC's
+    #: ``grad_matrix``) must transpose it first, and the rule's :meth:`per_sample_grads` and
+    #: :meth:`weighted_sum` return the weight's own layout ``(B, I, O)`` / ``(I, O)``. Only
+    #: ``G = 1`` is allowed with it.
+    weight_transposed: bool = False
 
     #: ``True`` if the rule implements :meth:`linear_form` (the layer is linear in its weight:
     #: ``nn.Linear``, ``nn.ConvNd``). Readers then form norms, clipped sums and KFAC factors from
@@ -244,6 +259,26 @@ class LayerRule:
 
 _RULES: Dict[Type[nn.Module], LayerRule] = {}
 
+#: ``recognise(module, path) -> LayerRule | None``, asked in order after the exact-type lookup.
+_RECOGNISERS: List[Callable[[nn.Module, str], Optional[LayerRule]]] = []
+
+
+def register_recogniser(recognise: Callable[[nn.Module, str], Optional[LayerRule]]
+                        ) -> Callable[[nn.Module, str], Optional[LayerRule]]:
+    """Register a function that names a rule for modules the type registry cannot list.
+
+    ``recognise(module, path)`` returns a :class:`LayerRule` for ``module`` or ``None`` (not
+    its kind). :func:`find_rule` asks the recognisers, in registration order, for every module
+    whose exact type has no rule, before it looks at the class's parents; so a recogniser runs
+    at :func:`gradhooks.attach` only, and may afford a check of what the module computes (one
+    small forward). Used by :mod:`gradhooks.rules.known` (layers of transformers / timm /
+    torchvision matched by class name and checked on a probe input) and
+    :mod:`gradhooks.rules.parametrize` (``torch.nn.utils.parametrize``). Returns
+    ``recognise`` (usable as a decorator).
+    """
+    _RECOGNISERS.append(recognise)
+    return recognise
+
 
 def register_rule(*module_types: Type[nn.Module]) -> Callable[[type], type]:
     """Class decorator: register a :class:`LayerRule` subclass for ``module_types``.
@@ -279,13 +314,31 @@ def supported_types() -> Tuple[str, ...]:
 def find_rule(module: nn.Module, path: str = "") -> Optional[LayerRule]:
     """Return the rule for ``module``'s type, or ``None`` if it has none.
 
-    Exact type first, then the parents in method resolution order.
+    Exact type first, then the recognisers (:func:`register_recogniser`), then the parents in
+    method resolution order (:func:`find_type_rule`).
 
     Raises:
         UnsupportedModuleError: if ``module`` is a subclass of a supported type that overrides
-            ``forward`` (the parent's rule would not match what it computes).
+            ``forward`` (the parent's rule would not match what it computes) and no recogniser
+            claims it.
     """
     cls = type(module)
+    if cls in _RULES:
+        return _RULES[cls]
+    for recognise in _RECOGNISERS:
+        rule = recognise(module, path)
+        if rule is not None:
+            return rule
+    return find_type_rule(cls, path)
+
+
+def find_type_rule(cls: Type[nn.Module], path: str = "") -> Optional[LayerRule]:
+    """The registered rule of the class ``cls`` or of its nearest registered parent whose
+    ``forward`` it keeps; ``None`` if there is none (no recognisers asked).
+
+    Raises:
+        UnsupportedModuleError: as :func:`find_rule`.
+    """
     if cls in _RULES:
         return _RULES[cls]
     for parent in cls.__mro__[1:]:

@@ -72,3 +72,91 @@ class LinearRule(LayerRule):
         if "bias" in names:
             out["bias"] = bias_grad(g, (n, *module.bias.shape))
         return out
+
+
+class TransposedLinearRule(LinearRule):
+    """A Linear layer that stores its weight transposed: transformers' ``Conv1D`` (GPT, GPT-2;
+    Radford et al. 2018/2019), ``y = x @ W + b`` with ``weight`` ``(I, O)`` and ``bias`` ``(O,)``.
+
+    Not registered by type (gradhooks does not import transformers): :mod:`gradhooks.rules.known`
+    recognises the class by name and checks :meth:`formula` against the module on a probe input.
+    ``a`` is ``(B, *, I)``, ``g`` ``(B, *, O)`` (batch on dim 1 of 3-D+ inputs with
+    ``batch_first=False``, as for ``nn.Linear``). The canonical form (:meth:`linear_form`) is
+    ``nn.Linear``'s, whose ``W[g]`` is ``weight.T`` here (:attr:`weight_transposed`); per-sample
+    gradients (Goodfellow 2015, sec. 3, transposed)::
+
+        dL_n/dweight = sum_s a[n, s] g[n, s]^T   (I, O)        dL_n/dbias = sum_s g[n, s]
+
+    Returns ``weight``: ``(B, I, O)``, ``bias``: ``(B, O)``.
+
+    Raises:
+        BatchSizeError: for an input without a batch dim.
+    """
+
+    weight_transposed = True
+
+    def batch_size(self, module: nn.Module, x: Tensor, batch_first: bool) -> int:
+        if x.dim() < 2:
+            raise BatchSizeError(
+                f"got an unbatched input of shape {tuple(x.shape)}; per-sample gradients need a "
+                f"batch dimension: pass (B, {module.weight.shape[0]}) (e.g. x.unsqueeze(0))"
+            )
+        return x.shape[_batch_dim(x, batch_first)]
+
+    def formula(self, module: nn.Module, x: Tensor) -> Tensor:
+        """What the rule assumes the module computes: ``x @ weight + bias``."""
+        y = x @ module.weight
+        return y if module.bias is None else y + module.bias
+
+    def probe_input(self, module: nn.Module) -> Optional[Tensor]:
+        """A small ``(2, 3, I)`` input for :mod:`gradhooks.rules.known`'s check, or ``None``
+        when the parameters are not those of a transposed Linear."""
+        w, b = getattr(module, "weight", None), getattr(module, "bias", None)
+        if not isinstance(w, nn.Parameter) or w.dim() != 2:
+            return None
+        if b is not None and (not isinstance(b, nn.Parameter) or b.shape != (w.shape[1],)):
+            return None
+        if {n for n, _ in module.named_parameters(recurse=False)} - {"weight", "bias"}:
+            return None
+        return torch.randn(2, 3, w.shape[0], dtype=w.dtype, device=w.device)
+
+    def per_sample_grads(
+        self, module: nn.Module, a: Tensor, g: Tensor, batch_first: bool, names: Iterable[str]
+    ) -> Dict[str, Tensor]:
+        out = {}
+        if a.dim() == 2:  # (B, I), (B, O), S = 1: outer products, without the canonical views
+            if "weight" in names:
+                w = new_empty((a.shape[0], *module.weight.shape), a)
+                out["weight"] = torch.mul(a.unsqueeze(2), g.unsqueeze(1), out=w)
+            if "bias" in names:
+                out["bias"] = new_empty(g.shape, g).copy_(g)
+            return out
+        a4, g4 = self.linear_form(module, a, g, batch_first)  # (N, 1, S, I), (N, 1, S, O)
+        n = g4.shape[0]
+        if "weight" in names:
+            w = new_empty((n, *module.weight.shape), a4)
+            out["weight"] = torch.matmul(a4[:, 0].transpose(1, 2), g4[:, 0], out=w)
+        if "bias" in names:
+            out["bias"] = bias_grad(g4, (n, *module.bias.shape))
+        return out
+
+    def weighted_sum(self, module: nn.Module, a: Tensor, g: Tensor, c: Tensor, batch_first: bool,
+                     names: Iterable[str], out: Optional[Dict[str, Tensor]] = None
+                     ) -> Dict[str, Tensor]:
+        """``sum_{n,s} c_n a[n,s] g[n,s]^T`` ``(I, O)`` for the weight (one ``mm``), the bias
+        as :meth:`LayerRule.weighted_sum` (Bu et al. 2023, sec. 3, book-keeping)."""
+        out = out or {}
+        names = tuple(names)
+        result = {}
+        if "bias" in names:
+            result.update(super().weighted_sum(module, None, g, c, batch_first, ("bias",), out))
+        if "weight" in names:
+            a_c, g_c = self.linear_form(module, a, g, batch_first)
+            n = a_c.shape[0]
+            if a_c.numel() < g_c.numel():
+                a_c = a_c * c.view(n, 1, 1, 1)
+            else:
+                g_c = g_c * c.view(n, 1, 1, 1)
+            result["weight"] = torch.mm(a_c.reshape(-1, a_c.shape[-1]).t(), g_c.reshape(-1, g_c.shape[-1]),
+                                        out=out.get("weight"))
+        return result

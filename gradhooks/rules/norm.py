@@ -124,17 +124,23 @@ class _TrailingNormRule(_AffineNormRule):
     """
 
     @staticmethod
-    def _batch_dim(module: nn.Module, x: Tensor, batch_first: bool) -> int:
+    def normalized_shape(module: nn.Module) -> Tuple[int, ...]:
+        """The trailing dims normalised over (``module.normalized_shape``; the weight's shape
+        for layers that do not store it)."""
+        return tuple(module.normalized_shape)
+
+    def _batch_dim(self, module: nn.Module, x: Tensor, batch_first: bool) -> int:
         # As nn.Linear: batch_first=False means torch's sequence layout, but an input with a
         # single dim before normalized_shape has only one candidate batch dim.
-        return 0 if batch_first or x.dim() < len(module.normalized_shape) + 2 else 1
+        return 0 if batch_first or x.dim() < len(self.normalized_shape(module)) + 2 else 1
 
     def batch_size(self, module: nn.Module, x: Tensor, batch_first: bool) -> int:
         """``B``. Raises :class:`BatchSizeError` for an input without a dim before ``normalized_shape``."""
-        if x.dim() <= len(module.normalized_shape):
+        shape = self.normalized_shape(module)
+        if x.dim() <= len(shape):
             raise BatchSizeError(
                 f"got an unbatched input of shape {tuple(x.shape)} (only the normalized_shape "
-                f"{tuple(module.normalized_shape)}); per-sample gradients need a batch dimension: "
+                f"{shape}); per-sample gradients need a batch dimension: "
                 f"pass (B, *normalized_shape) (e.g. x.unsqueeze(0))"
             )
         return x.shape[self._batch_dim(module, x, batch_first)]
@@ -143,12 +149,11 @@ class _TrailingNormRule(_AffineNormRule):
         """``t`` shaped like the input -> ``(B, *normalized_shape)``, summed over positions."""
         bd = self._batch_dim(module, t, batch_first)
         # (B, S, *normalized_shape), or (T, B, S, *normalized_shape): no transposed copy
-        lead = t.reshape(*t.shape[:bd + 1], -1, *module.normalized_shape)
+        lead = t.reshape(*t.shape[:bd + 1], -1, *self.normalized_shape(module))
         return lead.sum((0, 2)) if bd == 1 else lead.sum(1)
 
-    @staticmethod
-    def _norm_dims(module: nn.Module) -> Tuple[int, ...]:
-        return tuple(range(-len(module.normalized_shape), 0))
+    def _norm_dims(self, module: nn.Module) -> Tuple[int, ...]:
+        return tuple(range(-len(self.normalized_shape(module)), 0))
 
 
 @register_rule(nn.LayerNorm)
@@ -161,6 +166,18 @@ class LayerNormRule(_TrailingNormRule):
 
     def normalised(self, module: nn.Module, a: Tensor) -> Tensor:
         return _standardise(a, self._norm_dims(module), module.eps)
+
+    def formula(self, module: nn.Module, x: Tensor) -> Tensor:
+        """What the rule assumes the module computes (for :mod:`gradhooks.rules.known`'s check of
+        subclasses such as timm's ``LayerNorm``): ``F.layer_norm`` with the module's options."""
+        return F.layer_norm(x, module.normalized_shape, module.weight, module.bias, module.eps)
+
+    def probe_input(self, module: nn.Module) -> Optional[Tensor]:
+        """``(2, 3, *normalized_shape)`` in the weight's dtype, or ``None`` without a weight."""
+        w = module.weight
+        if not isinstance(w, nn.Parameter):
+            return None
+        return torch.randn(2, 3, *module.normalized_shape, dtype=w.dtype, device=w.device)
 
 
 @register_rule(nn.RMSNorm)
@@ -298,3 +315,149 @@ class BatchNormRule(_ChannelNormRule):
         if _uses_batch_stats(module):
             return _standardise(a, (0,) + tuple(range(2, a.dim())), module.eps)
         return _running_standardise(module, a)
+
+
+# --------------------------------------------------------------------------- other libraries' norms
+# Not registered by type (gradhooks imports neither transformers nor timm nor torchvision):
+# gradhooks.rules.known recognises these classes by name and checks ``formula`` against the
+# module's own forward on ``probe_input`` before it uses the rule.
+
+def _eps_of(module: nn.Module) -> float:
+    eps = getattr(module, "variance_epsilon", None)
+    return getattr(module, "eps", 1e-6) if eps is None else eps
+
+
+class RMSNormLikeRule(_TrailingNormRule):
+    """An RMSNorm written in the model's own code: transformers' ``LlamaRMSNorm``,
+    ``Qwen2RMSNorm``, ``MistralRMSNorm`` ..., ``T5LayerNorm``; timm's ``RmsNorm``.
+
+    ``y = weight * x̂``, ``x̂ = x / sqrt(mean(x^2) + eps)`` over the last ``weight.dim()`` dims
+    (Zhang & Sennrich 2019, eq. 4), with ``eps`` the module's ``variance_epsilon`` or ``eps``.
+    These layers differ in where they round, which matters at float64's precision, so the rule
+    comes in three ``precision`` variants and :mod:`gradhooks.rules.known` picks the one whose
+    :meth:`formula` equals the module's output on a float64 probe:
+
+    * ``"input"``: everything in the input's dtype (timm ``RmsNorm``, ``nn.RMSNorm``);
+    * ``"float32"``: ``x̂`` computed in float32 and cast back to the input's dtype
+      (``LlamaRMSNorm`` and its copies: ``hidden_states.to(torch.float32)``);
+    * ``"float32-variance"``: only ``mean(x^2)`` in float32, the product in the input's dtype
+      (``T5LayerNorm``).
+
+    Input ``(B, *, D)`` (``batch_first`` as ``nn.Linear``); returns ``weight``: ``(B, D)``.
+
+    Raises:
+        BatchSizeError: for an input without a batch dim.
+    """
+
+    param_names = ("weight",)
+
+    def __init__(self, precision: str = "input"):
+        if precision not in ("input", "float32", "float32-variance"):
+            raise ValueError(f"unknown precision {precision!r}")
+        self.precision = precision
+
+    @staticmethod
+    def normalized_shape(module: nn.Module) -> Tuple[int, ...]:
+        return tuple(module.weight.shape)
+
+    def normalised(self, module: nn.Module, a: Tensor) -> Tensor:
+        dims, eps = self._norm_dims(module), _eps_of(module)
+        if self.precision == "input":
+            return a * torch.rsqrt(a.square().mean(dims, keepdim=True).add_(eps))
+        a32 = a.to(torch.float32)
+        inv = torch.rsqrt(a32.pow(2).mean(dims, keepdim=True) + eps)
+        if self.precision == "float32":
+            return (a32 * inv).to(a.dtype)
+        return a * inv  # (float64 * float32 -> float64, as T5LayerNorm)
+
+    def formula(self, module: nn.Module, x: Tensor) -> Tensor:
+        """``weight * x̂`` as the module is assumed to compute it."""
+        return module.weight * self.normalised(module, x)
+
+    def probe_input(self, module: nn.Module) -> Optional[Tensor]:
+        """``(2, 3, *weight.shape)`` in float64 (where the variants differ), or ``None`` if the
+        module's only parameter is not a ``weight``."""
+        w = getattr(module, "weight", None)
+        if not isinstance(w, nn.Parameter) or [n for n, _ in module.named_parameters(recurse=False)] != ["weight"]:
+            return None
+        return torch.randn(2, 3, *w.shape, dtype=torch.float64, device=w.device)
+
+
+class LayerNorm2dRule(_ChannelNormRule):
+    """LayerNorm over the channels of an NCHW tensor: timm's and torchvision's ``LayerNorm2d``
+    (ConvNeXt), an ``nn.LayerNorm`` subclass that permutes to NHWC, normalises the last dim and
+    permutes back.
+
+    ``x̂[n, :, h, w] = (x[n, :, h, w] - mean) / sqrt(var + eps)`` over the ``C`` channels of
+    each pixel (Ba et al. 2016, sec. 3; Liu et al. 2022, arXiv:2201.03545, sec. 2.6), then the
+    channel-wise affine map of this module's docstring. Input ``(B, C, *spatial)`` (batch on
+    dim 0); returns ``weight`` and ``bias``: ``(B, C)``.
+
+    Raises:
+        BatchSizeError: for an input without a batch dim.
+    """
+
+    def normalised(self, module: nn.Module, a: Tensor) -> Tensor:
+        x = a.movedim(1, -1)  # (B, *spatial, C), a view
+        return F.layer_norm(x, x.shape[-1:], None, None, module.eps).movedim(-1, 1)
+
+    def formula(self, module: nn.Module, x: Tensor) -> Tensor:
+        """``F.layer_norm`` over dim 1 with the module's weight, bias and eps."""
+        return F.layer_norm(x.movedim(1, -1), (x.shape[1],), module.weight, module.bias,
+                            module.eps).movedim(-1, 1)
+
+    def probe_input(self, module: nn.Module) -> Optional[Tensor]:
+        """``(2, C, 3, 2)``, or ``None`` without a ``(C,)`` weight."""
+        w = getattr(module, "weight", None)
+        if not isinstance(w, nn.Parameter) or w.dim() != 1:
+            return None
+        return torch.randn(2, w.shape[0], 3, 2, dtype=w.dtype, device=w.device)
+
+
+class BatchNormActRule(BatchNormRule):
+    """timm's ``BatchNormAct2d``: an ``nn.BatchNorm2d`` subclass whose forward applies its
+    ``drop`` and ``act`` submodules to the normalised output, ``y = act(drop(bn(x)))``.
+
+    The hooks see ``g = dL/dy`` after the activation; the rule recomputes ``z = bn(x)`` (the
+    :class:`BatchNormRule` formula, running statistics in eval mode) and pulls ``g`` back through
+    ``act(drop(.))`` with one elementwise autograd call, ``g_z = dL/dz``, then forms
+    ``dL_n/dweight = sum_s g_z x̂``, ``dL_n/dbias = sum_s g_z``. Training mode is refused as for
+    ``BatchNorm2d`` (``allow_batchnorm_train``). Returns ``weight``, ``bias``: ``(B, C)``.
+
+    Raises:
+        UnsupportedCallError: at the forward, for batch statistics (see :class:`BatchNormRule`).
+    """
+
+    def per_sample_grads(
+        self, module: nn.Module, a: Tensor, g: Tensor, batch_first: bool, names: Iterable[str]
+    ) -> Dict[str, Tensor]:
+        xhat = self.normalised(module, a)
+        shape = (1, -1) + (1,) * (a.dim() - 2)
+        z = xhat if module.weight is None else xhat * module.weight.detach().to(xhat.dtype).view(shape)
+        if module.bias is not None:
+            z = z + module.bias.detach().to(xhat.dtype).view(shape)
+        with torch.enable_grad():
+            z = z.detach().requires_grad_()
+            # (a clone: an inplace activation must not write into the leaf)
+            (g_lin,) = torch.autograd.grad(module.act(module.drop(z.clone())), z, g)
+        out = {}
+        if "weight" in names:
+            out["weight"] = self.per_entry(module, xhat.mul_(g_lin), batch_first)
+        if "bias" in names:
+            out["bias"] = self.per_entry(module, g_lin, batch_first)
+        return out
+
+    def formula(self, module: nn.Module, x: Tensor) -> Tensor:
+        """``act(drop(batch_norm(x)))`` with the running statistics (eval mode)."""
+        z = F.batch_norm(x, module.running_mean, module.running_var, module.weight, module.bias,
+                         False, 0.0, module.eps)
+        return module.act(module.drop(z))
+
+    def probe_input(self, module: nn.Module) -> Optional[Tensor]:
+        """``(2, C, 3, 2)``, or ``None`` without running statistics, ``act`` and ``drop``."""
+        w = getattr(module, "weight", None)
+        if (module.running_mean is None or not isinstance(getattr(module, "act", None), nn.Module)
+                or not isinstance(getattr(module, "drop", None), nn.Module)):
+            return None
+        dtype = w.dtype if w is not None else module.running_mean.dtype
+        return torch.randn(2, module.num_features, 3, 2, dtype=dtype, device=module.running_mean.device)
