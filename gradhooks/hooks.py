@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from .capture import Recorder
 from .clipping import clip_and_accumulate, clipped_backward
 from .errors import GradHooksError
+from .jacobians import per_sample_jacobians
 from .kfac import KFACFactors, kfac_factors
 from .norms import per_sample_grad_norms
 from .per_sample import per_sample_grads
@@ -246,6 +247,15 @@ class GradHooks:
         return kfac_factors(self.recorder, kfac_approx, backward_passes=backward_passes,
                             modules=modules, max_dense=max_dense, all_reduce=all_reduce,
                             group=group)
+
+    def per_sample_jacobians(self, output: Tensor, *, flat: bool = False
+                             ) -> Union[Dict[str, Tensor], Tensor]:
+        """Per-sample Jacobians of ``output`` ``(B, *S)`` w.r.t. the hooked trainable parameters:
+        ``{name: (B, *S, *param.shape)}`` (or one ``(B, *S, P)`` tensor with ``flat=True``), from
+        the forward that made ``output`` and one backward pass per coordinate of ``S``, which
+        this call runs (call it before any backward pass of that forward). Conventions and
+        errors: :func:`gradhooks.jacobians.per_sample_jacobians`."""
+        return per_sample_jacobians(self.recorder, output, flat=flat)
 
     def sum_grad_squared(self) -> Dict[str, Tensor]:
         """Diagonal of the empirical Fisher ``{name: (*param.shape)}``, ``sum_n g_n**2`` of the
