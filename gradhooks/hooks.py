@@ -8,7 +8,7 @@ and forwards each read to the module that computes it: per-sample gradients
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional, Union
+from typing import Dict, Iterable, Mapping, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from .capture import Recorder
 from .clipping import clip_and_accumulate, clipped_backward
 from .errors import GradHooksError
+from .ggn import empirical_fisher_diag, ggn_diag, ggn_sqrt, ggn_vector_product
 from .jacobians import per_sample_jacobians
 from .kfac import KFACFactors, kfac_factors
 from .norms import per_sample_grad_norms
@@ -256,6 +257,39 @@ class GradHooks:
         this call runs (call it before any backward pass of that forward). Conventions and
         errors: :func:`gradhooks.jacobians.per_sample_jacobians`."""
         return per_sample_jacobians(self.recorder, output, flat=flat)
+
+    def ggn_sqrt(self, output: Tensor, loss_fn: nn.Module, *, mc_samples: int = 0,
+                 generator: Optional[torch.Generator] = None) -> Dict[str, Tensor]:
+        """The GGN's symmetric square root ``{name: (C, B, *param.shape)}`` (BackPACK's
+        ``SqrtGGNExact``; ``SqrtGGNMC`` with ``mc_samples`` sampled labels) of
+        ``loss_fn(output, y)``, from the forward that made ``output`` (call before any backward
+        pass of it; it runs ``C`` or ``M``). Conventions and errors:
+        :func:`gradhooks.ggn.ggn_sqrt`."""
+        return ggn_sqrt(self.recorder, output, loss_fn, mc_samples=mc_samples,
+                        generator=generator)
+
+    def ggn_diag(self, output: Tensor, loss_fn: nn.Module, *, per_sample: bool = False,
+                 mc_samples: int = 0, generator: Optional[torch.Generator] = None
+                 ) -> Dict[str, Tensor]:
+        """The GGN's diagonal ``{name: (*param.shape)}`` (per sample: ``(B, *param.shape)``,
+        the samples' shares) without the ``(C, B, *shape)`` square root; calling rules and
+        conventions: :func:`gradhooks.ggn.ggn_diag`."""
+        return ggn_diag(self.recorder, output, loss_fn, per_sample=per_sample,
+                        mc_samples=mc_samples, generator=generator)
+
+    def ggn_vector_product(self, output: Tensor, loss_fn: nn.Module,
+                           vector: Mapping[str, Tensor], *, mc_samples: int = 0,
+                           generator: Optional[torch.Generator] = None) -> Dict[str, Tensor]:
+        """``GGN v`` for ``vector`` ``{name: param-shaped tensor}``; calling rules and
+        conventions: :func:`gradhooks.ggn.ggn_vector_product`."""
+        return ggn_vector_product(self.recorder, output, loss_fn, vector, mc_samples=mc_samples,
+                                  generator=generator)
+
+    def empirical_fisher_diag(self) -> Dict[str, Tensor]:
+        """Diagonal of the empirical Fisher of the loss as reduced, ``w sum_n (grad l_n)^2``
+        ``{name: (*param.shape)}``, after the loss's backward pass, with no per-sample tensor
+        for Linear-like layers without weight sharing: :func:`gradhooks.ggn.empirical_fisher_diag`."""
+        return empirical_fisher_diag(self.recorder)
 
     def sum_grad_squared(self) -> Dict[str, Tensor]:
         """Diagonal of the empirical Fisher ``{name: (*param.shape)}``, ``sum_n g_n**2`` of the
