@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from .capture import Recorder
 from .clipping import clip_and_accumulate, clipped_backward
 from .errors import GradHooksError
+from .gram import GradientFeatures, gradient_features, gram, jacobian_features
 from .ggn import empirical_fisher_diag, ggn_diag, ggn_sqrt, ggn_vector_product
 from .jacobians import per_sample_jacobians
 from .kfac import KFACFactors, kfac_factors
@@ -290,6 +291,33 @@ class GradHooks:
         ``{name: (*param.shape)}``, after the loss's backward pass, with no per-sample tensor
         for Linear-like layers without weight sharing: :func:`gradhooks.ggn.empirical_fisher_diag`."""
         return empirical_fisher_diag(self.recorder)
+
+    def gradient_features(self) -> GradientFeatures:
+        """This batch's per-sample loss gradients in factored form (the layers' ``a`` and ``g``,
+        per-sample tensors only for layers without a linear form), after its backward pass:
+        keep them to form :meth:`gram` against a later batch. See
+        :func:`gradhooks.gram.gradient_features`."""
+        return gradient_features(self.recorder)
+
+    def jacobian_features(self, output: Tensor) -> GradientFeatures:
+        """The per-sample Jacobians of ``output`` ``(B, C)`` in factored form (``C`` backward
+        passes, run by this call before any other backward of the forward): keep them for
+        :meth:`ntk` against a later batch. See :func:`gradhooks.gram.jacobian_features`."""
+        return jacobian_features(self.recorder, output)
+
+    def gram(self, other: Optional[GradientFeatures] = None) -> Tensor:
+        """The Gram matrix ``<grad l_n, grad l_m>`` of this batch's per-sample loss gradients,
+        ``(B, B)``, or ``(B, B2)`` against ``other`` (:meth:`gradient_features` of another
+        batch), without forming them (Gram form per layer). Conventions:
+        :func:`gradhooks.gram.gram`."""
+        return gram(gradient_features(self.recorder), other)
+
+    def ntk(self, output: Tensor, other: Optional[GradientFeatures] = None) -> Tensor:
+        """The empirical NTK ``K[n, m, c, d] = <d f_c(x_n), d f_d(x_m)>`` ``(B, B, C, C)`` of
+        ``output`` ``(B, C)`` (or ``(B, B2, C, C)`` against ``other``,
+        :meth:`jacobian_features` of another batch), without the ``(B, C, P)`` Jacobian; runs
+        ``C`` backward passes. Conventions: :func:`gradhooks.gram.gram`."""
+        return gram(jacobian_features(self.recorder, output), other)
 
     def sum_grad_squared(self) -> Dict[str, Tensor]:
         """Diagonal of the empirical Fisher ``{name: (*param.shape)}``, ``sum_n g_n**2`` of the
