@@ -28,7 +28,6 @@ the per-sample ``(O, I)`` matrices are formed and contracted. The layers' terms 
 """
 from __future__ import annotations
 
-from collections import Counter
 from typing import Dict, List, NamedTuple, Optional
 
 import torch
@@ -59,9 +58,9 @@ class GradientFeatures:
     Attributes:
         size: ``B``.
         passes: ``1`` (loss gradients) or ``C`` (Jacobian rows).
-        linear: ``{module path: LinearEntry}``.
+        linear: ``{module path: LinearEntry}``, in ``model.named_modules()`` order.
         dense: ``{parameter name: (C, B, *param.shape)}`` per-sample gradients of the other
-            parameters.
+            parameters, in ``model.named_parameters()`` order.
     """
 
     def __init__(self, size: int, passes: int, linear: Dict[str, LinearEntry],
@@ -107,9 +106,12 @@ def _canonical(call: PassCall, batch_first: bool, scale: Optional[float], want_a
     return (torch.cat([a, ones], -1) if "bias" in call.names else a), g
 
 
-def _collect(pass_calls: List[List[PassCall]], batch_first: bool, scale: Optional[float],
-             names: Dict[int, str], size: int) -> GradientFeatures:
-    # pass_calls: per backward pass, its calls (the same layers reached in every pass).
+def _collect(recorder: Recorder, pass_calls: List[List[PassCall]], scale: Optional[float],
+             size: int) -> GradientFeatures:
+    # pass_calls: per backward pass, its calls (the same layers reached in every pass). Entries
+    # in the model's order (named_modules / named_parameters), whatever order the backward took.
+    batch_first, names, order = recorder.batch_first, recorder.names, recorder.order
+    layer_rank = {layer.path: i for i, layer in enumerate(recorder.layers)}
     ok = _linear_ok(pass_calls[0])
     linear_a: Dict[str, List[Tensor]] = {}
     linear_g: Dict[str, List[List[Tensor]]] = {}
@@ -131,9 +133,9 @@ def _collect(pass_calls: List[List[PassCall]], batch_first: bool, scale: Optiona
         for pid, t in pass_grads(other, batch_first, scale).items():
             dense.setdefault(pid, []).append(t)
     linear = {path: LinearEntry(torch.cat(a, 2) if len(a) > 1 else a[0], torch.stack(linear_g[path]))
-              for path, a in linear_a.items()}
+              for path, a in sorted(linear_a.items(), key=lambda item: layer_rank[item[0]])}
     return GradientFeatures(size, len(pass_calls), linear,
-                            {names[pid]: torch.stack(ts) for pid, ts in dense.items()})
+                            {names[pid]: torch.stack(dense[pid]) for pid in sorted(dense, key=order.get)})
 
 
 def gradient_features(recorder: Recorder) -> GradientFeatures:
@@ -147,7 +149,7 @@ def gradient_features(recorder: Recorder) -> GradientFeatures:
     batch = recorder.snapshot("gradient_features()", sum_check=False)
     calls = [PassCall(cap.layer, cap.a, cap.grads_arg(), cap.names) for cap in batch.records]
     with no_autocast(), using_pool(recorder.pool):
-        return _collect([calls], batch.batch_first, batch.scale, batch.names, batch.size)
+        return _collect(recorder, [calls], batch.scale, batch.size)
 
 
 def jacobian_features(recorder: Recorder, output: Tensor) -> GradientFeatures:
@@ -161,7 +163,7 @@ def jacobian_features(recorder: Recorder, output: Tensor) -> GradientFeatures:
         # (the layers' calls of each pass are kept until all passes ran: _collect stacks them)
         passes = [calls for calls in run_passes(recorder, output, unit_cotangents(output), k,
                                                 "jacobian_features()")]
-        return _collect(passes, recorder.batch_first, None, recorder.names, output.shape[0])
+        return _collect(recorder, passes, None, output.shape[0])
 
 
 def _linear_gram(e1: LinearEntry, e2: LinearEntry) -> Tensor:

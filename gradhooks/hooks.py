@@ -17,6 +17,7 @@ from .capture import Recorder
 from .clipping import clip_and_accumulate, clipped_backward
 from .errors import GradHooksError
 from .gram import GradientFeatures, gradient_features, gram, jacobian_features
+from .projections import projected_grads
 from .ggn import empirical_fisher_diag, ggn_diag, ggn_sqrt, ggn_vector_product
 from .jacobians import per_sample_jacobians
 from .kfac import KFACFactors, kfac_factors
@@ -318,6 +319,13 @@ class GradHooks:
         :meth:`jacobian_features` of another batch), without the ``(B, C, P)`` Jacobian; runs
         ``C`` backward passes. Conventions: :func:`gradhooks.gram.gram`."""
         return gram(jacobian_features(self.recorder, output), other)
+
+    def projected_grads(self, k_in: int = 16, k_out: int = 16, seed: int = 0) -> Tensor:
+        """``(B, K)`` per-sample loss gradients under fixed random projections of each layer's
+        ``a`` and ``g`` applied before the outer product (LoGra, arXiv:2405.13954), never
+        forming ``(B, P)``; reproducible from ``seed``. See
+        :func:`gradhooks.projections.projected_grads`."""
+        return projected_grads(self.recorder, k_in, k_out, seed)
 
     def sum_grad_squared(self) -> Dict[str, Tensor]:
         """Diagonal of the empirical Fisher ``{name: (*param.shape)}``, ``sum_n g_n**2`` of the
