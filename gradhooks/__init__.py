@@ -29,6 +29,7 @@ from .errors import (
     UnsupportedModuleError,
 )
 from .forms import Block, Call, Rows
+from .gram import GradientFeatures
 from .hooks import GradHooks, attach
 from .kfac import KFACFactors
 from .registry import LayerRule, register_rule, supported_types
@@ -49,6 +50,7 @@ __all__ = [
     "GradHooks",
     "kfac",
     "KFACFactors",
+    "GradientFeatures",
     "UnsupportedLossError",
     "looped_per_sample_grads",
     "batched_forward_per_sample_grads",

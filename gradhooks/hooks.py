@@ -8,7 +8,7 @@ and forwards each read to the module that computes it: per-sample gradients
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional, Union
+from typing import Dict, Iterable, Mapping, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -16,6 +16,10 @@ from torch import Tensor, nn
 from .capture import Recorder
 from .clipping import clip_and_accumulate, clipped_backward
 from .errors import GradHooksError
+from .gram import GradientFeatures, gradient_features, gram, jacobian_features
+from .projections import projected_grads
+from .ggn import empirical_fisher_diag, ggn_diag, ggn_sqrt, ggn_vector_product
+from .jacobians import per_sample_jacobians
 from .kfac import KFACFactors, kfac_factors
 from .norms import per_sample_grad_norms
 from .per_sample import per_sample_grads
@@ -259,6 +263,82 @@ class GradHooks:
         :func:`gradhooks.spotcheck.check_samples`."""
         check_samples(self.recorder, loss_fn, inputs, targets, samples=samples,
                       generator=generator)
+
+    def per_sample_jacobians(self, output: Tensor, *, flat: bool = False
+                             ) -> Union[Dict[str, Tensor], Tensor]:
+        """Per-sample Jacobians of ``output`` ``(B, *S)`` w.r.t. the hooked trainable parameters:
+        ``{name: (B, *S, *param.shape)}`` (or one ``(B, *S, P)`` tensor with ``flat=True``), from
+        the forward that made ``output`` and one backward pass per coordinate of ``S``, which
+        this call runs (call it before any backward pass of that forward). Conventions and
+        errors: :func:`gradhooks.jacobians.per_sample_jacobians`."""
+        return per_sample_jacobians(self.recorder, output, flat=flat)
+
+    def ggn_sqrt(self, output: Tensor, loss_fn: nn.Module, *, mc_samples: int = 0,
+                 generator: Optional[torch.Generator] = None) -> Dict[str, Tensor]:
+        """The GGN's symmetric square root ``{name: (C, B, *param.shape)}`` (BackPACK's
+        ``SqrtGGNExact``; ``SqrtGGNMC`` with ``mc_samples`` sampled labels) of
+        ``loss_fn(output, y)``, from the forward that made ``output`` (call before any backward
+        pass of it; it runs ``C`` or ``M``). Conventions and errors:
+        :func:`gradhooks.ggn.ggn_sqrt`."""
+        return ggn_sqrt(self.recorder, output, loss_fn, mc_samples=mc_samples,
+                        generator=generator)
+
+    def ggn_diag(self, output: Tensor, loss_fn: nn.Module, *, per_sample: bool = False,
+                 mc_samples: int = 0, generator: Optional[torch.Generator] = None
+                 ) -> Dict[str, Tensor]:
+        """The GGN's diagonal ``{name: (*param.shape)}`` (per sample: ``(B, *param.shape)``,
+        the samples' shares) without the ``(C, B, *shape)`` square root; calling rules and
+        conventions: :func:`gradhooks.ggn.ggn_diag`."""
+        return ggn_diag(self.recorder, output, loss_fn, per_sample=per_sample,
+                        mc_samples=mc_samples, generator=generator)
+
+    def ggn_vector_product(self, output: Tensor, loss_fn: nn.Module,
+                           vector: Mapping[str, Tensor], *, mc_samples: int = 0,
+                           generator: Optional[torch.Generator] = None) -> Dict[str, Tensor]:
+        """``GGN v`` for ``vector`` ``{name: param-shaped tensor}``; calling rules and
+        conventions: :func:`gradhooks.ggn.ggn_vector_product`."""
+        return ggn_vector_product(self.recorder, output, loss_fn, vector, mc_samples=mc_samples,
+                                  generator=generator)
+
+    def empirical_fisher_diag(self) -> Dict[str, Tensor]:
+        """Diagonal of the empirical Fisher of the loss as reduced, ``w sum_n (grad l_n)^2``
+        ``{name: (*param.shape)}``, after the loss's backward pass, with no per-sample tensor
+        for Linear-like layers without weight sharing: :func:`gradhooks.ggn.empirical_fisher_diag`."""
+        return empirical_fisher_diag(self.recorder)
+
+    def gradient_features(self) -> GradientFeatures:
+        """This batch's per-sample loss gradients in factored form (the layers' ``a`` and ``g``,
+        per-sample tensors only for layers without a linear form), after its backward pass:
+        keep them to form :meth:`gram` against a later batch. See
+        :func:`gradhooks.gram.gradient_features`."""
+        return gradient_features(self.recorder)
+
+    def jacobian_features(self, output: Tensor) -> GradientFeatures:
+        """The per-sample Jacobians of ``output`` ``(B, C)`` in factored form (``C`` backward
+        passes, run by this call before any other backward of the forward): keep them for
+        :meth:`ntk` against a later batch. See :func:`gradhooks.gram.jacobian_features`."""
+        return jacobian_features(self.recorder, output)
+
+    def gram(self, other: Optional[GradientFeatures] = None) -> Tensor:
+        """The Gram matrix ``<grad l_n, grad l_m>`` of this batch's per-sample loss gradients,
+        ``(B, B)``, or ``(B, B2)`` against ``other`` (:meth:`gradient_features` of another
+        batch), without forming them (Gram form per layer). Conventions:
+        :func:`gradhooks.gram.gram`."""
+        return gram(gradient_features(self.recorder), other)
+
+    def ntk(self, output: Tensor, other: Optional[GradientFeatures] = None) -> Tensor:
+        """The empirical NTK ``K[n, m, c, d] = <d f_c(x_n), d f_d(x_m)>`` ``(B, B, C, C)`` of
+        ``output`` ``(B, C)`` (or ``(B, B2, C, C)`` against ``other``,
+        :meth:`jacobian_features` of another batch), without the ``(B, C, P)`` Jacobian; runs
+        ``C`` backward passes. Conventions: :func:`gradhooks.gram.gram`."""
+        return gram(jacobian_features(self.recorder, output), other)
+
+    def projected_grads(self, k_in: int = 16, k_out: int = 16, seed: int = 0) -> Tensor:
+        """``(B, K)`` per-sample loss gradients under fixed random projections of each layer's
+        ``a`` and ``g`` applied before the outer product (LoGra, arXiv:2405.13954), never
+        forming ``(B, P)``; reproducible from ``seed``. See
+        :func:`gradhooks.projections.projected_grads`."""
+        return projected_grads(self.recorder, k_in, k_out, seed)
 
     def sum_grad_squared(self) -> Dict[str, Tensor]:
         """Diagonal of the empirical Fisher ``{name: (*param.shape)}``, ``sum_n g_n**2`` of the

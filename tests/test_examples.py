@@ -27,3 +27,9 @@ def test_check_my_model():
 def test_gradient_noise_scale():
     out = _run("gradient_noise_scale.py", "--steps", "20")
     assert "gradient noise scale B_simple" in out
+
+
+def test_laplace_digits(tmp_path):
+    out = _run("laplace_digits.py", "--epochs", "10", "--out", str(tmp_path / "reliability.png"))
+    assert "Laplace (kron, gradhooks)" in out and "ECE" in out
+    assert (tmp_path / "reliability.png").stat().st_size > 0

@@ -1,0 +1,100 @@
+"""The laplace-torch backend against laplace-torch's own curvlinops backend: marginal likelihood,
+posterior precision and predictive probabilities for diag, kron and full Hessian structures
+(all weights and last layer), on an MLP and a small CNN on scikit-learn's digits, in float64.
+
+The reference for ``"full"`` is laplace's ASDL backend (exact in float64, like its BackPACK
+backend and its torch.func GGNInterface.full): its curvlinops backend forms the dense matrix as
+``linop @ torch.eye(P)`` with a float32 identity, so it carries float32 rounding (1e-8 relative).
+
+laplace-torch imports torchmetrics, which imports torchvision; the torchvision wheel in some
+environments (a CUDA build beside a CPU torch) fails at import on its C++ operators
+("operator torchvision::nms does not exist") from ``torchvision._meta_registrations``. Neither
+laplace nor these tests use torchvision, so an empty stand-in for that one submodule is put in
+``sys.modules`` first; where torchvision imports cleanly the stand-in is unused (setdefault).
+"""
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+
+sys.modules.setdefault("torchvision._meta_registrations",
+                       types.ModuleType("torchvision._meta_registrations"))
+laplace = pytest.importorskip("laplace")
+pytest.importorskip("curvlinops")
+sklearn = pytest.importorskip("sklearn.datasets")
+
+from laplace import Laplace  # noqa: E402
+from laplace.curvature import AsdlEF, AsdlGGN, CurvlinopsEF, CurvlinopsGGN  # noqa: E402
+
+from gradhooks.laplace_backend import GradHooksEF, GradHooksGGN  # noqa: E402
+
+
+def _digits(n_train=48, n_test=16):
+    d = sklearn.load_digits()
+    x = torch.as_tensor(d.images, dtype=torch.float64)[:n_train + n_test] / 16.0
+    y = torch.as_tensor(d.target, dtype=torch.long)[:n_train + n_test]
+    return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
+
+
+def _mlp():
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.Tanh(), nn.Linear(8, 10))
+
+
+def _cnn():
+    # the tutorial CNN's layout (conv, conv, pool, linear) at the 8x8 size of the digits
+    return nn.Sequential(nn.Unflatten(1, (1, 8)), nn.Conv2d(1, 4, 3), nn.ReLU(),
+                         nn.Conv2d(4, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Linear(16, 10))
+
+
+def _fit(make, backend, structure, subset, x, y):
+    torch.manual_seed(0)
+    model = make().double()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+    la = Laplace(model, "classification", subset_of_weights=subset, hessian_structure=structure,
+                 backend=backend)
+    la.fit(loader)
+    return la
+
+
+def _precision(la):
+    prec = la.posterior_precision
+    return prec.to_matrix() if hasattr(prec, "to_matrix") else prec
+
+
+def _close(a, b, what):
+    scale = b.abs().max().clamp_min(1e-30)
+    assert (a - b).abs().max() <= 1e-9 * scale, f"{what}: {(a - b).abs().max():.3e} vs {scale:.3e}"
+
+
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+@pytest.mark.parametrize("structure", ["diag", "kron", "full"])
+@pytest.mark.parametrize("make", [_mlp, _cnn], ids=["mlp", "cnn"])
+def test_matches_curvlinops(make, structure, subset):
+    x, y, x_test, _ = _digits()
+    x_test = x_test.reshape(len(x_test), 8, 8)
+    ours = _fit(make, GradHooksGGN, structure, subset, x, y)
+    ref = _fit(make, AsdlGGN if structure == "full" else CurvlinopsGGN, structure, subset, x, y)
+    _close(ours.log_marginal_likelihood(), ref.log_marginal_likelihood(), "marglik")
+    _close(_precision(ours), _precision(ref), "posterior precision")
+    for link in ("probit",) if structure == "kron" else ("probit", "mc"):
+        if link == "mc":
+            torch.manual_seed(3)
+            p_ours = ours(x_test, pred_type="glm", link_approx="mc", n_samples=20)
+            torch.manual_seed(3)
+            p_ref = ref(x_test, pred_type="glm", link_approx="mc", n_samples=20)
+        else:
+            p_ours = ours(x_test, pred_type="glm", link_approx=link)
+            p_ref = ref(x_test, pred_type="glm", link_approx=link)
+        _close(p_ours, p_ref, f"predictive ({link})")
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron", "full"])
+def test_empirical_fisher_matches_curvlinops(structure):
+    x, y, _, _ = _digits()
+    ours = _fit(_mlp, GradHooksEF, structure, "all", x, y)
+    ref = _fit(_mlp, AsdlEF if structure == "full" else CurvlinopsEF, structure, "all", x, y)
+    _close(ours.log_marginal_likelihood(), ref.log_marginal_likelihood(), "marglik")
+    _close(_precision(ours), _precision(ref), "posterior precision")
