@@ -29,12 +29,11 @@ from torch import Tensor, nn
 
 from . import utils
 from ._pool import BufferPool
-from .checks import GradTotal, SumCheck
-from .errors import (BatchSizeError, GradHooksError, HigherOrderGradError, NoBackwardError,
-                     RecordsReleasedError)
+from .checks import GradTotal, SumCheck, refusal
+from .errors import BatchSizeError, GradHooksError
 from .forms import Call
-from .graph import on_grad, tag, walk
-from .records import Batch, Layer, Record, find_layers
+from .graph import in_backward, on_grad, tag, walk
+from .records import FORWARDS, Batch, Layer, Record, find_layers, plain_state
 from .utils import check_loss_reduction, detached, flatten, is_functorch_wrapped, tensors
 
 from torch.nn.modules.module import (register_module_forward_hook, register_module_forward_pre_hook,
@@ -47,23 +46,6 @@ __all__ = ["Recorder", "Batch", "Layer", "Record", "is_hooked"]
 _HOOKED: "weakref.WeakKeyDictionary[nn.Module, Recorder]" = weakref.WeakKeyDictionary()
 
 _MISSING = object()
-
-
-#: Values of ``forwards``: how the top-level forwards before one backward map to rows.
-FORWARDS = ("one", "same_samples")
-
-
-def _plain_state(p: nn.Parameter) -> dict:
-    # A hooked parameter's pickled state (``Parameter.__reduce_ex__`` reads ``__getstate__``,
-    # found on the instance first): its ``__dict__`` without gradhooks' attributes, so that
-    # ``pickle`` / ``torch.save`` of an attached model write a plain model.
-    return {k: v for k, v in p.__dict__.items() if k not in ("grad_sample", "__getstate__")}
-
-
-def _in_backward() -> bool:
-    # True inside an autograd backward pass: a forward running now is a recomputation
-    # (torch.utils.checkpoint) of the batch being differentiated.
-    return torch._C._current_graph_task_id() != -1
 
 
 def is_hooked(model: nn.Module) -> bool:
@@ -175,7 +157,7 @@ class Recorder:
                 value = p.__dict__.get("grad_sample", _MISSING)
                 if value is not _MISSING:
                     self._saved_grad_sample[id(p)] = value
-                p.__getstate__ = functools.partial(_plain_state, p)  # (see _plain_state)
+                p.__getstate__ = functools.partial(plain_state, p)  # (see plain_state)
         self._unhooked = [p for p in self.model.parameters() if id(p) not in self.params]
         self._changed = None
         self.cache.clear()
@@ -325,11 +307,11 @@ class Recorder:
             for n in names:
                 self._watch_param(layer.params[n])
             layer.watched = len(names) == len(layer.items)
-        if self._backward_seen and not _in_backward():  # (a recomputation belongs to this batch)
+        if self._backward_seen and not in_backward():  # (a recomputation belongs to this batch)
             self.clear()
         if b != self._batch_size:
             if (self._batch_size is not None and self._forward_id != self._batch_forward
-                    and not _in_backward()):
+                    and not in_backward()):
                 self.reset_batch()  # an earlier forward that no backward reached: drop it
             if self._batch_size is None:
                 self._batch_size, self._batch_source, self._batch_forward = b, layer.describe(), self._forward_id
@@ -387,7 +369,7 @@ class Recorder:
             tag(internal, (self, cap, -1, None))
 
     def _on_model_forward(self, module: nn.Module, args) -> None:
-        if utils.PAUSED or not torch.is_grad_enabled() or _in_backward():
+        if utils.PAUSED or not torch.is_grad_enabled() or in_backward():
             return  # records nothing; or a recomputation (checkpoint) of the current batch
         if self._changed is not None or any(p.requires_grad for p in self._unhooked):
             self._sync()  # the model changed since attach: follow it
@@ -526,49 +508,17 @@ class Recorder:
             HigherOrderGradError: if a backward pass with ``create_graph=True`` did.
             GradientMismatchError: if a recorded input was modified in place since its forward.
         """
-        if not self._attached:
-            raise GradHooksError(
-                f"{read}: this GradHooks was detached from the model, which dropped its records "
-                f"(also at the end of a `with gradhooks.attach(model) as gh:` block): read inside "
-                f"the block / before detach(), or attach again and rerun the forward and backward")
-        if self._changed is not None:
-            raise GradHooksError(
-                f"{read}: the model changed after its forward ({self._changed}), so the records "
-                f"do not describe its parameters any more: run the forward and backward again "
-                f"(gradhooks follows the change at the next forward)")
-        self._check_records(read)
-        if not self._records:
-            if self._calls == 0 and self.totals:
-                raise NoBackwardError(
-                    f"{read}: autograd computed parameter gradients, but no hooked layer's forward "
-                    f"hook ran: the forward went through code compiled by torch.compile before "
-                    f"attach (compiled code does not see hooks added later). Attach before "
-                    f"compiling, or call torch._dynamo.reset() after attach so that it recompiles")
-            raise NoBackwardError(
-                f"no backward pass has reached a hooked layer since the last forward: call "
-                f"loss.backward() (or gh.backward(loss)) before {read} (forwards under "
-                f"torch.no_grad() or inference_mode() record nothing; a model compiled with "
-                f"torch.compile before attach runs without the hooks: attach first)"
-            )
-        forwards = {cap.forward for cap in self._records}
         # (A model that is itself a hooked layer, a cell called per time step, is a layer
         # called several times: its calls see the same samples.)
-        if len(forwards) > 1 and self.forwards == "one" and id(self.model) not in self._layer_of:
-            raise GradHooksError(
-                f"{read}: the backward reached the records of {len(forwards)} forwards of the "
-                f"model, whose rows would be added sample by sample (row n = sample n of every "
-                f"forward). Run one forward per backward (concatenate the inputs), or, if every "
-                f"forward saw the same samples in the same order (two views of one batch), "
-                f"declare it: attach(model, forwards='same_samples')")
-        if self._higher_order is not None:
-            raise HigherOrderGradError(
-                f"a backward pass with create_graph=True reached module {self._higher_order}: the "
-                f"loss contains derivatives (a gradient penalty or a Laplacian built with "
-                f"torch.autograd.grad(..., create_graph=True)), so each parameter's gradient has "
-                f"terms through the derivative graph that grad_output-based rules do not see; "
-                f"{read} would be wrong. Compute such per-sample quantities with torch.func (vmap "
-                f"over grad of the per-sample loss), or detach the derivative term"
-            )
+        forwards = len({cap.forward for cap in self._records})
+        error = refusal(
+            read, attached=self._attached, changed=self._changed, stale=self._stale,
+            released=self._released, reached=len(self._records), calls=self._calls,
+            backward_reached_params=bool(self.totals),
+            forwards=forwards if self.forwards == "one" and id(self.model) not in self._layer_of
+            else 1, higher_order=self._higher_order)
+        if error is not None:
+            raise error
         records = tuple(self._records if records is None else records)
         for cap in records:
             cap.check_unmodified(read)
@@ -594,30 +544,6 @@ class Recorder:
     def _check_passed(self, key: tuple) -> None:
         self.sum_check.passed(key, self._drive_key)
         self._sum_check = None
-
-    def _check_records(self, read: str) -> None:
-        # RecordsReleasedError if the records ``read`` needs are gone.
-        if self._stale is not None:
-            raise RecordsReleasedError(
-                f"a backward pass reached module {self._stale} after per_sample_grads() released "
-                f"this batch's records (activations and grad_outputs), so its grad_outputs were "
-                f"not recorded: to read per-sample results over several backward passes of one "
-                f"forward, call per_sample_grads(retain_records=True) before the later passes, "
-                f"or run a new forward"
-            )
-        if not self._released:
-            return
-        if read == "per_sample_grads()":
-            raise RecordsReleasedError(
-                "per_sample_grads() released this batch's records as it read them and did not "
-                "finish (it raised an error): run the forward and backward again, with "
-                "per_sample_grads(retain_records=True) to keep the records through a failed read"
-            )
-        raise RecordsReleasedError(
-            f"per_sample_grads() released this batch's records (activations and grad_outputs) as "
-            f"it read them, and {read} needs them: call {read} before per_sample_grads(), or "
-            f"per_sample_grads(retain_records=True) to keep them"
-        )
 
     def _structure(self) -> tuple:
         # What the sum check's verdict depends on: the calls and backward passes each module

@@ -12,7 +12,9 @@ the fallback, or when a backward computed no parameter gradient. This module hol
   records as ``sum_{n,g,s} (a[n,g,s] . u_g)(g[n,g,s] . v_g)`` (cost ``N G S (I + O)``);
 * :func:`check_unrecorded`: parameters autograd reached whose module the hooks never saw;
 * :class:`SumCheck`: *when* the check runs (each new call structure, every 100th read, or
-  always), so that a training loop pays for it once per structure.
+  always), so that a training loop pays for it once per structure;
+* :func:`refusal`: the other validity checks of a read, in one place (records released or stale,
+  the model changed, several forwards, ``create_graph``, no backward, hooks that never ran).
 """
 from __future__ import annotations
 
@@ -22,11 +24,12 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .errors import GradientMismatchError
+from .errors import (GradHooksError, GradientMismatchError, HigherOrderGradError, NoBackwardError,
+                     RecordsReleasedError)
 
 __all__ = ["GradTotal", "bilinear_directions", "check_sums", "projection_terms",
            "check_projections", "probed", "no_total", "check_unrecorded", "SumCheck",
-           "SUM_CHECK_RTOL", "SUM_CHECK_PROBES"]
+           "SUM_CHECK_RTOL", "SUM_CHECK_PROBES", "refusal"]
 
 # Relative tolerance of check_sums per dtype: the sum of B per-sample values may differ from
 # autograd's batch value by rounding, relative to sum_n |value_n| (B * eps in the worst case).
@@ -355,3 +358,80 @@ class SumCheck:
         self._passed.add(structure)
         if drive_key is not None:
             self._drive_passed.add(drive_key)
+
+
+def refusal(read: str, *, attached: bool, changed: Optional[str], stale: Optional[str],
+            released: bool, reached: int, calls: int, backward_reached_params: bool,
+            forwards: int, higher_order: Optional[str]) -> Optional[GradHooksError]:
+    """The error a read of the current batch must raise, or ``None`` if it may go on.
+
+    Args:
+        read: the reading call, e.g. ``"per_sample_grad_norms()"``, named in the messages.
+        attached: whether the hooks are attached.
+        changed: what changed in the model since its forward (a parameter or submodule set on
+            it), or ``None``.
+        stale: the module a backward pass reached after a read released the records, or
+            ``None``.
+        released: whether a read released the records.
+        reached: how many calls a backward pass reached.
+        calls: how many hooked-layer calls the forwards of this batch recorded.
+        backward_reached_params: whether autograd computed parameter gradients in this batch.
+        forwards: how many top-level forwards the reached calls came from (counted as 1 when
+            ``attach(forwards="same_samples")`` or when the model is itself a hooked layer).
+        higher_order: the module a ``create_graph=True`` backward reached, or ``None``.
+    """
+    if not attached:
+        return GradHooksError(
+            f"{read}: this GradHooks was detached from the model, which dropped its records "
+            f"(also at the end of a `with gradhooks.attach(model) as gh:` block): read inside "
+            f"the block / before detach(), or attach again and rerun the forward and backward")
+    if changed is not None:
+        return GradHooksError(
+            f"{read}: the model changed after its forward ({changed}), so the records do not "
+            f"describe its parameters any more: run the forward and backward again (gradhooks "
+            f"follows the change at the next forward)")
+    if stale is not None:
+        return RecordsReleasedError(
+            f"a backward pass reached module {stale} after per_sample_grads() released this "
+            f"batch's records (activations and grad_outputs), so its grad_outputs were not "
+            f"recorded: to read per-sample results over several backward passes of one forward, "
+            f"call per_sample_grads(retain_records=True) before the later passes, or run a new "
+            f"forward")
+    if released:
+        if read == "per_sample_grads()":
+            return RecordsReleasedError(
+                "per_sample_grads() released this batch's records as it read them and did not "
+                "finish (it raised an error): run the forward and backward again, with "
+                "per_sample_grads(retain_records=True) to keep the records through a failed read")
+        return RecordsReleasedError(
+            f"per_sample_grads() released this batch's records (activations and grad_outputs) "
+            f"as it read them, and {read} needs them: call {read} before per_sample_grads(), or "
+            f"per_sample_grads(retain_records=True) to keep them")
+    if not reached:
+        if calls == 0 and backward_reached_params:
+            return NoBackwardError(
+                f"{read}: autograd computed parameter gradients, but no hooked layer's forward "
+                f"hook ran: the forward went through code compiled by torch.compile before "
+                f"attach (compiled code does not see hooks added later). Attach before "
+                f"compiling, or call torch._dynamo.reset() after attach so that it recompiles")
+        return NoBackwardError(
+            f"no backward pass has reached a hooked layer since the last forward: call "
+            f"loss.backward() (or gh.backward(loss)) before {read} (forwards under "
+            f"torch.no_grad() or inference_mode() record nothing; a model compiled with "
+            f"torch.compile before attach runs without the hooks: attach first)")
+    if forwards > 1:
+        return GradHooksError(
+            f"{read}: the backward reached the records of {forwards} forwards of the model, "
+            f"whose rows would be added sample by sample (row n = sample n of every forward). Run "
+            f"one forward per backward (concatenate the inputs), or, if every forward saw the "
+            f"same samples in the same order (two views of one batch), declare it: "
+            f"attach(model, forwards='same_samples')")
+    if higher_order is not None:
+        return HigherOrderGradError(
+            f"a backward pass with create_graph=True reached module {higher_order}: the loss "
+            f"contains derivatives (a gradient penalty or a Laplacian built with "
+            f"torch.autograd.grad(..., create_graph=True)), so each parameter's gradient has "
+            f"terms through the derivative graph that grad_output-based rules do not see; "
+            f"{read} would be wrong. Compute such per-sample quantities with torch.func (vmap "
+            f"over grad of the per-sample loss), or detach the derivative term")
+    return None

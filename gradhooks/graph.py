@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
-__all__ = ["on_grad", "tag", "walk", "TAG", "RECOMPUTING"]
+__all__ = ["on_grad", "tag", "walk", "in_backward", "TAG", "RECOMPUTING"]
 
 #: Autograd nodes whose backward runs a forward again and differentiates it on its own
 #: (``torch.utils.checkpoint`` with ``use_reentrant=True``): the hooked layers inside are not
@@ -44,6 +44,12 @@ def on_grad(t: Tensor, fn) -> None:
         t.register_hook(lambda g: fn((g,), 0))
     else:
         node.register_prehook(functools.partial(fn, nr=t.output_nr))
+
+
+def in_backward() -> bool:
+    """True inside an autograd backward pass: a forward running now is a recomputation
+    (``torch.utils.checkpoint``) of the batch being differentiated."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def tag(node, entry: tuple) -> None:

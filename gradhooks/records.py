@@ -22,7 +22,17 @@ from .registry import LayerRule, find_rule, supported_types
 from .rules.fallback import FALLBACK
 from .utils import own_loss_scale, tensors
 
-__all__ = ["Layer", "Record", "Batch", "find_layers"]
+__all__ = ["Layer", "Record", "Batch", "find_layers", "plain_state", "FORWARDS"]
+
+#: Values of ``forwards``: how the top-level forwards before one backward map to rows.
+FORWARDS = ("one", "same_samples")
+
+
+def plain_state(p: nn.Parameter) -> dict:
+    """A hooked parameter's pickled state (``Parameter.__reduce_ex__`` reads ``__getstate__``,
+    found on the instance first): its ``__dict__`` without gradhooks' attributes, so that
+    ``pickle`` / ``torch.save`` of an attached model write a plain model."""
+    return {k: v for k, v in p.__dict__.items() if k not in ("grad_sample", "__getstate__")}
 
 
 class Layer:
