@@ -48,6 +48,11 @@ _HOOKED: "weakref.WeakKeyDictionary[nn.Module, Recorder]" = weakref.WeakKeyDicti
 _MISSING = object()
 
 
+def _remove(handles: list) -> None:
+    for h in handles:
+        h.remove()
+
+
 def is_hooked(model: nn.Module) -> bool:
     """Whether any module of ``model`` is hooked by a live :class:`Recorder`."""
     return any(m in _HOOKED for m in model.modules())
@@ -126,12 +131,31 @@ class Recorder:
     def _attach(self) -> None:
         # Global module hooks, filtered by module: the model itself carries no hook of ours, so
         # copy.deepcopy / pickle / torch.save of an attached model give a plain model.
-        self._handles += [
-            register_module_forward_pre_hook(self._on_pre_forward),
-            register_module_forward_hook(self._on_any_forward, with_kwargs=True),
-            register_module_parameter_registration_hook(self._on_registration),
-            register_module_module_registration_hook(self._on_registration),
-        ]
+        # They hold the recorder weakly: a GradHooks dropped without detach() (with its model)
+        # is collected, and its global hooks are removed with it.
+        me = weakref.ref(self)
+
+        def pre(module, args):
+            recorder = me()
+            if recorder is not None:
+                recorder._on_pre_forward(module, args)
+
+        def post(module, args, kwargs, output):
+            recorder = me()
+            if recorder is not None:
+                recorder._on_any_forward(module, args, kwargs, output)
+
+        def registration(module, name, value):
+            recorder = me()
+            if recorder is not None:
+                recorder._on_registration(module, name, value)
+
+        handles = [register_module_forward_pre_hook(pre),
+                   register_module_forward_hook(post, with_kwargs=True),
+                   register_module_parameter_registration_hook(registration),
+                   register_module_module_registration_hook(registration)]
+        self._handles += handles
+        weakref.finalize(self, _remove, handles)
         self._attached = True
         self._sync()
 
