@@ -51,6 +51,18 @@ def _batch_size(inputs: Tuple[Tensor, ...]) -> int:
     return b
 
 
+def _prepare(model: nn.Module, inputs: Batch, targets: Batch, loss_reduction: str):
+    # The checks both references start with: (inputs, targets as tuples, B, trainable
+    # (name, param) pairs, their params).
+    check_loss_reduction(loss_reduction)
+    xs, ys = _as_tuple(inputs), _as_tuple(targets)
+    b = _batch_size(xs)
+    if _batch_size(ys) != b:
+        raise ValueError(f"inputs have batch size {b} but targets {ys[0].shape[0]}")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return xs, ys, b, named, [p for _, p in named]
+
+
 def looped_per_sample_grads(
     model: nn.Module,
     loss_fn: Callable[..., Tensor],
@@ -83,13 +95,7 @@ def looped_per_sample_grads(
         ValueError: if ``loss_reduction`` is not ``"mean"``/``"sum"``, the batch sizes of
             ``inputs`` and ``targets`` differ, or ``loss_fn`` does not reduce as declared.
     """
-    check_loss_reduction(loss_reduction)
-    xs, ys = _as_tuple(inputs), _as_tuple(targets)
-    b = _batch_size(xs)
-    if _batch_size(ys) != b:
-        raise ValueError(f"inputs have batch size {b} but targets {ys[0].shape[0]}")
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    params = [p for _, p in named]
+    xs, ys, b, named, params = _prepare(model, inputs, targets, loss_reduction)
     per: List[List[Optional[Tensor]]] = [[None] * b for _ in named]
     losses = []
     with paused():
@@ -165,13 +171,7 @@ def batched_forward_per_sample_grads(
             an output is not batched on dim 0, or ``loss_fn`` does not reduce as declared (the
             batch loss must be the mean, or sum, of the ``B`` per-sample losses).
     """
-    check_loss_reduction(loss_reduction)
-    xs, ys = _as_tuple(inputs), _as_tuple(targets)
-    b = _batch_size(xs)
-    if _batch_size(ys) != b:
-        raise ValueError(f"inputs have batch size {b} but targets {ys[0].shape[0]}")
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    params = [p for _, p in named]
+    xs, ys, b, named, params = _prepare(model, inputs, targets, loss_reduction)
     per: List[List[Optional[Tensor]]] = [[None] * b for _ in named]
     losses = []
     with paused():

@@ -23,6 +23,16 @@ def _batch_dim(x: Tensor, batch_first: bool) -> int:
     return 0 if batch_first or x.dim() < 3 else 1
 
 
+def _linear_batch_size(x: Tensor, batch_first: bool, fan_in: int) -> int:
+    # The batch size of a Linear-like layer's input (B, *, in), or BatchSizeError.
+    if x.dim() < 2:
+        raise BatchSizeError(
+            f"got an unbatched input of shape {tuple(x.shape)}; per-sample gradients need a "
+            f"batch dimension: pass (B, {fan_in}) (e.g. x.unsqueeze(0))"
+        )
+    return x.shape[_batch_dim(x, batch_first)]
+
+
 @register_rule(nn.Linear)
 class LinearRule(LayerRule):
     """``nn.Linear``: ``a`` is ``(B, *, in)`` (or ``(T, B, *, in)`` with ``batch_first=False``).
@@ -35,12 +45,7 @@ class LinearRule(LayerRule):
     has_linear_form = True
 
     def batch_size(self, module: nn.Module, x: Tensor, batch_first: bool) -> int:
-        if x.dim() < 2:
-            raise BatchSizeError(
-                f"got an unbatched input of shape {tuple(x.shape)}; per-sample gradients need a "
-                f"batch dimension: pass (B, {module.in_features}) (e.g. x.unsqueeze(0))"
-            )
-        return x.shape[_batch_dim(x, batch_first)]
+        return _linear_batch_size(x, batch_first, module.in_features)
 
     def linear_form(self, module: nn.Module, a: Optional[Tensor], g: Tensor, batch_first: bool
                     ) -> Tuple[Optional[Tensor], Tensor]:
@@ -96,12 +101,7 @@ class TransposedLinearRule(LinearRule):
     weight_transposed = True
 
     def batch_size(self, module: nn.Module, x: Tensor, batch_first: bool) -> int:
-        if x.dim() < 2:
-            raise BatchSizeError(
-                f"got an unbatched input of shape {tuple(x.shape)}; per-sample gradients need a "
-                f"batch dimension: pass (B, {module.weight.shape[0]}) (e.g. x.unsqueeze(0))"
-            )
-        return x.shape[_batch_dim(x, batch_first)]
+        return _linear_batch_size(x, batch_first, module.weight.shape[0])
 
     def formula(self, module: nn.Module, x: Tensor) -> Tensor:
         """What the rule assumes the module computes: ``x @ weight + bias``."""
