@@ -32,13 +32,10 @@ from ._pool import BufferPool
 from .checks import GradTotal, SumCheck, refusal
 from .errors import BatchSizeError, GradHooksError
 from .forms import Call
-from .graph import in_backward, on_grad, tag, walk
+from .graph import in_backward, module_hooks, on_grad, tag, walk
 from .records import FORWARDS, Batch, Layer, Record, find_layers, plain_state
 from .utils import check_loss_reduction, detached, flatten, is_functorch_wrapped, tensors
 
-from torch.nn.modules.module import (register_module_forward_hook, register_module_forward_pre_hook,
-                                     register_module_module_registration_hook,
-                                     register_module_parameter_registration_hook)
 
 __all__ = ["Recorder", "Batch", "Layer", "Record", "is_hooked"]
 
@@ -46,11 +43,6 @@ __all__ = ["Recorder", "Batch", "Layer", "Record", "is_hooked"]
 _HOOKED: "weakref.WeakKeyDictionary[nn.Module, Recorder]" = weakref.WeakKeyDictionary()
 
 _MISSING = object()
-
-
-def _remove(handles: list) -> None:
-    for h in handles:
-        h.remove()
 
 
 def is_hooked(model: nn.Module) -> bool:
@@ -131,31 +123,9 @@ class Recorder:
     def _attach(self) -> None:
         # Global module hooks, filtered by module: the model itself carries no hook of ours, so
         # copy.deepcopy / pickle / torch.save of an attached model give a plain model.
-        # They hold the recorder weakly: a GradHooks dropped without detach() (with its model)
-        # is collected, and its global hooks are removed with it.
-        me = weakref.ref(self)
-
-        def pre(module, args):
-            recorder = me()
-            if recorder is not None:
-                recorder._on_pre_forward(module, args)
-
-        def post(module, args, kwargs, output):
-            recorder = me()
-            if recorder is not None:
-                recorder._on_any_forward(module, args, kwargs, output)
-
-        def registration(module, name, value):
-            recorder = me()
-            if recorder is not None:
-                recorder._on_registration(module, name, value)
-
-        handles = [register_module_forward_pre_hook(pre),
-                   register_module_forward_hook(post, with_kwargs=True),
-                   register_module_parameter_registration_hook(registration),
-                   register_module_module_registration_hook(registration)]
-        self._handles += handles
-        weakref.finalize(self, _remove, handles)
+        self._handles += module_hooks(self, pre=Recorder._on_pre_forward,
+                                      post=Recorder._on_any_forward,
+                                      registration=Recorder._on_registration)
         self._attached = True
         self._sync()
 

@@ -1,18 +1,22 @@
-"""The autograd-graph side of the recorder: grad_output pre-hooks, and the tags and graph walk
-that :meth:`gradhooks.GradHooks.backward` uses to ask autograd for the hooked layers' output
+"""The hook plumbing of the recorder: global module hooks, grad_output pre-hooks, and the tags
+and graph walk that :meth:`gradhooks.GradHooks.backward` uses to ask autograd for the hooked layers' output
 gradients instead of the parameters' (``torch.autograd.grad`` with
 :class:`torch.autograd.graph.GradientEdge` inputs).
 """
 from __future__ import annotations
 
 import functools
-from typing import Dict, List, Optional, Tuple
+import weakref
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
+from torch.nn.modules.module import (register_module_forward_hook, register_module_forward_pre_hook,
+                                     register_module_module_registration_hook,
+                                     register_module_parameter_registration_hook)
 
-__all__ = ["on_grad", "tag", "walk", "in_backward", "TAG", "RECOMPUTING"]
+__all__ = ["module_hooks", "on_grad", "tag", "walk", "in_backward", "TAG", "RECOMPUTING"]
 
 #: Autograd nodes whose backward runs a forward again and differentiates it on its own
 #: (``torch.utils.checkpoint`` with ``use_reentrant=True``): the hooked layers inside are not
@@ -44,6 +48,44 @@ def on_grad(t: Tensor, fn) -> None:
         t.register_hook(lambda g: fn((g,), 0))
     else:
         node.register_prehook(functools.partial(fn, nr=t.output_nr))
+
+
+def module_hooks(owner, *, pre: Callable, post: Callable, registration: Callable) -> list:
+    """Register torch's global module hooks for ``owner`` and return their handles:
+    ``pre(owner, module, args)`` before every module's forward, ``post(owner, module, args,
+    kwargs, output)`` after it, ``registration(owner, module, name, value)`` when a parameter or
+    submodule is set on any module. Global hooks filtered by module, instead of hooks on the
+    model's modules, leave the model itself without hooks (``deepcopy`` / ``pickle`` of it are
+    plain). They hold ``owner`` weakly and are removed when it is collected (a GradHooks dropped
+    without ``detach()``, with its model)."""
+    me = weakref.ref(owner)
+
+    def on_pre(module, args):
+        live = me()
+        if live is not None:
+            pre(live, module, args)
+
+    def on_post(module, args, kwargs, output):
+        live = me()
+        if live is not None:
+            post(live, module, args, kwargs, output)
+
+    def on_registration(module, name, value):
+        live = me()
+        if live is not None:
+            registration(live, module, name, value)
+
+    handles = [register_module_forward_pre_hook(on_pre),
+               register_module_forward_hook(on_post, with_kwargs=True),
+               register_module_parameter_registration_hook(on_registration),
+               register_module_module_registration_hook(on_registration)]
+    weakref.finalize(owner, _remove, list(handles))
+    return handles
+
+
+def _remove(handles: list) -> None:
+    for h in handles:
+        h.remove()
 
 
 def in_backward() -> bool:
