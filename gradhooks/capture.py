@@ -263,7 +263,8 @@ class Recorder:
         # Global forward hook: the hooked layers' calls.
         layer = self._layer_of.get(id(module))
         if layer is not None:
-            self._record(layer, module, args, kwargs, output)
+            return self._record(layer, module, args, kwargs, output)
+        return None
 
     def _on_forward(self, layer: Layer, module: nn.Module, args, kwargs, output) -> None:
         # Hot path: runs for every call of every hooked layer, so attribute lookups and Python
@@ -303,6 +304,24 @@ class Recorder:
             layer.watched = len(names) == len(layer.items)
         if self._backward_seen and not in_backward():  # (a recomputation belongs to this batch)
             self.clear()
+        # A lookup of one shared row of indices (position ids (1, T) broadcast over the batch):
+        # its output is handed downstream expanded to the batch, so that the gradient each
+        # sample sends back is recorded before the broadcast sums it. Only integer inputs: a
+        # float input with one row may be part of the batch (a shrinking PackedSequence step).
+        shared = (b == 1 and self._batch_size is not None and self._batch_size > 1
+                  and self._forward_id == self._batch_forward and isinstance(output, Tensor)
+                  and isinstance(x, Tensor) and x.dim() >= 1 and output.dim() >= 1
+                  and not x.is_floating_point() and (self.batch_first or x.dim() < 3))
+        if shared:
+            b = self._batch_size
+            x = x.expand(b, *x.shape[1:])
+            output = output.expand(b, *output.shape[1:])
+            if rule.multi_io:
+                args = tuple(x if t is args[0] else t for t in args) if args else args
+                kwargs = kwargs if args else {k: (x if i == 0 else v)
+                                              for i, (k, v) in enumerate(kwargs.items())}
+                leaves, spec = flatten(output)
+                reached = [0]
         if b != self._batch_size:
             if (self._batch_size is not None and self._forward_id != self._batch_forward
                     and not in_backward()):
@@ -341,12 +360,17 @@ class Recorder:
                 on_grad(leaves[i], functools.partial(self._on_grad_output, cap, i))
             if self._driven:
                 self._mark(cap, [(leaves[i], i) for i in reached], node)
+            if shared:
+                return output
         else:
             cap = Record(layer, x.detach(), names, self._step)
             cap.forward = self._forward_id
             on_grad(output, functools.partial(self._on_grad_output, cap, None))
             if self._driven:
                 self._mark(cap, [(output, None)], None)
+            if shared:
+                return output
+        return None
 
     def _mark(self, cap: Record, outputs: list, internal) -> None:
         # For GradHooks.backward, which finds them by walking the graph: tag the autograd nodes

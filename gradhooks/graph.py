@@ -53,7 +53,7 @@ def on_grad(t: Tensor, fn) -> None:
 def module_hooks(owner, *, pre: Callable, post: Callable, registration: Callable) -> list:
     """Register torch's global module hooks for ``owner`` and return their handles:
     ``pre(owner, module, args)`` before every module's forward, ``post(owner, module, args,
-    kwargs, output)`` after it, ``registration(owner, module, name, value)`` when a parameter or
+    kwargs, output)`` after it (what it returns, if not ``None``, replaces the output), ``registration(owner, module, name, value)`` when a parameter or
     submodule is set on any module. Global hooks filtered by module, instead of hooks on the
     model's modules, leave the model itself without hooks (``deepcopy`` / ``pickle`` of it are
     plain). They hold ``owner`` weakly and are removed when it is collected (a GradHooks dropped
@@ -67,8 +67,7 @@ def module_hooks(owner, *, pre: Callable, post: Callable, registration: Callable
 
     def on_post(module, args, kwargs, output):
         live = me()
-        if live is not None:
-            post(live, module, args, kwargs, output)
+        return None if live is None else post(live, module, args, kwargs, output)
 
     def on_registration(module, name, value):
         live = me()

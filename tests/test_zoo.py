@@ -3,7 +3,8 @@
 clipping in float64 against looped autograd (1e-10 relative to the largest entry).
 
 Models that fail because of a recorder-side part of issue 16 are written as they should pass and
-marked ``xfail(strict=True)`` with the precise cause, so the marker goes when that part lands.
+marked ``xfail(strict=True)`` with the precise cause, so the marker goes when that part lands
+(default position ids of shape (1, T) are exact since the recorder expands shared calls).
 Needs the ``zoo`` extra; each library is skipped when missing.
 """
 import warnings
@@ -26,12 +27,6 @@ def recorder_xfail(cause, raises):
     """A zoo case that needs a recorder-side part of issue 16 (not in this worktree): it must
     fail, and with ``raises``."""
     return pytest.mark.xfail(strict=True, raises=raises, reason=f"recorder: {cause}")
-
-
-POSITION_IDS = recorder_xfail(
-    "position ids of shape (1, T) broadcast over the batch: the position Embedding sees batch "
-    "size 1 beside the token Embedding's B (BatchSizeError); the recorder should treat a "
-    "size-1 leading dim as a shared, unbatched input", gradhooks.BatchSizeError)
 
 
 class TokensToLogits(nn.Module):
@@ -166,9 +161,9 @@ FALLBACK = {
 
 # id: (builder, marks)
 ZOO = {
-    "bert": (bert, POSITION_IDS),
+    "bert": (bert, None),
     "bert-batched-positions": (lambda: bert(True), None),
-    "gpt2": (gpt2, POSITION_IDS),
+    "gpt2": (gpt2, None),
     "gpt2-batched-positions": (lambda: gpt2(True), None),
     "t5": (t5, recorder_xfail(
         "T5's relative_attention_bias is an Embedding called on the (T, T) bucket matrix, "

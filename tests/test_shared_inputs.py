@@ -1,0 +1,55 @@
+"""Shared (unbatched) index inputs: a position Embedding called on (1, T) ids broadcast over the
+batch, as transformers' models do by default. Its output is expanded to the batch, so each
+sample's gradient is recorded before the broadcast sums it. Float64 against a loop."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+from conftest import assert_close_to_loop, loop_grads
+
+
+class Positions(nn.Module):
+    def __init__(self, vocab=11, max_len=8, dim=6):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(max_len, dim)
+        self.head = nn.Linear(dim, 3)
+        self.register_buffer("ids", torch.arange(max_len)[None], persistent=False)  # (1, L)
+
+    def forward(self, tokens):
+        h = self.tok(tokens) + self.pos(self.ids[:, :tokens.shape[1]])
+        return self.head(torch.tanh(h).mean(1))
+
+
+@pytest.mark.parametrize("batch,length", [(1, 5), (4, 5), (5, 5)], ids=["B1", "B4", "T_eq_B"])
+def test_shared_position_ids_match_loop(batch, length, dtype):
+    torch.manual_seed(0)
+    model = Positions().to(dtype)
+    x, y = torch.randint(0, 11, (batch, length)), torch.randint(0, 3, (batch,))
+    ref = loop_grads(model, F.cross_entropy, x, y)
+    norms = torch.sqrt(sum(g.flatten(1).square().sum(1) for g in ref.values()))
+    with gradhooks.attach(model) as gh:
+        out = model(x)
+        assert out.shape == (batch, 3)
+        F.cross_entropy(out, y).backward()
+        torch.testing.assert_close(gh.per_sample_grad_norms(), norms,
+                                   rtol=1e-9 if dtype == torch.float64 else 1e-4, atol=0)
+        assert_close_to_loop(gh.per_sample_grads(), ref, dtype)
+
+
+def test_a_float_input_of_one_row_is_still_refused():
+    """Only index inputs are read as shared: a float call on one row of a batch of 4 may be
+    part of the batch (a shrinking PackedSequence step), so it is refused, not expanded."""
+    class OneRow(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.a(x) + self.b(x[:1])
+
+    model = OneRow()
+    with gradhooks.attach(model):
+        with pytest.raises(gradhooks.BatchSizeError, match="sees batch size 1"):
+            model(torch.randn(4, 3))
