@@ -31,6 +31,7 @@ from .errors import (
 from .forms import Block, Call, Rows
 from .gram import GradientFeatures
 from .hooks import GradHooks, attach
+from .ekfac import EKFACFactors
 from .kfac import KFACFactors
 from .registry import LayerRule, register_rule, supported_types
 from .fisher import kfac  # noqa: E402  (after .kfac: the name gradhooks.kfac is this function)
@@ -50,6 +51,7 @@ __all__ = [
     "GradHooks",
     "kfac",
     "KFACFactors",
+    "EKFACFactors",
     "GradientFeatures",
     "UnsupportedLossError",
     "looped_per_sample_grads",

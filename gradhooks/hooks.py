@@ -20,6 +20,7 @@ from .gram import GradientFeatures, gradient_features, gram, jacobian_features
 from .projections import projected_grads
 from .ggn import empirical_fisher_diag, ggn_diag, ggn_sqrt, ggn_vector_product
 from .jacobians import per_sample_jacobians
+from .ekfac import EKFACFactors, ekfac_factors
 from .kfac import KFACFactors, kfac_factors
 from .norms import per_sample_grad_norms
 from .per_sample import per_sample_grads
@@ -253,6 +254,15 @@ class GradHooks:
         return kfac_factors(self.recorder, kfac_approx, backward_passes=backward_passes,
                             modules=modules, max_dense=max_dense, all_reduce=all_reduce,
                             group=group)
+
+    def ekfac_factors(self, *, modules: Optional[Iterable[str]] = None
+                      ) -> Dict[str, EKFACFactors]:
+        """Eigenvalue-corrected KFAC (George et al. 2018): ``{module name: EKFACFactors}`` with
+        the eigenvectors ``Q_A`` ``(I', I')``, ``Q_G`` ``(O, O)`` of the KFAC factors and the
+        per-sample second moments ``(O, I')`` in that eigenbasis, never forming per-sample
+        gradients in the parameters' basis; conventions and errors:
+        :func:`gradhooks.ekfac.ekfac_factors`."""
+        return ekfac_factors(self.recorder, modules=modules)
 
     def check_samples(self, loss_fn, inputs, targets, *, samples: int = 2,
                       generator: Optional[torch.Generator] = None) -> None:
