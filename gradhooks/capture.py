@@ -32,8 +32,9 @@ from ._pool import BufferPool
 from .checks import GradTotal, SumCheck, refusal
 from .errors import BatchSizeError, GradHooksError
 from .forms import Call
-from .graph import in_backward, module_hooks, on_grad, tag, walk
-from .records import FORWARDS, Batch, Layer, Record, find_layers, plain_state
+from .graph import in_backward, mark, module_hooks, on_grad, walk
+from .records import (FORWARDS, Batch, Layer, Record, expand_call, find_layers, plain_state,
+                      shared_lookup)
 from .utils import check_loss_reduction, detached, flatten, is_functorch_wrapped, tensors
 
 
@@ -304,22 +305,13 @@ class Recorder:
             layer.watched = len(names) == len(layer.items)
         if self._backward_seen and not in_backward():  # (a recomputation belongs to this batch)
             self.clear()
-        # A lookup of one shared row of indices (position ids (1, T) broadcast over the batch):
-        # its output is handed downstream expanded to the batch, so that the gradient each
-        # sample sends back is recorded before the broadcast sums it. Only integer inputs: a
-        # float input with one row may be part of the batch (a shrinking PackedSequence step).
         shared = (b == 1 and self._batch_size is not None and self._batch_size > 1
-                  and self._forward_id == self._batch_forward and isinstance(output, Tensor)
-                  and isinstance(x, Tensor) and x.dim() >= 1 and output.dim() >= 1
-                  and not x.is_floating_point() and (self.batch_first or x.dim() < 3))
-        if shared:
+                  and self._forward_id == self._batch_forward
+                  and shared_lookup(x, output, self.batch_first))
+        if shared:  # handed downstream expanded to the batch (records.shared_lookup)
             b = self._batch_size
-            x = x.expand(b, *x.shape[1:])
-            output = output.expand(b, *output.shape[1:])
+            x, output, args, kwargs = expand_call(b, x, output, args, kwargs)
             if rule.multi_io:
-                args = tuple(x if t is args[0] else t for t in args) if args else args
-                kwargs = kwargs if args else {k: (x if i == 0 else v)
-                                              for i, (k, v) in enumerate(kwargs.items())}
                 leaves, spec = flatten(output)
                 reached = [0]
         if b != self._batch_size:
@@ -359,7 +351,7 @@ class Recorder:
             for i in reached:
                 on_grad(leaves[i], functools.partial(self._on_grad_output, cap, i))
             if self._driven:
-                self._mark(cap, [(leaves[i], i) for i in reached], node)
+                self._edges_complete &= mark(self, cap, [(leaves[i], i) for i in reached], node)
             if shared:
                 return output
         else:
@@ -367,24 +359,10 @@ class Recorder:
             cap.forward = self._forward_id
             on_grad(output, functools.partial(self._on_grad_output, cap, None))
             if self._driven:
-                self._mark(cap, [(output, None)], None)
+                self._edges_complete &= mark(self, cap, [(output, None)], None)
             if shared:
                 return output
         return None
-
-    def _mark(self, cap: Record, outputs: list, internal) -> None:
-        # For GradHooks.backward, which finds them by walking the graph: tag the autograd nodes
-        # of the outputs ``(tensor, leaf)`` and the rule's ``internal`` node (whose inputs it
-        # asks gradients for, so that autograd runs that node and its post-hook). The tag lives
-        # in the node's metadata dict and goes with the graph.
-        for t, leaf in outputs:
-            if t.grad_fn is None:  # an output that is a leaf tensor: backward() falls back
-                self._edges_complete = False
-                return
-        for t, leaf in outputs:
-            tag(t.grad_fn, (self, cap, leaf, t.output_nr))
-        if internal is not None:
-            tag(internal, (self, cap, -1, None))
 
     def _on_model_forward(self, module: nn.Module, args) -> None:
         if utils.PAUSED or not torch.is_grad_enabled() or in_backward():

@@ -16,7 +16,7 @@ from torch.nn.modules.module import (register_module_forward_hook, register_modu
                                      register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
 
-__all__ = ["module_hooks", "on_grad", "tag", "walk", "in_backward", "TAG", "RECOMPUTING"]
+__all__ = ["module_hooks", "on_grad", "tag", "mark", "walk", "in_backward", "TAG", "RECOMPUTING"]
 
 #: Autograd nodes whose backward runs a forward again and differentiates it on its own
 #: (``torch.utils.checkpoint`` with ``use_reentrant=True``): the hooked layers inside are not
@@ -85,6 +85,22 @@ def module_hooks(owner, *, pre: Callable, post: Callable, registration: Callable
 def _remove(handles: list) -> None:
     for h in handles:
         h.remove()
+
+
+def mark(owner, record, outputs: list, internal) -> bool:
+    """Tag, for :func:`walk`, the autograd nodes of a record's ``outputs`` (``[(tensor, leaf)]``)
+    and the rule's ``internal`` node (whose inputs the output-edges pass asks gradients for, so
+    that autograd runs that node and its post-hook). Returns ``False`` (nothing tagged) if an
+    output is a leaf tensor, which the walk cannot find: the batch then takes the parameter
+    pass."""
+    for t, _ in outputs:
+        if t.grad_fn is None:
+            return False
+    for t, leaf in outputs:
+        tag(t.grad_fn, (owner, record, leaf, t.output_nr))
+    if internal is not None:
+        tag(internal, (owner, record, -1, None))
+    return True
 
 
 def in_backward() -> bool:

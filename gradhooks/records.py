@@ -22,10 +22,34 @@ from .registry import LayerRule, find_rule, supported_types
 from .rules.fallback import FALLBACK
 from .utils import own_loss_scale, tensors
 
-__all__ = ["Layer", "Record", "Batch", "find_layers", "plain_state", "FORWARDS"]
+__all__ = ["Layer", "Record", "Batch", "find_layers", "plain_state", "shared_lookup", "expand_call",
+           "FORWARDS"]
 
 #: Values of ``forwards``: how the top-level forwards before one backward map to rows.
 FORWARDS = ("one", "same_samples")
+
+
+def shared_lookup(x, output, batch_first: bool) -> bool:
+    """Whether a call on one row, in a forward whose batch has more (the caller checks that), is
+    a lookup of indices shared by the batch (position ids ``(1, T)`` broadcast over it, as
+    transformers' models make them): an integer tensor input with the row on the batch dim, and
+    one output tensor. Such a call's output is handed downstream expanded to the batch
+    (:func:`expand_call`), so that the gradient each sample sends back is recorded before the
+    broadcast sums it. A float input of one row is not: it may be part of the batch (a step of
+    a shrinking ``PackedSequence``), and stays refused."""
+    return (isinstance(output, Tensor) and isinstance(x, Tensor) and x.dim() >= 1
+            and output.dim() >= 1 and not x.is_floating_point() and (batch_first or x.dim() < 3))
+
+
+def expand_call(b: int, x: Tensor, output: Tensor, args: tuple, kwargs: dict):
+    """``(x, output, args, kwargs)`` of a :func:`shared_lookup` call with its input ``x`` (the
+    first argument) and its output expanded to ``b`` rows (views)."""
+    x_b = x.expand(b, *x.shape[1:])
+    if args:
+        args = (x_b, *args[1:])
+    else:
+        kwargs = {k: (x_b if i == 0 else v) for i, (k, v) in enumerate(kwargs.items())}
+    return x_b, output.expand(b, *output.shape[1:]), args, kwargs
 
 
 def plain_state(p: nn.Parameter) -> dict:
