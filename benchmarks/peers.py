@@ -28,6 +28,7 @@ by more than the tolerance (1e-4), else 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import ctypes
 import datetime
@@ -148,7 +149,7 @@ class _GradHooks(Method):
     def forget(self) -> None:
         self.release()
         self.gh.clear()
-        self.gh._pool.clear()
+        self.gh.recorder.pool.clear()
 
     def close(self) -> None:
         self.gh.detach()
@@ -506,20 +507,26 @@ def time_case(case: Case, keys: Sequence[str], repeats: int, loop_repeats: int, 
                 continue
             m, rec = methods[key], records[key]
             tick(f"{wl.name} B={case.batch}: {key}")
-            try:
+            others = contextlib.ExitStack()  # other gradhooks methods' global module hooks
+            try:                                 # removed: they would slow this method's model
                 m.release()
                 gc.disable()
                 _sync(case.device)
+                for other in methods.values():
+                    if other is not m and isinstance(other, _GradHooks):
+                        others.enter_context(other.gh.recorder.suspended())
                 t0 = time.perf_counter()
                 m.run()
                 _sync(case.device)
                 rec["times_ms"].append((time.perf_counter() - t0) * 1e3)
+                others.close()
                 gc.enable()
                 if rep == n_reps - 1 and m.kind is not None:
                     rec.update(check(m.kind, m.result(), ref, case))
                 m.release()
             except Exception as e:  # noqa: BLE001
                 gc.enable()
+                others.close()
                 rec.update(classify(key, e))
                 m.close()
                 del methods[key]

@@ -124,11 +124,31 @@ class Recorder:
     def _attach(self) -> None:
         # Global module hooks, filtered by module: the model itself carries no hook of ours, so
         # copy.deepcopy / pickle / torch.save of an attached model give a plain model.
-        self._handles += module_hooks(self, pre=Recorder._on_pre_forward,
-                                      post=Recorder._on_any_forward,
-                                      registration=Recorder._on_registration)
+        self._hook_modules()
         self._attached = True
         self._sync()
+
+    def _hook_modules(self) -> None:
+        self._handles = module_hooks(self, pre=Recorder._on_pre_forward,
+                                     post=Recorder._on_any_forward,
+                                     registration=Recorder._on_registration)
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Within this context the global module hooks are removed, the recorder's state kept:
+        every module of the process, this model's included, runs torch's hook-free fast path and
+        nothing is recorded. For benchmarks that time other methods in the same process
+        (``benchmarks/peers.py``), whose models would otherwise pay the hooks' dispatch."""
+        if not self._attached:
+            yield
+            return
+        for h in self._handles:
+            h.remove()
+        try:
+            yield
+        finally:
+            if self._attached:
+                self._hook_modules()
 
     def _sync(self) -> None:
         # (Re)build what is hooked from the model as it is now: at attach, and at the first

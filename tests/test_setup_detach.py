@@ -58,3 +58,25 @@ def test_detach_during_backward():
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, expected[n]), n
     assert not gh.recorder.records
+
+
+def test_suspended_records_nothing_and_resumes():
+    """Recorder.suspended() (for benchmarks timing other methods in one process) removes the
+    global module hooks and keeps the state: nothing is recorded inside, recording goes on
+    after."""
+    from torch.nn.modules import module as torch_module
+
+    model, x, y = _setup()
+    with gradhooks.attach(model) as gh:
+        before = len(torch_module._global_forward_hooks)
+        with gh.recorder.suspended():
+            assert len(torch_module._global_forward_hooks) == before - 1
+            F.cross_entropy(model(x), y).backward()
+            assert not gh.recorder.records
+        assert len(torch_module._global_forward_hooks) == before
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        ref = gradhooks.looped_per_sample_grads(model, F.cross_entropy, x, y)
+        ours = gh.per_sample_grads()
+        for n in ref:
+            torch.testing.assert_close(ours[n], ref[n], rtol=1e-10, atol=1e-14)
