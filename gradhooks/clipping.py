@@ -25,7 +25,7 @@ Norms are formed by :mod:`gradhooks.norms`, with its sum checks.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -82,8 +82,10 @@ def _forms_weighted(batch: Batch, p: PlannedParam, forms: Forms, c: Tensor, dest
     return torch.cat([(m @ v).reshape(m.shape[0], -1) for m, v in parts], 0).reshape(shape)
 
 
-def _ghost_sums(batch: Batch, plans: Dict[int, PlannedParam], c: Tensor, assign, forms: Forms) -> None:
-    """``sum_n c_n d(param)_n`` (unscaled per-sample gradients) for each parameter, from the
+def _ghost_sums(batch: Batch, plans: Dict[int, PlannedParam], c: Union[Tensor, Dict[int, Tensor]],
+                assign, forms: Forms) -> None:
+    """``sum_n c_n d(param)_n`` (unscaled per-sample gradients) for each parameter, ``c`` one
+    ``(N,)`` weight vector or one per parameter id (group-wise clipping), from the
     records: :meth:`~gradhooks.registry.LayerRule.weighted_sum` for rules with a linear form
     (Linear, Conv), one matmul per block for factored forms, one ``index_add`` for row
     scatters, one materialised layer at a time otherwise. Calls
@@ -95,6 +97,7 @@ def _ghost_sums(batch: Batch, plans: Dict[int, PlannedParam], c: Tensor, assign,
     left = {pid: len(p.entries) for pid, p in plans.items()}
     partial: Dict[int, Tensor] = {}
     offered: set = set()
+    weights = (lambda pid: c) if isinstance(c, Tensor) else c.__getitem__
 
     def dest(pid: int, dtype: torch.dtype) -> Optional[Tensor]:
         # The parameter's current .grad, for its first contribution only (later ones add to it).
@@ -118,11 +121,12 @@ def _ghost_sums(batch: Batch, plans: Dict[int, PlannedParam], c: Tensor, assign,
 
     for pid, p in plans.items():
         if p.kind == FORMS:
-            assign(pid, _forms_weighted(batch, p, forms, c, dest))
+            assign(pid, _forms_weighted(batch, p, forms, weights(pid), dest))
         elif p.kind == ROWS:  # sum_n c_n d(param)_n: one index_add of the weighted entries
             r = forms.rows(p)
             out = r.values.new_zeros(batch.params[pid].shape)
-            assign(pid, out.index_add_(0, r.row, r.values * c.to(r.values.dtype)[r.sample, None]))
+            cw = weights(pid).to(r.values.dtype)
+            assign(pid, out.index_add_(0, r.row, r.values * cw[r.sample, None]))
     forms.calls.clear()
     forms.joined.clear()
     forms.scatters.clear()
@@ -134,24 +138,30 @@ def _ghost_sums(batch: Batch, plans: Dict[int, PlannedParam], c: Tensor, assign,
         if closed:
             a, g = summed(cap)
             dt = a.dtype
-            into = {n: dest(id(layer.params[n]), dt) for n in closed}
-            sums = layer.rule.weighted_sum(layer.module, a, g, c.to(dt), batch.batch_first, closed,
-                                           {n: t for n, t in into.items() if t is not None})
+            by_weights: Dict[int, list] = {}  # the call's parameters by their weight vector
+            for n in closed:
+                by_weights.setdefault(id(weights(id(layer.params[n]))), []).append(n)
+            for names in by_weights.values():
+                into = {n: dest(id(layer.params[n]), dt) for n in names}
+                sums = layer.rule.weighted_sum(
+                    layer.module, a, g, weights(id(layer.params[names[0]])).to(dt),
+                    batch.batch_first, names, {n: t for n, t in into.items() if t is not None})
+                for local, t in sums.items():
+                    add(id(layer.params[local]), t)
             del a, g
-            for local, t in sums.items():
-                add(id(layer.params[local]), t)
         if generic:
             out = call_grads(layer.rule, layer.module, cap.a, cap.grads_arg(), batch.batch_first,
                              generic, None)
             for local, t in out.items():
                 pid = id(layer.params[local])
                 offered.add(pid)
-                add(pid, torch.tensordot(c.to(t.dtype), t, 1))
+                add(pid, torch.tensordot(weights(pid).to(t.dtype), t, 1))
 
 
-def clip_and_accumulate(recorder: Recorder, max_norm: float, *, method: str = "ghost",
-                        noise_multiplier: float = 0.0,
-                        generator: Optional[torch.Generator] = None) -> Tensor:
+def clip_and_accumulate(recorder: Recorder, max_norm: Union[float, Sequence[float]], *,
+                        method: str = "ghost", noise_multiplier: float = 0.0,
+                        generator: Optional[torch.Generator] = None,
+                        groups: Optional[Sequence[Sequence[str]]] = None) -> Tensor:
     """DP-SGD step gradient: per-sample clipping to ``max_norm``, summed, plus Gaussian noise,
     written to ``param.grad``.
 
@@ -200,6 +210,13 @@ def clip_and_accumulate(recorder: Recorder, max_norm: float, *, method: str = "g
             same result up to rounding. After ``per_sample_grads()`` released the records (its
             default), ``"ghost"`` clips its result as ``"materialize"`` does.
         noise_multiplier: ``sigma >= 0``; ``0`` adds no noise.
+        groups: group-wise clipping (Opacus' per-layer clipping, fastDP's group-wise):
+            parameter-name groups that partition the trainable parameters; each sample's
+            gradient is clipped per group, ``min(1, C_k / ||g_n,k||)`` with ``C_k`` the group's
+            bound (``max_norm`` a number for all groups, or one per group). The noise is
+            ``sigma C z / D`` with ``C = sqrt(sum_k C_k^2)``, the bound of the whole clipped
+            gradient, so the privacy accounting is that of flat clipping with the same
+            ``sigma`` (Opacus' convention). Returns ``(B, K)`` norms then.
         generator: a ``torch.Generator`` on the parameters' device, for reproducible noise
             (default: torch's global generator). The noise is drawn parameter by parameter in the
             order of ``model.named_parameters()``.
@@ -219,6 +236,9 @@ def clip_and_accumulate(recorder: Recorder, max_norm: float, *, method: str = "g
     """
     if method not in CLIP_METHODS:
         raise ValueError(f"method must be one of {CLIP_METHODS}, got {method!r}")
+    bounds, group_of = _groups(recorder, max_norm, groups)
+    if group_of is not None:
+        max_norm = math.sqrt(sum(b * b for b in bounds))  # the bound of the whole gradient
     trainable = _clip_setup(recorder, max_norm, noise_multiplier)
     if recorder.released:  # per_sample_grads() formed the result and released the records
         method = "materialize"
@@ -239,8 +259,7 @@ def clip_and_accumulate(recorder: Recorder, max_norm: float, *, method: str = "g
             plans, units = plan(batch)
             forms = Forms(batch, plans)
             sq = squared_norms(batch, plans, units, forms)
-            norms = add_up(sq.values()).sqrt_().mul_(batch.factor)
-            factors = (max_norm / norms).clamp_(max=1.0)
+            norms, factors = _factors(sq, group_of, bounds, batch.factor)
             # The records are S / D times the per-sample gradients: weighting them gives the
             # clipped sum times S / D.
             _ghost_sums(batch, plans, factors, assign, forms)
@@ -249,14 +268,65 @@ def clip_and_accumulate(recorder: Recorder, max_norm: float, *, method: str = "g
             scale = recorder.grad_scale() / (
                 own_loss_scale(recorder.loss_reduction, recorder.batch_size) or 1.0)
             pids = {name: pid for pid, name in recorder.names.items()}
-            norms = add_up(result_sq_norms(grads).values())
-            norms = _empty_norms(trainable) if norms is None else norms.sqrt_()
-            factors = (max_norm / norms).clamp_(max=1.0)
+            sq = {pids[name]: t for name, t in result_sq_norms(grads).items()}
+            if sq:
+                norms, factors = _factors(sq, group_of, bounds, 1.0)
+            else:
+                norms, factors = _empty_norms(trainable), {}
             for name, t in grads.items():
-                assign(pids[name], torch.tensordot(factors.to(t.dtype), t, 1).mul_(scale))
+                c = factors if isinstance(factors, Tensor) else factors[pids[name]]
+                assign(pids[name], torch.tensordot(c.to(t.dtype), t, 1).mul_(scale))
     _add_noise(trainable, assigned, noise_multiplier * max_norm * scale, generator)
     _skip_if_not_finite(recorder, trainable, norms)
     return norms
+
+
+def _groups(recorder: Recorder, max_norm, groups):
+    """``(bounds, group_of)``: the clipping bound of each group and ``{id(param): group}``
+    (``None`` for flat clipping: one group, every parameter).
+
+    Raises:
+        ValueError: for a malformed ``max_norm`` / ``groups`` pair, or groups that do not
+            partition the trainable parameters the hooks cover."""
+    if groups is None:
+        return [max_norm], None  # (checked by _clip_setup)
+    bounds = [max_norm] * len(groups) if isinstance(max_norm, (int, float)) else list(max_norm)
+    if len(bounds) != len(groups) or not groups:
+        raise ValueError(f"max_norm gives {len(bounds)} bounds for {len(groups)} groups")
+    for b in bounds:
+        _clip_setup(recorder, b, 0.0)  # each a positive finite number
+    pid_of = {name: pid for pid, name in recorder.names.items()}
+    group_of: Dict[int, int] = {}
+    for k, names in enumerate(groups):
+        for name in names:
+            if name not in pid_of or id(recorder.model.get_parameter(name)) != pid_of[name]:
+                raise ValueError(f"groups: {name!r} is not a parameter of the model")
+            if pid_of[name] in group_of:
+                raise ValueError(f"groups: {name!r} is in two groups")
+            group_of[pid_of[name]] = k
+    missing = [n for n, p in recorder.model.named_parameters()
+               if p.requires_grad and id(p) not in group_of]
+    if missing:
+        raise ValueError(f"groups must cover every trainable parameter; not in a group: "
+                         f"{', '.join(missing)}")
+    return bounds, group_of
+
+
+def _factors(sq: Dict[int, Tensor], group_of, bounds, factor: float):
+    """Per-sample norms and clipping factors from the squared norms ``{id(param): (N,)}`` of
+    the records (times ``factor``: the own-loss scale). Flat: ``(N,)`` norms and one ``(N,)``
+    factor vector. Group-wise (Opacus' per-layer / fastDP's group-wise clipping): ``(N, K)``
+    norms, one per group, and ``{id(param): (N,)}`` factors ``min(1, C_k / ||g_n,k||)``."""
+    if group_of is None:
+        norms = add_up(sq.values()).sqrt_().mul_(factor)
+        return norms, (bounds[0] / norms).clamp_(max=1.0)
+    any_sq = next(iter(sq.values()))
+    per_group = [any_sq.new_zeros(any_sq.shape) for _ in bounds]
+    for pid, t in sq.items():
+        per_group[group_of[pid]] = per_group[group_of[pid]] + t
+    norms = torch.stack(per_group, 1).sqrt_().mul_(factor)  # (N, K)
+    factors = (norms.new_tensor(bounds) / norms).clamp_(max=1.0)
+    return norms, {pid: factors[:, group_of[pid]].contiguous() for pid in sq}
 
 
 def _empty_norms(trainable) -> Tensor:

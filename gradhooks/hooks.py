@@ -224,15 +224,18 @@ class GradHooks:
         :func:`gradhooks.norms.per_sample_grad_norms`."""
         return per_sample_grad_norms(self.recorder, per_param=per_param)
 
-    def clip_and_accumulate(self, max_norm: float, *, method: str = "ghost",
+    def clip_and_accumulate(self, max_norm, *, method: str = "ghost",
                             noise_multiplier: float = 0.0,
-                            generator: Optional[torch.Generator] = None) -> Tensor:
+                            generator: Optional[torch.Generator] = None,
+                            groups: Optional[Iterable[Iterable[str]]] = None) -> Tensor:
         """DP-SGD (Abadi et al. 2016, arXiv:1607.00133): overwrite ``param.grad`` with the sum
         of per-sample gradients clipped to ``max_norm`` plus Gaussian noise (ghost clipping by
-        default; Li et al. 2022, Bu et al. 2023) and return the ``(B,)`` norms before clipping;
+        default; Li et al. 2022, Bu et al. 2023) and return the ``(B,)`` norms before clipping
+        (``groups``: group-wise clipping, ``(B, K)`` norms);
         arguments and errors: :func:`gradhooks.clipping.clip_and_accumulate`."""
         return clip_and_accumulate(self.recorder, max_norm, method=method,
-                                   noise_multiplier=noise_multiplier, generator=generator)
+                                   noise_multiplier=noise_multiplier, generator=generator,
+                                   groups=None if groups is None else [list(g) for g in groups])
 
     def clipped_backward(self, losses: Tensor, max_norm: float, *, noise_multiplier: float = 0.0,
                          generator: Optional[torch.Generator] = None) -> Tensor:
