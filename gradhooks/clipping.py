@@ -356,6 +356,15 @@ def _clip_setup(recorder: Recorder, max_norm, noise_multiplier) -> List[Tuple[st
     if not (isinstance(noise_multiplier, (int, float)) and noise_multiplier >= 0):
         raise ValueError(f"noise_multiplier must be >= 0 (noise std / max_norm), got "
                          f"{noise_multiplier!r}")
+    if (isinstance(recorder.model, nn.parallel.DistributedDataParallel)
+            and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        raise GradHooksError(
+            "clipping a DistributedDataParallel model is not supported yet: DDP averages the "
+            "ranks' batch gradients in the backward, and the clipped sum written to .grad "
+            "would be this rank's alone (silently unsynchronised). Per-sample gradients and "
+            "norms work under DDP; for DP-SGD over several processes, clip on each rank with "
+            "noise_multiplier=0, all-reduce (sum) the .grad tensors, divide by the global batch "
+            "size and add the noise on one rank")
     trainable = [(n, p) for n, p in recorder.model.named_parameters() if p.requires_grad]
     missing = [n for n, p in trainable if id(p) not in recorder.params]
     if missing:

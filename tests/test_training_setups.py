@@ -44,6 +44,11 @@ def _ddp_worker(rank, world, port, results):
         with gradhooks.attach(ddp, loss_reduction="mean") as gh:
             loss_fn(ddp(x), y).backward()
             ours = {k.removeprefix("module."): v for k, v in gh.per_sample_grads().items()}
+            try:  # clipping would leave .grad unsynchronised across ranks: refused
+                gh.clip_and_accumulate(1.0)
+                raise AssertionError("clip_and_accumulate under DDP did not raise")
+            except gradhooks.GradHooksError as e:
+                assert "DistributedDataParallel" in str(e), str(e)
         ref = loop_grads(ref_model, loss_fn, x, y)
         assert_close_to_loop(ours, ref, torch.float64)
         # DDP's all-reduce is undisturbed: .grad is the average over ranks of each rank's
