@@ -28,6 +28,7 @@ import math
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from .capture import Batch, Recorder
@@ -276,9 +277,44 @@ def clip_and_accumulate(recorder: Recorder, max_norm: Union[float, Sequence[floa
             for name, t in grads.items():
                 c = factors if isinstance(factors, Tensor) else factors[pids[name]]
                 assign(pids[name], torch.tensordot(c.to(t.dtype), t, 1).mul_(scale))
-    _add_noise(trainable, assigned, noise_multiplier * max_norm * scale, generator)
+    group = _ddp_group(recorder)
+    if group is None:
+        _add_noise(trainable, assigned, noise_multiplier * max_norm * scale, generator)
+    else:  # the sum over the ranks' samples, divided by the global D, noise added once
+        local = own_loss_scale(recorder.loss_reduction, recorder.batch_size or 0) or 1.0
+        total = _global_divisor(recorder, group, recorder.batch_size or 0)
+        _add_noise(trainable, assigned, 0.0, None)  # zeros where nothing was assigned
+        std = noise_multiplier * max_norm * scale * local / total
+        for _, p in trainable:
+            p.grad.mul_(local / total)
+            if std > 0 and dist.get_rank(group) == 0:
+                p.grad.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype,
+                                        device=p.device), alpha=std)
+            dist.all_reduce(p.grad, group=group)
     _skip_if_not_finite(recorder, trainable, norms)
     return norms
+
+
+def _ddp_group(recorder: Recorder):
+    """The process group of a ``DistributedDataParallel`` model run by several processes, or
+    ``None``. Its clipped sums are summed over the ranks here: DDP's own all-reduce averaged
+    the batch gradients that clipping overwrites."""
+    model = recorder.model
+    if (isinstance(model, nn.parallel.DistributedDataParallel) and dist.is_initialized()
+            and dist.get_world_size(model.process_group) > 1):
+        return model.process_group
+    return None
+
+
+def _global_divisor(recorder: Recorder, group, local_size: int) -> float:
+    """``D`` of the ranks' concatenated batch: its size for ``loss_reduction="mean"``, else 1
+    (one all-reduce of the local batch sizes ``local_size``)."""
+    if recorder.loss_reduction != "mean":
+        return 1.0
+    device = next(iter(recorder.params.values())).device
+    size = torch.tensor([float(local_size)], dtype=torch.float64, device=device)
+    dist.all_reduce(size, group=group)
+    return float(size)
 
 
 def _groups(recorder: Recorder, max_norm, groups):
@@ -356,15 +392,6 @@ def _clip_setup(recorder: Recorder, max_norm, noise_multiplier) -> List[Tuple[st
     if not (isinstance(noise_multiplier, (int, float)) and noise_multiplier >= 0):
         raise ValueError(f"noise_multiplier must be >= 0 (noise std / max_norm), got "
                          f"{noise_multiplier!r}")
-    if (isinstance(recorder.model, nn.parallel.DistributedDataParallel)
-            and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
-        raise GradHooksError(
-            "clipping a DistributedDataParallel model is not supported yet: DDP averages the "
-            "ranks' batch gradients in the backward, and the clipped sum written to .grad "
-            "would be this rank's alone (silently unsynchronised). Per-sample gradients and "
-            "norms work under DDP; for DP-SGD over several processes, clip on each rank with "
-            "noise_multiplier=0, all-reduce (sum) the .grad tensors, divide by the global batch "
-            "size and add the noise on one rank")
     trainable = [(n, p) for n, p in recorder.model.named_parameters() if p.requires_grad]
     missing = [n for n, p in trainable if id(p) not in recorder.params]
     if missing:
@@ -542,10 +569,23 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noi
     recorder.reset_batch()  # records consumed; the second pass records nothing
     for _, p in trainable:
         p.grad = None
+    group = _ddp_group(recorder)
+    if group is not None:  # DDP averages the ranks' gradients: weigh by world / global D
+        divisor = _global_divisor(recorder, group, batch) / dist.get_world_size(group)
     second = (losses * (factors / divisor).to(losses.dtype)).sum()
     with recorder.muted():
         (second if scaler is None else scaler.scale(second)).backward()
-    _add_noise(trainable, {id(p) for _, p in trainable if p.grad is not None},
-               noise_multiplier * max_norm * scale / divisor, generator)
+    if group is None:
+        _add_noise(trainable, {id(p) for _, p in trainable if p.grad is not None},
+                   noise_multiplier * max_norm * scale / divisor, generator)
+    else:  # the same noise on every rank, drawn once (rank 0) and broadcast
+        std = noise_multiplier * max_norm * scale / (divisor * dist.get_world_size(group))
+        _add_noise(trainable, {id(p) for _, p in trainable if p.grad is not None}, 0.0, None)
+        if std > 0:
+            for _, p in trainable:
+                z = (torch.randn(p.shape, generator=generator, dtype=p.dtype, device=p.device)
+                     if dist.get_rank(group) == 0 else torch.empty_like(p))
+                dist.broadcast(z, src=dist.get_global_rank(group, 0), group=group)
+                p.grad.add_(z, alpha=std)
     _skip_if_not_finite(recorder, trainable, norms)
     return norms

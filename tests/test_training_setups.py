@@ -44,11 +44,6 @@ def _ddp_worker(rank, world, port, results):
         with gradhooks.attach(ddp, loss_reduction="mean") as gh:
             loss_fn(ddp(x), y).backward()
             ours = {k.removeprefix("module."): v for k, v in gh.per_sample_grads().items()}
-            try:  # clipping would leave .grad unsynchronised across ranks: refused
-                gh.clip_and_accumulate(1.0)
-                raise AssertionError("clip_and_accumulate under DDP did not raise")
-            except gradhooks.GradHooksError as e:
-                assert "DistributedDataParallel" in str(e), str(e)
         ref = loop_grads(ref_model, loss_fn, x, y)
         assert_close_to_loop(ours, ref, torch.float64)
         # DDP's all-reduce is undisturbed: .grad is the average over ranks of each rank's
@@ -62,6 +57,64 @@ def _ddp_worker(rank, world, port, results):
         results[rank] = f"{type(e).__name__}: {e}"
     finally:
         dist.destroy_process_group()
+
+
+def _ddp_clip_worker(rank, world, port, results):
+    """Book-keeping (ghost, materialised) and two-pass clipping of a DDP model: every rank ends
+    with the clipped, noised mean of the ranks' concatenated batch, the noise added once."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        base = mlp().double()
+        ref_model = mlp().double()
+        ref_model.load_state_dict(base.state_dict())
+        ddp = nn.parallel.DistributedDataParallel(base)
+        batches = []
+        for r in range(world):
+            g = torch.Generator().manual_seed(200 + r)
+            batches.append((torch.randn(3 + r, 5, generator=g, dtype=torch.float64),
+                            torch.randint(0, 3, (3 + r,), generator=g)))
+        x_all = torch.cat([b[0] for b in batches])
+        y_all = torch.cat([b[1] for b in batches])
+        ref = loop_grads(ref_model, F.cross_entropy, x_all, y_all)
+        norms = torch.sqrt(sum(t.flatten(1).square().sum(1) for t in ref.values()))
+        c, sigma = float(norms.median()), 0.7
+        gen = torch.Generator().manual_seed(5)
+        expected = {}
+        for name, t in ref.items():
+            clipped = (t * (c / norms).clamp(max=1).view(-1, *[1] * (t.dim() - 1))).sum(0)
+            z = torch.randn(t.shape[1:], generator=gen, dtype=torch.float64)
+            expected[name] = (clipped + sigma * c * z) / len(x_all)
+        x, y = batches[rank]
+        with gradhooks.attach(ddp) as gh:
+            for method in ("ghost", "materialize", "two_pass"):
+                ddp.zero_grad()
+                out = ddp(x)
+                noise = torch.Generator().manual_seed(5)
+                if method == "two_pass":
+                    gh.clipped_backward(F.cross_entropy(out, y, reduction="none"), c,
+                                        noise_multiplier=sigma, generator=noise)
+                else:
+                    F.cross_entropy(out, y).backward()
+                    gh.clip_and_accumulate(c, method=method, noise_multiplier=sigma,
+                                           generator=noise)
+                for name, p in base.named_parameters():
+                    torch.testing.assert_close(p.grad, expected[name], rtol=1e-10, atol=1e-12,
+                                               msg=lambda m: f"{method} {name}: {m}")
+        results[rank] = "ok"
+    except Exception as e:  # reported to the parent
+        results[rank] = f"{type(e).__name__}: {e}"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_clipping_two_processes_gloo():
+    world = 2
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_ddp_clip_worker, args=(world, _free_port(), results), nprocs=world, join=True)
+        assert dict(results) == {0: "ok", 1: "ok"}
 
 
 def test_ddp_two_processes_gloo():
