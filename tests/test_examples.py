@@ -33,3 +33,10 @@ def test_laplace_digits(tmp_path):
     out = _run("laplace_digits.py", "--epochs", "10", "--out", str(tmp_path / "reliability.png"))
     assert "Laplace (kron, gradhooks)" in out and "ECE" in out
     assert (tmp_path / "reliability.png").stat().st_size > 0
+
+
+def test_dp_lora_finetune(tmp_path):
+    out = _run("dp_lora_finetune.py", "--steps", "4", "--pretrain-steps", "2",
+               "--out", str(tmp_path / "curves.png"))
+    assert "LoRA, DP-SGD (book-keeping" in out and "epsilon = " in out
+    assert (tmp_path / "curves.png").stat().st_size > 0
