@@ -171,7 +171,7 @@ def test_empirical_fisher_diag(model_name, reduction, dtype):
 
 def test_backpack_layout():
     # The same V as BackPACK's SqrtGGNExact (same factorisation of the CE Hessian, same layout).
-    backpack = pytest.importorskip("backpack")
+    import backpack
     from backpack.extensions import SqrtGGNExact
     torch.manual_seed(0)
     model, x, y = _mlp().double(), torch.randn(7, 5, dtype=torch.double), torch.randint(0, 4, (7,))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-opacus = pytest.importorskip("opacus")
+import opacus  # noqa: E402,F401
 
 from opacus.tests.grad_samples import common  # noqa: E402
 from opacus.utils import per_sample_gradients_utils as psu  # noqa: E402

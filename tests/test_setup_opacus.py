@@ -9,7 +9,8 @@ from torch import nn
 import gradhooks
 from conftest import assert_close_to_loop, loop_grads
 
-opacus = pytest.importorskip("opacus")
+import opacus  # noqa: E402
+import opacus.layers  # noqa: E402
 
 
 @pytest.mark.parametrize("cls", ["DPLSTM", "DPGRU", "DPRNN"])

@@ -5,7 +5,7 @@ clipping in float64 against looped autograd (1e-10 relative to the largest entry
 Models that fail because of a recorder-side part of issue 16 are written as they should pass and
 marked ``xfail(strict=True)`` with the precise cause, so the marker goes when that part lands
 (default position ids of shape (1, T) are exact since the recorder expands shared calls).
-Needs the ``zoo`` extra; each library is skipped when missing.
+Needs the ``zoo`` extra (also in ``test``): a missing library fails the test.
 """
 import warnings
 
@@ -51,7 +51,8 @@ def token_loss(out, y):
 
 
 def transformers_lib():
-    return pytest.importorskip("transformers")
+    import transformers
+    return transformers
 
 
 def bert(batched_positions=False):
@@ -86,7 +87,7 @@ def llama():
 
 def lora(make, targets):
     def build():
-        peft = pytest.importorskip("peft")
+        import peft
         model, kind = make()
         cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
                               fan_in_fan_out=targets == ["c_attn"])
@@ -120,21 +121,19 @@ def wav2vec2():
 
 def timm_model(name, **kwargs):
     def build():
-        timm = pytest.importorskip("timm")
+        import timm
         return timm.create_model(name, num_classes=5, **kwargs), "image"
     return build
 
 
 def timm_mixer():
-    timm = pytest.importorskip("timm")
+    import timm
     from timm.models.mlp_mixer import MlpMixer
     return MlpMixer(num_classes=5, img_size=32, patch_size=8, num_blocks=2, embed_dim=H), "image"
 
 
 def vision(build):
     def make():
-        if torchvision is None:
-            pytest.skip("torchvision not installed")
         return build(torchvision.models), "image"
     return make
 

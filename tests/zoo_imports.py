@@ -11,12 +11,10 @@ import types
 
 
 def import_torchvision():
-    """``torchvision``, or ``None`` if it is not installed."""
+    """``torchvision`` (in the ``test`` extra: an ImportError is a broken install, raised)."""
     try:
         import torchvision
         return torchvision
-    except ImportError:
-        return None
     except RuntimeError as e:
         if "torchvision::" not in str(e):
             raise
