@@ -25,7 +25,10 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _ddp_worker(rank, world, port, results):
+def _ddp_worker(rank, world, port, results, check):
+    """One process of a 2-process gloo group: a seeded DDP-wrapped MLP (float64) and a copy of
+    it for the reference, handed to the module-level ``check(rank, world, base, ref_model,
+    ddp)``; the outcome is reported to the parent through ``results``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -33,25 +36,7 @@ def _ddp_worker(rank, world, port, results):
         base = mlp().double()
         ref_model = mlp().double()
         ref_model.load_state_dict(base.state_dict())
-        ddp = nn.parallel.DistributedDataParallel(base)
-        loss_fn = weighted_square_loss("mean")
-        batches = []
-        for r in range(world):
-            g = torch.Generator().manual_seed(100 + r)
-            batches.append((torch.randn(3 + r, 5, generator=g, dtype=torch.float64),
-                            torch.rand(3 + r, generator=g, dtype=torch.float64)))
-        x, y = batches[rank]
-        with gradhooks.attach(ddp, loss_reduction="mean") as gh:
-            loss_fn(ddp(x), y).backward()
-            ours = {k.removeprefix("module."): v for k, v in gh.per_sample_grads().items()}
-        ref = loop_grads(ref_model, loss_fn, x, y)
-        assert_close_to_loop(ours, ref, torch.float64)
-        # DDP's all-reduce is undisturbed: .grad is the average over ranks of each rank's
-        # mean-loss gradient, i.e. of the mean of that rank's per-sample gradients.
-        for name, p in base.named_parameters():
-            expected = torch.stack([loop_grads(ref_model, loss_fn, xb, yb)[name].mean(0)
-                                    for xb, yb in batches]).mean(0)
-            torch.testing.assert_close(p.grad, expected, rtol=1e-12, atol=1e-12)
+        globals()[check](rank, world, base, ref_model, nn.parallel.DistributedDataParallel(base))
         results[rank] = "ok"
     except Exception as e:  # reported to the parent
         results[rank] = f"{type(e).__name__}: {e}"
@@ -59,70 +44,80 @@ def _ddp_worker(rank, world, port, results):
         dist.destroy_process_group()
 
 
-def _ddp_clip_worker(rank, world, port, results):
+def _spawn(check):
+    world = 2
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_ddp_worker, args=(world, _free_port(), results, check), nprocs=world,
+                 join=True)
+        assert dict(results) == {0: "ok", 1: "ok"}
+
+
+def _check_per_sample(rank, world, base, ref_model, ddp):
+    """Per-sample gradients of each rank's local batch; DDP's all-reduce of .grad untouched."""
+    loss_fn = weighted_square_loss("mean")
+    batches = []
+    for r in range(world):
+        g = torch.Generator().manual_seed(100 + r)
+        batches.append((torch.randn(3 + r, 5, generator=g, dtype=torch.float64),
+                        torch.rand(3 + r, generator=g, dtype=torch.float64)))
+    x, y = batches[rank]
+    with gradhooks.attach(ddp, loss_reduction="mean") as gh:
+        loss_fn(ddp(x), y).backward()
+        ours = {k.removeprefix("module."): v for k, v in gh.per_sample_grads().items()}
+    ref = loop_grads(ref_model, loss_fn, x, y)
+    assert_close_to_loop(ours, ref, torch.float64)
+    # DDP's all-reduce is undisturbed: .grad is the average over ranks of each rank's
+    # mean-loss gradient, i.e. of the mean of that rank's per-sample gradients.
+    for name, p in base.named_parameters():
+        expected = torch.stack([loop_grads(ref_model, loss_fn, xb, yb)[name].mean(0)
+                                for xb, yb in batches]).mean(0)
+        torch.testing.assert_close(p.grad, expected, rtol=1e-12, atol=1e-12)
+
+
+def _check_clipping(rank, world, base, ref_model, ddp):
     """Book-keeping (ghost, materialised) and two-pass clipping of a DDP model: every rank ends
     with the clipped, noised mean of the ranks' concatenated batch, the noise added once."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(0)
-        base = mlp().double()
-        ref_model = mlp().double()
-        ref_model.load_state_dict(base.state_dict())
-        ddp = nn.parallel.DistributedDataParallel(base)
-        batches = []
-        for r in range(world):
-            g = torch.Generator().manual_seed(200 + r)
-            batches.append((torch.randn(3 + r, 5, generator=g, dtype=torch.float64),
-                            torch.randint(0, 3, (3 + r,), generator=g)))
-        x_all = torch.cat([b[0] for b in batches])
-        y_all = torch.cat([b[1] for b in batches])
-        ref = loop_grads(ref_model, F.cross_entropy, x_all, y_all)
-        norms = torch.sqrt(sum(t.flatten(1).square().sum(1) for t in ref.values()))
-        c, sigma = float(norms.median()), 0.7
-        gen = torch.Generator().manual_seed(5)
-        expected = {}
-        for name, t in ref.items():
-            clipped = (t * (c / norms).clamp(max=1).view(-1, *[1] * (t.dim() - 1))).sum(0)
-            z = torch.randn(t.shape[1:], generator=gen, dtype=torch.float64)
-            expected[name] = (clipped + sigma * c * z) / len(x_all)
-        x, y = batches[rank]
-        with gradhooks.attach(ddp) as gh:
-            for method in ("ghost", "materialize", "two_pass"):
-                ddp.zero_grad()
-                out = ddp(x)
-                noise = torch.Generator().manual_seed(5)
-                if method == "two_pass":
-                    gh.clipped_backward(F.cross_entropy(out, y, reduction="none"), c,
-                                        noise_multiplier=sigma, generator=noise)
-                else:
-                    F.cross_entropy(out, y).backward()
-                    gh.clip_and_accumulate(c, method=method, noise_multiplier=sigma,
-                                           generator=noise)
-                for name, p in base.named_parameters():
-                    torch.testing.assert_close(p.grad, expected[name], rtol=1e-10, atol=1e-12,
-                                               msg=lambda m: f"{method} {name}: {m}")
-        results[rank] = "ok"
-    except Exception as e:  # reported to the parent
-        results[rank] = f"{type(e).__name__}: {e}"
-    finally:
-        dist.destroy_process_group()
+    batches = []
+    for r in range(world):
+        g = torch.Generator().manual_seed(200 + r)
+        batches.append((torch.randn(3 + r, 5, generator=g, dtype=torch.float64),
+                        torch.randint(0, 3, (3 + r,), generator=g)))
+    x_all = torch.cat([b[0] for b in batches])
+    y_all = torch.cat([b[1] for b in batches])
+    ref = loop_grads(ref_model, F.cross_entropy, x_all, y_all)
+    norms = torch.sqrt(sum(t.flatten(1).square().sum(1) for t in ref.values()))
+    c, sigma = float(norms.median()), 0.7
+    gen = torch.Generator().manual_seed(5)
+    expected = {}
+    for name, t in ref.items():
+        clipped = (t * (c / norms).clamp(max=1).view(-1, *[1] * (t.dim() - 1))).sum(0)
+        z = torch.randn(t.shape[1:], generator=gen, dtype=torch.float64)
+        expected[name] = (clipped + sigma * c * z) / len(x_all)
+    x, y = batches[rank]
+    with gradhooks.attach(ddp) as gh:
+        for method in ("ghost", "materialize", "two_pass"):
+            ddp.zero_grad()
+            out = ddp(x)
+            noise = torch.Generator().manual_seed(5)
+            if method == "two_pass":
+                gh.clipped_backward(F.cross_entropy(out, y, reduction="none"), c,
+                                    noise_multiplier=sigma, generator=noise)
+            else:
+                F.cross_entropy(out, y).backward()
+                gh.clip_and_accumulate(c, method=method, noise_multiplier=sigma,
+                                       generator=noise)
+            for name, p in base.named_parameters():
+                torch.testing.assert_close(p.grad, expected[name], rtol=1e-10, atol=1e-12,
+                                           msg=lambda m: f"{method} {name}: {m}")
 
 
 def test_ddp_clipping_two_processes_gloo():
-    world = 2
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_ddp_clip_worker, args=(world, _free_port(), results), nprocs=world, join=True)
-        assert dict(results) == {0: "ok", 1: "ok"}
+    _spawn("_check_clipping")
 
 
 def test_ddp_two_processes_gloo():
-    world = 2
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_ddp_worker, args=(world, _free_port(), results), nprocs=world, join=True)
-        assert dict(results) == {0: "ok", 1: "ok"}
+    _spawn("_check_per_sample")
 
 
 # --------------------------------------------------------------------------- input derivatives
