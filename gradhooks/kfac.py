@@ -280,8 +280,7 @@ def _too_big(dim: int, max_dense: Optional[int]) -> bool:
 
 
 def _kfac_layer(layer: Layer) -> bool:
-    return layer.rule.has_linear_form and not layer.rule.multi_io and "weight" in (
-        layer.rule.params_of(layer.module))
+    return layer.rule.has_linear_form and not layer.rule.multi_io and "weight" in layer.params
 
 
 def kfac_factors(
