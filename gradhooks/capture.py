@@ -33,6 +33,7 @@ from .checks import GradTotal, SumCheck, refusal
 from .errors import BatchSizeError, GradHooksError
 from .forms import Call
 from .graph import in_backward, mark, module_hooks, on_grad, walk
+from .provenance import Provenance, batch_view, source_cotangent
 from .records import (FORWARDS, Batch, Layer, Record, expand_call, find_layers, plain_state,
                       shared_lookup)
 from .utils import check_loss_reduction, detached, flatten, is_functorch_wrapped, tensors
@@ -44,6 +45,16 @@ __all__ = ["Recorder", "Batch", "Layer", "Record", "is_hooked"]
 _HOOKED: "weakref.WeakKeyDictionary[nn.Module, Recorder]" = weakref.WeakKeyDictionary()
 
 _MISSING = object()
+
+
+def _hint(module: nn.Module, default: str) -> str:
+    # What to do about a call that does not see the whole batch.
+    if type(module).__module__.startswith("opacus."):  # RNNLinear in a DP RNN
+        return ("Opacus' DPLSTM / DPGRU / DPRNN run their cells on fewer samples at later time "
+                "steps of a PackedSequence, and on an initial state made from sizes, so these "
+                "calls cover only part of the batch: use torch's nn.LSTM / nn.GRU / nn.RNN "
+                "(gradhooks' recurrent rule takes PackedSequence), or padded inputs.")
+    return default
 
 
 def is_hooked(model: nn.Module) -> bool:
@@ -113,6 +124,10 @@ class Recorder:
         self._module_ids: set = set()  # ids of the model's modules (registration hooks)
         self._unhooked: List[nn.Parameter] = []  # frozen parameters no layer covers
         self._changed: Optional[str] = None  # what changed in the model since the last sync
+        # Provenance (gradhooks.provenance) of the forward running now, or None; per input
+        # signature, whether its forwards need it (None: not tracked yet).
+        self._prov: Optional[Provenance] = None
+        self._signatures: Dict[tuple, bool] = {}
         # Under torch.compile the recording runs eagerly (a graph break), instead of dynamo
         # tracing it and recompiling for every record; the filters above stay traceable.
         self._record = torch.compiler.disable(self._on_forward)
@@ -130,7 +145,7 @@ class Recorder:
 
     def _hook_modules(self) -> None:
         self._handles = module_hooks(self, pre=Recorder._on_pre_forward,
-                                     post=Recorder._on_any_forward,
+                                     post=Recorder._on_any_forward, done=Recorder._on_done,
                                      registration=Recorder._on_registration)
 
     @contextlib.contextmanager
@@ -142,6 +157,7 @@ class Recorder:
         if not self._attached:
             yield
             return
+        self._stop_tracking()
         for h in self._handles:
             h.remove()
         try:
@@ -176,6 +192,7 @@ class Recorder:
         self._unhooked = [p for p in self.model.parameters() if id(p) not in self.params]
         self._changed = None
         self.cache.clear()
+        self._signatures.clear()
         self.reset_batch()
 
     def _unsync(self) -> None:
@@ -219,6 +236,7 @@ class Recorder:
         """
         if not self._attached:
             return
+        self._stop_tracking()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -251,6 +269,8 @@ class Recorder:
         self.totals: Dict[int, GradTotal] = {}  # autograd's, for the sum check
         self._param_passes: Dict[int, int] = {}
         self._calls = 0  # hooked-layer calls recorded in this batch
+        self._shared_layers: set = set()  # ids of layers with a shared call in this batch
+        self._refused: List[Record] = []  # shared calls whose sources cannot be split
         self._drop_result()
 
     def _drop_result(self) -> None:
@@ -275,17 +295,42 @@ class Recorder:
         return self._batch_size
 
     # ------------------------------------------------------------------ hooks
-    def _on_pre_forward(self, module: nn.Module, args) -> None:
+    def _on_pre_forward(self, module: nn.Module, args, kwargs) -> None:
         # Global forward pre-hook: only the model's own forward starts anything.
         if module is self.model:
-            self._model_forward(module, args)
+            self._model_forward(module, args, kwargs)
+
+    def _stop_tracking(self) -> None:
+        # End the provenance of a forward that detach() / suspended() interrupted.
+        prov, self._prov = self._prov, None
+        if prov is not None:
+            prov.__exit__(None, None, None)
+
+    def _on_done(self, module: nn.Module, completed: bool = False) -> None:
+        # The model's forward returned (completed) or raised: its provenance stops; a tracked
+        # forward that returned tells whether its signature needs tracking every time.
+        prov = self._prov
+        if module is self.model and prov is not None:
+            prov.depth -= 1
+            if prov.depth == 0:
+                self._prov = None
+                prov.__exit__(None, None, None)
+                if completed:
+                    key = prov.signature
+                    self._signatures[key] = self._signatures.get(key, False) or prov.shared
 
     def _on_any_forward(self, module: nn.Module, args, kwargs, output) -> None:
         # Global forward hook: the hooked layers' calls.
         layer = self._layer_of.get(id(module))
-        if layer is not None:
-            return self._record(layer, module, args, kwargs, output)
-        return None
+        if module is not self.model:
+            return None if layer is None else self._record(layer, module, args, kwargs, output)
+        completed = False
+        try:
+            result = None if layer is None else self._record(layer, module, args, kwargs, output)
+            completed = True
+        finally:
+            self._on_done(module, completed)
+        return result
 
     def _on_forward(self, layer: Layer, module: nn.Module, args, kwargs, output) -> None:
         # Hot path: runs for every call of every hooked layer, so attribute lookups and Python
@@ -316,7 +361,12 @@ class Recorder:
                 rule.check_call(module, args, kwargs, self._options)
             if not names:
                 return
-            b = rule.call_batch_size(module, args, kwargs, self.batch_first)
+            prov = self._prov
+            # Provenance decides whether this call sees the batch: a call whose output the
+            # batch did not reach is a shared call, whatever its sizes.
+            shared_call = prov is not None and not any(
+                prov.batched(t) for t in (leaves if rule.multi_io else (output,)))
+            b = None if shared_call else rule.call_batch_size(module, args, kwargs, self.batch_first)
         except GradHooksError as e:
             raise type(e)(f"module {layer.describe()}: {e}") from None
         if self.check and not layer.watched:
@@ -325,7 +375,16 @@ class Recorder:
             layer.watched = len(names) == len(layer.items)
         if self._backward_seen and not in_backward():  # (a recomputation belongs to this batch)
             self.clear()
-        shared = (b == 1 and self._batch_size is not None and self._batch_size > 1
+        if shared_call:
+            return self._record_shared(prov, layer, args, kwargs, output, names, x)
+        if prov is None and id(layer) in self._shared_layers and in_backward():
+            raise BatchSizeError(
+                f"module {layer.describe()} is recomputed in the backward pass (a checkpointed "
+                f"region) after a call on shared inputs in its forward; gradhooks takes a shared "
+                f"call's per-sample part where it meets the batch in the forward, which a "
+                f"recomputation does not replay. Leave the layers that make position biases / "
+                f"learned queries outside torch.utils.checkpoint")
+        shared = (prov is None and b == 1 and self._batch_size is not None and self._batch_size > 1
                   and self._forward_id == self._batch_forward
                   and shared_lookup(x, output, self.batch_first))
         if shared:  # handed downstream expanded to the batch (records.shared_lookup)
@@ -341,19 +400,18 @@ class Recorder:
             if self._batch_size is None:
                 self._batch_size, self._batch_source, self._batch_forward = b, layer.describe(), self._forward_id
             else:
-                hint = ("check the input layout, or pass batch_first=False for (T, B, ...) "
-                        "inputs.")
-                if type(module).__module__.startswith("opacus."):  # RNNLinear in a DP RNN
-                    hint = ("Opacus' DPLSTM / DPGRU / DPRNN run their cells on fewer samples at "
-                            "later time steps of a PackedSequence, so these calls cover only part "
-                            "of the batch: use torch's nn.LSTM / nn.GRU / nn.RNN (gradhooks' "
-                            "recurrent rule takes PackedSequence), or padded inputs.")
+                hint = _hint(module, "check the input layout, or pass batch_first=False for "
+                                     "(T, B, ...) inputs.")
+                shapes = ", ".join(str(tuple(t.shape)) for t in tensors((args, kwargs)))
                 raise BatchSizeError(
-                    f"module {layer.describe()} sees batch size {b}, but {self._batch_source} saw "
+                    f"module {layer.describe()} sees batch size {b} (inputs {shapes}), but "
+                    f"{self._batch_source} saw "
                     f"{self._batch_size} in the same forward. Per-sample gradients need every hooked "
                     f"layer to see the whole batch on the batch dim (batch_first={self.batch_first}); "
                     + hint
                 )
+        if prov is not None:
+            prov.b = b  # (the batch size shared calls are expanded to)
         self._calls += 1
         if rule.multi_io:
             # Output leaves that carry no gradient but structure (a PackedSequence's batch_sizes
@@ -384,7 +442,81 @@ class Recorder:
                 return output
         return None
 
-    def _on_model_forward(self, module: nn.Module, args) -> None:
+    def _record_shared(self, prov: Provenance, layer: Layer, args, kwargs, output, names,
+                       x) -> None:
+        # A call whose output the batch did not reach (gradhooks.provenance): its input is
+        # recorded as a batch of B identical samples (provenance.batch_view) and its output
+        # tagged as a source; its per-sample grad_outputs come from where it meets the batch.
+        if not isinstance(output, Tensor) or not isinstance(x, Tensor):
+            raise BatchSizeError(
+                f"module {layer.describe()} is called on inputs that do not come from the batch "
+                f"(shapes {[tuple(t.shape) for t in tensors((args, kwargs))]}), and gradhooks "
+                f"splits such shared calls per sample only for one tensor input and one tensor "
+                f"output. " + _hint(layer.module, "Pass the inputs batched "
+                f"(e.g. position ids expanded to (B, T)), or keep the module frozen."))
+        rule = layer.rule
+        b = prov.b
+        x_b, how = batch_view(x, b)
+        if how == "expand" and output.shape[:1] != (1,):
+            x_b, how = x.unsqueeze(0).expand(b, *x.shape), "prepend"
+        if rule.multi_io:
+            leaves, spec = flatten(output.unsqueeze(0).expand(b, *output.shape) if how == "prepend"
+                                   else output.expand(b, *output.shape[1:]))
+            call_args = (x_b.detach(), *detached(tuple(args[1:]))) if args else ()
+            call_kwargs = detached(dict(kwargs))
+            if not args:
+                first = next(iter(call_kwargs))
+                call_kwargs[first] = x_b.detach()
+            cap = Record(layer, Call(call_args, call_kwargs, None, how), names, self._step, spec,
+                         [None])
+        else:
+            cap = Record(layer, x_b.detach(), names, self._step)
+        cap.forward = self._forward_id
+        cap.shared = how
+        self._calls += 1
+        self._shared_layers.add(id(layer))
+        self._edges_complete = False  # the per-sample parts arrive where sources meet the batch
+        prov.add_source(output, cap)
+        return None
+
+    def _on_meeting(self, edge, sources: tuple, how: str, shape: tuple, grad: Tensor) -> None:
+        # Tensor hook (gradhooks.provenance): the gradient of a source-carrying tensor where it
+        # met the batch; its per-sample part, pulled back to each source's output.
+        if utils.PAUSED or self._muted or not self._attached:
+            return None
+        b = grad.shape[0]
+        if how == "broadcast":
+            cot = grad.reshape(b, *shape)
+        else:  # rows: sample n's cotangent is row n of the gradient
+            cot = grad.new_zeros((b, *shape))
+            idx = torch.arange(b, device=grad.device)
+            if b:
+                cot.view(b, b, -1)[idx, idx] = grad.reshape(b, -1)
+        live = [s for s in sources if s[0].step == self._step]
+        if not live:
+            return None
+        if b == 0:  # (autograd's batched grad needs a sample)
+            pulled = [cot.new_zeros((0, *out_shape)) for _, _, out_shape in live]
+        else:
+            pulled = torch.autograd.grad([edge], [e for _, e, _ in live], [cot], retain_graph=True,
+                                         allow_unused=True, is_grads_batched=True)
+        for (cap, _, _), g in zip(live, pulled):
+            if g is not None:
+                self._receive(cap, 0 if cap.spec is not None else None,
+                              source_cotangent(g, cap.shared))
+        return None
+
+    def _refuse_shared(self, sources: tuple, message: str) -> None:
+        # Sources met the batch in an op that is not split per sample: their reads raise.
+        for cap, *_ in sources:
+            if cap.refused is None:
+                cap.refused = message
+                self._refused.append(cap)
+
+    def _on_model_forward(self, module: nn.Module, args, kwargs) -> None:
+        if self._prov is not None:  # the model's forward calls the model again
+            self._prov.depth += 1
+            return
         if utils.PAUSED or not torch.is_grad_enabled() or in_backward():
             return  # records nothing; or a recomputation (checkpoint) of the current batch
         if self._changed is not None or any(p.requires_grad for p in self._unhooked):
@@ -396,6 +528,25 @@ class Recorder:
         # on the Transformer block, whose first hooked layer is the attention).
         if self._backward_seen and args and not any(is_functorch_wrapped(t) for t in tensors(args)):
             self.clear()
+        self._track(tensors((args, kwargs())), module.training)
+
+    def _track(self, top: List[Tensor], training: bool) -> None:
+        # Start the provenance of this forward (gradhooks.provenance) when its input signature
+        # is new or had shared calls: the batch is what the top-level inputs carry on the batch
+        # dim. Sequence-first models (batch_first=False) keep the size rules (README, Limitations).
+        bdim = 0
+        first = next((t for t in top if t.dim() > bdim), None) if self.batch_first else None
+        if first is None or any(is_functorch_wrapped(t) for t in top):
+            return
+        key = (tuple((tuple(t.shape), t.dtype) for t in top), training)
+        if self._signatures.get(key) is False:
+            return
+        # The top-level inputs are the batch (all of them: EmbeddingBag's offsets too); its size
+        # is the first hooked call's on them (the first input's batch dim until then).
+        prov = Provenance(first.shape[bdim], bdim, top, self._on_meeting, self._refuse_shared)
+        prov.signature, prov.depth = key, 1
+        self._prov = prov
+        prov.__enter__()
 
     def _on_grad_output(self, cap: Record, leaf: Optional[int], grads: tuple, nr: int) -> None:
         # grads[nr]: the gradient w.r.t. the recorded output tensor (see _on_grad).
@@ -424,10 +575,18 @@ class Recorder:
             self._higher_order = cap.layer.describe()
         if not cap.hits:  # the first grad_output this call receives
             self._records.append(cap)
-        cap.hits += 1
         if grad.dtype in (torch.bfloat16, torch.float16):
             cap.low = grad.dtype
         grad = grad.detach()
+        if cap.shared is not None and leaf is None:
+            # A shared call's parts arrive once per place it meets the batch: one grad_output
+            # per backward pass is their sum.
+            task = torch._C._current_graph_task_id()
+            if cap.grads and cap.task == task:
+                cap.grads[-1] = cap.grads[-1] + grad
+                return
+            cap.task = task
+        cap.hits += 1
         if leaf is None:
             cap.grads.append(grad)
         else:
@@ -535,6 +694,15 @@ class Recorder:
             else 1, higher_order=self._higher_order)
         if error is not None:
             raise error
+        for cap in self._refused:
+            if cap.step == self._step:
+                raise BatchSizeError(
+                    f"module {cap.layer.describe()} is called on inputs that do not come from the "
+                    f"batch (a shared call: the same for every sample), and its output meets the "
+                    f"batch in {cap.refused}, which gradhooks cannot split per sample; "
+                    f"{read} would be wrong. Make the shared tensor meet the batch by "
+                    f"broadcasting (+, *, where, matmul, cat off the batch dim), or pass the "
+                    f"module's inputs batched (B, ...)")
         records = tuple(self._records if records is None else records)
         for cap in records:
             cap.check_unmodified(read)

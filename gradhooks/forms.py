@@ -43,11 +43,16 @@ class Call(NamedTuple):
     Tensors are detached copies (sharing storage) of what the module received; other values
     (ints, ``None``, ``PackedSequence`` fields ...) are kept as they were. ``internal``: what
     the rule's :meth:`LayerRule.internal` asked to record for this call (``None`` otherwise).
+    ``shared``: for a call on inputs that are the same for every sample (a shared call,
+    :mod:`gradhooks.provenance`), how its first input was made a batch of ``B`` identical samples:
+    ``"expand"`` (its leading dim of size 1 expanded) or ``"prepend"`` (a new leading dim);
+    ``None`` for an ordinary call.
     """
 
     args: Tuple[Any, ...]
     kwargs: Dict[str, Any]
     internal: Optional[Dict[str, Any]] = None
+    shared: Optional[str] = None
 
 
 class Block(NamedTuple):

@@ -6,6 +6,7 @@ gradients instead of the parameters' (``torch.autograd.grad`` with
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -30,7 +31,8 @@ def _accumulate_grad_type() -> type:
 
 
 _ACCUMULATE_GRAD = _accumulate_grad_type()  # autograd's node of a leaf: nothing below it
-TAG = "gradhooks"  # key of the entries drive() finds in autograd nodes' metadata
+TAG = "gradhooks"
+_RAISED = object()  # key of the entries drive() finds in autograd nodes' metadata
 
 
 
@@ -50,10 +52,14 @@ def on_grad(t: Tensor, fn) -> None:
         node.register_prehook(functools.partial(fn, nr=t.output_nr))
 
 
-def module_hooks(owner, *, pre: Callable, post: Callable, registration: Callable) -> list:
+def module_hooks(owner, *, pre: Callable, post: Callable, done: Callable,
+                 registration: Callable) -> list:
     """Register torch's global module hooks for ``owner`` and return their handles:
-    ``pre(owner, module, args)`` before every module's forward, ``post(owner, module, args,
-    kwargs, output)`` after it (what it returns, if not ``None``, replaces the output), ``registration(owner, module, name, value)`` when a parameter or
+    ``pre(owner, module, args, kwargs)`` before every module's forward (``kwargs``: a function
+    that returns the call's keyword arguments, read from torch's ``Module._call_impl`` frame;
+    torch's global pre-hooks get none), ``post(owner, module, args, kwargs, output)`` after it
+    (what it returns, if not ``None``, replaces the output), ``done(owner, module)`` instead
+    when the forward raised (``post`` sees the ends of forwards that returned), ``registration(owner, module, name, value)`` when a parameter or
     submodule is set on any module. Global hooks filtered by module, instead of hooks on the
     model's modules, leave the model itself without hooks (``deepcopy`` / ``pickle`` of it are
     plain). They hold ``owner`` weakly and are removed when it is collected (a GradHooks dropped
@@ -63,11 +69,19 @@ def module_hooks(owner, *, pre: Callable, post: Callable, registration: Callable
     def on_pre(module, args):
         live = me()
         if live is not None:
-            pre(live, module, args)
+            frame = sys._getframe(1)
+            pre(live, module, args, lambda: _call_kwargs(frame))
 
-    def on_post(module, args, kwargs, output):
+
+    def on_post(module, args, kwargs, output=_RAISED):
+        # (torch calls an always-called hook with (module, args, result) when forward raised)
         live = me()
-        return None if live is None else post(live, module, args, kwargs, output)
+        if live is None:
+            return None
+        if output is _RAISED:
+            done(live, module)
+            return None
+        return post(live, module, args, kwargs, output)
 
     def on_registration(module, name, value):
         live = me()
@@ -75,11 +89,18 @@ def module_hooks(owner, *, pre: Callable, post: Callable, registration: Callable
             registration(live, module, name, value)
 
     handles = [register_module_forward_pre_hook(on_pre),
-               register_module_forward_hook(on_post, with_kwargs=True),
+               register_module_forward_hook(on_post, with_kwargs=True, always_call=True),
                register_module_parameter_registration_hook(on_registration),
                register_module_module_registration_hook(on_registration)]
     weakref.finalize(owner, _remove, list(handles))
     return handles
+
+
+def _call_kwargs(frame) -> dict:
+    # The keyword arguments of the module call whose forward pre-hooks run in ``frame``
+    # (torch's ``_call_impl``: its local ``kwargs``); {} where torch calls hooks otherwise.
+    kwargs = frame.f_locals.get("kwargs")
+    return kwargs if isinstance(kwargs, dict) else {}
 
 
 def _remove(handles: list) -> None:

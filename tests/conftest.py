@@ -128,3 +128,14 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_provenance():
+    """Every test leaves torch's function-mode stack as it found it: gradhooks' provenance mode
+    (gradhooks.provenance) lives only inside an attached model's forward."""
+    yield
+    leaked = torch._C._len_torch_function_stack()
+    while torch._C._len_torch_function_stack():
+        torch._C._pop_torch_function_stack()
+    assert leaked == 0, f"{leaked} torch function mode(s) left active"

@@ -76,6 +76,17 @@ def t5():
     return TokensToLogits(tr.T5ForConditionalGeneration(cfg), decoder=True), "tokens"
 
 
+def bart():
+    """BART's learned positions: an Embedding subclass whose forward makes the position ids from
+    the input's shape, (B, T) after an expand, the same for every sample."""
+    tr = transformers_lib()
+    cfg = tr.BartConfig(vocab_size=V, d_model=H, encoder_layers=1, decoder_layers=1,
+                        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=2 * H,
+                        decoder_ffn_dim=2 * H, max_position_embeddings=T, pad_token_id=0,
+                        bos_token_id=0, eos_token_id=0, decoder_start_token_id=0)
+    return TokensToLogits(tr.BartForConditionalGeneration(cfg), decoder=True), "tokens"
+
+
 def llama():
     tr = transformers_lib()
     cfg = tr.LlamaConfig(vocab_size=V, hidden_size=H, num_hidden_layers=2, num_attention_heads=4,
@@ -156,6 +167,9 @@ FALLBACK = {
     "timm-convnext-atto": {"ConvNeXtBlock"},  # gamma, applied by the block itself
     "tv-convnext": {"CNBlock"},  # layer_scale
     "tv-swin": {"ShiftedWindowAttention"},  # relative_position_bias_table
+    # Embedding subclasses with their own forward (scaled tokens; positions made from the
+    # input's shape, a shared call): the fallback replays each, a single embedding lookup.
+    "bart": {"BartScaledWordEmbedding", "BartLearnedPositionalEmbedding"},
 }
 
 # id: (builder, marks)
@@ -164,12 +178,8 @@ ZOO = {
     "bert-batched-positions": (lambda: bert(True), None),
     "gpt2": (gpt2, None),
     "gpt2-batched-positions": (lambda: gpt2(True), None),
-    "t5": (t5, recorder_xfail(
-        "T5's relative_attention_bias is an Embedding called on the (T, T) bucket matrix, "
-        "shared by the batch: it sees batch size T beside the token Embedding's B "
-        "(BatchSizeError); its per-sample gradient is the grad_output of the (1, H, T, T) bias "
-        "summed per sample, which needs the recorder to accept unbatched calls",
-        gradhooks.BatchSizeError)),
+    "t5": (t5, None),
+    "bart": (bart, None),
     "llama-gqa": (llama, None),
     "llama-gqa-lora": (lora(llama, ["q_proj", "v_proj"]), None),
     "gpt2-lora-conv1d-batched-positions": (lora(lambda: gpt2(True), ["c_attn"]), None),
@@ -206,13 +216,13 @@ def assert_close(ours, ref):
         assert diff <= RTOL[torch.float64] * scale, f"{name}: max diff {diff:.3e} vs scale {scale:.3e}"
 
 
-def inputs(kind, generator):
+def inputs(kind, generator, b=B, t=T):
     if kind == "image":
-        return torch.randn(B, 3, 32, 32, dtype=torch.float64, generator=generator), torch.randint(0, 5, (B,), generator=generator)
+        return torch.randn(b, 3, 32, 32, dtype=torch.float64, generator=generator), torch.randint(0, 5, (b,), generator=generator)
     if kind == "audio":
-        return torch.randn(B, 400, dtype=torch.float64, generator=generator), torch.randint(0, 3, (B,), generator=generator)
-    ids = torch.randint(1, V, (B, T), generator=generator)
-    return ids, (torch.randint(0, 3, (B,), generator=generator) if kind == "label" else ids.roll(-1, 1))
+        return torch.randn(b, 400, dtype=torch.float64, generator=generator), torch.randint(0, 3, (b,), generator=generator)
+    ids = torch.randint(1, V, (b, t), generator=generator)
+    return ids, (torch.randint(0, 3, (b,), generator=generator) if kind == "label" else ids.roll(-1, 1))
 
 
 @pytest.mark.parametrize("name, build", [pytest.param(name, b, marks=m or (), id=name)
@@ -242,6 +252,29 @@ def test_zoo_model_matches_loop(name, build):
         got = {n: p.grad for n, p in model.named_parameters() if n in ref}
         got = {n: got[n] for n in want}
         assert_close(got, want)
+        assert_close(gh.per_sample_grads(), ref)
+    finally:
+        gh.detach()
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "t5", "bart", "llama-gqa"])
+def test_zoo_length_equal_to_batch(name):
+    """T == B: position ids (1, T) or (B, T) made from sizes, and T5's (T, T) relative-position
+    buckets, have the batch size on their first dim by coincidence; gradhooks follows where
+    they came from (gradhooks.provenance), so they stay shared calls and the per-sample
+    gradients and norms equal the loop's (a size read as the batch dim would give the
+    per-query-position split instead, with the same sum)."""
+    model, kind = ZOO[name][0]()
+    model = model.double().eval()
+    x, y = inputs(kind, torch.Generator().manual_seed(2), b=4, t=4)
+    ref = loop_grads(model, token_loss, x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gradhooks.FallbackWarning)
+        gh = gradhooks.attach(model)
+    try:
+        token_loss(model(x), y).backward()
+        ref_norms = torch.cat([g.reshape(4, -1) for g in ref.values()], 1).norm(dim=1)
+        torch.testing.assert_close(gh.per_sample_grad_norms(), ref_norms, rtol=1e-10, atol=0)
         assert_close(gh.per_sample_grads(), ref)
     finally:
         gh.detach()

@@ -30,7 +30,7 @@ Cost: one vmapped forward and vjp of the module per read (about what ``torch.fun
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -73,6 +73,8 @@ class FallbackRule(LayerRule):
     def per_sample_grads(self, module: nn.Module, a: Call, g, batch_first: bool,
                          names: Iterable[str]) -> Dict[str, Tensor]:
         names = tuple(names)
+        if a.shared is not None:
+            return self._shared_call(module, a, g, names)
         b = self.batch_size(module, a.args[0] if a.args else next(iter(a.kwargs.values())), batch_first)
         in_leaves, in_spec = tree_flatten((a.args, a.kwargs))
         batched = [i for i, t in enumerate(in_leaves) if isinstance(t, Tensor) and t.dim() > 0
@@ -118,6 +120,32 @@ class FallbackRule(LayerRule):
                     f"in eval mode or move its dropout out of it"
                 ) from None
             raise
+        return {n: out[n].detach().contiguous() for n in names}
+
+
+    def _shared_call(self, module: nn.Module, a: Call, g, names: Tuple[str, ...]) -> Dict[str, Tensor]:
+        # A call on inputs that are the same for every sample (Call.shared): the per-sample vjp
+        # of the one call, vmapped over the samples' grad_outputs only.
+        first = a.args[0] if a.args else next(iter(a.kwargs.values()))
+        x = first[0] if a.shared == "prepend" else first[:1]
+        if a.args:
+            args, kwargs = (x, *a.args[1:]), a.kwargs
+        else:
+            args, kwargs = a.args, {k: (x if i == 0 else v) for i, (k, v) in enumerate(a.kwargs.items())}
+        g_leaves, _ = tree_flatten(g)
+        reached = [i for i, t in enumerate(g_leaves) if isinstance(t, Tensor)]
+        own = {n: getattr(module, n).detach() for n in names}
+
+        def one(params, gs: List[Tensor]):
+            def f(p):
+                out_leaves, _ = tree_flatten(functional_call(module, p, args, kwargs))
+                return [out_leaves[i] for i in reached]
+
+            _, pull = vjp(f, params)
+            return pull([gi if a.shared == "prepend" else gi.unsqueeze(0) for gi in gs])[0]
+
+        with paused(), torch.enable_grad():
+            out = vmap(one, in_dims=(None, [0] * len(reached)))(own, [g_leaves[i] for i in reached])
         return {n: out[n].detach().contiguous() for n in names}
 
 

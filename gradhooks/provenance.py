@@ -1,0 +1,267 @@
+"""Where a tensor came from: the batch, a shared call, or neither, decided by data flow.
+
+Per-sample gradients need to know which tensors carry the batch. gradhooks never reads that off
+a size (a ``(T, T)`` bucket matrix with ``T == B`` would look batched); it follows the data:
+while a model's forward runs, a :class:`Provenance` mode (a ``TorchFunctionMode``) tags every
+tensor an op computes from the model's top-level inputs as *batched*. A hooked layer whose output
+is not batched is a *shared call*: the same for every sample (position ids ``(1, T)`` or
+``(T,)``, relative-position buckets ``(T, T)``, a constant mask, a learned query), and its
+output is tagged as a *source*; tensors computed from sources but not from the batch carry their
+sources along.
+
+Where a tensor ``u`` carrying sources meets the batch (an op with a batched operand), its
+gradient is still the sum over the samples; the per-sample part is taken there, before the sum:
+
+* broadcast (``u``'s dims, aligned to the batched operand's on the right, have size 1 or none
+  at the batch dim): ``u`` is handed to the op expanded to the batch, ``u_b = u.expand(B, ...)``
+  (same values, same result), and a hook on ``u_b`` receives ``(B, *u.shape)``: each sample's
+  own cotangent of ``u``;
+* rows (``u`` has the batch size on the batch dim, e.g. after an add with a ``(B, 1, 1, T)``
+  mask that was built from sizes): the op is row-aligned, so sample ``n``'s cotangent of ``u`` is
+  row ``n`` of its gradient, zero elsewhere.
+
+From the cotangents of ``u`` the per-sample cotangents of each source's output follow by one
+batched vector-Jacobian product through the ops between them (``torch.autograd.grad(...,
+is_grads_batched=True)``), usually a few shape ops. Only ops whose operands are aligned on the
+batch dim in these two ways are split (:data:`ROW_ALIGNED`: elementwise arithmetic, ``where``,
+``masked_fill``, ``matmul``, ``cat`` / ``stack`` off the batch dim, ``scaled_dot_product_attention``'s
+mask); a source meeting the batch in any other op (``einsum``, an op that mixes samples) is
+refused at the read with the module, the op and the shapes, never guessed.
+
+Tracking costs a Python call per torch op of the forward (about +5% on a Transformer block's
+forward). The recorder runs it on the first forward of each input signature (the top-level
+inputs' shapes and dtypes, train/eval mode), and on later forwards only for signatures whose
+tracked forward had a shared call.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["Provenance", "ROW_ALIGNED", "batch_view", "source_cotangent"]
+
+_TAG = "_gradhooks_provenance"  # attribute on tensors the forward computes: (token, sources)
+
+
+def _functions(names, owners) -> frozenset:
+    found = set()
+    for owner in owners:
+        for name in names:
+            f = getattr(owner, name, None)
+            if f is not None:
+                found.add(f)
+    return frozenset(found)
+
+
+_ELEMENTWISE = (
+    "add", "add_", "sub", "sub_", "subtract", "mul", "mul_", "multiply", "div", "div_", "divide",
+    "true_divide", "floor_divide", "remainder", "fmod", "pow", "pow_", "maximum", "minimum", "fmax",
+    "fmin", "where", "masked_fill", "masked_fill_", "addcmul", "addcdiv", "lerp", "atan2",
+    "hypot", "logaddexp", "copysign", "clamp", "clip",
+    "__add__", "__radd__", "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__", "__rmul__",
+    "__imul__", "__truediv__", "__rtruediv__", "__itruediv__", "__div__", "__rdiv__", "__idiv__",
+    "__pow__", "__rpow__", "__ipow__")
+_MATMUL = ("matmul", "bmm", "__matmul__", "__rmatmul__")
+_JOIN = ("cat", "concat", "concatenate", "stack")
+
+#: Ops whose operands line up on the batch dim by broadcasting (elementwise, batched matmul) or
+#: row by row (``cat`` / ``stack`` along another dim): where a source meets the batch in one of
+#: these, its per-sample cotangents are taken (module docstring).
+ROW_ALIGNED = (_functions(_ELEMENTWISE + _MATMUL + _JOIN, (torch, torch.Tensor))
+               | {F.scaled_dot_product_attention})
+_JOINS = _functions(_JOIN, (torch,))
+_MATMULS = _functions(_MATMUL, (torch, torch.Tensor))
+
+# Reads of metadata, the most frequent calls: passed through untouched.
+_METADATA = frozenset(
+    [getattr(torch.Tensor, n) for n in ("size", "dim", "numel", "stride", "is_contiguous",
+                                         "is_floating_point", "is_complex", "__len__", "data_ptr",
+                                         "element_size", "storage_offset", "get_device")]
+    + [getattr(torch.Tensor, n).__get__ for n in ("shape", "dtype", "device", "ndim",
+                                                  "requires_grad", "is_cuda", "grad_fn", "layout",
+                                                  "_version", "is_sparse", "is_meta", "grad")
+       if hasattr(getattr(torch.Tensor, n, None), "__get__")])
+
+
+def batch_view(t: Tensor, b: int) -> Tuple[Tensor, str]:
+    """A shared call's input as a batch of ``b`` identical samples, and how it was made:
+    ``"expand"`` (a leading dim of size 1 becomes the batch dim: ``(1, T) -> (b, T)``) or
+    ``"prepend"`` (a new batch dim: ``(T, T) -> (b, T, T)``). Views, no copy."""
+    if t.dim() and t.shape[0] == 1:
+        return t.expand(b, *t.shape[1:]), "expand"
+    return t.unsqueeze(0).expand(b, *t.shape), "prepend"
+
+
+def source_cotangent(cot: Tensor, how: str) -> Tensor:
+    """Per-sample cotangents ``(B, *output.shape)`` of a shared call's output in the layout of
+    its :func:`batch_view` input: the leading 1 dropped for ``"expand"``."""
+    return cot.reshape(cot.shape[0], *cot.shape[2:]) if how == "expand" else cot
+
+
+class Provenance(TorchFunctionMode):
+    """Tags the tensors of one forward by where they came from (module docstring).
+
+    Args:
+        batch_size: ``B``: the first top-level input's size on the batch dim, until the recorder
+            sets it from the first hooked call that computes from the batch.
+        batch_dim: ``0`` (``batch_first``) or ``1``.
+        inputs: the top-level input tensors that carry the batch.
+        meet: ``meet(edge, sources, how, shape, grad)``, called in the backward pass with the
+            gradient ``grad`` of a source-carrying tensor ``u`` (autograd edge ``edge``, shape
+            ``shape``, carrying ``sources``: ``((record, edge of its output, its shape), ...)``) where it
+            met the batch: ``u_b``'s shape, the batch dim of size ``B``, for ``how ==
+            "broadcast"``; ``u``'s own shape for ``"rows"``.
+        refuse: ``refuse(sources, message)``: sources met the batch in an op that cannot be
+            split per sample.
+
+    Attributes:
+        shared: whether a shared call happened (the signature needs tracking on every forward).
+    """
+
+    def __init__(self, batch_size: int, batch_dim: int, inputs: List[Tensor],
+                 meet: Callable, refuse: Callable):
+        super().__init__()
+        self.b, self.bdim = batch_size, batch_dim
+        self.inputs = {id(t) for t in inputs}
+        self._keep = inputs  # (the ids above stay theirs while the forward runs)
+        self.token = object()
+        self.meet, self.refuse = meet, refuse
+        self.shared = False
+        self.depth = 0  # nested calls of the model's forward
+
+    # -------------------------------------------------------------- tags
+    def batched(self, t) -> bool:
+        """Whether tensor ``t`` was computed from the batch in this forward."""
+        if not isinstance(t, Tensor):
+            return False
+        if id(t) in self.inputs:
+            return True
+        tag = getattr(t, _TAG, None)
+        return tag is not None and tag[0] is self.token and tag[1] is None
+
+    def add_source(self, output: Tensor, record) -> None:
+        """Tag ``output``, the output of a shared call recorded as ``record``, as a source."""
+        self.shared = True
+        setattr(output, _TAG, (self.token, ((record, get_gradient_edge(output), output.shape),)))
+
+    def _look(self, t: Tensor):
+        # (batched, sources) of one tensor
+        if id(t) in self.inputs:
+            return True, None
+        tag = getattr(t, _TAG, None)
+        if tag is None or tag[0] is not self.token:
+            return False, None
+        return tag[1] is None, tag[1]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        if func in _METADATA:
+            return func(*args, **kwargs)
+        batched, sources, tainted = False, None, None
+        for group in (args, kwargs.values()):
+            for a in group:
+                if isinstance(a, Tensor):
+                    items = (a,)
+                elif type(a) in (list, tuple):
+                    items = a
+                else:
+                    continue
+                for t in items:
+                    if not isinstance(t, Tensor):
+                        continue
+                    is_b, src = self._look(t)
+                    if is_b:
+                        batched = True
+                    elif src is not None:
+                        sources = src if sources is None else _union(sources, src)
+                        tainted = [t] if tainted is None else tainted + [t]
+        if batched and tainted:
+            args, kwargs = self._split(func, args, kwargs, tainted, sources)
+        out = func(*args, **kwargs)
+        if batched or sources is not None:
+            tag = (self.token, None if batched else sources)
+            if isinstance(out, Tensor):
+                _set(out, tag)
+            elif type(out) in (tuple, list) or isinstance(out, tuple):
+                for o in out:
+                    if isinstance(o, Tensor):
+                        _set(o, tag)
+        return out
+
+    # -------------------------------------------------------------- where sources meet the batch
+    def _split(self, func, args, kwargs, tainted, sources):
+        # Hand the op each source-carrying operand in a form whose gradient is per sample
+        # (module docstring); refuse ops that are not row-aligned.
+        name = getattr(func, "__name__", repr(func))
+        batched = [t for t in _tensors(args, kwargs) if self.batched(t)]
+        ref = max(batched, key=lambda t: t.dim())
+        nd, bd = ref.dim(), self.bdim
+        if func not in ROW_ALIGNED or nd <= bd or ref.shape[bd] != self.b:
+            self.refuse(sources, f"op {name} with shapes {_shapes(args, kwargs)}")
+            return args, kwargs
+        if func in _JOINS:
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+            if dim % nd == bd:
+                self.refuse(sources, f"{name} along the batch dim with shapes {_shapes(args, kwargs)}")
+                return args, kwargs
+        swap = {}
+        for u in tainted:
+            if id(u) in swap or not u.requires_grad:
+                continue
+            k = nd - u.dim()
+            shape = (1,) * k + tuple(u.shape)
+            # (matmul: only the dims before the last two broadcast; a vector operand does not)
+            matrix = func in _MATMULS and (u.dim() < 2 or bd >= nd - 2)
+            if k < 0 or matrix or shape[bd] not in (1, self.b):
+                self.refuse(sources, f"op {name}: an operand of shape {tuple(u.shape)} does not "
+                                     f"line up with the batch of shape {tuple(ref.shape)}")
+                return args, kwargs
+            _, src = self._look(u)
+            if shape[bd] == 1:
+                full = list(shape)
+                full[bd] = self.b
+                u_b, how = u.reshape(shape).expand(full), "broadcast"
+            else:
+                u_b, how = u.view(u.shape), "rows"
+            edge = get_gradient_edge(u)
+            u_b.register_hook(lambda g, e=edge, s=src, h=how, shp=tuple(u.shape): self.meet(e, s, h, shp, g))
+            swap[id(u)] = u_b
+        if not swap:
+            return args, kwargs
+        sub = lambda a: swap.get(id(a), a) if isinstance(a, Tensor) else (
+            type(a)(swap.get(id(t), t) if isinstance(t, Tensor) else t for t in a)
+            if type(a) in (list, tuple) else a)
+        return tuple(sub(a) for a in args), {k: sub(v) for k, v in kwargs.items()}
+
+
+def _set(t: Tensor, tag) -> None:
+    try:
+        setattr(t, _TAG, tag)
+    except (AttributeError, RuntimeError):  # (a tensor type without a __dict__)
+        pass
+
+
+def _union(a: tuple, b: tuple) -> tuple:
+    if a is b:
+        return a
+    seen = {id(s[0]) for s in a}
+    return a + tuple(s for s in b if id(s[0]) not in seen)
+
+
+def _tensors(args, kwargs):
+    for group in (args, kwargs.values()):
+        for a in group:
+            if isinstance(a, Tensor):
+                yield a
+            elif type(a) in (list, tuple):
+                yield from (t for t in a if isinstance(t, Tensor))
+
+
+def _shapes(args, kwargs) -> str:
+    return ", ".join(str(tuple(t.shape)) for t in _tensors(args, kwargs))

@@ -1,0 +1,178 @@
+"""Shared calls decided by where tensors came from (gradhooks.provenance), never by their sizes:
+layers called on inputs that are the same for every sample (a learned query, a (T, T) bias made
+from sizes, an initial state made from the batch size), whose outputs meet the batch by
+broadcasting or row by row, against a loop in float64 and float32, at batch sizes 0, 1, several
+and equal to the sequence length."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+from conftest import assert_close_to_loop, loop_grads
+
+D = 5
+
+
+class SharedBias(nn.Module):
+    """A (T, T) relative-position bias from an Embedding of bucket indices made from T, and a
+    learned query through a Linear: both shared calls; they meet the batch by broadcasting."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(3, D)
+        self.rel = nn.Embedding(7, 2)  # 2 heads
+        self.query = nn.Parameter(torch.randn(D))
+        self.q_proj = nn.Linear(D, D)
+        self.head = nn.Linear(2 * D, 3)
+
+    def forward(self, x):  # x (B, T, 3)
+        t = x.shape[1]
+        pos = torch.arange(t)
+        buckets = (pos[None, :] - pos[:, None]).clamp(-3, 3) + 3  # (T, T), no batch dim
+        bias = self.rel(buckets).permute(2, 0, 1)  # (2, T, T)
+        h = torch.tanh(self.inp(x))  # (B, T, D)
+        scores = h @ h.transpose(1, 2) / D ** 0.5  # (B, T, T)
+        attn = torch.softmax(scores[:, None] + bias, -1)  # (B, 2, T, T): broadcast over B
+        mixed = (attn @ h[:, None]).mean(1)  # (B, T, D)
+        q = self.q_proj(self.query)  # (D,): shared
+        pooled = torch.softmax((mixed @ q[:, None])[..., 0], -1)  # (B, T)
+        out = torch.cat([(pooled[..., None] * mixed).sum(1), mixed.mean(1) * q], -1)
+        return self.head(out)
+
+
+class InitialState(nn.Module):
+    """A Linear on a zero state of the batch's size, made from sizes: a shared call with B rows
+    that meets the batch row by row."""
+
+    def __init__(self):
+        super().__init__()
+        self.init = nn.Linear(D, D)
+        self.step = nn.Linear(3, D)
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):  # x (B, T, 3)
+        h = self.init(torch.ones(x.shape[0], D, dtype=x.dtype))  # (B, D), the same for all
+        for t in range(x.shape[1]):
+            h = torch.tanh(self.step(x[:, t]) + h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("batch,length", [(0, 4), (1, 4), (3, 4), (4, 4)],
+                         ids=["B0", "B1", "B3", "T_eq_B"])
+@pytest.mark.parametrize("make", [SharedBias, InitialState], ids=["broadcast", "rows"])
+def test_shared_calls_match_loop(make, batch, length, dtype):
+    torch.manual_seed(0)
+    model = make().to(dtype)
+    x = torch.randn(batch, length, 3, dtype=dtype)
+    y = torch.randint(0, 3, (batch,))
+    ref = loop_grads(model, F.cross_entropy, x, y) if batch else {
+        n: torch.zeros(0, *p.shape, dtype=dtype) for n, p in model.named_parameters()}
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        ours = gh.per_sample_grads()
+    if batch:  # (the loop used the mean over one sample, the same as the sum)
+        assert_close_to_loop(ours, ref, dtype)
+    else:
+        assert {n: g.shape for n, g in ours.items()} == {n: g.shape for n, g in ref.items()}
+
+
+def test_shared_norms_and_clipping_match_loop():
+    """Norms and clipping read the same per-sample grad_outputs of the shared calls."""
+    torch.manual_seed(0)
+    model = SharedBias().double()
+    x, y = torch.randn(4, 4, 3, dtype=torch.float64), torch.randint(0, 3, (4,))
+    ref = loop_grads(model, F.cross_entropy, x, y)
+    norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+    with gradhooks.attach(model) as gh:
+        F.cross_entropy(model(x), y).backward()
+        torch.testing.assert_close(gh.per_sample_grad_norms(), norms, rtol=1e-10, atol=0)
+        c = norms.median().item()
+        gh.clip_and_accumulate(c)
+        factors = (c / norms).clamp(max=1)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, torch.tensordot(factors, ref[n], 1) / 4,
+                                       rtol=1e-10, atol=1e-14)
+
+
+def test_gh_backward_with_shared_calls_matches_loop():
+    """GradHooks.backward takes the parameter pass for a batch with shared calls (their
+    per-sample parts arrive where they meet the batch) and is exact."""
+    torch.manual_seed(0)
+    model = SharedBias().double()
+    x, y = torch.randn(3, 4, 3, dtype=torch.float64), torch.randint(0, 3, (3,))
+    ref = loop_grads(model, F.cross_entropy, x, y)
+    with gradhooks.attach(model) as gh:
+        for _ in range(2):  # (the second batch: the signature is known)
+            gh.backward(F.cross_entropy(model(x), y))
+            assert_close_to_loop(gh.per_sample_grads(), ref, torch.float64)
+
+
+class Einsum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.q = nn.Linear(3, D), nn.Linear(D, D)
+        self.query = nn.Parameter(torch.randn(4, D))
+
+    def forward(self, x):  # x (B, T, 3)
+        q = self.q(self.query)  # (4, D), shared
+        return torch.einsum("qd,btd->bq", q, self.inp(x))
+
+
+def test_shared_call_meeting_in_an_unsplit_op_is_refused():
+    """einsum can line a shared operand's dims up with the batch in any way: the read raises,
+    naming the module and the op, instead of guessing (here the query count equals B)."""
+    torch.manual_seed(0)
+    model = Einsum().double()
+    x, y = torch.randn(4, 4, 3, dtype=torch.float64), torch.randint(0, 4, (4,))
+    with gradhooks.attach(model) as gh:
+        F.cross_entropy(model(x), y).backward()
+        with pytest.raises(gradhooks.BatchSizeError, match=r"'q' \(Linear\).*einsum"):
+            gh.per_sample_grads()
+
+
+def test_tracking_stops_with_the_forward_and_runs_once_per_signature():
+    """The provenance mode is active only inside the model's forward (also when it raises), and
+    after the first forward of a signature without shared calls it is not entered again."""
+    seen = []
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x, fail=False):
+            seen.append(torch._C._len_torch_function_stack())
+            if fail:
+                raise RuntimeError("boom")
+            return self.lin(x)
+
+    model = Probe()
+    x = torch.randn(4, 3)
+    with gradhooks.attach(model) as gh:
+        with pytest.raises(RuntimeError, match="boom"):
+            model(x, fail=True)
+        assert torch._C._len_torch_function_stack() == 0
+        for _ in range(2):
+            model(x).sum().backward()
+            gh.per_sample_grads()
+        model(torch.randn(5, 3)).sum().backward()  # a new signature: tracked again
+    assert seen == [1, 1, 0, 1]
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_shared_call_in_a_recomputed_region_is_refused():
+    """A checkpointed region that makes a shared call is recomputed in the backward, where the
+    meeting with the batch is not replayed: refused with the module's name."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Ckpt(SharedBias):
+        def forward(self, x):
+            return checkpoint(super().forward, x, use_reentrant=False)
+
+    torch.manual_seed(0)
+    model = Ckpt().double()
+    x, y = torch.randn(3, 4, 3, dtype=torch.float64), torch.randint(0, 3, (3,))
+    with gradhooks.attach(model):
+        with pytest.raises(gradhooks.BatchSizeError, match="recomputed"):
+            F.cross_entropy(model(x), y).backward()
