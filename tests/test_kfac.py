@@ -550,7 +550,7 @@ def test_bad_options():
         kfac(model, x, y, loss_fn, fisher="mc", mc_samples=0)
     with pytest.raises(ValueError, match="only meaningful for fisher='mc'"):
         kfac(model, x, y, loss_fn, mc_samples=3)
-    with pytest.raises(ValueError, match="not hooked Linear/Conv"):
+    with pytest.raises(ValueError, match="not hooked layers of the model"):
         kfac(model, x, y, loss_fn, modules=["fc9"])
     with pytest.raises(GradHooksError, match="initialised torch.distributed"):
         kfac(model, x, y, loss_fn, all_reduce=True)

@@ -46,6 +46,7 @@ from torch import Tensor, nn
 
 from ..utils import compute_dtype
 from ..errors import BatchSizeError, UnsupportedCallError
+from ..forms import OneHot
 from ..registry import Call, LayerRule, Rows, register_rule
 
 __all__ = ["EmbeddingRule", "EmbeddingBagRule", "scatter_rows"]
@@ -137,6 +138,29 @@ class EmbeddingRule(LayerRule):
             keep = row != module.padding_idx
             sample, row, values = sample[keep], row[keep], values[keep]
         return {"weight": Rows(sample, row, values)}
+
+    kfac_transposed = True  # y = weight^T onehot(x): W = weight.T, (D, V)
+
+    def kfac_form(self, module: nn.Module, a: Optional[Call], g: Tensor, batch_first: bool
+                  ) -> Tuple[Optional[OneHot], Tensor]:
+        """Kronecker-factored form: the lookup is a Linear layer without bias on one-hot inputs,
+        ``y[n, s] = weight^T onehot(x[n, s])``, with the positions ``s`` as shared positions:
+        ``a`` a :class:`~gradhooks.forms.OneHot` ``(N, 1, S)`` of ``V`` (``-1`` at
+        ``padding_idx``: that row gets no gradient, as if its input were zero), ``g``
+        ``(N, 1, S, D)`` (at least float32)."""
+        if self._batch_dim(g, batch_first) == 1:
+            g = g.transpose(0, 1)
+        n = g.shape[0]
+        g = g.reshape(n, 1, -1, module.embedding_dim).to(compute_dtype(g))
+        if a is None:
+            return None, g
+        idx = _first_input(a)
+        if self._batch_dim(idx, batch_first) == 1:
+            idx = idx.transpose(0, 1)
+        idx = idx.reshape(n, 1, -1).long()
+        if module.padding_idx is not None:
+            idx = idx.masked_fill(idx == module.padding_idx, -1)
+        return OneHot(idx, module.num_embeddings), g
 
     def per_sample_grads(self, module: nn.Module, a: Call, g: Tensor, batch_first: bool,
                          names: Iterable[str]) -> Dict[str, Tensor]:
