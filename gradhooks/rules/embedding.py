@@ -39,6 +39,7 @@ of lower precision (a bfloat16 model) are accumulated in float32.
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, Iterable, Optional, Tuple
 
 import torch
@@ -150,14 +151,14 @@ class EmbeddingRule(LayerRule):
         ``(N, 1, S, D)`` (at least float32)."""
         if self._batch_dim(g, batch_first) == 1:
             g = g.transpose(0, 1)
-        n = g.shape[0]
-        g = g.reshape(n, 1, -1, module.embedding_dim).to(compute_dtype(g))
+        n, s = g.shape[0], math.prod(g.shape[1:-1])  # (explicit S: -1 is ambiguous for B = 0)
+        g = g.reshape(n, 1, s, module.embedding_dim).to(compute_dtype(g))
         if a is None:
             return None, g
         idx = _first_input(a)
         if self._batch_dim(idx, batch_first) == 1:
             idx = idx.transpose(0, 1)
-        idx = idx.reshape(n, 1, -1).long()
+        idx = idx.reshape(n, 1, s).long()
         if module.padding_idx is not None:
             idx = idx.masked_fill(idx == module.padding_idx, -1)
         return OneHot(idx, module.num_embeddings), g
