@@ -1,4 +1,6 @@
-"""The KFAC reader: Kronecker factors of every layer with a linear form (Linear, Conv).
+"""The KFAC reader: Kronecker factors of every layer linear in its weight (Linear, Conv,
+ConvTranspose, Embedding, the projections of MultiheadAttention, the weights of LSTM / GRU / RNN
+and their cells), and the exact diagonal block of every other layer (norms, the fallback).
 
 Index conventions: ``n`` sample (``N`` of them, ``B`` for one process's batch), ``g`` group
 (``G = 1`` except for grouped convolutions), ``r`` weight-sharing position (the positions ``s``
@@ -35,6 +37,24 @@ carries the reduction's scale ``w``: this is ``curvlinops.KFACLinearOperator``'s
 can be compared with it. With ``backward_passes="mean"`` (Monte-Carlo Fisher) ``G`` is divided
 by the number of backward passes. With ``N = 1`` and ``R = 1`` (no weight sharing) ``A ⊗ G`` is
 exactly the outer product of the sample's gradient (its empirical Fisher).
+
+Where ``a`` and ``g`` come from: the rule's :meth:`~gradhooks.registry.LayerRule.kfac_form`
+(Linear, Conv: their linear form; ``nn.ConvTranspose``: the inputs each *output* position sees,
+so the output positions are the shared positions; ``nn.Embedding``: one-hot rows of the
+indices, zero at ``padding_idx``, so ``A`` is diagonal for expand, ``A[v, v]`` the share of
+index ``v`` among all positions, and stored as that diagonal), or the row blocks of its
+:meth:`~gradhooks.registry.LayerRule.forms` (recurrent layers: the layer input, previous state
+or cell output at every time step as ``a``, the replayed gate gradients as ``g``, i.e. the time
+steps are weight-sharing positions, Martens, Ba & Johnson 2018, ICLR, "Kronecker-factored
+curvature approximations for recurrent neural networks", sec. 3, with temporal independence;
+attention: the tokens of the query / key / value and the gradients of their projections). A
+forms rule's weight is paired with the bias named like it (``weight_ih_l0`` / ``bias_ih_l0``);
+each pair is one entry keyed ``"<module>.<weight>"``.
+
+Diagonal blocks (:class:`DiagonalFactors`), for layers with neither: ``w sum_p sum_n
+(d l_n / d theta)^2`` from the per-sample gradients of each backward pass (the calls of a
+module summed per sample first): the exact diagonal of the same Fisher / GGN block, with the
+scale ``w`` placed as in ``G`` (divided by the passes for ``backward_passes="mean"``).
 
 A module called several times in one forward: the positions of all its calls form one set of
 weight-sharing positions (``R = sum over calls of S``), i.e. the factors are those of one call on

@@ -17,8 +17,11 @@ classification, 1/2 for regression: ``N(f, 1)`` from ``MSELoss``). So the GGN is
 ``sum_n J_n^T H_n J_n`` with ``H_n`` the Hessian of the negative log-likelihood.
 The Jacobians are ``(B, C, P)`` over the trainable parameters of the model (of
 ``model.last_layer`` for last-layer Laplace) in ``parameters()`` order. Kronecker factors
-(:class:`laplace.utils.Kron`) follow laplace's curvlinops backend: per module with a bias
-``[G, A]`` for the weight and ``[G]`` for the bias (``A`` the input covariance without the
+(:class:`laplace.utils.Kron`, one block per parameter in ``parameters()`` order) follow
+laplace's curvlinops backend: per module with a bias ``[G, A]`` for the weight (``[A, G]`` for a
+weight stored ``(in, out)``: embeddings, ``Conv1D``) and ``[G]`` for the bias; a single dense
+block for diagonal blocks (norm layers, the fallback: ``diag_embed``) and for layouts two
+factors cannot hold (transposed convolutions, grouped factors) (``A`` the input covariance without the
 bias's ones, mean over the batch, rescaled by ``M / N`` for a batch of ``M`` of ``N`` data
 points; ``G`` the gradient covariance of the summed loss), from
 :func:`gradhooks.kfac` (``fisher="type-2"``, or ``"mc"`` with ``stochastic=True``,
