@@ -860,10 +860,9 @@ def test_embedding_equals_one_hot_linear(padding_idx, dtype):
 def _ct_patches(module, a):
     """Per group, the inputs (P, C_in/G * K) of a transposed convolution at each output
     position: d y[o, p] / d W[:, o] (the Jacobian w.r.t. the weight), o the group's first."""
-    fn = lambda w: module._conv_forward(a, w, None) if False else F.__dict__[  # noqa: E731
-        f"conv_transpose{len(module.kernel_size)}d"](a, w, None, module.stride, module.padding,
-                                                    module.output_padding, module.groups,
-                                                    module.dilation)
+    conv_t = getattr(F, f"conv_transpose{len(module.kernel_size)}d")
+    fn = lambda w: conv_t(a, w, None, module.stride, module.padding,  # noqa: E731
+                          module.output_padding, module.groups, module.dilation)
     jac = torch.func.jacrev(fn)(module.weight.detach())  # (1, C_out, *Y, C_in, C_out/G, *K)
     c_out, per_out = module.out_channels, module.out_channels // module.groups
     c_in, per_in = module.in_channels, module.in_channels // module.groups
@@ -931,8 +930,7 @@ def test_exact_single_sample_every_layer(layer, loss_reduction):
         (call(module, x) ** 3).sum().backward()
         factors = gh.kfac_factors()
     for key, f in factors.items():
-        grad = _flat_grad(module.__class__ and nn.ModuleDict({"m": module}), ["m." + p for p in f.params]) \
-            if False else torch.cat([dict(module.named_parameters())[p].grad.reshape(-1) for p in f.params])
+        grad = _flat_grad(module, f.params)
         exact = torch.outer(grad, grad)
         if f.groups > 1:
             exact = exact * _group_mask(f)
