@@ -9,7 +9,7 @@ Public API::
 
     gh.per_sample_grad_norms()     # (B,) norms without materialising
     gh.clip_and_accumulate(1.0, noise_multiplier=1.0)   # DP-SGD: clipped, noised sum -> .grad
-    gh.kfac_factors()              # {module: KFACFactors(A, G)} from the same records
+    gh.kfac_factors()              # {module: KFACFactors(A, G) or DiagonalFactors} from the same records
     gradhooks.kfac(model, x, y, nn.CrossEntropyLoss(), fisher="type-2")  # one-call KFAC
 
     gradhooks.batched_forward_per_sample_grads(model, loss_fn, inputs, targets)  # same forward
@@ -32,7 +32,7 @@ from .forms import Block, Call, Rows
 from .gram import GradientFeatures
 from .hooks import GradHooks, attach
 from .ekfac import EKFACFactors
-from .kfac import KFACFactors
+from .kfac import DiagonalFactors, KFACFactors
 from .registry import LayerRule, register_rule, supported_types
 from .fisher import kfac  # noqa: E402  (after .kfac: the name gradhooks.kfac is this function)
 from .reference import (
@@ -51,6 +51,7 @@ __all__ = [
     "GradHooks",
     "kfac",
     "KFACFactors",
+    "DiagonalFactors",
     "EKFACFactors",
     "GradientFeatures",
     "UnsupportedLossError",

@@ -85,7 +85,7 @@ def ekfac_factors(recorder: Recorder, *, modules: Optional[Iterable[str]] = None
         The errors of :func:`gradhooks.kfac.kfac_factors` (``NoBackwardError`` ...), which
         this calls first (``kfac_approx="expand"``, dense factors).
     """
-    factors = kfac_factors(recorder, "expand", modules=modules)
+    factors = kfac_factors(recorder, "expand", modules=modules, coverage="linear")
     wanted = set(factors)
     batch = recorder.snapshot("ekfac_factors()", sum_check=False, records=[
         cap for cap in recorder.records if cap.layer.path in wanted and cap.spec is None])

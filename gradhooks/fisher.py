@@ -14,8 +14,10 @@ from torch import Tensor, nn
 
 from .errors import NoBackwardError, UnsupportedLossError
 from .hooks import attach
-from .kfac import KFAC_APPROX, KFACFactors, check_choice
+from .kfac import KFAC_APPROX, DiagonalFactors, KFACFactors, KFACSums, check_choice, check_options
 from .losses import LossModel
+from .passes import run_passes
+from .utils import no_autocast, own_loss_scale
 
 __all__ = ["kfac", "FISHER_TYPES"]
 
@@ -39,7 +41,7 @@ def kfac(
     max_dense: Optional[int] = None,
     all_reduce: bool = False,
     group=None,
-) -> Dict[str, KFACFactors]:
+) -> Dict[str, Union[KFACFactors, DiagonalFactors]]:
     """KFAC factors of a model on one batch, for the empirical, Monte-Carlo or type-2 Fisher.
 
     Attaches gradhooks (with ``loss_reduction = loss_fn.reduction``), runs one forward
@@ -119,21 +121,40 @@ def kfac(
         if gh.batch_size is None:
             raise NoBackwardError(
                 "the forward reached no hooked layer that requires grad; the model has no "
-                "trainable Linear/Conv layer to compute KFAC for")
+                "trainable parameter to compute KFAC for")
         loss = LossModel(loss_fn, out, gh.batch_size)
-        params = [p for p in model.parameters() if p.requires_grad]
         if fisher == "empirical":
             loss.check_targets(targets)
-            passes: Iterable = [(loss_fn(out, targets), None)]
-        elif fisher == "mc":
-            scale = torch.tensor(1.0 / math.sqrt(loss.k), dtype=out.dtype, device=out.device)
-            passes = ((loss_fn(out, loss.sample(out, generator)), scale) for _ in range(mc_samples))
+            params = [p for p in model.parameters() if p.requires_grad]
+            torch.autograd.grad(loss_fn(out, targets), params, allow_unused=True)
+            return gh.kfac_factors(kfac_approx, modules=modules, max_dense=max_dense,
+                                   all_reduce=all_reduce, group=group)
+        # Several passes: each read on its own (run_passes), so that the layers whose records
+        # sum the passes (embedding, attention, recurrent) get each pass's gradients.
+        recorder = gh.recorder
+        wanted = check_options(recorder, kfac_approx, "mean" if fisher == "mc" else "sum",
+                               modules, max_dense)
+        if fisher == "mc":
+            scale = 1.0 / math.sqrt(loss.k)
+            cotangents: Iterable = (_loss_gradient(loss_fn, out, loss.sample(out, generator),
+                                                   scale) for _ in range(mc_samples))
         else:
-            passes = ((out, col) for col in loss.hessian_sqrt_columns(out))
-        total = {"empirical": 1, "mc": mc_samples, "type-2": loss.dim}[fisher]
-        for i, (tensor, grad_out) in enumerate(passes):
-            torch.autograd.grad(tensor, params, grad_out, retain_graph=i < total - 1,
-                                allow_unused=True)
-        return gh.kfac_factors(kfac_approx, backward_passes="mean" if fisher == "mc" else "sum",
-                            modules=modules, max_dense=max_dense, all_reduce=all_reduce,
-                            group=group)
+            cotangents = loss.hessian_sqrt_columns(out)
+        total = {"mc": mc_samples, "type-2": loss.dim}[fisher]
+        sums = KFACSums(recorder.batch_size, recorder.loss_reduction, recorder.batch_first,
+                        own_loss_scale(recorder.loss_reduction, recorder.batch_size),
+                        recorder.names, kfac_approx, max_dense)
+        with no_autocast():
+            for p, calls in enumerate(run_passes(recorder, out, cotangents, total,
+                                                 f"gradhooks.kfac(fisher={fisher!r})")):
+                sums.add_pass(p, [tuple(c) for c in calls if wanted(c.layer)])
+            return sums.result(recorder.order, total, "mean" if fisher == "mc" else "sum",
+                               all_reduce, group)
+
+
+def _loss_gradient(loss_fn: nn.Module, out: Tensor, targets, scale: float) -> Tensor:
+    # d (scale * loss_fn(out, targets)) / d out, the cotangent of one Monte-Carlo pass.
+    leaf = out.detach().requires_grad_(True)
+    with torch.enable_grad():
+        (grad,) = torch.autograd.grad(loss_fn(leaf, targets) * scale, leaf)
+    return grad

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ._pool import new_empty
 
-__all__ = ["Call", "Block", "Rows", "weight_grad", "bias_grad", "from_blocks", "gram_sq_norms",
+__all__ = ["Call", "Block", "Rows", "OneHot", "weight_grad", "bias_grad", "from_blocks", "gram_sq_norms",
            "sq_norms"]
 
 
@@ -103,6 +103,34 @@ class Rows(NamedTuple):
     sample: Tensor
     row: Tensor
     values: Tensor
+
+
+class OneHot(NamedTuple):
+    """Canonical activations ``a`` ``(N, G, S, I)`` that are one-hot rows, given by their indices
+    (an ``nn.Embedding`` is a Linear layer on one-hot inputs: ``y = weight^T onehot(x)``), so
+    that no ``(N, G, S, I)`` tensor of zeros is formed.
+
+    Attributes:
+        index: ``(N, G, S)`` int64, the ``1`` of each row, or ``-1`` for a row of zeros (an
+            index equal to ``padding_idx``, whose row gets no gradient).
+        size: ``I``, the length of the rows (``num_embeddings``).
+    """
+
+    index: Tensor
+    size: int
+
+    def dense(self, dtype: torch.dtype) -> Tensor:
+        """The rows ``(N, G, S, I)`` themselves (for tests and small ``I``)."""
+        out = torch.zeros(*self.index.shape, self.size + 1, dtype=dtype, device=self.index.device)
+        out.scatter_(-1, self.index.clamp(min=-1).remainder(self.size + 1).unsqueeze(-1), 1)
+        return out[..., :self.size]
+
+    def counts(self, dtype: torch.dtype) -> Tensor:
+        """``sum_s a[n, g, s]``: ``(N, G, I)`` how often each index occurs per sample."""
+        n, groups, _ = self.index.shape
+        keep = self.index >= 0
+        out = torch.zeros(n, groups, self.size, dtype=dtype, device=self.index.device)
+        return out.scatter_add_(2, self.index.clamp(min=0), keep.to(dtype))
 
 
 def weight_grad(a: Tensor, g: Tensor, out_shape: Optional[Tuple[int, ...]] = None) -> Tensor:

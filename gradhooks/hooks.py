@@ -21,7 +21,7 @@ from .projections import projected_grads
 from .ggn import empirical_fisher_diag, ggn_diag, ggn_sqrt, ggn_vector_product
 from .jacobians import per_sample_jacobians
 from .ekfac import EKFACFactors, ekfac_factors
-from .kfac import KFACFactors, kfac_factors
+from .kfac import DiagonalFactors, KFACFactors, kfac_factors
 from .norms import per_sample_grad_norms
 from .per_sample import per_sample_grads
 from .spotcheck import check_samples
@@ -248,15 +248,18 @@ class GradHooks:
 
     def kfac_factors(self, kfac_approx: str = "expand", *, backward_passes: str = "sum",
                      modules: Optional[Iterable[str]] = None, max_dense: Optional[int] = None,
-                     all_reduce: bool = False, group=None) -> Dict[str, KFACFactors]:
-        """KFAC factors ``{module name: KFACFactors}`` of every layer with a linear form (Linear,
-        Conv) the backward reached: ``A`` ``(d_in[+1], d_in[+1])``, ``G`` ``(d_out, d_out)``
-        (stacked per group for grouped convolutions). Arguments, conventions (Martens & Grosse
-        2015; Grosse & Martens 2016; Eschenhagen et al. 2023) and errors:
+                     all_reduce: bool = False, group=None, coverage: str = "all"
+                     ) -> Dict[str, Union[KFACFactors, DiagonalFactors]]:
+        """KFAC factors of every hooked layer the backward reached: ``{key: KFACFactors}``
+        (``A`` ``(d_in[+1], d_in[+1])``, ``G`` ``(d_out, d_out)``, stacked per group) for
+        Linear, Conv, ConvTranspose, Embedding, attention projections and recurrent weights,
+        and ``{module: DiagonalFactors}`` (the exact diagonal of the block) for every other
+        layer. Arguments, keys, conventions (Martens & Grosse 2015; Grosse & Martens 2016;
+        Eschenhagen et al. 2023; Martens, Ba & Johnson 2018) and errors:
         :func:`gradhooks.kfac.kfac_factors`."""
         return kfac_factors(self.recorder, kfac_approx, backward_passes=backward_passes,
                             modules=modules, max_dense=max_dense, all_reduce=all_reduce,
-                            group=group)
+                            group=group, coverage=coverage)
 
     def ekfac_factors(self, *, modules: Optional[Iterable[str]] = None
                       ) -> Dict[str, EKFACFactors]:

@@ -1,4 +1,6 @@
-"""The KFAC reader: Kronecker factors of every layer with a linear form (Linear, Conv).
+"""The KFAC reader: Kronecker factors of every layer linear in its weight (Linear, Conv,
+ConvTranspose, Embedding, the projections of MultiheadAttention, the weights of LSTM / GRU / RNN
+and their cells), and the exact diagonal block of every other layer (norms, the fallback).
 
 Index conventions: ``n`` sample (``N`` of them, ``B`` for one process's batch), ``g`` group
 (``G = 1`` except for grouped convolutions), ``r`` weight-sharing position (the positions ``s``
@@ -36,6 +38,24 @@ can be compared with it. With ``backward_passes="mean"`` (Monte-Carlo Fisher) ``
 by the number of backward passes. With ``N = 1`` and ``R = 1`` (no weight sharing) ``A ⊗ G`` is
 exactly the outer product of the sample's gradient (its empirical Fisher).
 
+Where ``a`` and ``g`` come from: the rule's :meth:`~gradhooks.registry.LayerRule.kfac_form`
+(Linear, Conv: their linear form; ``nn.ConvTranspose``: the inputs each *output* position sees,
+so the output positions are the shared positions; ``nn.Embedding``: one-hot rows of the
+indices, zero at ``padding_idx``, so ``A`` is diagonal for expand, ``A[v, v]`` the share of
+index ``v`` among all positions, and stored as that diagonal), or the row blocks of its
+:meth:`~gradhooks.registry.LayerRule.forms` (recurrent layers: the layer input, previous state
+or cell output at every time step as ``a``, the replayed gate gradients as ``g``, i.e. the time
+steps are weight-sharing positions, Martens, Ba & Johnson 2018, ICLR, "Kronecker-factored
+curvature approximations for recurrent neural networks", sec. 3, with temporal independence;
+attention: the tokens of the query / key / value and the gradients of their projections). A
+forms rule's weight is paired with the bias named like it (``weight_ih_l0`` / ``bias_ih_l0``);
+each pair is one entry keyed ``"<module>.<weight>"``.
+
+Diagonal blocks (:class:`DiagonalFactors`), for layers with neither: ``w sum_p sum_n
+(d l_n / d theta)^2`` from the per-sample gradients of each backward pass (the calls of a
+module summed per sample first): the exact diagonal of the same Fisher / GGN block, with the
+scale ``w`` placed as in ``G`` (divided by the passes for ``backward_passes="mean"``).
+
 A module called several times in one forward: the positions of all its calls form one set of
 weight-sharing positions (``R = sum over calls of S``), i.e. the factors are those of one call on
 the concatenation of the calls' inputs (curvlinops instead adds per-call factors, which makes its
@@ -54,7 +74,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -62,9 +82,12 @@ from torch import Tensor
 
 from .capture import Layer, Recorder
 from .errors import GradHooksError
+from .forms import Block, Call, OneHot
+from .per_sample import call_grads
 from .utils import compute_dtype, no_autocast, own_loss_scale
 
-__all__ = ["KFACFactors", "kfac_factors", "KFAC_APPROX", "check_choice"]
+__all__ = ["KFACFactors", "DiagonalFactors", "KFACSums", "kfac_factors", "check_options",
+           "KFAC_APPROX", "COVERAGE", "check_choice"]
 
 #: Values of ``kfac_approx``.
 KFAC_APPROX = ("expand", "reduce")
@@ -73,30 +96,44 @@ _PASSES = ("sum", "mean")
 
 @dataclasses.dataclass(repr=False)
 class KFACFactors:
-    """The Kronecker factors of one ``nn.Linear`` / ``nn.ConvNd`` (conventions: module docstring).
+    """The Kronecker factors of one block of parameters ``[W b]`` (conventions: module docstring).
 
     Attributes:
-        A: input-side factor, ``(d_in[+1], d_in[+1])``; ``d_in = in_features`` for a Linear and
+        A: input-side factor, ``(d_in[+1], d_in[+1])``; ``d_in = in_features`` for a Linear,
             ``C_in/groups * prod(kernel_size)`` for a convolution (ordered like
-            ``weight[o].flatten()``); the trailing row/column (``+1``) belongs to the bias (an
-            input of ones) when :attr:`bias` is set. ``(groups, ., .)`` when ``groups > 1``.
-            When :attr:`diagonal_A` is set, only the diagonal: ``(d_in[+1],)`` or
-            ``(groups, d_in[+1])``.
-        G: output-side factor, ``(d_out, d_out)`` with ``d_out = out_features`` or
-            ``C_out/groups``; ``(groups, ., .)`` when ``groups > 1``; the diagonal only
+            ``weight[o].flatten()``) or a transposed convolution (ordered like
+            ``weight[i, o].flatten()`` over ``(i, k)``), ``num_embeddings`` for an Embedding,
+            the input size / hidden size / projection size for the weights of a recurrent layer;
+            the trailing row/column (``+1``) belongs to the bias (an input of ones) when
+            :attr:`bias` is set. ``(groups, ., .)`` when ``groups > 1``. When
+            :attr:`diagonal_A` is set, only the diagonal: ``(d_in[+1],)`` or
+            ``(groups, d_in[+1])`` (an Embedding's ``A`` with ``kfac_approx="expand"`` is
+            diagonal, and always stored so: the share of each index among the positions).
+        G: output-side factor, ``(d_out, d_out)`` with ``d_out = out_features``,
+            ``C_out/groups``, ``embedding_dim``, or the rows of the block (``4 * hidden_size``
+            for an LSTM's ``weight_ih_l0``, ``3 * embed_dim`` for a self-attention's packed
+            ``in_proj_weight``); ``(groups, ., .)`` when ``groups > 1``; the diagonal only
             (``(d_out,)`` / ``(groups, d_out)``) when :attr:`diagonal_G` is set.
         module: the module's name in ``model.named_modules()`` (``""`` for the model itself).
         weight: the weight's name in ``model.named_parameters()``, or ``None`` if it is not
-            covered (frozen).
+            covered (frozen, or a bias-like parameter alone).
         bias: the bias's name, or ``None`` (no bias, or frozen): then ``A`` has no ones row.
         weight_shape: ``weight.shape`` (``None`` when :attr:`weight` is ``None``).
-        groups: number of convolution groups (1 for a Linear).
+        groups: number of groups: convolution groups, or equal row blocks of a parameter whose
+            rows see different inputs (a cross-attention's packed ``in_proj_weight``: 3, the
+            query's and the key's and value's rows); 1 otherwise.
         kfac_approx: ``"expand"`` or ``"reduce"``.
         diagonal_A / diagonal_G: the factor is stored as its diagonal (``max_dense``).
-        weight_transposed: the weight is stored as ``W^T``, ``(d_in, d_out)`` (transformers'
-            ``Conv1D``, :attr:`~gradhooks.registry.LayerRule.weight_transposed`):
-            :meth:`grad_matrix` transposes it into the ``(d_out, d_in)`` block of ``[W b]`` and
-            :meth:`split` back, so the factors act on ``[W b]`` as for an ``nn.Linear``.
+        weight_transposed: the weight stores its input dim first, ``(groups * d_in', d_out,
+            *kernel)`` (transformers' ``Conv1D`` ``(d_in, d_out)``, ``nn.Embedding``
+            ``(V, D)``, ``nn.ConvTranspose`` ``(C_in, C_out/groups, *kernel)``):
+            :meth:`grad_matrix` swaps the two leading dims of each group into the
+            ``(d_out, d_in)`` block of ``[W b]`` and :meth:`split` back, so the factors act on
+            ``[W b]`` as for an ``nn.Linear``.
+        part: ``""`` for a module's only entry; else the local name of the block's first
+            parameter (``"weight_ih_l0"``, ``"in_proj_weight"``, ``"out_proj.weight"``); the
+            entry's key in :func:`kfac_factors` is ``module + "." + part``.
+        bias_shape: ``bias.shape`` (``None`` when :attr:`bias` is ``None``).
 
     The block of the Fisher / GGN for ``[W[g] b[g]]`` flattened row-major is
     ``torch.kron(G[g], A[g])`` (:meth:`dense` gives it in the parameters' own order);
@@ -115,6 +152,8 @@ class KFACFactors:
     diagonal_A: bool = False
     diagonal_G: bool = False
     weight_transposed: bool = False
+    part: str = ""
+    bias_shape: Optional[Tuple[int, ...]] = None
 
     @property
     def params(self) -> Tuple[str, ...]:
@@ -123,7 +162,8 @@ class KFACFactors:
 
     def __repr__(self) -> str:
         diag_a, diag_g = (" diag" if d else "" for d in (self.diagonal_A, self.diagonal_G))
-        return (f"KFACFactors(module={self.module!r}, params={self.params}, "
+        part = f", part={self.part!r}" if self.part else ""
+        return (f"KFACFactors(module={self.module!r}{part}, params={self.params}, "
                 f"A={tuple(self.A.shape)}{diag_a}, G={tuple(self.G.shape)}{diag_g}, "
                 f"groups={self.groups}, kfac_approx={self.kfac_approx!r}, dtype={self.A.dtype})")
 
@@ -142,11 +182,12 @@ class KFACFactors:
             KeyError: if a covered parameter is missing from ``grads``.
         """
         parts = []
+        d_out = self.G.shape[-1]
         if self.weight is not None:
             w = grads[self.weight]
-            if self.weight_transposed:  # (d_in, d_out) -> (d_out, d_in); groups is 1
-                w = w.t()
-            parts.append(w.reshape(self.groups, w.shape[0] // self.groups, -1))
+            if self.weight_transposed:  # (G * I', O, *K) -> (G, O, I' * K)
+                w = w.reshape(self.groups, w.shape[0] // self.groups, d_out, -1).transpose(1, 2)
+            parts.append(w.reshape(self.groups, d_out, -1))
         if self.bias is not None:
             parts.append(grads[self.bias].reshape(self.groups, -1, 1))
         mat = torch.cat(parts, -1) if len(parts) > 1 else parts[0]
@@ -159,15 +200,18 @@ class KFACFactors:
         if self.weight is not None:
             cols = mat.shape[-1] - (self.bias is not None)
             w = mat[..., :cols]
-            out[self.weight] = (w[0].t().contiguous() if self.weight_transposed
-                                else w.reshape(self.weight_shape))
+            if self.weight_transposed:
+                per = self.weight_shape[0] // self.groups
+                w = w.reshape(self.groups, w.shape[1], per, -1).transpose(1, 2)
+            out[self.weight] = w.reshape(self.weight_shape)
         if self.bias is not None:
-            out[self.bias] = mat[..., -1].reshape(-1)
+            out[self.bias] = mat[..., -1].reshape(self.bias_shape or (-1,))
         return out
 
     def dense(self) -> Tensor:
         """The KFAC block as a dense ``(P, P)`` matrix, ``P`` the number of covered entries,
-        in the order of ``torch.cat([weight.flatten(), bias])`` (block-diagonal over groups)."""
+        in the order of ``torch.cat([weight.flatten(), bias.flatten()])`` (block-diagonal over
+        groups)."""
         a = torch.diag_embed(self.A) if self.diagonal_A else self.A
         g = torch.diag_embed(self.G) if self.diagonal_G else self.G
         if self.groups == 1:
@@ -177,7 +221,7 @@ class KFACFactors:
         if self.weight is not None:
             sizes[self.weight] = self.weight_shape
         if self.bias is not None:
-            sizes[self.bias] = (g.shape[0] * g.shape[-1],)
+            sizes[self.bias] = self.bias_shape or (g.shape[0] * g.shape[-1],)
         index, start = {}, 0
         for name, shape in sizes.items():
             count = math.prod(shape)
@@ -189,24 +233,63 @@ class KFACFactors:
         return out
 
 
+@dataclasses.dataclass(repr=False)
+class DiagonalFactors:
+    """The diagonal block of a layer whose curvature has no Kronecker factorisation here (norm
+    layers, ``nn.EmbeddingBag``, parametrized layers, the ``torch.func`` fallback).
+
+    ``diagonal[name] = w sum_p sum_n (d l_n / d param)^2`` (per-sample gradients of each
+    sample's own loss in backward pass ``p``; ``w`` the loss reduction's scale, ``1/N`` for
+    ``"mean"``; divided by the number of passes for ``backward_passes="mean"``): the exact
+    diagonal of the empirical Fisher / GGN block whose Kronecker approximation
+    :class:`KFACFactors` gives for linear layers, with the same placement of the scales as
+    ``G`` (one sample and ``"sum"``: the squared gradient). BackPACK's ``DiagGGNExact`` /
+    ``SumGradSquared`` up to that scale.
+
+    Attributes:
+        diagonal: ``{name in model.named_parameters(): tensor of the parameter's shape}``.
+        module: the module's name.
+        kfac_approx: as asked (the diagonal does not depend on it).
+    """
+
+    diagonal: Dict[str, Tensor]
+    module: str
+    kfac_approx: str = "expand"
+
+    @property
+    def params(self) -> Tuple[str, ...]:
+        """Names of the parameters covered, in ``named_parameters()`` order."""
+        return tuple(self.diagonal)
+
+    def __repr__(self) -> str:
+        shapes = {n: tuple(t.shape) for n, t in self.diagonal.items()}
+        return f"DiagonalFactors(module={self.module!r}, diagonal={shapes})"
+
+    def dense(self) -> Tensor:
+        """The block as a dense ``(P, P)`` diagonal matrix, in the order of
+        ``torch.cat([p.flatten() for p in params])``."""
+        return torch.diag_embed(torch.cat([t.reshape(-1) for t in self.diagonal.values()]))
+
+    def precondition(self, grads: Mapping[str, Tensor], damping: float) -> Dict[str, Tensor]:
+        """``grads / (diagonal + damping)`` for the covered parameters (the diagonal's
+        analogue of the KFAC step ``(G + λ)^-1 [dW db] (A + λ)^-1``).
+
+        Raises:
+            KeyError: if a covered parameter is missing from ``grads``.
+        """
+        return {n: grads[n] / (d + damping) for n, d in self.diagonal.items()}
+
+
 def check_choice(name: str, value, choices: Sequence[str]) -> None:
     """Raise ``ValueError`` naming ``name`` unless ``value`` is one of ``choices``."""
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
 
-def _moment(x: Tensor, ones: bool, diagonal: bool) -> Tensor:
-    # x: (G, M, I) -> sum over the M rows of x~ x~^T, x~ = [x, 1] if ones: (G, I', I'), or its
-    # diagonal (G, I'). The ones row/column are filled from sums instead of concatenating.
-    groups, m, i = x.shape
-    if diagonal:
-        d = (x * x).sum(1)
-        return torch.cat([d, d.new_full((groups, 1), m)], 1) if ones else d
-    xx = x.transpose(1, 2) @ x
-    if not ones:
-        return xx
-    s = x.sum(1)
-    out = x.new_empty(groups, i + 1, i + 1)
+def _ones_border(xx: Tensor, s: Tensor, m) -> Tensor:
+    # [[xx, s], [s^T, m]] for x~ = [x, 1]: (G, I+1, I+1) from xx (G, I, I), s (G, I).
+    groups, i = s.shape
+    out = xx.new_empty(groups, i + 1, i + 1)
     out[:, :i, :i] = xx
     out[:, :i, i] = s
     out[:, i, :i] = s
@@ -214,73 +297,358 @@ def _moment(x: Tensor, ones: bool, diagonal: bool) -> Tensor:
     return out
 
 
-def _canonical(layer: Layer, a: Tensor, grads: List[Tensor], batch_first: bool):
-    # a (N, G, S, I) once, and one g (N, G, S, O) per backward pass (the rule's linear form).
-    module, rule = layer.module, layer.rule
-    dt = compute_dtype(a, *grads)
-    a, g0 = rule.linear_form(module, a.to(dt), grads[0].to(dt), batch_first)
-    return a, [g0] + [rule.linear_form(module, None, g.to(dt), batch_first)[1] for g in grads[1:]]
+def _moment(x, ones: bool, diagonal: bool, dtype: torch.dtype) -> Tensor:
+    # x: (G, M, I) rows (or a OneHot (G, M) of indices) -> sum over the M rows of x~ x~^T,
+    # x~ = [x, 1] if ones: (G, I', I'), or its diagonal (G, I'). The ones row/column are filled
+    # from sums instead of concatenating.
+    if isinstance(x, OneHot):  # x^T x of one-hot rows is diagonal: the counts of each index
+        groups, m = x.index.shape
+        counts = OneHot(x.index[None], x.size).counts(dtype)[0]  # (G, I)
+        if diagonal:
+            return torch.cat([counts, counts.new_full((groups, 1), m)], 1) if ones else counts
+        return _ones_border(torch.diag_embed(counts), counts, m) if ones else torch.diag_embed(counts)
+    groups, m, _ = x.shape
+    if diagonal:
+        d = (x * x).sum(1)
+        return torch.cat([d, d.new_full((groups, 1), m)], 1) if ones else d
+    xx = x.transpose(1, 2) @ x
+    return _ones_border(xx, x.sum(1), m) if ones else xx
+
+
+class _Part(NamedTuple):
+    # One Kronecker block of one call in one backward pass: the parameters [W b] it covers
+    # (local names; None if not covered), its number of groups and its pieces
+    # (first group, a (N, G_j, S_j, I) / OneHot (N, G_j, S_j) / None, g (N, G_j, S_j, O)).
+    name: str
+    weight: Optional[str]
+    bias: Optional[str]
+    groups: int
+    pieces: List[Tuple[int, object, Tensor]]
+    transposed: bool
+
+
+def _chunked(name: str, weight: Optional[str], bias: Optional[str], blocks: List[Block]) -> _Part:
+    # Row blocks of a forms rule as groups of equal height (the gcd of the blocks' heights): a
+    # packed in_proj_weight of a cross-attention (q from the query, k and v from the key) gives
+    # three groups of E rows; a self-attention's one block of 3E rows stays one group.
+    height = 0
+    for b in blocks:
+        height = math.gcd(height, b.g.shape[-1])
+    pieces, lo = [], 0
+    for b in blocks:
+        k = b.g.shape[-1] // height
+        n, s = b.g.shape[:2]
+        g = b.g.reshape(n, s, k, height).transpose(1, 2)  # (N, k, S, height)
+        a = None if weight is None else b.a.unsqueeze(1).expand(n, k, *b.a.shape[1:])
+        pieces.append((lo, a, g))
+        lo += k
+    return _Part(name, weight, bias, lo, pieces, False)
+
+
+def _block_parts(forms: Dict[str, List[Block]]) -> List[_Part]:
+    # A forms rule's blocks as Kronecker parts: each weight-like parameter with the bias-like one
+    # named like it (``weight`` -> ``bias``, the LayerRule.forms contract), the other bias-like
+    # parameters alone (MultiheadAttention's in_proj_bias beside separate q/k/v weights, bias_k).
+    biases = {n: b for n, b in forms.items() if b[0].a is None}
+    parts = []
+    for name, blocks in forms.items():
+        if blocks[0].a is None:
+            continue
+        bias = name.replace("weight", "bias")
+        if bias in biases and [b.rows for b in biases[bias]] == [b.rows for b in blocks]:
+            del biases[bias]
+        else:
+            bias = None
+        parts.append(_chunked(name, name, bias, blocks))
+    parts.extend(_chunked(name, None, name, blocks) for name, blocks in biases.items())
+    return parts
+
+
+#: How :func:`kfac_factors` covers a hooked layer: Kronecker factors from the rule's
+#: :meth:`~gradhooks.registry.LayerRule.kfac_form`, Kronecker factors per row block of its
+#: :meth:`~gradhooks.registry.LayerRule.forms`, or a diagonal block.
+_KRON, _BLOCKS, _DIAG = "kron", "blocks", "diag"
+
+
+def _kind(layer: Layer) -> str:
+    rule = layer.rule
+    if rule.has_kfac_form and set(layer.params) <= {"weight", "bias"}:
+        return _KRON
+    if rule.has_forms:
+        return _BLOCKS
+    return _DIAG
+
+
+def _linear_layer(layer: Layer) -> bool:
+    return layer.rule.has_linear_form and not layer.rule.multi_io and "weight" in layer.params
+
+
+#: Values of ``coverage``.
+COVERAGE = ("all", "linear")
+
+
+def _parts(layer: Layer, a, grads, names: Tuple[str, ...], batch_first: bool,
+           with_a: bool) -> List[_Part]:
+    # The Kronecker parts of one call in one backward pass (grads: [g] for single-output rules,
+    # the output's structure for multi_io ones).
+    rule, module = layer.rule, layer.module
+    if _kind(layer) == _BLOCKS:
+        return _block_parts(rule.forms(module, a, grads, batch_first, names))
+    if rule.multi_io:
+        g = grads
+        if not isinstance(g, Tensor):
+            return []
+    else:
+        g = grads[0]
+        dt = compute_dtype(g) if a is None else compute_dtype(a, g)
+        g = g.to(dt)
+        a = None if a is None else a.to(dt)
+    a_c, g_c = rule.kfac_form(module, a if with_a and "weight" in names else None, g, batch_first)
+    weight = "weight" if "weight" in names else None
+    bias = "bias" if "bias" in names else None
+    return [_Part("", weight, bias, g_c.shape[1], [(0, a_c, g_c)], rule.kfac_transposed)]
 
 
 class _Sums:
-    """Unnormalised factor sums of one module over its calls: ``A = a_sum / a_count``,
-    ``G = g_sum / N`` (mean) or ``g_sum`` (sum), with ``g_sum`` built from own-loss gradients."""
+    """Unnormalised factor sums of one Kronecker block over its calls and backward passes:
+    ``A[g] = a_sum[g] / count[g]``, ``G = g_sum`` times the loss scales (:meth:`KFACSums.result`),
+    ``g_sum`` built from the recorded gradients."""
 
-    def __init__(self, layer, weight: bool, bias: bool, approx: str, diag_a: bool, diag_g: bool):
-        self.layer, self.weight, self.bias, self.approx = layer, weight, bias, approx
-        self.diag_a, self.diag_g = diag_a, diag_g
-        self.a_sum = self.g_sum = None
-        self.a_count = 0
-        # reduce: per-sample sums over positions of every call, and the number of positions
+    def __init__(self, key: str, layer: Layer, part: _Part, approx: str, max_dense: Optional[int]):
+        self.key, self.layer, self.approx, self.max_dense = key, layer, approx, max_dense
+        self.part, self.weight, self.bias = part.name, part.weight, part.bias
+        self.groups, self.transposed = part.groups, part.transposed
+        self.a_sum: Optional[Tensor] = None
+        self.g_sum: Optional[Tensor] = None
+        self.counts = [0] * part.groups
+        self.diag_a = self.diag_g = False
+        # reduce: per-sample sums over positions of every call, positions per group, and per
+        # backward pass the per-sample sums of g over the positions of every call
         self.a_pos: Optional[Tensor] = None
-        self.g_pos: Optional[List[Tensor]] = None
-        self.positions = 0
+        self.g_pos: Dict[int, Tensor] = {}
+        self.seen: set = set()
 
-    @staticmethod
-    def _add(total: Optional[Tensor], t: Tensor) -> Tensor:
-        return t if total is None else total.add_(t)
-
-    def add_call(self, a: Tensor, gs: List[Tensor]) -> None:
-        n, groups, s, _ = a.shape
-        if not self.weight:
-            a = a[..., :0]  # bias only: A is the 1x1 moment of the ones
-        if self.approx == "expand":
-            rows = a.transpose(0, 1).reshape(groups, n * s, a.shape[-1])
-            self.a_sum = self._add(self.a_sum, _moment(rows, self.bias, self.diag_a))
-            self.a_count += n * s
-            for g in gs:
-                rows = g.transpose(0, 1).reshape(groups, n * s, g.shape[-1])
-                self.g_sum = self._add(self.g_sum, _moment(rows, False, self.diag_g))
-            return
-        if self.g_pos is not None and len(self.g_pos) != len(gs):
+    def _check(self, part: _Part) -> None:
+        if part.groups != self.groups:
             raise GradHooksError(
-                f"module {self.layer.describe()} is called several times in the forward and the "
-                f"backward passes reached its calls unequally ({len(self.g_pos)} vs {len(gs)}); "
-                f"KFAC-reduce sums each pass's gradients over all calls, so every pass must reach "
-                f"every call (or use kfac_approx='expand')"
-            )
-        self.a_pos = self._add(self.a_pos, a.sum(2))
-        self.positions += s
-        sums = [g.sum(2) for g in gs]
-        self.g_pos = sums if self.g_pos is None else [t.add_(u) for t, u in zip(self.g_pos, sums)]
+                f"module {self.layer.describe()}: its calls give the parameters of "
+                f"{self.key!r} in {self.groups} and in {part.groups} row blocks (e.g. a "
+                f"MultiheadAttention called as self- and as cross-attention); KFAC needs one "
+                f"layout per parameter")
+
+    def add_a(self, part: _Part) -> None:
+        self._check(part)
+        for lo, a, g in part.pieces:
+            n, gj, s = g.shape[:3]
+            hi = lo + gj
+            if a is None:  # bias only: the moment of the ones
+                a = g.new_zeros(n, gj, s, 0)
+            dim = a.size if isinstance(a, OneHot) else a.shape[-1]
+            if self.a_sum is None and self.a_pos is None:
+                d_in = dim + (self.bias is not None)
+                # one-hot rows: A is diagonal for expand, kept as its diagonal (exact)
+                self.diag_a = ((isinstance(a, OneHot) and self.approx == "expand")
+                               or _too_big(d_in, self.max_dense))
+                self.diag_g = _too_big(g.shape[-1], self.max_dense)
+            if self.approx == "expand":
+                rows = (OneHot(a.index.transpose(0, 1).reshape(gj, n * s), a.size)
+                        if isinstance(a, OneHot) else a.transpose(0, 1).reshape(gj, n * s, dim))
+                m = _moment(rows, self.bias is not None, self.diag_a, g.dtype)
+                if self.a_sum is None:
+                    self.a_sum = m.new_zeros(self.groups, *m.shape[1:])
+                self.a_sum[lo:hi] += m
+                for j in range(lo, hi):
+                    self.counts[j] += n * s
+            else:
+                sums = a.counts(g.dtype) if isinstance(a, OneHot) else a.sum(2)  # (N, G_j, I)
+                if self.a_pos is None:
+                    self.a_pos = sums.new_zeros(n, self.groups, dim)
+                    self.positions = [0] * self.groups
+                self.a_pos[:, lo:hi] += sums
+                for j in range(lo, hi):
+                    self.positions[j] += s
+
+    def add_g(self, p: int, part: _Part) -> None:
+        self._check(part)
+        for lo, _, g in part.pieces:
+            n, gj, s, o = g.shape
+            if self.approx == "expand":
+                m = _moment(g.transpose(0, 1).reshape(gj, n * s, o), False, self.diag_g, g.dtype)
+                if self.g_sum is None:
+                    self.g_sum = m.new_zeros(self.groups, *m.shape[1:])
+                self.g_sum[lo:lo + gj] += m
+            else:
+                if p not in self.g_pos:
+                    self.g_pos[p] = g.new_zeros(n, self.groups, o)
+                self.g_pos[p][:, lo:lo + gj] += g.sum(2)
 
     def finish(self) -> None:
         if self.approx == "reduce":
             n = self.a_pos.shape[0]
-            mean = (self.a_pos / self.positions).transpose(0, 1)  # (G, N, I)
-            self.a_sum = _moment(mean, self.bias, self.diag_a)
-            self.a_count = n
-            for g in self.g_pos:
-                self.g_sum = self._add(self.g_sum, _moment(g.transpose(0, 1), False, self.diag_g))
-            self.a_pos = self.g_pos = None
+            positions = self.a_pos.new_tensor(self.positions).clamp(min=1)
+            mean = (self.a_pos / positions[:, None]).transpose(0, 1)  # (G, N, I)
+            self.a_sum = _moment(mean, self.bias is not None, self.diag_a, mean.dtype)
+            self.counts = [n] * self.groups
+            for g in self.g_pos.values():
+                m = _moment(g.transpose(0, 1), False, self.diag_g, g.dtype)
+                self.g_sum = m if self.g_sum is None else self.g_sum.add_(m)
+            self.a_pos, self.g_pos = None, {}
+
+    def tensors(self) -> List[Tensor]:
+        return [self.a_sum, self.g_sum]
+
+    def layout(self) -> tuple:
+        return (self.key, tuple(self.a_sum.shape), tuple(self.g_sum.shape))
+
+    def result(self, counts: List[int], g_scale: float, kfac_approx: str, names) -> "KFACFactors":
+        count = self.a_sum.new_tensor(counts).clamp(min=1)  # no samples: A = 0, not 0/0
+        a_fac = self.a_sum / count.view(-1, *[1] * (self.a_sum.dim() - 1))
+        g_fac = self.g_sum * g_scale
+        if self.groups == 1:
+            a_fac, g_fac = a_fac[0], g_fac[0]
+        params = self.layer.params
+        weight = params[self.weight] if self.weight is not None else None
+        bias = params[self.bias] if self.bias is not None else None
+        return KFACFactors(
+            A=a_fac, G=g_fac, module=self.layer.path,
+            weight=names[id(weight)] if weight is not None else None,
+            bias=names[id(bias)] if bias is not None else None,
+            weight_shape=tuple(weight.shape) if weight is not None else None,
+            groups=self.groups, kfac_approx=kfac_approx, diagonal_A=self.diag_a,
+            diagonal_G=self.diag_g, weight_transposed=self.transposed, part=self.part,
+            bias_shape=tuple(bias.shape) if bias is not None else None)
+
+
+class _DiagSums:
+    """``sum_p sum_n (d l_n / d theta)^2`` of one layer's parameters, from the per-sample
+    gradients of each backward pass (own-loss gradients: the records' scale applied)."""
+
+    def __init__(self, key: str, layer: Layer):
+        self.key, self.layer = key, layer
+        self.sq: Dict[str, Tensor] = {}
+
+    def add_pass(self, grads: Dict[str, Tensor]) -> None:
+        for name, t in grads.items():
+            sq = t.square().sum(0)
+            self.sq[name] = sq if name not in self.sq else self.sq[name].add_(sq)
+
+    def finish(self) -> None:
+        pass
+
+    def tensors(self) -> List[Tensor]:
+        return [self.sq[n] for n in sorted(self.sq)]
+
+    def layout(self) -> tuple:
+        return (self.key, tuple((n, tuple(self.sq[n].shape)) for n in sorted(self.sq)))
+
+    def result(self, counts, g_scale: float, kfac_approx: str, names) -> "DiagonalFactors":
+        params = self.layer.params
+        order = [n for n in params if n in self.sq]  # the layer's (named_parameters) order
+        return DiagonalFactors(
+            diagonal={names[id(params[n])]: self.sq[n] * g_scale for n in order},
+            module=self.layer.path, kfac_approx=kfac_approx)
 
 
 def _too_big(dim: int, max_dense: Optional[int]) -> bool:
     return max_dense is not None and dim > max_dense
 
 
-def _kfac_layer(layer: Layer) -> bool:
-    return layer.rule.has_linear_form and not layer.rule.multi_io and "weight" in layer.params
+def _call_key(a) -> int:
+    # The same call in every backward pass: its recorded input (a multi_io call's Call is
+    # rebuilt per pass with that pass's internal gradients; its args tuple is not).
+    return id(a.args) if isinstance(a, Call) else id(a)
+
+
+class KFACSums:
+    """The KFAC reader's accumulator: factor sums of every covered layer, fed one backward pass
+    at a time (:func:`kfac_factors` from the records; :func:`gradhooks.kfac` from
+    :func:`gradhooks.passes.run_passes`, so that ``multi_io`` layers, whose records sum the
+    passes, get each pass's gradients on their own).
+
+    Args:
+        size: ``B``.
+        loss_reduction, batch_first: as given to :func:`gradhooks.attach`.
+        scale: the records' scale to own-loss gradients (:attr:`~gradhooks.records.Batch.scale`).
+        names: ``{id(param): name}``.
+        kfac_approx, max_dense: as for :func:`kfac_factors`.
+    """
+
+    def __init__(self, size: int, loss_reduction: str, batch_first: bool, scale: Optional[float],
+                 names: Mapping[int, str], kfac_approx: str, max_dense: Optional[int]):
+        self.size, self.loss_reduction, self.batch_first = size, loss_reduction, batch_first
+        self.scale, self.names = scale, names
+        self.factor = 1.0 if scale is None else float(scale)
+        self.approx, self.max_dense = kfac_approx, max_dense
+        self.entries: Dict[Tuple[int, str], object] = {}
+
+    def _entry(self, layer: Layer, part: Optional[_Part]):
+        name = "" if part is None else part.name
+        key = (id(layer), name)
+        entry = self.entries.get(key)
+        if entry is None:
+            path = layer.path if not name else (f"{layer.path}.{name}" if layer.path else name)
+            entry = self.entries[key] = (_DiagSums(path, layer) if part is None
+                                         else _Sums(path, layer, part, self.approx, self.max_dense))
+        return entry
+
+    def add_pass(self, p: int, calls: Iterable) -> None:
+        """Add backward pass ``p``: ``calls`` are ``(layer, a, grads, names)`` (e.g.
+        :class:`~gradhooks.passes.PassCall`) with this pass's grad_output (``[g]`` for
+        single-output rules, the output's structure for ``multi_io`` rules)."""
+        diag: Dict[int, Tuple[Layer, Dict[str, Tensor]]] = {}
+        for layer, a, grads, names in calls:
+            try:
+                if _kind(layer) == _DIAG:
+                    got = call_grads(layer.rule, layer.module, a, grads, self.batch_first, names,
+                                     self.scale)
+                    total = diag.setdefault(id(layer), (layer, {}))[1]
+                    for name, t in got.items():  # a module called twice: sum, then square
+                        total[name] = t if name not in total else total[name].add_(t)
+                    continue
+                key = _call_key(a)
+                parts = _parts(layer, a, grads, tuple(names), self.batch_first, with_a=True)
+                for part in parts:
+                    entry = self._entry(layer, part)
+                    if key not in entry.seen:
+                        entry.seen.add(key)
+                        entry.add_a(part)
+                    entry.add_g(p, part)
+            except GradHooksError as e:
+                if layer.describe() in str(e):
+                    raise
+                raise type(e)(f"module {layer.describe()}: {e}") from None
+        for layer, grads in diag.values():
+            self._entry(layer, None).add_pass(grads)
+
+    def result(self, order: Mapping[int, int], passes: int, backward_passes: str,
+               all_reduce: bool = False, group=None) -> Dict[str, "KFACFactors | DiagonalFactors"]:
+        """The factors, keyed and ordered as :func:`kfac_factors` documents (``order``:
+        ``{id(param): position}`` in ``named_parameters()`` order; ``passes``: the number of
+        backward passes, for ``backward_passes="mean"``)."""
+        def first(item):
+            (_, name), entry = item
+            params = entry.layer.params
+            covered = [params[n] for n in ((entry.weight, entry.bias) if isinstance(entry, _Sums)
+                                           else entry.sq) if n is not None]
+            return min(order.get(id(p), 0) for p in covered), name
+
+        entries = [e for _, e in sorted(self.entries.items(), key=first)]
+        for e in entries:
+            e.finish()
+        # own-loss gradients: the records times N (mean); MC passes averaged
+        per_pass = 1.0 / (passes if backward_passes == "mean" else 1)
+        for e in entries:
+            if isinstance(e, _Sums):
+                e.g_sum.mul_(self.factor * self.factor * per_pass)
+            else:
+                for t in e.sq.values():
+                    t.mul_(per_pass)
+        n_total = self.size
+        counts = [e.counts if isinstance(e, _Sums) else [] for e in entries]
+        if all_reduce:
+            n_total, counts = _all_reduce(entries, n_total, counts, group)
+        w = 1.0 / (own_loss_scale(self.loss_reduction, n_total) or 1.0)
+        return {e.key: e.result(c, w, self.approx, self.names) for e, c in zip(entries, counts)}
 
 
 def kfac_factors(
@@ -292,25 +660,39 @@ def kfac_factors(
     max_dense: Optional[int] = None,
     all_reduce: bool = False,
     group=None,
-) -> Dict[str, KFACFactors]:
-    """KFAC factors of every hooked ``nn.Linear`` / ``nn.Conv1d/2d/3d`` the backward reached.
+    coverage: str = "all",
+) -> Dict[str, "KFACFactors | DiagonalFactors"]:
+    """KFAC factors of every hooked layer the backward reached, and a diagonal block for the
+    parameters no Kronecker factorisation fits.
 
-    Formulas and conventions are in the module docstring: ``A`` is a mean over the samples (and
-    the weight-sharing positions for expand), ``G`` is summed over positions and carries the
-    loss reduction's scale (``1/N`` for ``loss_reduction="mean"``), as in
-    ``curvlinops.KFACLinearOperator`` (Martens & Grosse 2015, sec. 3; Grosse & Martens 2016,
-    sec. 3; Eschenhagen et al. 2023, sec. 3). Computed in the recorded dtype, at least
-    float32 (autocast captures are promoted).
+    Which layers get what (formulas and conventions: the module docstring):
+
+    * Kronecker factors ``A ⊗ G`` (:class:`KFACFactors`) for the layers linear in their
+      weight: ``nn.Linear`` (and transformers' ``Conv1D``), ``nn.Conv1d/2d/3d`` (Martens &
+      Grosse 2015, sec. 3; Grosse & Martens 2016, sec. 3), ``nn.ConvTranspose1d/2d/3d`` (the
+      output positions as shared positions), ``nn.Embedding`` (one-hot inputs: ``A`` diagonal,
+      the counts of each index), the projections of ``nn.MultiheadAttention`` (tokens as shared
+      positions) and the input, hidden and projection weights of ``nn.LSTM`` / ``nn.GRU`` /
+      ``nn.RNN`` and their cells (time steps as shared positions, the gate gradients the
+      recurrent rule replays as ``g``: Martens, Ba & Johnson 2018, "Kronecker-factored
+      curvature approximations for recurrent neural networks", ICLR, sec. 3, with the
+      independence-across-time approximation of their option "V1"; Eschenhagen et al. 2023,
+      sec. 3, for expand / reduce);
+    * a diagonal block (:class:`DiagonalFactors`) ``w sum_p sum_n (d l_n / d theta)^2`` (the
+      exact diagonal of the block, with ``G``'s scale ``w``) for every other layer: norms,
+      ``nn.EmbeddingBag``, parametrized layers, the ``torch.func`` fallback.
+
+    Computed in the recorded dtype, at least float32 (autocast captures are promoted).
 
     Args:
         recorder: the :class:`~gradhooks.capture.Recorder` of a :class:`~gradhooks.GradHooks`,
             after one or more backward passes of the current batch.
         kfac_approx: ``"expand"`` or ``"reduce"`` (Eschenhagen et al. 2023); identical for
-            layers without weight sharing.
+            layers without weight sharing. (Diagonal blocks do not depend on it.)
         backward_passes: ``"sum"``: ``G`` sums ``e e^T`` over the backward passes (one pass
             with the loss: empirical Fisher; one pass per column of a square root of the loss
             Hessian: type-2 / GGN); ``"mean"``: divided by the number of backward passes
-            (Monte-Carlo Fisher, one pass per sampled target).
+            (Monte-Carlo Fisher, one pass per sampled target). The same for diagonal blocks.
         modules: names of the modules wanted (default: all); e.g. to skip a huge layer.
         max_dense: factors of a larger dimension are computed and returned as their diagonal
             only (:attr:`KFACFactors.diagonal_A` / ``diagonal_G``), e.g. the
@@ -320,99 +702,95 @@ def kfac_factors(
             ranks' batches: ``N`` is the total number of samples, and for ``"mean"`` the loss
             of the union is the mean over all of them. Every rank must call this.
         group: the ``torch.distributed`` process group (default: the world).
+        coverage: ``"all"`` (default) or ``"linear"``: only the layers with a linear form
+            (Linear, Conv, ``Conv1D``; the coverage before Embedding, ConvTranspose, attention,
+            recurrent layers and diagonal blocks were added; EKFAC's).
 
     Returns:
-        ``{module name: KFACFactors}`` in ``model.named_modules()`` order. Modules of other
-        types (embeddings, norms, the torch.func fallback ...) have no KFAC factors here and are
-        left out; a parameter tied between two modules appears in both entries.
+        ``{key: KFACFactors or DiagonalFactors}``, ordered by the first covered parameter in
+        ``model.named_parameters()``. The key is the module's name when the module has one
+        entry (Linear, Conv, ConvTranspose, Embedding, diagonal blocks); a module with several
+        Kronecker blocks (attention, recurrent layers) has one entry per block, keyed
+        ``"<module>.<first parameter>"``: ``"lstm.weight_ih_l0"`` (with ``bias_ih_l0``),
+        ``"attn.in_proj_weight"`` (with ``in_proj_bias``), ``"attn.out_proj.weight"``,
+        ``"attn.bias_k"``. A parameter tied between two modules appears in both entries.
 
     Raises:
         NoBackwardError: before any backward pass of the current batch.
         HigherOrderGradError: after a ``create_graph=True`` backward through a hooked layer.
         GradientMismatchError: if a recorded input was modified in place after its forward.
         GradHooksError: with ``all_reduce``, if no process group is initialised or the ranks
-            hold different layers; with ``"reduce"``, if the calls of one module were reached
-            by different numbers of backward passes.
-        ValueError: for an unknown ``kfac_approx`` / ``backward_passes`` value or module name.
+            hold different layers; if several backward passes reached a ``multi_io`` layer
+            (embedding, attention, recurrent, fallback) whose records sum the passes (use
+            :func:`gradhooks.kfac`, which reads each pass on its own); if calls of one
+            attention module split its projections into different row blocks.
+        ValueError: for an unknown ``kfac_approx`` / ``backward_passes`` / ``coverage`` value or
+            module name.
+    """
+    check_choice("coverage", coverage, COVERAGE)
+    wanted = check_options(recorder, kfac_approx, backward_passes, modules, max_dense,
+                           coverage)
+    batch = recorder.snapshot("kfac_factors()", sum_check=False, records=[
+        cap for cap in recorder.records if wanted(cap.layer)])
+    # backward passes: one grad_output per pass in single-output captures (multi_io captures
+    # hold one summed grad_output per output tensor instead)
+    passes = max((len(cap.grads) for cap in recorder.records if cap.spec is None), default=1)
+    summed = [cap for cap in batch.records if cap.spec is not None]
+    if passes > 1 and summed:
+        raise GradHooksError(
+            f"kfac_factors(): {passes} backward passes reached the model, but module "
+            f"{summed[0].layer.describe()} records their grad_outputs summed, and G needs each "
+            f"pass's on its own. Use gradhooks.kfac(model, inputs, targets, loss_fn, fisher=...) "
+            f"(it reads pass by pass), or read after each backward pass")
+    sums = KFACSums(batch.size, batch.loss_reduction, batch.batch_first, batch.scale,
+                    batch.names, kfac_approx, max_dense)
+    with no_autocast():
+        for p in range(passes):
+            sums.add_pass(p, [
+                (cap.layer, cap.a, cap.grad_struct() if cap.spec is not None else [cap.grads[p]],
+                 cap.names)
+                for cap in batch.records if cap.spec is not None or p < len(cap.grads)])
+        return sums.result(batch.order, passes, backward_passes, all_reduce, group)
+
+
+def check_options(recorder: Recorder, kfac_approx: str, backward_passes: str,
+                  modules: Optional[Iterable[str]], max_dense: Optional[int],
+                  coverage: str = "all"):
+    """Validate :func:`kfac_factors`' options; returns ``wanted(layer) -> bool``.
+
+    Raises:
+        ValueError: for an unknown value or module name (the message lists the known ones).
     """
     check_choice("kfac_approx", kfac_approx, KFAC_APPROX)
     check_choice("backward_passes", backward_passes, _PASSES)
     if max_dense is not None and max_dense < 1:
         raise ValueError(f"max_dense must be a positive int or None, got {max_dense!r}")
-    layers = recorder.layers
-    order = {id(layer): i for i, layer in enumerate(layers)}
-    wanted = None
-    if modules is not None:
-        wanted = set(modules)
-        known = {layer.path for layer in layers if _kfac_layer(layer)}
-        unknown = sorted(wanted - known)
-        if unknown:
-            raise ValueError(f"modules {unknown} are not hooked Linear/Conv layers of the model; "
-                             f"these are: {sorted(known)}")
-    batch = recorder.snapshot("kfac_factors()", sum_check=False, records=[
-        cap for cap in recorder.records if _kfac_layer(cap.layer)
-        and (wanted is None or cap.layer.path in wanted)])
-    by_layer: Dict[int, list] = {}
-    for cap in batch.records:
-        by_layer.setdefault(id(cap.layer), []).append(cap)
-    # backward passes: one grad_output per pass in single-output captures (multi_io captures
-    # hold one summed grad_output per output tensor instead)
-    passes = max((len(cap.grads) for cap in recorder.records if cap.spec is None), default=1)
-    scale = batch.factor  # own-loss gradients: the records times B (mean) / S (GradScaler)
-    sums: List[_Sums] = []
-    with no_autocast():
-        for key in sorted(by_layer, key=order.__getitem__):
-            caps = by_layer[key]
-            layer = caps[0].layer
-            names = {n for cap in caps for n in cap.names}
-            weight, bias = "weight" in names, "bias" in names
-            entry = None
-            for cap in caps:
-                a, gs = _canonical(layer, cap.a, cap.grads, batch.batch_first)
-                if entry is None:
-                    d_in, d_out = a.shape[-1] * weight + bias, gs[0].shape[-1]
-                    entry = _Sums(layer, weight, bias, kfac_approx, _too_big(d_in, max_dense),
-                                  _too_big(d_out, max_dense))
-                entry.add_call(a, gs)
-            entry.finish()
-            # own-loss gradients: the recorded ones times N (mean); MC passes averaged
-            entry.g_sum.mul_(scale * scale / (passes if backward_passes == "mean" else 1))
-            sums.append(entry)
-    n_total = batch.size
-    counts = [e.a_count for e in sums]
-    if all_reduce:
-        n_total, counts = _all_reduce(sums, n_total, counts, group)
-    out = {}
-    for e, count in zip(sums, counts):
-        layer = e.layer
-        a_fac, g_fac = e.a_sum / count, e.g_sum / (own_loss_scale(batch.loss_reduction, n_total) or 1.0)
-        groups = a_fac.shape[0]
-        if groups == 1:
-            a_fac, g_fac = a_fac[0], g_fac[0]
-        weight = layer.params.get("weight") if e.weight else None
-        out[layer.path] = KFACFactors(
-            A=a_fac, G=g_fac, module=layer.path,
-            weight=batch.names[id(weight)] if weight is not None else None,
-            bias=batch.names[id(layer.params["bias"])] if e.bias else None,
-            weight_shape=tuple(weight.shape) if weight is not None else None,
-            groups=groups, kfac_approx=kfac_approx, diagonal_A=e.diag_a, diagonal_G=e.diag_g,
-            weight_transposed=layer.rule.weight_transposed,
-        )
-    return out
+    covered = (lambda layer: True) if coverage == "all" else _linear_layer
+    if modules is None:
+        return covered
+    wanted = set(modules)
+    known = {layer.path for layer in recorder.layers if covered(layer)}
+    unknown = sorted(wanted - known)
+    if unknown:
+        raise ValueError(f"modules {unknown} are not hooked layers of the model"
+                         f"{'' if coverage == 'all' else ' with a linear form'}; these are: "
+                         f"{sorted(known)}")
+    return lambda layer: layer.path in wanted and covered(layer)
 
 
-def _all_reduce(sums: List[_Sums], n_local: int, counts: List[int], group) -> Tuple[int, List[int]]:
+def _all_reduce(entries: list, n_local: int, counts: List[List[int]], group
+                ) -> Tuple[int, List[List[int]]]:
     # One collective for the float sums, one for the integer counts, one (MAX) for the layout.
     if not (dist.is_available() and dist.is_initialized()):
         raise GradHooksError(
             "all_reduce=True needs an initialised torch.distributed process group "
             "(torch.distributed.init_process_group) on every rank"
         )
-    tensors = [t for e in sums for t in (e.a_sum, e.g_sum)]
+    tensors = [t for e in entries for t in e.tensors()]
     device = tensors[0].device if tensors else torch.device("cpu")
-    layout = repr([(e.layer.path, tuple(e.a_sum.shape), tuple(e.g_sum.shape)) for e in sums])
+    layout = repr([e.layout() for e in entries])
     sig = zlib.crc32(layout.encode())
-    check = torch.tensor([len(sums), -len(sums), sig, -sig], dtype=torch.int64, device=device)
+    check = torch.tensor([len(entries), -len(entries), sig, -sig], dtype=torch.int64, device=device)
     dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
     if check[0] != -check[1] or check[2] != -check[3]:
         raise GradHooksError(
@@ -426,9 +804,12 @@ def _all_reduce(sums: List[_Sums], n_local: int, counts: List[int], group) -> Tu
         for t in tensors:
             t.copy_(flat[start:start + t.numel()].view_as(t))
             start += t.numel()
-    ints = torch.tensor([n_local, *counts], dtype=torch.int64, device=device)
+    ints = torch.tensor([n_local, *[c for cs in counts for c in cs]], dtype=torch.int64,
+                        device=device)
     dist.all_reduce(ints, group=group)
     ints = ints.tolist()
-    return ints[0], ints[1:]
-
-
+    out, start = [], 1
+    for cs in counts:
+        out.append(ints[start:start + len(cs)])
+        start += len(cs)
+    return ints[0], out

@@ -17,8 +17,11 @@ classification, 1/2 for regression: ``N(f, 1)`` from ``MSELoss``). So the GGN is
 ``sum_n J_n^T H_n J_n`` with ``H_n`` the Hessian of the negative log-likelihood.
 The Jacobians are ``(B, C, P)`` over the trainable parameters of the model (of
 ``model.last_layer`` for last-layer Laplace) in ``parameters()`` order. Kronecker factors
-(:class:`laplace.utils.Kron`) follow laplace's curvlinops backend: per module with a bias
-``[G, A]`` for the weight and ``[G]`` for the bias (``A`` the input covariance without the
+(:class:`laplace.utils.Kron`, one block per parameter in ``parameters()`` order) follow
+laplace's curvlinops backend: per module with a bias ``[G, A]`` for the weight (``[A, G]`` for a
+weight stored ``(in, out)``: embeddings, ``Conv1D``) and ``[G]`` for the bias; a single dense
+block for diagonal blocks (norm layers, the fallback: ``diag_embed``) and for layouts two
+factors cannot hold (transposed convolutions, grouped factors) (``A`` the input covariance without the
 bias's ones, mean over the batch, rescaled by ``M / N`` for a batch of ``M`` of ``N`` data
 points; ``G`` the gradient covariance of the summed loss), from
 :func:`gradhooks.kfac` (``fisher="type-2"``, or ``"mc"`` with ``stochastic=True``,
@@ -34,6 +37,7 @@ gradhooks' records are detached.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Tuple
 
@@ -46,6 +50,7 @@ from laplace.utils import Kron
 from .fisher import kfac as _kfac_driver
 from .errors import GradHooksError
 from .hooks import attach
+from .kfac import DiagonalFactors
 
 __all__ = ["GradHooksGGN", "GradHooksEF"]
 
@@ -103,31 +108,63 @@ class _GradHooksInterface:
                                mc_samples=mc_samples, kfac_approx=kfac_approx,
                                )
         prefix = names
-        blocks, covered = [], set()
+        found = {}  # id(param) -> laplace block: [G, A] / [A, G] (transposed) / [dense]
         params = dict(self.model.named_parameters())
+        rescale = len(y) / n_data
         for path, fac in factors.items():
             if prefix is not None and not (path == prefix or path.startswith(prefix + ".")):
                 continue
-            if fac.groups != 1 or fac.diagonal_A or fac.diagonal_G:
-                raise GradHooksError(f"kron: module {path!r} has grouped / diagonal factors")
-            a, g = fac.A, fac.G
-            if fac.weight is not None:
-                a_w = a[:-1, :-1] if fac.bias is not None else a
-                if a_w.numel() == g.numel() == 1:
-                    blocks.append([g * a_w])
-                else:
-                    blocks.append([g, a_w * (len(y) / n_data)])
-                covered.add(id(params[fac.weight]))
-            if fac.bias is not None:
-                blocks.append([g * a[-1, -1]])
-                covered.add(id(params[fac.bias]))
-        if covered != {id(p) for p in wanted}:
+            for name, block in _blocks(fac, rescale).items():
+                found[id(params[name])] = block
+        if set(found) != {id(p) for p in wanted}:
             raise GradHooksError(
-                "kron: gradhooks has Kronecker factors for Linear / Conv layers only; the model "
-                "has other trainable parameters (use hessian_structure='diag' or 'full')")
+                "kron: gradhooks has no factors for some trainable parameters of the model "
+                "(frozen in part, or not reached by the forward); use hessian_structure='diag' "
+                "or 'full'")
+        blocks = [found[id(p)] for p in wanted]  # laplace's order: parameters()
         with torch.no_grad():
             loss = self.lossfunc(self.model(x), y)
         return self.factor * loss.detach(), Kron(blocks) * self.factor
+
+
+def _blocks(fac, rescale: float) -> dict:
+    # One KFAC entry as laplace's Kron blocks {param name: [factors]}, following laplace's
+    # curvlinops backend: a weight ``[G, A * M/N]`` (the mean input covariance, rescaled so that
+    # the sum over the batches of an epoch is the data set's mean), ``[A * M/N, G]`` for weights
+    # stored transposed ((V, D) embeddings, Conv1D); a bias ``[G * A[-1, -1]]``. Blocks Kron
+    # cannot hold as two factors in the parameter's own layout (grouped factors, a transposed
+    # convolution's (C_in, C_out, *k), factors kept diagonal by max_dense) and diagonal blocks
+    # (norm layers, the fallback) become one dense (P, P) matrix: ``dense()`` of the entry
+    # restricted to the parameter (A rescaled as above), ``diag_embed`` of a diagonal block.
+    if isinstance(fac, DiagonalFactors):
+        return {n: [torch.diag_embed(d.reshape(-1))] for n, d in fac.diagonal.items()}
+    out = {}
+    plain = fac.groups == 1 and not fac.diagonal_G
+    a, g = fac.A, fac.G
+    if plain and fac.diagonal_A:  # an embedding's diagonal A: laplace's factors are dense
+        a = torch.diag_embed(a)
+    if fac.weight is not None:
+        if plain and (not fac.weight_transposed or len(fac.weight_shape) == 2):
+            a_w = a[:-1, :-1] if fac.bias is not None else a
+            if a_w.numel() == g.numel() == 1:
+                out[fac.weight] = [g * a_w]
+            elif fac.weight_transposed:
+                out[fac.weight] = [a_w * rescale, g]
+            else:
+                out[fac.weight] = [g, a_w * rescale]
+        else:
+            scaled = dataclasses.replace(fac, A=a * rescale, bias=None, bias_shape=None)
+            if fac.bias is not None:  # drop the ones row / column of the bias
+                scaled.A = (scaled.A[..., :-1] if fac.diagonal_A else scaled.A[..., :-1, :-1])
+            out[fac.weight] = [scaled.dense()]
+    if fac.bias is not None:
+        if plain:
+            out[fac.bias] = [g * a[-1, -1]]
+        else:
+            only = dataclasses.replace(fac, weight=None, weight_shape=None,
+                                       A=a[..., -1:] if fac.diagonal_A else a[..., -1:, -1:])
+            out[fac.bias] = [only.dense()]
+    return out
 
 
 def _module_paths(model: nn.Module, sub: nn.Module):

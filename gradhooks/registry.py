@@ -153,6 +153,42 @@ class LayerRule:
         """
         return None
 
+    @property
+    def has_kfac_form(self) -> bool:
+        """Whether :meth:`kfac_form` gives this layer's Kronecker-factored form: rules with a
+        :meth:`linear_form`, and rules that override :meth:`kfac_form` only (layers linear in
+        their weight whose canonical form is too costly for norms and clipping:
+        ``nn.ConvTranspose``, ``nn.Embedding``)."""
+        return self.has_linear_form or type(self).kfac_form is not LayerRule.kfac_form
+
+    #: ``True`` if the matrix ``W[g]`` of :meth:`kfac_form` is stored with its two leading dims
+    #: swapped: the weight is ``(G * I_g, O, *kernel)`` and ``W[g]`` is
+    #: ``weight.view(G, I_g, O, K).transpose(1, 2).reshape(G, O, I_g * K)`` (transformers'
+    #: ``Conv1D`` ``(I, O)``, ``nn.Embedding`` ``(V, D)``, ``nn.ConvTranspose``
+    #: ``(C_in, C_out/G, *kernel)``). Default: :attr:`weight_transposed`.
+    @property
+    def kfac_transposed(self) -> bool:
+        return self.weight_transposed
+
+    def kfac_form(self, module: nn.Module, a, g, batch_first: bool):
+        """One call's records in the canonical form KFAC reads (:mod:`gradhooks.kfac`).
+
+        Args:
+            module: the layer.
+            a: its recorded input (a :class:`Call` for ``multi_io`` rules), or ``None`` when
+                only ``g`` is wanted.
+            g: one backward pass's grad_output (the output's structure for ``multi_io`` rules).
+            batch_first: as given to :func:`gradhooks.attach`.
+
+        Returns:
+            ``(a, g)``: ``a`` ``(N, G, S, I)`` (or a :class:`~gradhooks.forms.OneHot` of
+            indices, or ``None`` when ``a`` was ``None``), ``g`` ``(N, G, S, O)``, such that
+            ``y[n,g,s] = W[g] a[n,g,s] + b[g]`` with ``W[g]`` the ``(O, I)`` matrix of group
+            ``g`` (see :attr:`kfac_transposed`) and ``b[g] = bias.view(G, O)``. Default:
+            :meth:`linear_form`.
+        """
+        return self.linear_form(module, a, g, batch_first)
+
     def weighted_sum(self, module: nn.Module, a: Tensor, g: Tensor, c: Tensor, batch_first: bool,
                      names: Iterable[str], out: Optional[Dict[str, Tensor]] = None
                      ) -> Dict[str, Tensor]:
@@ -210,7 +246,11 @@ class LayerRule:
         Same arguments as :meth:`per_sample_grads`. Returns ``{name: [Block, ...]}``, the
         blocks covering disjoint rows of the parameter (together all of it, in increasing row
         order); :func:`gradhooks.forms.from_blocks` materialises them. Set
-        :attr:`has_forms` when implementing it.
+        :attr:`has_forms` when implementing it. KFAC (:mod:`gradhooks.kfac`) pairs a
+        weight-like parameter with the bias-like one named like it with ``weight`` replaced by
+        ``bias`` (``weight_ih_l0`` / ``bias_ih_l0``, ``in_proj_weight`` / ``in_proj_bias``,
+        ``out_proj.weight`` / ``out_proj.bias``): such a pair's blocks must cover the same rows
+        with the same ``g``.
         """
         raise NotImplementedError
 

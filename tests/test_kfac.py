@@ -550,7 +550,7 @@ def test_bad_options():
         kfac(model, x, y, loss_fn, fisher="mc", mc_samples=0)
     with pytest.raises(ValueError, match="only meaningful for fisher='mc'"):
         kfac(model, x, y, loss_fn, mc_samples=3)
-    with pytest.raises(ValueError, match="not hooked Linear/Conv"):
+    with pytest.raises(ValueError, match="not hooked layers of the model"):
         kfac(model, x, y, loss_fn, modules=["fc9"])
     with pytest.raises(GradHooksError, match="initialised torch.distributed"):
         kfac(model, x, y, loss_fn, all_reduce=True)
@@ -634,3 +634,377 @@ def test_kfac_optimizer_example_runs(tmp_path):
     for r in rows:
         cells = [c.strip() for c in r.split("|")[1:-1]]
         assert cells[1] == "4" and math.isfinite(float(cells[3])) and 0 <= float(cells[4]) <= 1, r
+
+
+# --------------------------------------------------------------------------- every layer with a rule
+class Unrolled(nn.Module):
+    """A one-layer LSTM / GRU / RNN (tanh) written with two nn.Linear: ``ih`` on every step at
+    once, ``hh`` called once per step; the same weights as ``rnn``. Its Linear factors (checked
+    against the definitions above) are what the recurrent rule's parts must give."""
+
+    def __init__(self, rnn):
+        super().__init__()
+        self.mode = rnn.mode
+        gh, hidden = rnn.weight_ih_l0.shape[0], rnn.hidden_size
+        self.ih, self.hh = nn.Linear(rnn.input_size, gh), nn.Linear(hidden, gh)
+        with torch.no_grad():
+            for lin, kind in ((self.ih, "ih"), (self.hh, "hh")):
+                lin.weight.copy_(getattr(rnn, f"weight_{kind}_l0"))
+                lin.bias.copy_(getattr(rnn, f"bias_{kind}_l0"))
+
+    def forward(self, x, h0):
+        pre, h, c, out = self.ih(x), h0[0], torch.zeros_like(h0[0]), []
+        for t in range(x.shape[1]):
+            gi, gh = pre[:, t], self.hh(h)
+            if self.mode == "LSTM":
+                i, f, g, o = (gi + gh).chunk(4, -1)
+                c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+                h = torch.sigmoid(o) * torch.tanh(c)
+            elif self.mode == "GRU":
+                (ir, iz, i_n), (hr, hz, hn) = gi.chunk(3, -1), gh.chunk(3, -1)
+                r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
+                h = (1 - z) * torch.tanh(i_n + r * hn) + z * h
+            else:
+                h = torch.tanh(gi + gh)
+            out.append(h)
+        return torch.stack(out, 1)
+
+
+class RNNModel(nn.Module):
+    def __init__(self, make, steps=3):
+        super().__init__()
+        self.rnn, self.head = make(), nn.Linear(steps * 4, 3)
+
+    def forward(self, x):
+        h0 = torch.linspace(-1, 1, 4, dtype=x.dtype).expand(1, x.shape[0], 4)
+        if isinstance(self.rnn, Unrolled):
+            h = self.rnn(x, h0)
+        elif self.rnn.mode == "LSTM":
+            h = self.rnn(x, (h0, torch.zeros_like(h0)))[0]
+        else:
+            h = self.rnn(x, h0)[0]
+        return self.head(torch.tanh(h).flatten(1))
+
+
+RNNS = {"lstm": lambda: nn.LSTM(3, 4, batch_first=True),
+        "gru": lambda: nn.GRU(3, 4, batch_first=True),
+        "rnn": lambda: nn.RNN(3, 4, batch_first=True)}
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "type-2"])
+@pytest.mark.parametrize("mode", list(RNNS))
+def test_recurrent_parts_equal_unrolled_linear_layers(mode, fisher, dtype):
+    """Each recurrent weight with its bias is a Linear layer with the time steps as shared
+    positions (Martens, Ba & Johnson 2018): its factors equal those of the unrolled model's
+    ``ih`` / ``hh`` Linear (expand and reduce, mean and sum, B = 0, 1, 4)."""
+    torch.manual_seed(0)
+    model = RNNModel(RNNS[mode]).to(dtype)
+    ref_model = RNNModel(lambda: Unrolled(model.rnn)).to(dtype)
+    ref_model.head.load_state_dict(model.head.state_dict())
+    for batch in (1, 4):
+        x, y = torch.randn(batch, 3, 3, dtype=dtype), torch.randint(0, 3, (batch,))
+        for (ap, red), ours in _all_options(model, x, y, nn.CrossEntropyLoss, fisher).items():
+            ref = kfac(ref_model, x, y, nn.CrossEntropyLoss(reduction=red), fisher=fisher,
+                       kfac_approx=ap)
+            assert list(ours) == ["rnn.weight_ih_l0", "rnn.weight_hh_l0", "head"]
+            for kind in ("ih", "hh"):
+                f, r = ours[f"rnn.weight_{kind}_l0"], ref[f"rnn.{kind}"]
+                assert f.params == (f"rnn.weight_{kind}_l0", f"rnn.bias_{kind}_l0")
+                for t, u in ((f.A, r.A), (f.G, r.G)):
+                    err = _rel(t, u)
+                    _record(f"{mode}", str(dtype).replace("torch.", ""), err)
+                    assert err <= RTOL[dtype], (ap, red, kind, err)
+
+
+class Attention(nn.Module):
+    """MultiheadAttention, self- or cross-attention, packed or separate projections; and its
+    reference written with nn.Linear projections and scaled_dot_product_attention."""
+
+    def __init__(self, cross, kdim=None, reference=None):
+        super().__init__()
+        self.cross, self.reference = cross, reference is not None
+        if reference is None:
+            self.att = nn.MultiheadAttention(4, 2, batch_first=True, kdim=kdim, vdim=kdim)
+        else:
+            att, e = reference.att, 4
+            self.q, self.k, self.v = (nn.Linear(e if i == 0 else (kdim or e), e) for i in range(3))
+            self.out = nn.Linear(e, e)
+            with torch.no_grad():
+                ws = ([att.q_proj_weight, att.k_proj_weight, att.v_proj_weight]
+                      if att.in_proj_weight is None else att.in_proj_weight.chunk(3))
+                for lin, w, b in zip((self.q, self.k, self.v), ws, att.in_proj_bias.chunk(3)):
+                    lin.weight.copy_(w)
+                    lin.bias.copy_(b)
+                self.out.load_state_dict(att.out_proj.state_dict())
+        self.head = nn.Linear(3 * 4, 3)
+
+    def forward(self, x):
+        q, kv = x[:, :3, :4], (x[:, 3:, :] if self.cross else x[:, :3, :4])
+        if not self.reference:
+            h = self.att(q, kv, kv, need_weights=False)[0]
+        else:
+            split = lambda t: t.unflatten(-1, (2, 2)).transpose(1, 2)  # noqa: E731
+            c = F.scaled_dot_product_attention(split(self.q(q)), split(self.k(kv)), split(self.v(kv)))
+            h = self.out(c.transpose(1, 2).flatten(2))
+        return self.head(torch.tanh(h).flatten(1))
+
+
+@pytest.mark.parametrize("case", ["self-packed", "cross-packed", "cross-separate"])
+def test_attention_parts_equal_linear_projections(case, dtype):
+    """The projections of MultiheadAttention are Linear layers on the tokens: packed
+    self-attention one block of 3E rows (G over q, k, v together), cross-attention three groups
+    (q from the query, k and v from the key), separate weights one entry each and in_proj_bias
+    alone; out_proj as a Linear. Compared with the factors of explicit nn.Linear projections."""
+    torch.manual_seed(0)
+    cross, kdim = case.startswith("cross"), (5 if case.endswith("separate") else None)
+    model = Attention(cross, kdim).to(dtype)
+    ref_model = Attention(cross, kdim, reference=model).to(dtype)
+    ref_model.head.load_state_dict(model.head.state_dict())
+    x = torch.randn(3, 5, kdim or 4, dtype=dtype) if cross else torch.randn(3, 3, 4, dtype=dtype)
+    if cross and kdim is None:
+        x = torch.randn(3, 5, 4, dtype=dtype)
+    y = torch.randint(0, 3, (3,))
+    for ap in ("expand", "reduce"):
+        ours = kfac(model, x, y, nn.CrossEntropyLoss(), fisher="type-2", kfac_approx=ap)
+        ref = kfac(ref_model, x, y, nn.CrossEntropyLoss(), fisher="type-2", kfac_approx=ap)
+        out = ours["att.out_proj.weight"]
+        pairs = [(out.A, ref["out"].A), (out.G, ref["out"].G)]
+        if case == "self-packed":
+            f = ours["att.in_proj_weight"]
+            assert f.groups == 1 and f.G.shape == (12, 12)
+            pairs += [(f.A, ref["q"].A), (f.A, ref["k"].A)]
+            gq = f.G[:4, :4], f.G[4:8, 4:8], f.G[8:, 8:]
+            pairs += [(g, ref[n].G) for g, n in zip(gq, "qkv")]
+        elif case == "cross-packed":
+            f = ours["att.in_proj_weight"]
+            assert f.groups == 3
+            pairs += [(f.A[i], ref[n].A) for i, n in enumerate("qkv")]
+            pairs += [(f.G[i], ref[n].G) for i, n in enumerate("qkv")]
+        else:
+            for n in "qkv":
+                f = ours[f"att.{n}_proj_weight"]
+                assert f.bias is None
+                pairs += [(f.A, ref[n].A[:-1, :-1]), (f.G, ref[n].G)]
+            b = ours["att.in_proj_bias"]
+            assert b.weight is None and b.groups == 3
+            pairs += [(b.G[i], ref[n].G) for i, n in enumerate("qkv")]
+        # the keys' gradients sum to zero over the key positions (softmax is shift invariant),
+        # so reduce's G of k is zero up to rounding: errors relative to out_proj's G
+        floor = ref["out"].G.abs().max()
+        for t, u in pairs:
+            assert t.shape == u.shape
+            err = ((t - u).abs().max() / torch.maximum(u.abs().max(), floor)).item()
+            _record("MHA", str(dtype).replace("torch.", ""), err)
+            assert err <= RTOL[dtype], (case, ap, err)
+
+
+def _one_hot_linear(emb):
+    """The Linear layer on one-hot inputs that an Embedding is (zero input at padding_idx)."""
+    lin = nn.Linear(emb.num_embeddings, emb.embedding_dim, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(emb.weight.t())
+    pad = emb.padding_idx
+
+    def forward(x):
+        hot = F.one_hot(x, emb.num_embeddings).to(lin.weight.dtype)
+        if pad is not None:
+            hot = hot * (x != pad).unsqueeze(-1)
+        return lin(hot)
+    return lin, forward
+
+
+class EmbModel(nn.Module):
+    def __init__(self, emb, one_hot=False):
+        super().__init__()
+        self.emb, self.head = emb, nn.Linear(4 * 4, 3)
+        self.lin, self.lookup = _one_hot_linear(emb) if one_hot else (None, emb)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.lookup(x)).flatten(1))
+
+
+@pytest.mark.parametrize("padding_idx", [None, 2], ids=["nopad", "pad"])
+def test_embedding_equals_one_hot_linear(padding_idx, dtype):
+    """nn.Embedding is a Linear layer without bias on one-hot inputs (zero at padding_idx):
+    its factors equal that Linear's (A diagonal for expand: the index counts), B = 1, 5; and
+    zeros for B = 0."""
+    torch.manual_seed(0)
+    model = EmbModel(nn.Embedding(6, 4, padding_idx=padding_idx)).to(dtype)
+    ref_model = EmbModel(model.emb, one_hot=True).to(dtype)
+    ref_model.head.load_state_dict(model.head.state_dict())
+    with gradhooks.attach(model, loss_reduction="sum") as gh:  # B = 0: zeros, not 0/0
+        model(torch.randint(0, 6, (0, 4))).sum().backward()
+        for ap in ("expand", "reduce"):
+            f = gh.kfac_factors(ap)["emb"]
+            a = torch.diag_embed(f.A) if f.diagonal_A else f.A
+            assert a.shape == (6, 6) and f.G.shape == (4, 4) and not a.any() and not f.G.any()
+    for batch in (1, 5):
+        x, y = torch.randint(0, 6, (batch, 4)), torch.randint(0, 3, (batch,))
+        for fisher in ("empirical", "type-2"):
+            for (ap, red), ours in _all_options(model, x, y, nn.CrossEntropyLoss, fisher).items():
+                ref = kfac(ref_model, x, y, nn.CrossEntropyLoss(reduction=red), fisher=fisher,
+                           kfac_approx=ap)
+                f, r = ours["emb"], ref["lin"]
+                assert f.weight_transposed and f.params == ("emb.weight",)
+                assert f.diagonal_A == (ap == "expand")
+                a = torch.diag_embed(f.A) if f.diagonal_A else f.A
+                for t, u in ((a, r.A), (f.G, r.G)):
+                    err = _rel(t, u)
+                    _record("Embedding", str(dtype).replace("torch.", ""), err)
+                    assert err <= RTOL[dtype], (batch, fisher, ap, red, err)
+                # dense() in the embedding's own (V, D) layout is the Linear's block transposed
+                perm = torch.arange(24).reshape(4, 6).t().reshape(-1)
+                assert _rel(f.dense(), r.dense()[perm][:, perm]) <= RTOL[dtype]
+
+
+def _ct_patches(module, a):
+    """Per group, the inputs (P, C_in/G * K) of a transposed convolution at each output
+    position: d y[o, p] / d W[:, o] (the Jacobian w.r.t. the weight), o the group's first."""
+    conv_t = getattr(F, f"conv_transpose{len(module.kernel_size)}d")
+    fn = lambda w: conv_t(a, w, None, module.stride, module.padding,  # noqa: E731
+                          module.output_padding, module.groups, module.dilation)
+    jac = torch.func.jacrev(fn)(module.weight.detach())  # (1, C_out, *Y, C_in, C_out/G, *K)
+    c_out, per_out = module.out_channels, module.out_channels // module.groups
+    c_in, per_in = module.in_channels, module.in_channels // module.groups
+    jac = jac.reshape(c_out, -1, c_in, per_out, math.prod(module.kernel_size))
+    return [jac[o, :, (o // per_out) * per_in:(o // per_out + 1) * per_in, o % per_out].reshape(jac.shape[1], -1)
+            for o in range(0, c_out, per_out)]
+
+
+CT_CONFIGS = {
+    "convtranspose1d-stride-pad-outpad": (lambda: nn.ConvTranspose1d(2, 3, 3, stride=2, padding=1,
+                                                                     output_padding=1), (2, 4)),
+    "convtranspose2d-groups-dilation": (lambda: nn.ConvTranspose2d(4, 2, 2, groups=2, dilation=2,
+                                                                   bias=False), (4, 2, 3)),
+    "convtranspose3d-stride": (lambda: nn.ConvTranspose3d(2, 2, 2, stride=(1, 2, 1)), (2, 2, 2, 1)),
+}
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "type-2"])
+@pytest.mark.parametrize("config", list(CT_CONFIGS))
+def test_conv_transpose_matches_definition(config, fisher, dtype, monkeypatch):
+    """ConvTranspose1d/2d/3d: A from the inputs each output position sees (the Jacobian of the
+    output w.r.t. the weight, not the rule's patches), G from the grad_outputs, as for Conv."""
+    torch.manual_seed(0)
+    make, shape = CT_CONFIGS[config]
+    layer = make()
+    out_numel = layer(torch.randn(1, *shape))[0].numel()
+    model = _head(layer, out_numel).to(dtype)
+    x, y = torch.randn(3, *shape, dtype=dtype), torch.randint(0, 3, (3,))
+    monkeypatch.setattr(sys.modules[__name__], "KFAC_LAYERS", KFAC_LAYERS + (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d))
+    orig = _patches
+    monkeypatch.setattr(sys.modules[__name__], "_patches",
+                        lambda m, a: _ct_patches(m, a) if "Transpose" in type(m).__name__ else orig(m, a))
+    _check(_all_options(model, x, y, nn.CrossEntropyLoss, fisher), model, x, y,
+           nn.CrossEntropyLoss, fisher, dtype, kind="ConvT")
+    f = kfac(model, x, y, nn.CrossEntropyLoss())["0"]
+    grads = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    assert all(torch.equal(t, grads[n]) for n, t in f.split(f.grad_matrix(grads)).items())
+
+
+@pytest.mark.parametrize("layer", [
+    pytest.param(lambda: nn.Embedding(5, 3), id="embedding"),
+    pytest.param(lambda: nn.ConvTranspose2d(3, 4, 1), id="convtranspose-1x1"),
+    pytest.param(lambda: nn.LSTM(3, 4, batch_first=True), id="lstm-one-step"),
+    pytest.param(lambda: nn.GRUCell(3, 4), id="grucell"),
+    pytest.param(lambda: nn.MultiheadAttention(4, 2, batch_first=True), id="attention-one-token"),
+])
+def test_exact_single_sample_every_layer(layer, loss_reduction):
+    """One sample, one position: every Kronecker block equals the outer product of its
+    parameters' gradient (the exact empirical Fisher)."""
+    torch.manual_seed(0)
+    module = layer().double()
+    if isinstance(module, nn.Embedding):
+        x, call = torch.tensor([[3]]), lambda m, x: m(x)
+    elif isinstance(module, nn.ConvTranspose2d):
+        x, call = torch.randn(1, 3, 1, 1, dtype=torch.float64), lambda m, x: m(x)
+    elif isinstance(module, nn.LSTM):
+        h0 = (torch.randn(1, 1, 4, dtype=torch.float64), torch.randn(1, 1, 4, dtype=torch.float64))
+        x, call = torch.randn(1, 1, 3, dtype=torch.float64), lambda m, x: m(x, h0)[0]
+    elif isinstance(module, nn.GRUCell):
+        h0 = torch.randn(1, 4, dtype=torch.float64)
+        x, call = torch.randn(1, 3, dtype=torch.float64), lambda m, x: m(x, h0)
+    else:
+        x, call = torch.randn(1, 1, 4, dtype=torch.float64), lambda m, x: m(x, x, x)[0]
+    with gradhooks.attach(module, loss_reduction=loss_reduction) as gh:
+        (call(module, x) ** 3).sum().backward()
+        factors = gh.kfac_factors()
+    for key, f in factors.items():
+        grad = _flat_grad(module, f.params)
+        exact = torch.outer(grad, grad)
+        if f.groups > 1:
+            exact = exact * _group_mask(f)
+        err = _rel(f.dense(), exact)
+        _record("exact EF", "float64", err)
+        assert err <= 1e-12, key
+
+
+class NormModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm = nn.Linear(4, 5), nn.LayerNorm(5)
+        self.prelu, self.head = nn.PReLU(5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = self.norm(self.lin(x))
+        return self.head(self.prelu(h + self.norm(h)))  # norm called twice: grads sum per sample
+
+
+@pytest.mark.filterwarnings("ignore::gradhooks.FallbackWarning")
+@pytest.mark.parametrize("batch", [0, 1, 4], ids=["B0", "B1", "B4"])
+def test_diagonal_blocks_match_loop(batch, loss_reduction, dtype):
+    """Layers without a Kronecker form (LayerNorm called twice, the fallback's PReLU) get the
+    diagonal w sum_n g_n^2 of the looped per-sample gradients (empirical), and the GGN diagonal
+    sum_n diag(J_n^T H_n J_n) (type-2, J_n by torch.func.jacrev per sample)."""
+    torch.manual_seed(0)
+    model = NormModel().to(dtype)
+    x, y = torch.randn(batch, 4, dtype=dtype), torch.randint(0, 3, (batch,))
+    loss_fn = nn.CrossEntropyLoss(reduction=loss_reduction)
+    if batch == 0:  # (gradhooks.kfac's loss model needs a sample): the records' reader, zeros
+        with gradhooks.attach(model, loss_reduction="sum") as gh:
+            model(x).sum().backward()
+            d = gh.kfac_factors()["norm"].diagonal
+        assert d["norm.weight"].shape == (5,) and not any(t.any() for t in d.values())
+        return
+    w = 1.0 / batch if loss_reduction == "mean" else 1.0
+    names = ["norm.weight", "norm.bias", "prelu.weight"]
+    params = dict(model.named_parameters())
+    want_ef = {n: torch.zeros_like(params[n]) for n in names}
+    want_ggn = {n: torch.zeros_like(params[n]) for n in names}
+    for i in range(batch):
+        xi, yi = x[i:i + 1], y[i:i + 1]
+        gs = torch.autograd.grad(F.cross_entropy(model(xi), yi), [params[n] for n in names])
+        out = lambda *ps: torch.func.functional_call(model, {**params, **dict(zip(names, ps))}, (xi,))[0]  # noqa: E731
+        jac = torch.func.jacrev(out, argnums=(0, 1, 2))(*[params[n] for n in names])
+        f = model(xi)[0].detach()
+        hess = torch.autograd.functional.hessian(lambda z: F.cross_entropy(z[None], yi), f)
+        for n, g, j in zip(names, gs, jac):
+            want_ef[n] += w * g ** 2
+            j = j.reshape(3, -1)
+            want_ggn[n] += w * torch.einsum("cp,cd,dp->p", j, hess, j).reshape(params[n].shape)
+    for fisher, want in (("empirical", want_ef), ("type-2", want_ggn)):
+        ours = kfac(model, x, y, loss_fn, fisher=fisher)
+        assert list(ours) == ["lin", "norm", "prelu", "head"]
+        assert isinstance(ours["norm"], gradhooks.DiagonalFactors)
+        got = {**ours["norm"].diagonal, **ours["prelu"].diagonal}
+        for n in names:
+            assert got[n].shape == params[n].shape and got[n].dtype == dtype
+            scale = want[n].abs().max().clamp_min(1e-30)
+            err = ((got[n] - want[n]).abs().max() / scale).item()
+            _record("diagonal", str(dtype).replace("torch.", ""), err)
+            assert err <= RTOL[dtype], (fisher, n, err)
+        d = ours["norm"]
+        assert torch.equal(d.dense().diagonal(), torch.cat([got["norm.weight"], got["norm.bias"]]))
+
+
+def test_several_passes_need_the_pass_by_pass_reader():
+    """kfac_factors() after two backward passes through a model with an Embedding (whose records
+    sum the passes) refuses, naming the module; gradhooks.kfac(type-2) reads pass by pass."""
+    model = EmbModel(nn.Embedding(6, 4))
+    x, y = torch.randint(0, 6, (3, 4)), torch.randint(0, 3, (3,))
+    with gradhooks.attach(model) as gh:
+        out = model(x)
+        out.sum().backward(retain_graph=True)
+        out.pow(2).sum().backward()
+        with pytest.raises(GradHooksError, match=r"'emb' \(Embedding\).*gradhooks.kfac"):
+            gh.kfac_factors()

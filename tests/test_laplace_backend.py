@@ -98,3 +98,23 @@ def test_empirical_fisher_matches_curvlinops(structure):
     ref = _fit(_mlp, AsdlEF if structure == "full" else CurvlinopsEF, structure, "all", x, y)
     _close(ours.log_marginal_likelihood(), ref.log_marginal_likelihood(), "marglik")
     _close(_precision(ours), _precision(ref), "posterior precision")
+
+
+def _mlp_norm():
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.LayerNorm(8), nn.Tanh(),
+                         nn.Linear(8, 10))
+
+
+def test_kron_with_layer_norm_uses_its_diagonal_block():
+    """kron on a model with a LayerNorm: the Linear layers get Kronecker blocks as before (the
+    same as on the model without it: checked against curvlinops above), the LayerNorm's
+    parameters a diagonal block equal to the GGN diagonal of the diag structure."""
+    x, y, _, _ = _digits()
+    kron = _fit(_mlp_norm, GradHooksGGN, "kron", "all", x, y)
+    diag = _fit(_mlp_norm, GradHooksGGN, "diag", "all", x, y)
+    full, d = _precision(kron), _precision(diag)  # H + prior precision (1)
+    lo, hi = 64 * 8 + 8, 64 * 8 + 8 + 16  # norm.weight, norm.bias
+    block = full[lo:hi, lo:hi]
+    _close(block.diagonal(), d[lo:hi], "LayerNorm diagonal")
+    assert torch.count_nonzero(block - torch.diag_embed(block.diagonal())) == 0
+    assert torch.count_nonzero(full[lo:hi, :lo]) == 0

@@ -36,8 +36,9 @@ Two exact evaluations, as for :mod:`gradhooks.rules.conv`, chosen per call by
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Optional, Tuple
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -45,7 +46,7 @@ from ..forms import weight_grad
 from ..registry import LayerRule, register_rule
 from .conv import ConvRule, choose_method, unfold, weight_backward
 
-__all__ = ["ConvTransposeRule", "output_padding"]
+__all__ = ["ConvTransposeRule", "output_padding", "transposed_patches"]
 
 
 def output_padding(module: nn.Module, x: Tensor, y_shape) -> List[int]:
@@ -94,6 +95,40 @@ def unfold_weight_grad(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
     return weight_grad(patches, x).reshape(n, *module.weight.shape)
 
 
+_CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def transposed_patches(module: nn.Module, x: Tensor, y_shape) -> Tensor:
+    """The inputs each *output* position of a transposed convolution sees, in canonical form.
+
+    ``a[n, g, p, (i, k)] = x[n, g, i, t]`` where ``p = s t - q + d k`` (zero where no input
+    position ``t`` maps there), so that ``y[n, g, :, p] = W[g] a[n, g, p] + b[g]`` with ``W[g]``
+    the ``(C_out/G, C_in/G * K)`` matrix ``weight.view(G, C_in/G, C_out/G, K)`` transposed in
+    its two middle dims (:attr:`~gradhooks.registry.LayerRule.kfac_transposed`). Computed as one
+    depthwise transposed convolution of ``x`` whose weight is the identity over the ``K`` kernel
+    offsets (groups ``C_in``, ``K`` output channels per input channel): ``O(N C_in K P)``.
+
+    Args:
+        module: a ``nn.ConvTransposeNd``.
+        x: its input ``(N, C_in, *X)``.
+        y_shape: its output's shape ``(N, C_out, *Y)`` (for ``output_padding``).
+
+    Returns:
+        ``(N, G, P, C_in/G * K)``, ``P = prod(Y)``, the last dim ordered ``(i, k)`` like
+        ``weight[i, o].flatten()``.
+    """
+    c_in, groups, kernel = module.in_channels, module.groups, tuple(module.kernel_size)
+    k = 1
+    for ki in kernel:
+        k *= ki
+    eye = torch.eye(k, dtype=x.dtype, device=x.device).reshape(1, k, *kernel).repeat(c_in, *[1] * (len(kernel) + 1))
+    out = _CONV_TRANSPOSE[len(kernel)](
+        x, eye, None, module.stride, module.padding, output_padding(module, x, y_shape), c_in,
+        module.dilation)  # (N, C_in * K, *Y), channel i * K + k
+    n = x.shape[0]
+    return out.reshape(n, groups, c_in // groups * k, -1).transpose(-1, -2)
+
+
 # Why choose_method is given the output positions. Measured (CPU time, 1 thread, 2-core AMD EPYC,
 # torch 2.13, B=64, ConvTranspose2d(C, C, k, stride 2, padding 1), medians of 9; ms as unfold/conv
 # per input H x W, k3 then k4): dense C=16: conv 1.1-8x faster at every size; C=64: 4x4 2.8/5.3,
@@ -121,6 +156,20 @@ class ConvTransposeRule(LayerRule):
     method = "auto"
 
     batch_size = ConvRule.batch_size  # the same layout: (B, C_in, *spatial)
+
+    kfac_transposed = True
+
+    def kfac_form(self, module: nn.Module, a: Optional[Tensor], g: Tensor, batch_first: bool
+                  ) -> Tuple[Optional[Tensor], Tensor]:
+        """Kronecker-factored form (Grosse & Martens 2016, sec. 3, with the roles of the
+        convolution's positions taken by the *output* positions ``P``): ``a``
+        :func:`transposed_patches` ``(N, G, P, C_in/G * K)``, ``g`` ``(N, G, P, C_out/G)``, so
+        that the bias sees an input of ones at every output position. (The per-sample rule's
+        canonical form, with ``x`` and the unfolded ``g`` swapped, is not used: its "output"
+        side would be ``C_in`` and the bias would not fit it.)"""
+        n, groups = g.shape[0], module.groups
+        g_c = g.reshape(n, groups, module.out_channels // groups, -1).transpose(-1, -2)
+        return (None if a is None else transposed_patches(module, a, g.shape)), g_c
 
     def per_sample_grads(
         self, module: nn.Module, a: Tensor, g: Tensor, batch_first: bool, names: Iterable[str]

@@ -39,6 +39,7 @@ of lower precision (a bfloat16 model) are accumulated in float32.
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, Iterable, Optional, Tuple
 
 import torch
@@ -46,6 +47,7 @@ from torch import Tensor, nn
 
 from ..utils import compute_dtype
 from ..errors import BatchSizeError, UnsupportedCallError
+from ..forms import OneHot
 from ..registry import Call, LayerRule, Rows, register_rule
 
 __all__ = ["EmbeddingRule", "EmbeddingBagRule", "scatter_rows"]
@@ -137,6 +139,29 @@ class EmbeddingRule(LayerRule):
             keep = row != module.padding_idx
             sample, row, values = sample[keep], row[keep], values[keep]
         return {"weight": Rows(sample, row, values)}
+
+    kfac_transposed = True  # y = weight^T onehot(x): W = weight.T, (D, V)
+
+    def kfac_form(self, module: nn.Module, a: Optional[Call], g: Tensor, batch_first: bool
+                  ) -> Tuple[Optional[OneHot], Tensor]:
+        """Kronecker-factored form: the lookup is a Linear layer without bias on one-hot inputs,
+        ``y[n, s] = weight^T onehot(x[n, s])``, with the positions ``s`` as shared positions:
+        ``a`` a :class:`~gradhooks.forms.OneHot` ``(N, 1, S)`` of ``V`` (``-1`` at
+        ``padding_idx``: that row gets no gradient, as if its input were zero), ``g``
+        ``(N, 1, S, D)`` (at least float32)."""
+        if self._batch_dim(g, batch_first) == 1:
+            g = g.transpose(0, 1)
+        n, s = g.shape[0], math.prod(g.shape[1:-1])  # (explicit S: -1 is ambiguous for B = 0)
+        g = g.reshape(n, 1, s, module.embedding_dim).to(compute_dtype(g))
+        if a is None:
+            return None, g
+        idx = _first_input(a)
+        if self._batch_dim(idx, batch_first) == 1:
+            idx = idx.transpose(0, 1)
+        idx = idx.reshape(n, 1, s).long()
+        if module.padding_idx is not None:
+            idx = idx.masked_fill(idx == module.padding_idx, -1)
+        return OneHot(idx, module.num_embeddings), g
 
     def per_sample_grads(self, module: nn.Module, a: Call, g: Tensor, batch_first: bool,
                          names: Iterable[str]) -> Dict[str, Tensor]:

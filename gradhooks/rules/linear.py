@@ -6,6 +6,7 @@ gradients (Goodfellow 2015, arXiv:1510.01799, sec. 3): ``dL_n/dW = sum_s g[n,s] 
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, Iterable, Optional, Tuple
 
 import torch
@@ -54,9 +55,9 @@ class LinearRule(LayerRule):
         if _batch_dim(g, batch_first) == 1:
             g = g.transpose(0, 1)
             a = None if a is None else a.transpose(0, 1)
-        n = g.shape[0]
-        return (None if a is None else a.reshape(n, 1, -1, a.shape[-1]),
-                g.reshape(n, 1, -1, g.shape[-1]))
+        n, s = g.shape[0], math.prod(g.shape[1:-1])  # (explicit S: -1 is ambiguous for B = 0)
+        return (None if a is None else a.reshape(n, 1, s, a.shape[-1]),
+                g.reshape(n, 1, s, g.shape[-1]))
 
     def per_sample_grads(
         self, module: nn.Module, a: Tensor, g: Tensor, batch_first: bool, names: Iterable[str]

@@ -53,6 +53,7 @@ float32 (:func:`gradhooks.per_sample.call_grads`), so ``x̂`` is computed in flo
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, Iterable, Optional, Tuple
 
 import torch
@@ -149,7 +150,9 @@ class _TrailingNormRule(_AffineNormRule):
         """``t`` shaped like the input -> ``(B, *normalized_shape)``, summed over positions."""
         bd = self._batch_dim(module, t, batch_first)
         # (B, S, *normalized_shape), or (T, B, S, *normalized_shape): no transposed copy
-        lead = t.reshape(*t.shape[:bd + 1], -1, *self.normalized_shape(module))
+        shape = self.normalized_shape(module)
+        s = math.prod(t.shape[bd + 1:len(t.shape) - len(shape)])  # (explicit: B = 0)
+        lead = t.reshape(*t.shape[:bd + 1], s, *shape)
         return lead.sum((0, 2)) if bd == 1 else lead.sum(1)
 
     def _norm_dims(self, module: nn.Module) -> Tuple[int, ...]:
