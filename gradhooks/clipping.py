@@ -188,6 +188,13 @@ def clip_and_accumulate(recorder: Recorder, max_norm: Union[float, Sequence[floa
     step with a non-finite per-sample norm (an overflow) sets every ``.grad`` to ``inf``, so
     that the scaler skips it and lowers the scale.
 
+    **Several processes.** On a ``DistributedDataParallel`` model every rank gets the clipped,
+    noised sum over the ranks' concatenated batch divided by its global ``D`` (one all-reduce of
+    the clipped sums, one of the batch sizes; the noise drawn on rank 0). On a model sharded by
+    FSDP2 (``fully_shard``; attach with ``check=False``) each rank's ``.grad`` shards are those
+    of the same result (one reduce-scatter per parameter, as FSDP's own). Norms need no
+    communication in either: each rank records whole layers for its own samples.
+
     **param.grad is overwritten**, whatever autograd accumulated into it (the unclipped batch
     gradient, and anything earlier): for gradient accumulation over several batches, sum the
     results yourself. With ``method="ghost"`` Linear parameters and those of recurrent and
@@ -233,7 +240,7 @@ def clip_and_accumulate(recorder: Recorder, max_norm: Union[float, Sequence[floa
             negative, or ``method`` is unknown.
         GradHooksError: if a trainable parameter of the model is not covered by the hooks (it
             was frozen when :func:`gradhooks.attach` ran and its module has no rule): it could
-            not be clipped.
+            not be clipped; an FSDP2 model attached with the sum check on.
         NoBackwardError, HigherOrderGradError, GradientMismatchError: as
             :func:`gradhooks.norms.per_sample_grad_norms`.
     """
@@ -576,6 +583,14 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noi
             :func:`clip_and_accumulate` (``D = B`` for ``loss_reduction="mean"``, else 1).
         generator: a ``torch.Generator`` for the noise.
 
+    **Several processes.** As :func:`clip_and_accumulate`: the result is that of the ranks'
+    concatenated batch. The second pass is an ordinary backward, so DDP's all-reduce or FSDP2's
+    reduce-scatter sums the clipped gradients; the only addition is one all-reduce of the batch
+    sizes (``loss_reduction="mean"``). Under FSDP2 (attach with ``check=False``) the first pass
+    asks autograd for the parameter gradients (the unsharded parameters FSDP swaps in are not
+    the ones the hooks know) and keeps the records until the norms are formed, and FSDP
+    all-gathers each layer for both passes. A rank with an empty local batch takes both passes.
+
     With ``attach(..., grad_scaler=scaler)`` both passes backpropagate ``S`` times the losses
     (``S = scaler.get_scale()``): pass the unscaled losses; ``param.grad`` is then ``S`` times
     the clipped, noised sum, for ``scaler.step(optimizer)``, as in :func:`clip_and_accumulate`.
@@ -586,7 +601,8 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noi
     Raises:
         ValueError: bad ``max_norm`` or ``noise_multiplier``, or ``losses`` not a ``(B,)`` tensor
             that requires grad, ``B`` the batch size the hooks recorded.
-        GradHooksError: a trainable parameter the hooks do not cover.
+        GradHooksError: a trainable parameter the hooks do not cover; an FSDP2 model attached
+            with the sum check on.
         NoBackwardError, GradientMismatchError: as :func:`gradhooks.norms.per_sample_grad_norms`.
     """
     trainable = _clip_setup(recorder, max_norm, noise_multiplier)
