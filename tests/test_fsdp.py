@@ -94,24 +94,15 @@ def _check(sizes, rank, world):
                 assert p.grad.to_local().numel() < p.numel()  # a shard, not the whole gradient
                 torch.testing.assert_close(p.grad.full_tensor(), expected[name], rtol=1e-10,
                                            atol=1e-12, msg=lambda m: f"{method} {name}: {m}")
+    # With the sum check on, clipping says to attach with check=False (it would otherwise report
+    # every sharded parameter as missing its gradient).
+    with gradhooks.attach(model) as gh:
+        F.cross_entropy(model(x), y).backward()
+        with pytest.raises(gradhooks.GradHooksError, match="check=False"):
+            gh.clip_and_accumulate(c)
 
 
 @pytest.mark.parametrize("sizes", [(3, 4), (4, 0)], ids=["unequal", "one-empty"])
 def test_fsdp2_clipping_two_processes_gloo(sizes):
+    """Also: with the sum check on, clipping refuses and says to attach with check=False."""
     two_process.run(functools.partial(_check, sizes))
-
-
-def test_fsdp2_clipping_refuses_the_sum_check():
-    """With the sum check on, clipping says to attach with ``check=False`` (it would otherwise
-    report every sharded parameter as missing its gradient)."""
-    two_process.run(_check_refusal)
-
-
-def _check_refusal(rank, world):
-    model = mlp()
-    fully_shard(model)
-    x, y = batches((2, 2))[rank]
-    with gradhooks.attach(model) as gh:
-        F.cross_entropy(model(x), y).backward()
-        with pytest.raises(gradhooks.GradHooksError, match="check=False"):
-            gh.clip_and_accumulate(1.0)
