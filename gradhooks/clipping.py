@@ -179,7 +179,8 @@ def clip_and_accumulate(recorder: Recorder, max_norm: Union[float, Sequence[floa
     ``dtheta_n`` is the gradient of sample ``n``'s own loss), and ``D = B`` for
     ``loss_reduction="mean"``, ``D = 1`` for ``"sum"``. For Poisson sampling (where DP-SGD
     divides by the *expected* batch size) use ``loss_reduction="sum"`` and divide
-    ``param.grad`` (or the learning rate) by it yourself.
+    ``param.grad`` (or the learning rate) by it yourself. An empty batch (``B = 0``) gets the
+    noise alone, with ``D = 1`` also for ``"mean"`` (as :func:`clipped_backward`).
 
     **GradScaler.** With ``attach(..., grad_scaler=scaler)`` after
     ``scaler.scale(loss).backward()``, norms and clipping are those of the unscaled loss, and
