@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 BENCH_VENV ?= .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.installed-stamp
 
-.PHONY: install bench test bench-peers clean
+.PHONY: install bench test bench-peers bench-dp clean
 
 install: $(STAMP)
 
@@ -35,6 +35,11 @@ $(BENCH_STAMP): setup.cfg setup.py constraints.txt
 # gradhooks against Opacus, BackPACK, ExpandedWeights, torch.func and the loop (benchmarks/README.md).
 bench-peers: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python benchmarks/peers.py $(ARGS)
+
+# DP clipping: gradhooks' book-keeping and two-pass against Opacus' ghost and hooks clipping
+# (benchmarks/README.md, "DP clipping").
+bench-dp: $(BENCH_STAMP)
+	$(BENCH_VENV)/bin/python benchmarks/dp.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) build *.egg-info .pytest_cache .hypothesis

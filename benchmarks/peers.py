@@ -321,16 +321,24 @@ class Opacus(Method):
     def result(self) -> Grads:
         gs = {n: p.grad_sample for n, p in self.model.named_parameters()
               if p.requires_grad and getattr(p, "grad_sample", None) is not None}
-        for prefix in self._mha:  # DPMultiheadAttention's q/k/v Linears -> in_proj_weight/bias
-            pre = f"{prefix}." if prefix else ""
-            for what in ("weight", "bias"):
-                parts = [gs.pop(f"{pre}{q}linear.{what}", None) for q in "qkv"]
-                if all(t is not None for t in parts):
-                    gs[f"{pre}in_proj_{what}"] = torch.cat(parts, dim=1)
-        return gs
+        return merge_qkv(gs, self._mha, dim=1)
 
     def close(self) -> None:
         self.gsm._close()
+
+
+def merge_qkv(tensors: Grads, prefixes: Sequence[str], dim: int) -> Grads:
+    """Opacus' ``DPMultiheadAttention`` (under the module names ``prefixes``) has q/k/v
+    Linears where ``nn.MultiheadAttention`` has ``in_proj_weight`` / ``in_proj_bias``: their
+    tensors (``{name: tensor}``, changed in place and returned) are concatenated on ``dim``
+    (0 for gradients, 1 for per-sample gradients) under torch's names."""
+    for prefix in prefixes:
+        pre = f"{prefix}." if prefix else ""
+        for what in ("weight", "bias"):
+            parts = [tensors.pop(f"{pre}{q}linear.{what}", None) for q in "qkv"]
+            if all(t is not None for t in parts):
+                tensors[f"{pre}in_proj_{what}"] = torch.cat(parts, dim=dim)
+    return tensors
 
 
 class BackPACK(Method):
@@ -627,7 +635,9 @@ MMAP_THRESHOLD = 128 * 1024
 
 
 def measure_memory(workload: str, key: str, batch: int, threads: int, device: str,
-                   seed: int) -> dict:
+                   seed: int, script: str = __file__) -> dict:
+    """:func:`memory_child` of method ``key`` in a fresh process: ``script --memory-child
+    SPEC`` (this file, or ``benchmarks/dp.py`` for its own methods and workloads)."""
     spec = {"workload": workload, "method": key, "batch": batch, "threads": threads,
             "device": device, "seed": seed}
     try:
@@ -635,7 +645,7 @@ def measure_memory(workload: str, key: str, batch: int, threads: int, device: st
         # later tensors of that size come from the heap and stay resident after they are freed
         # (RSS then counts dead tensors; the same setting for every method).
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-child",
+        proc = subprocess.run([sys.executable, os.path.abspath(script), "--memory-child",
                                json.dumps(spec)], capture_output=True, text=True, timeout=1800,
                               env=env)
     except subprocess.TimeoutExpired:

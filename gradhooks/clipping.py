@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 
 from .capture import Batch, Recorder
 from .errors import GradHooksError
@@ -106,8 +107,9 @@ def _ghost_sums(batch: Batch, plans: Dict[int, PlannedParam], c: Union[Tensor, D
             return None
         offered.add(pid)
         grad = batch.params[pid].grad
-        if (grad is None or grad.dtype != dtype or grad.layout != torch.strided
-                or grad.shape != batch.params[pid].shape or not grad.is_contiguous()):
+        if (grad is None or isinstance(grad, DTensor) or grad.dtype != dtype
+                or grad.layout != torch.strided or grad.shape != batch.params[pid].shape
+                or not grad.is_contiguous()):
             return None
         return grad
 
@@ -177,7 +179,8 @@ def clip_and_accumulate(recorder: Recorder, max_norm: Union[float, Sequence[floa
     ``dtheta_n`` is the gradient of sample ``n``'s own loss), and ``D = B`` for
     ``loss_reduction="mean"``, ``D = 1`` for ``"sum"``. For Poisson sampling (where DP-SGD
     divides by the *expected* batch size) use ``loss_reduction="sum"`` and divide
-    ``param.grad`` (or the learning rate) by it yourself.
+    ``param.grad`` (or the learning rate) by it yourself. An empty batch (``B = 0``) gets the
+    noise alone, with ``D = 1`` also for ``"mean"`` (as :func:`clipped_backward`).
 
     **GradScaler.** With ``attach(..., grad_scaler=scaler)`` after
     ``scaler.scale(loss).backward()``, norms and clipping are those of the unscaled loss, and
@@ -185,6 +188,13 @@ def clip_and_accumulate(recorder: Recorder, max_norm: Union[float, Sequence[floa
     as autograd would have: call ``scaler.step(optimizer)`` and ``scaler.update()`` as usual. A
     step with a non-finite per-sample norm (an overflow) sets every ``.grad`` to ``inf``, so
     that the scaler skips it and lowers the scale.
+
+    **Several processes.** On a ``DistributedDataParallel`` model every rank gets the clipped,
+    noised sum over the ranks' concatenated batch divided by its global ``D`` (one all-reduce of
+    the clipped sums, one of the batch sizes; the noise drawn on rank 0). On a model sharded by
+    FSDP2 (``fully_shard``; attach with ``check=False``) each rank's ``.grad`` shards are those
+    of the same result (one reduce-scatter per parameter, as FSDP's own). Norms need no
+    communication in either: each rank records whole layers for its own samples.
 
     **param.grad is overwritten**, whatever autograd accumulated into it (the unclipped batch
     gradient, and anything earlier): for gradient accumulation over several batches, sum the
@@ -231,7 +241,7 @@ def clip_and_accumulate(recorder: Recorder, max_norm: Union[float, Sequence[floa
             negative, or ``method`` is unknown.
         GradHooksError: if a trainable parameter of the model is not covered by the hooks (it
             was frozen when :func:`gradhooks.attach` ran and its module has no rule): it could
-            not be clipped.
+            not be clipped; an FSDP2 model attached with the sum check on.
         NoBackwardError, HigherOrderGradError, GradientMismatchError: as
             :func:`gradhooks.norms.per_sample_grad_norms`.
     """
@@ -245,16 +255,21 @@ def clip_and_accumulate(recorder: Recorder, max_norm: Union[float, Sequence[floa
         method = "materialize"
     batch = recorder.snapshot("clip_and_accumulate()") if method == "ghost" else None
     assigned = set()
+    mesh = _fsdp_mesh(recorder)
+    local_sums: Dict[int, Tensor] = {}  # FSDP2: the full-shape local sums, reduce-scattered below
 
     def assign(pid: int, t: Tensor) -> None:
         p = recorder.params[pid]
-        if p.grad is None or t.data_ptr() != p.grad.data_ptr():  # else written into it already
+        if mesh is not None:
+            local_sums[pid] = t
+        elif p.grad is None or t.data_ptr() != p.grad.data_ptr():  # else written into it already
             p.grad = t.to(p.dtype)  # replaces (frees) autograd's gradient right away
         assigned.add(pid)
 
     with no_autocast():
-        if batch is not None and batch.size == 0:  # an empty (Poisson) batch: the sum is 0
-            scale, norms = batch.grad_scale / batch.divisor, _empty_norms(trainable)
+        if recorder.batch_size == 0:  # an empty (Poisson) batch: the sum is 0
+            # (D = 1 for an empty batch with loss_reduction="mean", as clipped_backward takes it)
+            scale, norms = recorder.grad_scale(), _empty_norms(trainable)
         elif batch is not None:
             scale = batch.grad_scale / batch.divisor
             plans, units = plan(batch)
@@ -278,7 +293,21 @@ def clip_and_accumulate(recorder: Recorder, max_norm: Union[float, Sequence[floa
                 c = factors if isinstance(factors, Tensor) else factors[pids[name]]
                 assign(pids[name], torch.tensordot(c.to(t.dtype), t, 1).mul_(scale))
     group = _ddp_group(recorder)
-    if group is None:
+    if mesh is not None:  # each rank's share of the sum over the ranks' samples / global D
+        local = own_loss_scale(recorder.loss_reduction, recorder.batch_size or 0) or 1.0
+        total = _global_divisor(recorder, mesh.get_group(), recorder.batch_size or 0)
+        std = noise_multiplier * max_norm * scale * local / total
+        for _, p in trainable:
+            t = local_sums.pop(id(p), None)
+            t = torch.zeros(p.shape, dtype=p.dtype, device=p.device) if t is None else t.to(p.dtype)
+            if std > 0 and dist.get_rank(mesh.get_group()) == 0:  # the noise once, in the sum
+                t.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype, device=p.device),
+                       alpha=std / (local / total))
+            # one reduce-scatter per parameter, as FSDP's own: Partial -> the parameter's shards
+            p.grad = DTensor.from_local(t.mul_(local / total), p.device_mesh,
+                                        [Partial()] * p.device_mesh.ndim).redistribute(
+                p.device_mesh, p.placements)
+    elif group is None:
         _add_noise(trainable, assigned, noise_multiplier * max_norm * scale, generator)
     else:  # the sum over the ranks' samples, divided by the global D, noise added once
         local = own_loss_scale(recorder.loss_reduction, recorder.batch_size or 0) or 1.0
@@ -304,6 +333,46 @@ def _ddp_group(recorder: Recorder):
             and dist.get_world_size(model.process_group) > 1):
         return model.process_group
     return None
+
+
+def _fsdp_mesh(recorder: Recorder):
+    """The device mesh of a model sharded by FSDP2 (``torch.distributed.fsdp.fully_shard``:
+    its parameters are ``DTensor`` shards) over several processes, or ``None``.
+
+    Each rank still records whole layers for its own samples (FSDP gathers a layer's
+    parameters for its forward and backward), so per-sample norms need no communication, flat
+    or group-wise; only the clipped sums are reduce-scattered into the shards.
+
+    Raises:
+        GradHooksError: with the sum check on (``attach(..., check=True)``, the default): it
+            watches the sharded parameters, while autograd's gradients go to the unsharded ones
+            FSDP swaps in for the forward and backward, so it would report every parameter as
+            missing its gradient. Attach with ``check=False``."""
+    p = next(iter(recorder.params.values()), None)
+    if not isinstance(p, DTensor) or p.device_mesh.size() < 2:
+        return None
+    if recorder.check:
+        raise GradHooksError(
+            "clipping a model sharded by FSDP2 (fully_shard) needs attach(..., check=False): "
+            "the sum check watches the sharded parameters, but autograd's gradients go to the "
+            "unsharded ones FSDP swaps in for the forward and backward")
+    return p.device_mesh
+
+
+def _graph_leaves(root) -> List[Tensor]:
+    """The leaf tensors that require grad in the autograd graph below ``root`` (the variables
+    of its ``AccumulateGrad`` nodes): under FSDP2 the unsharded parameters of this forward."""
+    seen, stack, leaves = set(), [root], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)
+        if isinstance(var, Tensor) and var.requires_grad:
+            leaves.append(var)
+        stack.extend(n for n, _ in node.next_functions)
+    return leaves
 
 
 def _global_divisor(recorder: Recorder, group, local_size: int) -> float:
@@ -515,6 +584,14 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noi
             :func:`clip_and_accumulate` (``D = B`` for ``loss_reduction="mean"``, else 1).
         generator: a ``torch.Generator`` for the noise.
 
+    **Several processes.** As :func:`clip_and_accumulate`: the result is that of the ranks'
+    concatenated batch. The second pass is an ordinary backward, so DDP's all-reduce or FSDP2's
+    reduce-scatter sums the clipped gradients; the only addition is one all-reduce of the batch
+    sizes (``loss_reduction="mean"``). Under FSDP2 (attach with ``check=False``) the first pass
+    asks autograd for the parameter gradients (the unsharded parameters FSDP swaps in are not
+    the ones the hooks know) and keeps the records until the norms are formed, and FSDP
+    all-gathers each layer for both passes. A rank with an empty local batch takes both passes.
+
     With ``attach(..., grad_scaler=scaler)`` both passes backpropagate ``S`` times the losses
     (``S = scaler.get_scale()``): pass the unscaled losses; ``param.grad`` is then ``S`` times
     the clipped, noised sum, for ``scaler.step(optimizer)``, as in :func:`clip_and_accumulate`.
@@ -525,7 +602,8 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noi
     Raises:
         ValueError: bad ``max_norm`` or ``noise_multiplier``, or ``losses`` not a ``(B,)`` tensor
             that requires grad, ``B`` the batch size the hooks recorded.
-        GradHooksError: a trainable parameter the hooks do not cover.
+        GradHooksError: a trainable parameter the hooks do not cover; an FSDP2 model attached
+            with the sum check on.
         NoBackwardError, GradientMismatchError: as :func:`gradhooks.norms.per_sample_grad_norms`.
     """
     trainable = _clip_setup(recorder, max_norm, noise_multiplier)
@@ -542,7 +620,8 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noi
     scaler = recorder.grad_scaler if recorder.grad_scale() != 1.0 else None
     total = losses.sum() if scaler is None else scaler.scale(losses.sum())
     scale = recorder.grad_scale()  # S: both passes backpropagate S times the losses
-    if batch == 0:  # an empty (Poisson) batch: the clipped sum is 0, the noise is not
+    mesh = _fsdp_mesh(recorder)
+    if batch == 0 and mesh is None:  # an empty (Poisson) batch: the clipped sum is 0, the noise is not
         recorder.reset_batch()
         for _, p in trainable:
             p.grad = None
@@ -555,7 +634,23 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noi
         return streams[0]
 
     with no_autocast():
-        if recorder.drive(total, None, True, stream):
+        if mesh is not None:
+            # FSDP2: the unsharded parameters autograd sees are not the (sharded) ones the hooks
+            # know, so the first pass asks for the graph's leaves; its grad_outputs reach the
+            # records as in loss.backward(), which are reduced at the end. FSDP all-gathers each
+            # layer for this pass too, but reduce-scatters nothing (autograd.grad fills no
+            # .grad). A rank with an empty local batch takes both passes all the same: the other
+            # ranks' all-gathers and reduce-scatters wait for its own.
+            torch.autograd.grad(total, _graph_leaves(total.grad_fn), retain_graph=True,
+                                allow_unused=True)
+            if batch:
+                snap = recorder.snapshot("clipped_backward()")
+                plans, units = plan(snap)
+                sq = add_up(squared_norms(snap, plans, units, Forms(snap, plans)).values())
+                del snap
+            else:
+                sq = _empty_norms(trainable)
+        elif recorder.drive(total, None, True, stream):
             sq = streams[0].finish()
             if sq is None:
                 recorder.snapshot("clipped_backward()")  # raises NoBackwardError
@@ -569,13 +664,23 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noi
     recorder.reset_batch()  # records consumed; the second pass records nothing
     for _, p in trainable:
         p.grad = None
-    group = _ddp_group(recorder)
-    if group is not None:  # DDP averages the ranks' gradients: weigh by world / global D
+    group = _ddp_group(recorder) if mesh is None else mesh.get_group()
+    if group is not None:  # DDP and FSDP average the ranks' gradients: weigh by world / global D
         divisor = _global_divisor(recorder, group, batch) / dist.get_world_size(group)
     second = (losses * (factors / divisor).to(losses.dtype)).sum()
     with recorder.muted():
         (second if scaler is None else scaler.scale(second)).backward()
-    if group is None:
+    if mesh is not None:  # FSDP reduce-scattered the clipped sums; the noise drawn on rank 0
+        std = noise_multiplier * max_norm * scale / (divisor * dist.get_world_size(group))
+        for _, p in trainable:
+            if p.grad is None:
+                p.grad = distribute_tensor(torch.zeros(p.shape, dtype=p.dtype, device=p.device),
+                                           p.device_mesh, p.placements)
+            if std > 0:
+                z = torch.randn(p.shape, generator=generator, dtype=p.dtype, device=p.device)
+                p.grad.add_(distribute_tensor(z, p.device_mesh, p.placements, src_data_rank=0),
+                            alpha=std)
+    elif group is None:
         _add_noise(trainable, {id(p) for _, p in trainable if p.grad is not None},
                    noise_multiplier * max_norm * scale / divisor, generator)
     else:  # the same noise on every rank, drawn once (rank 0) and broadcast

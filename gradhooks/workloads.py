@@ -12,6 +12,9 @@ loss. Data is deterministic: the same ``(dtype, batch)`` gives the same batch in
   64 digits upsampled to 28x28), ``mlp`` (the seed MLP on 256 diabetes rows, sum of outputs),
   ``lstm`` (a character LSTM language model with tied decoder, 32 windows of 32 characters),
   ``transformer`` (a causal Transformer encoder layer, 16 windows of 64 characters).
+* :data:`DP_WORKLOADS` (``benchmarks/dp.py``, issue 19): the five of ``BENCH_WORKLOADS``, a
+  ResNet with GroupNorm on digits (``resnet_gn``, B=32) and the main job's causal
+  ``nn.TransformerEncoder`` on characters (``encoder``, B=16, T=64).
 * :data:`BENCH_WORKLOADS` (``benchmarks/peers.py``, issue 5): ``mlp`` and ``cnn`` as above at
   B=256 / 64, ``lstm`` (``Embedding(100,32) -> LSTM(32,64) -> Linear(64,100)``, B=32, T=32),
   ``transformer`` (``TransformerEncoderLayer(128, 4, 512)`` + ``Linear(128, 10)`` on Gaussian
@@ -31,8 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Workload", "JOB_WORKLOADS", "BENCH_WORKLOADS", "DigitsCNN", "CharLSTM",
-           "CharTransformer", "LSTMLanguageModel", "TransformerBlock", "make_mlp", "make_wide_mlp",
+__all__ = ["Workload", "JOB_WORKLOADS", "BENCH_WORKLOADS", "DP_WORKLOADS", "DigitsCNN", "CharLSTM",
+           "CharTransformer", "LSTMLanguageModel", "TransformerBlock", "ResNetGN", "make_mlp",
+           "make_wide_mlp",
            "load_digits_batch", "load_diabetes_batch", "load_text_batch", "text_tokens", "VOCAB"]
 
 #: Token ids of the text workloads: the 99 most frequent characters + one for every other.
@@ -143,6 +147,40 @@ class TransformerBlock(nn.Module):
         if self.seq_first:
             return self.head(self.block(x.transpose(0, 1))).transpose(0, 1)
         return self.head(self.block(x))
+
+
+class ResNetGN(nn.Module):
+    """A small ResNet with GroupNorm (the norm DP training uses instead of BatchNorm): a
+    ``Conv(1, 16) -> GroupNorm(4) -> ReLU`` stem, two basic blocks (16 -> 16, 16 -> 32 with
+    stride 2 and a 1x1 projection shortcut; each ``conv-GN-ReLU-conv-GN`` plus the shortcut),
+    global average pooling, ``Linear(32, 10)``: ``(B, 1, 28, 28)`` -> logits ``(B, 10)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU())
+        self.blocks = nn.ModuleList([_GNBlock(16, 16, 1), _GNBlock(16, 32, 2)])
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x``: ``(B, 1, 28, 28)``; returns logits ``(B, 10)``."""
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h.mean((2, 3)))
+
+
+class _GNBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.gn1 = nn.GroupNorm(4, cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.gn2 = nn.GroupNorm(4, cout)
+        self.short = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.GroupNorm(4, cout))
+                      if stride != 1 or cin != cout else nn.Identity())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(self.gn2(self.conv2(F.relu(self.gn1(self.conv1(x))))) + self.short(x))
 
 
 def make_wide_mlp() -> nn.Sequential:
@@ -311,3 +349,14 @@ BENCH_WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
              128, make_wide_mlp, _flat_digits, F.cross_entropy, "mean",
              _cross_entropy_per_sample),
 )}
+
+#: The DP-clipping benchmark's workloads (``benchmarks/dp.py``): the side-by-side ones, a ResNet
+#: with GroupNorm and an ``nn.TransformerEncoder`` language model.
+DP_WORKLOADS: Dict[str, Workload] = {**BENCH_WORKLOADS, **{w.name: w for w in (
+    Workload("resnet_gn", "ResNet-GN, digits",
+             "ResNet with GroupNorm (stem + 2 basic blocks, 16-32 channels) on sklearn digits "
+             "upsampled to 28x28, cross-entropy (mean)", 32, ResNetGN, load_digits_batch,
+             F.cross_entropy, "mean", _cross_entropy_per_sample),
+    dataclasses.replace(JOB_WORKLOADS["transformer"], name="encoder",
+                        title="nn.TransformerEncoder LM, T=64"),
+)}}

@@ -35,22 +35,25 @@ def test_empty_batch_reads(name, reduction):
         assert all(t.shape == (0,) for t in gh.per_sample_grad_norms(per_param=True).values())
 
 
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("method", ["ghost", "materialize", "two_pass"])
-def test_empty_batch_clipping_adds_only_the_noise(method):
+def test_empty_batch_clipping_adds_only_the_noise(method, reduction):
+    """Noise sigma C z alone; D = 1 also for a mean loss (an empty batch has no size to divide
+    by; its mean loss is NaN)."""
     model, shape = _model("conv")
     x, y = torch.randn(0, *shape, dtype=torch.float64), torch.zeros(0, dtype=torch.long)
     expected = {}
     gen = torch.Generator().manual_seed(7)
     for n, p in model.named_parameters():
         expected[n] = 0.5 * 2.0 * torch.randn(p.shape, generator=gen, dtype=p.dtype)
-    with gradhooks.attach(model, loss_reduction="sum") as gh:
+    with gradhooks.attach(model, loss_reduction=reduction) as gh:
         out = model(x)
         if method == "two_pass":
             norms = gh.clipped_backward(F.cross_entropy(out, y, reduction="none"), 2.0,
                                         noise_multiplier=0.5,
                                         generator=torch.Generator().manual_seed(7))
         else:
-            F.cross_entropy(out, y, reduction="sum").backward()
+            F.cross_entropy(out, y, reduction=reduction).backward()
             norms = gh.clip_and_accumulate(2.0, method=method, noise_multiplier=0.5,
                                            generator=torch.Generator().manual_seed(7))
     assert norms.shape == (0,)

@@ -1,16 +1,14 @@
 """Attaching to real training set-ups: DDP, input-derivative losses, autocast, containers,
 no_grad / inference_mode forwards."""
-import os
-import socket
+import functools
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
+import two_process
 from conftest import assert_close_to_loop, check_against_loop, loop_grads, weighted_square_loss
 
 
@@ -19,38 +17,18 @@ def mlp():
 
 
 # --------------------------------------------------------------------------- DDP
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ddp_worker(rank, world, port, results, check):
-    """One process of a 2-process gloo group: a seeded DDP-wrapped MLP (float64) and a copy of
-    it for the reference, handed to the module-level ``check(rank, world, base, ref_model,
-    ddp)``; the outcome is reported to the parent through ``results``."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(0)
-        base = mlp().double()
-        ref_model = mlp().double()
-        ref_model.load_state_dict(base.state_dict())
-        globals()[check](rank, world, base, ref_model, nn.parallel.DistributedDataParallel(base))
-        results[rank] = "ok"
-    except Exception as e:  # reported to the parent
-        results[rank] = f"{type(e).__name__}: {e}"
-    finally:
-        dist.destroy_process_group()
+def _with_ddp(check, rank, world):
+    """A seeded DDP-wrapped MLP (float64) and a copy of it for the reference, handed to the
+    module-level ``check(rank, world, base, ref_model, ddp)``."""
+    torch.manual_seed(0)
+    base = mlp().double()
+    ref_model = mlp().double()
+    ref_model.load_state_dict(base.state_dict())
+    check(rank, world, base, ref_model, nn.parallel.DistributedDataParallel(base))
 
 
 def _spawn(check):
-    world = 2
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_ddp_worker, args=(world, _free_port(), results, check), nprocs=world,
-                 join=True)
-        assert dict(results) == {0: "ok", 1: "ok"}
+    two_process.run(functools.partial(_with_ddp, check))
 
 
 def _check_per_sample(rank, world, base, ref_model, ddp):
@@ -113,11 +91,11 @@ def _check_clipping(rank, world, base, ref_model, ddp):
 
 
 def test_ddp_clipping_two_processes_gloo():
-    _spawn("_check_clipping")
+    _spawn(_check_clipping)
 
 
 def test_ddp_two_processes_gloo():
-    _spawn("_check_per_sample")
+    _spawn(_check_per_sample)
 
 
 # --------------------------------------------------------------------------- input derivatives
