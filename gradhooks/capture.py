@@ -479,12 +479,31 @@ class Recorder:
         prov.add_source(output, cap)
         return None
 
+    def _on_noted(self, sources: tuple, how: str) -> None:
+        # In the forward, where a shared call's output meets the batch: a call on B rows whose
+        # output meets the batch only row by row, itself (an initial state made from the batch
+        # size), is recorded as an ordinary call on its B rows (no B x B expansion); any other
+        # meeting makes it a batch of B identical samples again.
+        for cap, _, _ in sources:
+            if cap.spec is not None:
+                continue
+            if how == "direct" and cap.shared == "prepend" and not cap.met:
+                if 0 < cap.a.shape[0] == cap.a.shape[1]:  # (its input has B rows)
+                    cap.a, cap.shared = cap.a[0], "rows"
+            elif how != "direct" and cap.shared == "rows":
+                cap.a, cap.shared = cap.a.unsqueeze(0).expand(cap.a.shape[0], *cap.a.shape), "prepend"
+            cap.met = True
+
     def _on_meeting(self, edge, sources: tuple, how: str, shape: tuple, grad: Tensor) -> None:
         # Tensor hook (gradhooks.provenance): the gradient of a source-carrying tensor where it
         # met the batch; its per-sample part, pulled back to each source's output.
         if utils.PAUSED or self._muted or not self._attached:
             return None
         b = grad.shape[0]
+        if how == "direct" and sources[0][0].shared == "rows":
+            if sources[0][0].step == self._step:
+                self._receive(sources[0][0], None, grad)
+            return None
         if how == "broadcast":
             cot = grad.reshape(b, *shape)
         else:  # rows: sample n's cotangent is row n of the gradient
@@ -543,7 +562,8 @@ class Recorder:
             return
         # The top-level inputs are the batch (all of them: EmbeddingBag's offsets too); its size
         # is the first hooked call's on them (the first input's batch dim until then).
-        prov = Provenance(first.shape[bdim], bdim, top, self._on_meeting, self._refuse_shared)
+        prov = Provenance(first.shape[bdim], bdim, top, self._on_meeting, self._refuse_shared,
+                          self._on_noted)
         prov.signature, prov.depth = key, 1
         self._prov = prov
         prov.__enter__()

@@ -115,7 +115,9 @@ class Provenance(TorchFunctionMode):
             gradient ``grad`` of a source-carrying tensor ``u`` (autograd edge ``edge``, shape
             ``shape``, carrying ``sources``: ``((record, edge of its output, its shape), ...)``) where it
             met the batch: ``u_b``'s shape, the batch dim of size ``B``, for ``how ==
-            "broadcast"``; ``u``'s own shape for ``"rows"``.
+            "broadcast"``; ``u``'s own shape for ``"rows"`` and ``"direct"`` (``u`` is the
+            shared call's output itself, its ``B`` rows lined up with the batch's).
+        noted: ``noted(sources, how)``, called in the forward for each such meeting.
         refuse: ``refuse(sources, message)``: sources met the batch in an op that cannot be
             split per sample.
 
@@ -124,13 +126,13 @@ class Provenance(TorchFunctionMode):
     """
 
     def __init__(self, batch_size: int, batch_dim: int, inputs: List[Tensor],
-                 meet: Callable, refuse: Callable):
+                 meet: Callable, refuse: Callable, noted: Callable):
         super().__init__()
         self.b, self.bdim = batch_size, batch_dim
         self.inputs = {id(t) for t in inputs}
         self._keep = inputs  # (the ids above stay theirs while the forward runs)
         self.token = object()
-        self.meet, self.refuse = meet, refuse
+        self.meet, self.refuse, self.noted = meet, refuse, noted
         self.shared = False
         self.depth = 0  # nested calls of the model's forward
 
@@ -223,13 +225,18 @@ class Provenance(TorchFunctionMode):
                                      f"line up with the batch of shape {tuple(ref.shape)}")
                 return args, kwargs
             _, src = self._look(u)
+            edge = get_gradient_edge(u)
             if shape[bd] == 1:
                 full = list(shape)
                 full[bd] = self.b
                 u_b, how = u.reshape(shape).expand(full), "broadcast"
             else:
                 u_b, how = u.view(u.shape), "rows"
-            edge = get_gradient_edge(u)
+                # the shared call's own output, B rows lined up with the batch's
+                if (len(src) == 1 and edge.node is src[0][1].node
+                        and edge.output_nr == src[0][1].output_nr):
+                    how = "direct"
+            self.noted(src, how)
             u_b.register_hook(lambda g, e=edge, s=src, h=how, shp=tuple(u.shape): self.meet(e, s, h, shp, g))
             swap[id(u)] = u_b
         if not swap:
