@@ -182,7 +182,7 @@ def test_per_sample_grads_releases_the_records_unless_asked_to_retain(retain):
         assert (_holders(x), _holders(h)) == (held if retain else plain)
         norms = gh.per_sample_grad_norms(per_param=True)  # from the records, or the result
         if retain:
-            assert set(gh.kfac_factors()) == {"head"}
+            assert set(gh.kfac_factors()) == {"head", "lstm.weight_ih_l0", "lstm.weight_hh_l0"}
         else:
             with pytest.raises(gradhooks.RecordsReleasedError,
                                match=r"kfac_factors\(\) before per_sample_grads\(\)"):
