@@ -32,8 +32,8 @@ from ._pool import BufferPool
 from .checks import GradTotal, SumCheck, refusal
 from .errors import BatchSizeError, GradHooksError
 from .forms import Call
-from .graph import in_backward, mark, module_hooks, on_grad, walk
-from .provenance import Provenance, batch_view, source_cotangent
+from .graph import call_kwargs, in_backward, mark, module_hooks, on_grad, walk
+from .provenance import Provenance, as_batch, shared_layout, source_cotangent
 from .records import (FORWARDS, Batch, Layer, Record, expand_call, find_layers, plain_state,
                       shared_lookup)
 from .utils import check_loss_reduction, detached, flatten, is_functorch_wrapped, tensors
@@ -270,7 +270,8 @@ class Recorder:
         self._param_passes: Dict[int, int] = {}
         self._calls = 0  # hooked-layer calls recorded in this batch
         self._shared_layers: set = set()  # ids of layers with a shared call in this batch
-        self._refused: List[Record] = []  # shared calls whose sources cannot be split
+        # shared calls whose outputs met the batch where they cannot be split: id -> (call, why)
+        self._refused: Dict[int, Tuple[Record, str]] = {}
         self._drop_result()
 
     def _drop_result(self) -> None:
@@ -295,10 +296,10 @@ class Recorder:
         return self._batch_size
 
     # ------------------------------------------------------------------ hooks
-    def _on_pre_forward(self, module: nn.Module, args, kwargs) -> None:
+    def _on_pre_forward(self, module: nn.Module, args) -> None:
         # Global forward pre-hook: only the model's own forward starts anything.
         if module is self.model:
-            self._model_forward(module, args, kwargs)
+            self._model_forward(module, args, call_kwargs())
 
     def _stop_tracking(self) -> None:
         # End the provenance of a forward that detach() / suspended() interrupted.
@@ -445,23 +446,21 @@ class Recorder:
     def _record_shared(self, prov: Provenance, layer: Layer, args, kwargs, output, names,
                        x) -> None:
         # A call whose output the batch did not reach (gradhooks.provenance): its input is
-        # recorded as a batch of B identical samples (provenance.batch_view) and its output
+        # recorded as a batch of B identical samples (provenance.as_batch) and its output
         # tagged as a source; its per-sample grad_outputs come from where it meets the batch.
         if not isinstance(output, Tensor) or not isinstance(x, Tensor):
             raise BatchSizeError(
                 f"module {layer.describe()} is called on inputs that do not come from the batch "
                 f"(shapes {[tuple(t.shape) for t in tensors((args, kwargs))]}), and gradhooks "
                 f"splits such shared calls per sample only for one tensor input and one tensor "
-                f"output. " + _hint(layer.module, "Pass the inputs batched "
-                f"(e.g. position ids expanded to (B, T)), or keep the module frozen."))
+                "output. " + _hint(layer.module, "Pass the inputs batched (e.g. position ids "
+                                              "expanded to (B, T)), or keep the module frozen."))
         rule = layer.rule
         b = prov.b
-        x_b, how = batch_view(x, b)
-        if how == "expand" and output.shape[:1] != (1,):
-            x_b, how = x.unsqueeze(0).expand(b, *x.shape), "prepend"
+        how = shared_layout(x, output)
+        x_b = as_batch(x, b, how)
         if rule.multi_io:
-            leaves, spec = flatten(output.unsqueeze(0).expand(b, *output.shape) if how == "prepend"
-                                   else output.expand(b, *output.shape[1:]))
+            leaves, spec = flatten(as_batch(output, b, how))
             call_args = (x_b.detach(), *detached(tuple(args[1:]))) if args else ()
             call_kwargs = detached(dict(kwargs))
             if not args:
@@ -491,7 +490,7 @@ class Recorder:
                 if 0 < cap.a.shape[0] == cap.a.shape[1]:  # (its input has B rows)
                     cap.a, cap.shared = cap.a[0], "rows"
             elif how != "direct" and cap.shared == "rows":
-                cap.a, cap.shared = cap.a.unsqueeze(0).expand(cap.a.shape[0], *cap.a.shape), "prepend"
+                cap.a, cap.shared = as_batch(cap.a, cap.a.shape[0], "prepend"), "prepend"
             cap.met = True
 
     def _on_meeting(self, edge, sources: tuple, how: str, shape: tuple, grad: Tensor) -> None:
@@ -528,9 +527,7 @@ class Recorder:
     def _refuse_shared(self, sources: tuple, message: str) -> None:
         # Sources met the batch in an op that is not split per sample: their reads raise.
         for cap, *_ in sources:
-            if cap.refused is None:
-                cap.refused = message
-                self._refused.append(cap)
+            self._refused.setdefault(id(cap), (cap, message))
 
     def _on_model_forward(self, module: nn.Module, args, kwargs) -> None:
         if self._prov is not None:  # the model's forward calls the model again
@@ -547,7 +544,7 @@ class Recorder:
         # on the Transformer block, whose first hooked layer is the attention).
         if self._backward_seen and args and not any(is_functorch_wrapped(t) for t in tensors(args)):
             self.clear()
-        self._track(tensors((args, kwargs())), module.training)
+        self._track(tensors((args, kwargs)), module.training)
 
     def _track(self, top: List[Tensor], training: bool) -> None:
         # Start the provenance of this forward (gradhooks.provenance) when its input signature
@@ -714,15 +711,13 @@ class Recorder:
             else 1, higher_order=self._higher_order)
         if error is not None:
             raise error
-        for cap in self._refused:
-            if cap.step == self._step:
-                raise BatchSizeError(
-                    f"module {cap.layer.describe()} is called on inputs that do not come from the "
-                    f"batch (a shared call: the same for every sample), and its output meets the "
-                    f"batch in {cap.refused}, which gradhooks cannot split per sample; "
-                    f"{read} would be wrong. Make the shared tensor meet the batch by "
-                    f"broadcasting (+, *, where, matmul, cat off the batch dim), or pass the "
-                    f"module's inputs batched (B, ...)")
+        for cap, where in self._refused.values():
+            raise BatchSizeError(
+                f"module {cap.layer.describe()} is called on inputs that do not come from the "
+                f"batch (a shared call: the same for every sample), and its output meets the "
+                f"batch in {where}, which gradhooks cannot split per sample; {read} would be "
+                f"wrong. Make the shared tensor meet the batch by broadcasting (+, *, where, "
+                f"matmul, cat off the batch dim), or pass the module's inputs batched (B, ...)")
         records = tuple(self._records if records is None else records)
         for cap in records:
             cap.check_unmodified(read)

@@ -17,7 +17,7 @@ from torch.nn.modules.module import (register_module_forward_hook, register_modu
                                      register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
 
-__all__ = ["module_hooks", "on_grad", "tag", "mark", "walk", "in_backward", "TAG", "RECOMPUTING"]
+__all__ = ["module_hooks", "call_kwargs", "on_grad", "tag", "mark", "walk", "in_backward", "TAG", "RECOMPUTING"]
 
 #: Autograd nodes whose backward runs a forward again and differentiates it on its own
 #: (``torch.utils.checkpoint`` with ``use_reentrant=True``): the hooked layers inside are not
@@ -55,9 +55,8 @@ def on_grad(t: Tensor, fn) -> None:
 def module_hooks(owner, *, pre: Callable, post: Callable, done: Callable,
                  registration: Callable) -> list:
     """Register torch's global module hooks for ``owner`` and return their handles:
-    ``pre(owner, module, args, kwargs)`` before every module's forward (``kwargs``: a function
-    that returns the call's keyword arguments, read from torch's ``Module._call_impl`` frame;
-    torch's global pre-hooks get none), ``post(owner, module, args, kwargs, output)`` after it
+    ``pre(owner, module, args)`` before every module's forward (torch's global pre-hooks get
+    no keyword arguments: :func:`call_kwargs` reads them), ``post(owner, module, args, kwargs, output)`` after it
     (what it returns, if not ``None``, replaces the output), ``done(owner, module)`` instead
     when the forward raised (``post`` sees the ends of forwards that returned), ``registration(owner, module, name, value)`` when a parameter or
     submodule is set on any module. Global hooks filtered by module, instead of hooks on the
@@ -69,8 +68,7 @@ def module_hooks(owner, *, pre: Callable, post: Callable, done: Callable,
     def on_pre(module, args):
         live = me()
         if live is not None:
-            frame = sys._getframe(1)
-            pre(live, module, args, lambda: _call_kwargs(frame))
+            pre(live, module, args)
 
 
     def on_post(module, args, kwargs, output=_RAISED):
@@ -96,10 +94,12 @@ def module_hooks(owner, *, pre: Callable, post: Callable, done: Callable,
     return handles
 
 
-def _call_kwargs(frame) -> dict:
-    # The keyword arguments of the module call whose forward pre-hooks run in ``frame``
-    # (torch's ``_call_impl``: its local ``kwargs``); {} where torch calls hooks otherwise.
-    kwargs = frame.f_locals.get("kwargs")
+def call_kwargs() -> dict:
+    """The keyword arguments of the module call whose ``pre`` hook (:func:`module_hooks`) is
+    running: the local ``kwargs`` of torch's ``Module._call_impl`` frame that called the hook
+    (two frames above ``pre``); ``{}`` where torch calls hooks otherwise. Call it from ``pre``
+    itself, and only for the modules that need it (it reads a frame)."""
+    kwargs = sys._getframe(3).f_locals.get("kwargs")
     return kwargs if isinstance(kwargs, dict) else {}
 
 

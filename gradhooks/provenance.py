@@ -35,7 +35,7 @@ tracked forward had a shared call.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,7 @@ from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Provenance", "ROW_ALIGNED", "batch_view", "source_cotangent"]
+__all__ = ["Provenance", "ROW_ALIGNED", "shared_layout", "as_batch", "source_cotangent"]
 
 _TAG = "_gradhooks_provenance"  # attribute on tensors the forward computes: (token, sources)
 
@@ -88,18 +88,21 @@ _METADATA = frozenset(
        if hasattr(getattr(torch.Tensor, n, None), "__get__")])
 
 
-def batch_view(t: Tensor, b: int) -> Tuple[Tensor, str]:
-    """A shared call's input as a batch of ``b`` identical samples, and how it was made:
-    ``"expand"`` (a leading dim of size 1 becomes the batch dim: ``(1, T) -> (b, T)``) or
-    ``"prepend"`` (a new batch dim: ``(T, T) -> (b, T, T)``). Views, no copy."""
-    if t.dim() and t.shape[0] == 1:
-        return t.expand(b, *t.shape[1:]), "expand"
-    return t.unsqueeze(0).expand(b, *t.shape), "prepend"
+def shared_layout(x: Tensor, output: Tensor) -> str:
+    """How a shared call's input ``x`` and output become a batch of ``B`` identical samples:
+    ``"expand"`` when both have a leading dim of size 1 (it becomes the batch dim: ``(1, T) ->
+    (B, T)``), else ``"prepend"`` (a new batch dim: ``(T, T) -> (B, T, T)``)."""
+    return "expand" if x.shape[:1] == (1,) and output.shape[:1] == (1,) else "prepend"
+
+
+def as_batch(t: Tensor, b: int, how: str) -> Tensor:
+    """``t`` as ``b`` identical samples in the layout ``how`` (:func:`shared_layout`): a view."""
+    return t.expand(b, *t.shape[1:]) if how == "expand" else t.unsqueeze(0).expand(b, *t.shape)
 
 
 def source_cotangent(cot: Tensor, how: str) -> Tensor:
     """Per-sample cotangents ``(B, *output.shape)`` of a shared call's output in the layout of
-    its :func:`batch_view` input: the leading 1 dropped for ``"expand"``."""
+    its input (:func:`shared_layout`): the leading 1 dropped for ``"expand"``."""
     return cot.reshape(cot.shape[0], *cot.shape[2:]) if how == "expand" else cot
 
 
@@ -139,12 +142,7 @@ class Provenance(TorchFunctionMode):
     # -------------------------------------------------------------- tags
     def batched(self, t) -> bool:
         """Whether tensor ``t`` was computed from the batch in this forward."""
-        if not isinstance(t, Tensor):
-            return False
-        if id(t) in self.inputs:
-            return True
-        tag = getattr(t, _TAG, None)
-        return tag is not None and tag[0] is self.token and tag[1] is None
+        return isinstance(t, Tensor) and self._look(t)[0]
 
     def add_source(self, output: Tensor, record) -> None:
         """Tag ``output``, the output of a shared call recorded as ``record``, as a source."""
@@ -165,7 +163,7 @@ class Provenance(TorchFunctionMode):
             kwargs = {}
         if func in _METADATA:
             return func(*args, **kwargs)
-        batched, sources, tainted = False, None, None
+        ref, sources, tainted = None, None, None  # ref: the batched operand of most dims
         for group in (args, kwargs.values()):
             for a in group:
                 if isinstance(a, Tensor):
@@ -179,15 +177,16 @@ class Provenance(TorchFunctionMode):
                         continue
                     is_b, src = self._look(t)
                     if is_b:
-                        batched = True
+                        if ref is None or t.dim() > ref.dim():
+                            ref = t
                     elif src is not None:
                         sources = src if sources is None else _union(sources, src)
                         tainted = [t] if tainted is None else tainted + [t]
-        if batched and tainted:
-            args, kwargs = self._split(func, args, kwargs, tainted, sources)
+        if ref is not None and tainted:
+            args, kwargs = self._split(func, args, kwargs, ref, tainted, sources)
         out = func(*args, **kwargs)
-        if batched or sources is not None:
-            tag = (self.token, None if batched else sources)
+        if ref is not None or sources is not None:
+            tag = (self.token, None if ref is not None else sources)
             if isinstance(out, Tensor):
                 _set(out, tag)
             elif type(out) in (tuple, list) or isinstance(out, tuple):
@@ -197,12 +196,10 @@ class Provenance(TorchFunctionMode):
         return out
 
     # -------------------------------------------------------------- where sources meet the batch
-    def _split(self, func, args, kwargs, tainted, sources):
+    def _split(self, func, args, kwargs, ref, tainted, sources):
         # Hand the op each source-carrying operand in a form whose gradient is per sample
         # (module docstring); refuse ops that are not row-aligned.
         name = getattr(func, "__name__", repr(func))
-        batched = [t for t in _tensors(args, kwargs) if self.batched(t)]
-        ref = max(batched, key=lambda t: t.dim())
         nd, bd = ref.dim(), self.bdim
         if func not in ROW_ALIGNED or nd <= bd or ref.shape[bd] != self.b:
             self.refuse(sources, f"op {name} with shapes {_shapes(args, kwargs)}")

@@ -93,7 +93,7 @@ class Record:
     """
 
     __slots__ = ("layer", "a", "versions", "names", "grads", "step", "spec", "low", "hits", "forward",
-                 "shared", "task", "refused", "met", "__weakref__")
+                 "shared", "task", "met", "__weakref__")
 
     def __init__(self, layer: "Layer", a, names: Tuple[str, ...], step: int, spec=None,
                  leaves: Optional[list] = None):
@@ -104,11 +104,10 @@ class Record:
         self.hits = 0  # grad_output hook calls (backward passes x output tensors reached)
         self.forward = 0  # the model's top-level forward (a count) this call belongs to
         # A shared call (gradhooks.provenance): how its input was made a batch ("expand" /
-        # "prepend"; "rows": its own B rows, met by the batch row by row), the backward pass its last grad_output came from, and why its sources
-        # cannot be split per sample (its reads raise), else None.
+        # "prepend"; "rows": its own B rows, met by the batch row by row), else None; and the
+        # backward pass its last grad_output came from.
         self.shared: Optional[str] = None
         self.task: Optional[int] = None
-        self.refused: Optional[str] = None
         self.met = False  # whether its output met the batch yet (in the forward)
 
     def check_unmodified(self, result: str) -> None:

@@ -4,7 +4,8 @@ clipping in float64 against looped autograd (1e-10 relative to the largest entry
 
 Models that fail because of a recorder-side part of issue 16 are written as they should pass and
 marked ``xfail(strict=True)`` with the precise cause, so the marker goes when that part lands
-(default position ids of shape (1, T) are exact since the recorder expands shared calls).
+(default position ids and T5's relative-position buckets are shared calls, decided by
+provenance: gradhooks/provenance.py).
 Needs the ``zoo`` extra (also in ``test``): a missing library fails the test.
 """
 import warnings
@@ -24,8 +25,8 @@ V, H, T, B = 64, 32, 8, 2  # vocab, hidden size, tokens, batch
 
 
 def recorder_xfail(cause, raises):
-    """A zoo case that needs a recorder-side part of issue 16 (not in this worktree): it must
-    fail, and with ``raises``."""
+    """A zoo case that needs a part of issue 16 not built yet: it must fail, and with
+    ``raises``."""
     return pytest.mark.xfail(strict=True, raises=raises, reason=f"recorder: {cause}")
 
 

@@ -30,7 +30,7 @@ Cost: one vmapped forward and vjp of the module per read (about what ``torch.fun
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List
 
 import torch
 from torch import Tensor, nn
@@ -73,22 +73,30 @@ class FallbackRule(LayerRule):
     def per_sample_grads(self, module: nn.Module, a: Call, g, batch_first: bool,
                          names: Iterable[str]) -> Dict[str, Tensor]:
         names = tuple(names)
-        if a.shared is not None:
-            return self._shared_call(module, a, g, names)
-        b = self.batch_size(module, a.args[0] if a.args else next(iter(a.kwargs.values())), batch_first)
         in_leaves, in_spec = tree_flatten((a.args, a.kwargs))
-        batched = [i for i, t in enumerate(in_leaves) if isinstance(t, Tensor) and t.dim() > 0
-                   and t.shape[_batch_dim(t, batch_first)] == b]
         g_leaves, _ = tree_flatten(g)
         reached = [i for i, t in enumerate(g_leaves) if isinstance(t, Tensor)]
-        for i in reached:
-            t = g_leaves[i]
-            if t.dim() == 0 or t.shape[_batch_dim(t, batch_first)] != b:
-                raise BatchSizeError(
-                    f"output {i} of the module has shape {tuple(t.shape)} without a batch dim of "
-                    f"size {b}; the torch.func fallback needs every output the loss uses to be "
-                    f"batched like the input"
-                )
+        if a.shared is not None:
+            # A call on inputs that are the same for every sample (Call.shared): the one call's
+            # vjp, vmapped over the samples' grad_outputs only; the first input as it was.
+            first = next(i for i, t in enumerate(in_leaves) if isinstance(t, Tensor))
+            x = in_leaves[first]
+            in_leaves[first] = x[0] if a.shared == "prepend" else x[:1]
+            batched, keep_dims = [], a.shared == "prepend"
+        else:
+            b = self.batch_size(module, a.args[0] if a.args else next(iter(a.kwargs.values())),
+                                batch_first)
+            batched = [i for i, t in enumerate(in_leaves) if isinstance(t, Tensor) and t.dim() > 0
+                       and t.shape[_batch_dim(t, batch_first)] == b]
+            keep_dims = False
+            for i in reached:
+                t = g_leaves[i]
+                if t.dim() == 0 or t.shape[_batch_dim(t, batch_first)] != b:
+                    raise BatchSizeError(
+                        f"output {i} of the module has shape {tuple(t.shape)} without a batch dim "
+                        f"of size {b}; the torch.func fallback needs every output the loss uses to "
+                        f"be batched like the input"
+                    )
         own = {n: getattr(module, n).detach() for n in names}
 
         def one(params, xs: List[Tensor], gs: List[Tensor]):
@@ -102,7 +110,8 @@ class FallbackRule(LayerRule):
                 return [out_leaves[i] for i in reached]
 
             _, pull = vjp(f, params)
-            return pull([gi.unsqueeze(_batch_dim_of(g_leaves[i])) for i, gi in zip(reached, gs)])[0]
+            return pull([gi if keep_dims else gi.unsqueeze(_batch_dim_of(g_leaves[i]))
+                         for i, gi in zip(reached, gs)])[0]
 
         def _batch_dim_of(t: Tensor) -> int:
             return _batch_dim(t, batch_first)
@@ -120,32 +129,6 @@ class FallbackRule(LayerRule):
                     f"in eval mode or move its dropout out of it"
                 ) from None
             raise
-        return {n: out[n].detach().contiguous() for n in names}
-
-
-    def _shared_call(self, module: nn.Module, a: Call, g, names: Tuple[str, ...]) -> Dict[str, Tensor]:
-        # A call on inputs that are the same for every sample (Call.shared): the per-sample vjp
-        # of the one call, vmapped over the samples' grad_outputs only.
-        first = a.args[0] if a.args else next(iter(a.kwargs.values()))
-        x = first[0] if a.shared == "prepend" else first[:1]
-        if a.args:
-            args, kwargs = (x, *a.args[1:]), a.kwargs
-        else:
-            args, kwargs = a.args, {k: (x if i == 0 else v) for i, (k, v) in enumerate(a.kwargs.items())}
-        g_leaves, _ = tree_flatten(g)
-        reached = [i for i, t in enumerate(g_leaves) if isinstance(t, Tensor)]
-        own = {n: getattr(module, n).detach() for n in names}
-
-        def one(params, gs: List[Tensor]):
-            def f(p):
-                out_leaves, _ = tree_flatten(functional_call(module, p, args, kwargs))
-                return [out_leaves[i] for i in reached]
-
-            _, pull = vjp(f, params)
-            return pull([gi if a.shared == "prepend" else gi.unsqueeze(0) for gi in gs])[0]
-
-        with paused(), torch.enable_grad():
-            out = vmap(one, in_dims=(None, [0] * len(reached)))(own, [g_leaves[i] for i in reached])
         return {n: out[n].detach().contiguous() for n in names}
 
 

@@ -62,19 +62,24 @@ class LinearRule(LayerRule):
     def per_sample_grads(
         self, module: nn.Module, a: Tensor, g: Tensor, batch_first: bool, names: Iterable[str]
     ) -> Dict[str, Tensor]:
+        # (weight_transposed: a stored (I, O) weight, sum_s a g^T instead of sum_s g a^T)
+        out = {}
         if a.dim() == 2:  # (B, in), S = 1: outer products, without the canonical views
-            out = {}
             if "weight" in names:
                 w = new_empty((a.shape[0], *module.weight.shape), a)
-                out["weight"] = torch.mul(g.unsqueeze(2), a.unsqueeze(1), out=w)
+                left, right = (a, g) if self.weight_transposed else (g, a)
+                out["weight"] = torch.mul(left.unsqueeze(2), right.unsqueeze(1), out=w)
             if "bias" in names:
                 out["bias"] = new_empty(g.shape, g).copy_(g)
             return out
-        a, g = self.linear_form(module, a, g, batch_first)
+        a, g = self.linear_form(module, a, g, batch_first)  # (N, 1, S, in), (N, 1, S, out)
         n = a.shape[0]
-        out = {}
         if "weight" in names:
-            out["weight"] = weight_grad(a, g, (n, *module.weight.shape))
+            if self.weight_transposed:
+                w = new_empty((n, *module.weight.shape), a)
+                out["weight"] = torch.matmul(a[:, 0].transpose(1, 2), g[:, 0], out=w)
+            else:
+                out["weight"] = weight_grad(a, g, (n, *module.weight.shape))
         if "bias" in names:
             out["bias"] = bias_grad(g, (n, *module.bias.shape))
         return out
@@ -120,26 +125,6 @@ class TransposedLinearRule(LinearRule):
         if {n for n, _ in module.named_parameters(recurse=False)} - {"weight", "bias"}:
             return None
         return torch.randn(2, 3, w.shape[0], dtype=w.dtype, device=w.device)
-
-    def per_sample_grads(
-        self, module: nn.Module, a: Tensor, g: Tensor, batch_first: bool, names: Iterable[str]
-    ) -> Dict[str, Tensor]:
-        out = {}
-        if a.dim() == 2:  # (B, I), (B, O), S = 1: outer products, without the canonical views
-            if "weight" in names:
-                w = new_empty((a.shape[0], *module.weight.shape), a)
-                out["weight"] = torch.mul(a.unsqueeze(2), g.unsqueeze(1), out=w)
-            if "bias" in names:
-                out["bias"] = new_empty(g.shape, g).copy_(g)
-            return out
-        a4, g4 = self.linear_form(module, a, g, batch_first)  # (N, 1, S, I), (N, 1, S, O)
-        n = g4.shape[0]
-        if "weight" in names:
-            w = new_empty((n, *module.weight.shape), a4)
-            out["weight"] = torch.matmul(a4[:, 0].transpose(1, 2), g4[:, 0], out=w)
-        if "bias" in names:
-            out["bias"] = bias_grad(g4, (n, *module.bias.shape))
-        return out
 
     def weighted_sum(self, module: nn.Module, a: Tensor, g: Tensor, c: Tensor, batch_first: bool,
                      names: Iterable[str], out: Optional[Dict[str, Tensor]] = None
