@@ -34,6 +34,7 @@ from .errors import BatchSizeError, GradHooksError
 from .forms import Call
 from .graph import call_kwargs, in_backward, mark, module_hooks, on_grad, walk
 from .provenance import Provenance, as_batch, shared_layout, source_cotangent
+from .rules.fallback import FallbackRule
 from .records import (FORWARDS, Batch, Layer, Record, expand_call, find_layers, plain_state,
                       shared_lookup)
 from .utils import check_loss_reduction, detached, flatten, is_functorch_wrapped, tensors
@@ -116,6 +117,7 @@ class Recorder:
         # Inside drive(): (id(record), leaf) whose grad_outputs arrive as its return values.
         self._captured: frozenset = frozenset()
         self._muted = False  # hooks record nothing (muted(): clipped_backward's second pass)
+        self._pulling = False  # a per-sample pull-back to shared sources is running
         self._listener = None  # told of every hook call while drive()'s pass runs (two-pass clipping)
         self._step = 0
         self._forward_id = 0
@@ -176,6 +178,14 @@ class Recorder:
         self.layers = find_layers(self.model, self.strict,
                                   lambda m: _HOOKED.get(m, self) is not self)
         self._layer_of = {id(layer.module): layer for layer in self.layers}
+        # Raw parameters: those of containers on the fallback (ViT's class token, a block's
+        # layer scale), whose replay would run the children again; under provenance each is a
+        # source of its own, priced at its own ops. (A leaf module keeps its replay, which costs
+        # one call and checks per sample what the module computes.)
+        self._raw = {id(p): (layer, name) for layer in self.layers
+                     if isinstance(layer.rule, FallbackRule)
+                     and next(layer.module.children(), None) is not None
+                     for name, p in layer.params.items()}
         self._module_ids = {id(m) for m in self.model.modules()}
         for layer in self.layers:
             _HOOKED[layer.module] = self
@@ -316,7 +326,11 @@ class Recorder:
             if prov.depth == 0:
                 self._prov = None
                 prov.__exit__(None, None, None)
-                if completed:
+                if not completed:  # (its records are never read: no refusal of theirs either)
+                    self._refused = {k: v for k, v in self._refused.items()
+                                     if v[0].forward != self._forward_id}
+                else:
+                    self._settle_params(prov)
                     key = prov.signature
                     self._signatures[key] = self._signatures.get(key, False) or prov.shared
 
@@ -425,6 +439,8 @@ class Recorder:
                                      None if found is None else found[1]),
                          names, self._step, spec, fill)
             cap.forward = self._forward_id
+            if prov is not None and isinstance(rule, FallbackRule):
+                prov.fallback_calls.append(cap)
             if node is not None:
                 node.register_hook(functools.partial(self._on_internal, cap, found[1]))
             for i in reached:
@@ -472,6 +488,8 @@ class Recorder:
             cap = Record(layer, x_b.detach(), names, self._step)
         cap.forward = self._forward_id
         cap.shared = how
+        if isinstance(rule, FallbackRule):
+            prov.fallback_calls.append(cap)
         self._calls += 1
         self._shared_layers.add(id(layer))
         self._edges_complete = False  # the per-sample parts arrive where sources meet the batch
@@ -493,6 +511,31 @@ class Recorder:
                 cap.a, cap.shared = as_batch(cap.a, cap.a.shape[0], "prepend"), "prepend"
             cap.met = True
 
+    def _param_source(self, p: Tensor, info: tuple) -> Record:
+        # The record of a raw parameter at its first use in a tracked forward (provenance).
+        layer, name = info
+        cap = Record(layer, Call((), {}, None, "param"), (name,), self._step,
+                     flatten(p)[1], [None])
+        cap.forward, cap.shared = self._forward_id, "param"
+        self._calls += 1
+        self._edges_complete = False
+        return cap
+
+    def _settle_params(self, prov: Provenance) -> None:
+        # At the end of a tracked forward: a raw parameter whose uses all met the batch in ops
+        # that split per sample takes its per-sample gradients from there, and its module's
+        # torch.func replay drops it (a module left with no parameter to replay records
+        # nothing); one that met the batch otherwise stays with the replay.
+        for sources in prov.param_sources.values():
+            cap = sources[0][0]
+            name = cap.names[0]
+            if self._refused.pop(id(cap), None) is not None:
+                cap.names = ()
+                continue
+            for call in prov.fallback_calls:
+                if call.layer is cap.layer:
+                    call.names = tuple(n for n in call.names if n != name)
+
     def _on_meeting(self, edge, sources: tuple, how: str, shape: tuple, grad: Tensor) -> None:
         # Tensor hook (gradhooks.provenance): the gradient of a source-carrying tensor where it
         # met the batch; its per-sample part, pulled back to each source's output.
@@ -513,11 +556,24 @@ class Recorder:
         live = [s for s in sources if s[0].step == self._step]
         if not live:
             return None
-        if b == 0:  # (autograd's batched grad needs a sample)
-            pulled = [cot.new_zeros((0, *out_shape)) for _, _, out_shape in live]
-        else:
-            pulled = torch.autograd.grad([edge], [e for _, e, _ in live], [cot], retain_graph=True,
-                                         allow_unused=True, is_grads_batched=True)
+        # (u itself is a source: its cotangent as it is; autograd would hand back the batched
+        # grad_output unwrapped from its vmap)
+        same = [e.node is edge.node and e.output_nr == edge.output_nr for _, e, _ in live]
+        pulled = [cot if s else None for s in same]
+        rest = [i for i, s in enumerate(same) if not s]
+        if rest and b == 0:  # (autograd's batched grad needs a sample)
+            for i in rest:
+                pulled[i] = cot.new_zeros((0, *live[i][2]))
+        elif rest:
+            self._pulling = True  # (a raw parameter's gradient hooks see this pass: not theirs)
+            try:
+                got = torch.autograd.grad([edge], [live[i][1] for i in rest], [cot],
+                                          retain_graph=True, allow_unused=True,
+                                          is_grads_batched=True)
+            finally:
+                self._pulling = False
+            for i, g in zip(rest, got):
+                pulled[i] = g
         for (cap, _, _), g in zip(live, pulled):
             if g is not None:
                 self._receive(cap, 0 if cap.spec is not None else None,
@@ -559,8 +615,11 @@ class Recorder:
             return
         # The top-level inputs are the batch (all of them: EmbeddingBag's offsets too); its size
         # is the first hooked call's on them (the first input's batch dim until then).
+        raw = {pid: info for pid, info in self._raw.items()
+               if info[0].params[info[1]].requires_grad}
         prov = Provenance(first.shape[bdim], bdim, top, self._on_meeting, self._refuse_shared,
-                          self._on_noted)
+                          self._on_noted, raw, self._param_source)
+        prov.fallback_calls = []  # this forward's records of modules that own raw parameters
         prov.signature, prov.depth = key, 1
         self._prov = prov
         prov.__enter__()
@@ -576,6 +635,8 @@ class Recorder:
 
     def _receive(self, cap: Record, leaf: Optional[int], grad: Tensor) -> None:
         # Record a grad_output of ``cap`` (of output leaf ``leaf`` for multi_io rules).
+        if not cap.names:  # (a replay whose raw parameters came from provenance)
+            return
         if cap.step != self._step:
             raise GradHooksError(
                 f"a backward pass reached module {cap.layer.describe()} through a graph built "
@@ -640,7 +701,7 @@ class Recorder:
         self._param_handles.append(p.register_hook(functools.partial(self._on_param_grad, id(p))))
 
     def _on_param_grad(self, pid: int, grad: Tensor) -> None:
-        if utils.PAUSED or self._muted or not self._attached:
+        if utils.PAUSED or self._muted or not self._attached or self._pulling:
             return None
         total = self.totals.get(pid)
         if total is None:

@@ -46,7 +46,8 @@ class Call(NamedTuple):
     ``shared``: for a call on inputs that are the same for every sample (a shared call,
     :mod:`gradhooks.provenance`), how its first input was made a batch of ``B`` identical samples:
     ``"expand"`` (its leading dim of size 1 expanded) or ``"prepend"`` (a new leading dim);
-    ``None`` for an ordinary call.
+    ``"param"``: no call, a raw parameter whose per-sample gradients are its cotangents where it
+    meets the batch; ``None`` for an ordinary call.
     """
 
     args: Tuple[Any, ...]

@@ -123,13 +123,19 @@ class Provenance(TorchFunctionMode):
         noted: ``noted(sources, how)``, called in the forward for each such meeting.
         refuse: ``refuse(sources, message)``: sources met the batch in an op that cannot be
             split per sample.
+        params: ``{id(param): info}`` of raw parameters (owned by modules without a rule):
+            each is a source of its own, recorded at its first use in the forward by
+            ``param_source(param, info)``, which returns the record; its per-sample gradient is
+            its cotangent where it meets the batch (``x * gamma``, ``x + pos_embed``, ``cat`` of
+            an expanded class token), at the cost of those ops.
 
     Attributes:
         shared: whether a shared call happened (the signature needs tracking on every forward).
     """
 
     def __init__(self, batch_size: int, batch_dim: int, inputs: List[Tensor],
-                 meet: Callable, refuse: Callable, noted: Callable):
+                 meet: Callable, refuse: Callable, noted: Callable, params: dict = None,
+                 param_source: Callable = None):
         super().__init__()
         self.b, self.bdim = batch_size, batch_dim
         self.inputs = {id(t) for t in inputs}
@@ -138,6 +144,9 @@ class Provenance(TorchFunctionMode):
         self.meet, self.refuse, self.noted = meet, refuse, noted
         self.shared = False
         self.depth = 0  # nested calls of the model's forward
+        self.params = params or {}  # id(param) -> what param_source needs to record it
+        self.param_source = param_source
+        self.param_sources: dict = {}  # id(param) -> its sources tuple, made at its first use
 
     # -------------------------------------------------------------- tags
     def batched(self, t) -> bool:
@@ -145,9 +154,12 @@ class Provenance(TorchFunctionMode):
         return isinstance(t, Tensor) and self._look(t)[0]
 
     def add_source(self, output: Tensor, record) -> None:
-        """Tag ``output``, the output of a shared call recorded as ``record``, as a source."""
+        """Tag ``output``, the output of a shared call recorded as ``record``, as a source (with
+        the sources its input carried: a shared call on a shared tensor)."""
         self.shared = True
-        setattr(output, _TAG, (self.token, ((record, get_gradient_edge(output), output.shape),)))
+        own = ((record, get_gradient_edge(output), output.shape),)
+        _, before = self._look(output)
+        setattr(output, _TAG, (self.token, own if before is None else _union(own, before)))
 
     def _look(self, t: Tensor):
         # (batched, sources) of one tensor
@@ -155,6 +167,13 @@ class Provenance(TorchFunctionMode):
             return True, None
         tag = getattr(t, _TAG, None)
         if tag is None or tag[0] is not self.token:
+            if id(t) in self.params:  # a raw parameter: a source of its own
+                src = self.param_sources.get(id(t))
+                if src is None:
+                    self.shared = True
+                    record = self.param_source(t, self.params[id(t)])
+                    src = self.param_sources[id(t)] = ((record, get_gradient_edge(t), t.shape),)
+                return False, src
             return False, None
         return tag[1] is None, tag[1]
 

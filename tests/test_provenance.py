@@ -176,3 +176,53 @@ def test_shared_call_in_a_recomputed_region_is_refused():
     with gradhooks.attach(model):
         with pytest.raises(gradhooks.BatchSizeError, match="recomputed"):
             F.cross_entropy(model(x), y).backward()
+
+
+class TinyViT(nn.Module):
+    """A container with raw parameters, as timm's VisionTransformer and ConvNeXt blocks have: a
+    class token expanded and concatenated (meets the batch row by row), a position embedding
+    added and a layer scale multiplied (broadcast), and hooked children."""
+
+    def __init__(self, einsum=False):
+        super().__init__()
+        self.embed, self.mix, self.head = nn.Linear(3, D), nn.Linear(D, D), nn.Linear(D, 3)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, D))
+        self.pos_embed = nn.Parameter(torch.randn(1, 5, D))
+        self.gamma = nn.Parameter(torch.rand(D) + 0.5)
+        self.einsum = einsum
+
+    def forward(self, x):  # x (B, 4, 3)
+        h = self.embed(x)
+        h = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), h], 1) + self.pos_embed
+        if self.einsum:  # (einsum: not split per sample, so the replay covers gamma)
+            h = h + torch.einsum("btd,d->btd", torch.tanh(self.mix(h)), self.gamma)
+        else:
+            h = h + torch.tanh(self.mix(h)) * self.gamma
+        return self.head(h[:, 0])
+
+
+@pytest.mark.filterwarnings("ignore::gradhooks.FallbackWarning")
+@pytest.mark.parametrize("einsum", [False, True], ids=["split", "einsum-replay"])
+@pytest.mark.parametrize("batch", [0, 1, 3, 5], ids=["B0", "B1", "B3", "B_eq_T"])
+def test_raw_parameters_of_a_container_match_loop(batch, einsum, dtype):
+    """Raw parameters of a container take their per-sample gradients where they meet the batch
+    (records with Call.shared == "param"), and the container's torch.func replay drops them; a
+    parameter that meets the batch in an op that is not split (einsum) stays with the replay."""
+    torch.manual_seed(0)
+    model = TinyViT(einsum).to(dtype)
+    x, y = torch.randn(batch, 4, 3, dtype=dtype), torch.randint(0, 3, (batch,))
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        params = {c.names[0] for c in gh.recorder.records
+                  if getattr(c.a, "shared", None) == "param"}
+        replayed = {n for c in gh.recorder.records
+                    if c.layer.module is model and getattr(c.a, "shared", None) is None
+                    for n in c.names}
+        ours = gh.per_sample_grads()
+    if batch:
+        assert params == ({"cls_token", "pos_embed"} if einsum else
+                          {"cls_token", "pos_embed", "gamma"})
+        assert replayed == ({"gamma"} if einsum else set())
+        assert_close_to_loop(ours, loop_grads(model, F.cross_entropy, x, y), dtype)
+    else:
+        assert all(g.shape[0] == 0 for g in ours.values())

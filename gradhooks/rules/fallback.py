@@ -73,6 +73,8 @@ class FallbackRule(LayerRule):
     def per_sample_grads(self, module: nn.Module, a: Call, g, batch_first: bool,
                          names: Iterable[str]) -> Dict[str, Tensor]:
         names = tuple(names)
+        if a.shared == "param":  # a raw parameter's own cotangents (gradhooks.provenance)
+            return {names[0]: g}
         in_leaves, in_spec = tree_flatten((a.args, a.kwargs))
         g_leaves, _ = tree_flatten(g)
         reached = [i for i, t in enumerate(g_leaves) if isinstance(t, Tensor)]
