@@ -280,6 +280,7 @@ class Recorder:
         self._param_passes: Dict[int, int] = {}
         self._calls = 0  # hooked-layer calls recorded in this batch
         self._shared_layers: set = set()  # ids of layers with a shared call in this batch
+        self._meetings = False  # a shared call's output or a raw parameter met the batch
         # shared calls whose outputs met the batch where they cannot be split: id -> (call, why)
         self._refused: Dict[int, Tuple[Record, str]] = {}
         self._drop_result()
@@ -492,15 +493,18 @@ class Recorder:
             prov.fallback_calls.append(cap)
         self._calls += 1
         self._shared_layers.add(id(layer))
-        self._edges_complete = False  # the per-sample parts arrive where sources meet the batch
         prov.add_source(output, cap)
         return None
 
-    def _on_noted(self, sources: tuple, how: str) -> None:
-        # In the forward, where a shared call's output meets the batch: a call on B rows whose
-        # output meets the batch only row by row, itself (an initial state made from the batch
-        # size), is recorded as an ordinary call on its B rows (no B x B expansion); any other
-        # meeting makes it a batch of B identical samples again.
+    def _on_noted(self, sources: tuple, how: str, u_b: Tensor) -> None:
+        # In the forward, where a shared call's output meets the batch (as u_b): the output-
+        # edges pass of gh.backward asks for the gradient below u_b, so that autograd runs its
+        # hook. A call on B rows whose output meets the batch only row by row, itself (an
+        # initial state made from the batch size), is recorded as an ordinary call on its B
+        # rows (no B x B expansion); any other meeting makes it B identical samples again.
+        self._meetings = True
+        if self._driven:
+            self._edges_complete &= mark(self, sources[0][0], [], u_b.grad_fn)
         for cap, _, _ in sources:
             if cap.spec is not None:
                 continue
@@ -518,7 +522,6 @@ class Recorder:
                      flatten(p)[1], [None])
         cap.forward, cap.shared = self._forward_id, "param"
         self._calls += 1
-        self._edges_complete = False
         return cap
 
     def _settle_params(self, prov: Provenance) -> None:
@@ -852,7 +855,10 @@ class Recorder:
                 "checkpoint(..., use_reentrant=False)")
         caps, captures, events = walked
         key = tuple((id(c.layer), c.names) for c in caps)
+        # (two-pass clipping counts each record's hook calls from the tags: not those of the
+        # meetings of shared calls, whose parts come from hooks on the meeting operands)
         edges_mode = (self.sum_check.edges_allowed(key) and self._edges_complete and bool(caps)
+                      and not (listen is not None and self._meetings)
                       and walked is not None)
         self._driven = True
         if edges_mode:

@@ -120,7 +120,8 @@ class Provenance(TorchFunctionMode):
             met the batch: ``u_b``'s shape, the batch dim of size ``B``, for ``how ==
             "broadcast"``; ``u``'s own shape for ``"rows"`` and ``"direct"`` (``u`` is the
             shared call's output itself, its ``B`` rows lined up with the batch's).
-        noted: ``noted(sources, how)``, called in the forward for each such meeting.
+        noted: ``noted(sources, how, u_b)``, called in the forward for each such meeting with
+            the operand handed to the op.
         refuse: ``refuse(sources, message)``: sources met the batch in an op that cannot be
             split per sample.
         params: ``{id(param): info}`` of raw parameters (owned by modules without a rule):
@@ -252,7 +253,7 @@ class Provenance(TorchFunctionMode):
                 if (len(src) == 1 and edge.node is src[0][1].node
                         and edge.output_nr == src[0][1].output_nr):
                     how = "direct"
-            self.noted(src, how)
+            self.noted(src, how, u_b)
             u_b.register_hook(lambda g, e=edge, s=src, h=how, shp=tuple(u.shape): self.meet(e, s, h, shp, g))
             swap[id(u)] = u_b
         if not swap:

@@ -95,17 +95,23 @@ def test_shared_norms_and_clipping_match_loop():
                                        rtol=1e-10, atol=1e-14)
 
 
-def test_gh_backward_with_shared_calls_matches_loop():
-    """GradHooks.backward takes the parameter pass for a batch with shared calls (their
-    per-sample parts arrive where they meet the batch) and is exact."""
+@pytest.mark.filterwarnings("ignore::gradhooks.FallbackWarning")
+@pytest.mark.parametrize("make", ["SharedBias", "TinyViT"])
+def test_gh_backward_with_shared_calls_matches_loop(make):
+    """GradHooks.backward with shared calls and raw parameters: the parameter pass while the
+    sum check is due, then the output-edges pass, which asks for the gradients below the
+    meeting operands so that their hooks run; exact in both."""
     torch.manual_seed(0)
-    model = SharedBias().double()
+    model = globals()[make]().double()
     x, y = torch.randn(3, 4, 3, dtype=torch.float64), torch.randint(0, 3, (3,))
     ref = loop_grads(model, F.cross_entropy, x, y)
+    states = []
     with gradhooks.attach(model) as gh:
-        for _ in range(2):  # (the second batch: the signature is known)
+        for _ in range(3):  # (later batches: the signature is known, the sum check passed)
             gh.backward(F.cross_entropy(model(x), y))
+            states.append(gh.recorder.sum_check_state)
             assert_close_to_loop(gh.per_sample_grads(), ref, torch.float64)
+    assert states[0] == "due" and states[-1] == "skip"  # both passes ran
 
 
 class Einsum(nn.Module):
