@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 import weakref
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -34,7 +35,8 @@ from .errors import BatchSizeError, GradHooksError
 from .forms import Call
 from .graph import call_kwargs, in_backward, mark, module_hooks, on_grad, walk
 from .provenance import Provenance, as_batch, shared_layout, source_cotangent
-from .rules.fallback import FallbackRule
+from .errors import FallbackWarning
+from .rules.fallback import FALLBACK, FallbackRule
 from .records import (FORWARDS, Batch, Layer, Record, expand_call, find_layers, plain_state,
                       shared_lookup)
 from .utils import check_loss_reduction, detached, flatten, is_functorch_wrapped, tensors
@@ -126,7 +128,8 @@ class Recorder:
         self._module_ids: set = set()  # ids of the model's modules (registration hooks)
         self._unhooked: List[nn.Parameter] = []  # frozen parameters no layer covers
         self._changed: Optional[str] = None  # what changed in the model since the last sync
-        # Provenance (gradhooks.provenance) of the forward running now, or None; per input
+        self._demoted: set = set()  # paths of layers their parent reads functionally
+        self._resync = False        # Provenance (gradhooks.provenance) of the forward running now, or None; per input
         # signature, whether its forwards need it (None: not tracked yet).
         self._prov: Optional[Provenance] = None
         self._signatures: Dict[tuple, bool] = {}
@@ -176,7 +179,7 @@ class Recorder:
         self.names = {id(p): name for name, p in self.model.named_parameters()}
         self.order = {pid: i for i, pid in enumerate(self.names)}  # results in this order
         self.layers = find_layers(self.model, self.strict,
-                                  lambda m: _HOOKED.get(m, self) is not self)
+                                  lambda m: _HOOKED.get(m, self) is not self, self._demoted)
         self._layer_of = {id(layer.module): layer for layer in self.layers}
         # Raw parameters: those of containers on the fallback (ViT's class token, a block's
         # layer scale), whose replay would run the children again; under provenance each is a
@@ -201,6 +204,7 @@ class Recorder:
                 p.__getstate__ = functools.partial(plain_state, p)  # (see plain_state)
         self._unhooked = [p for p in self.model.parameters() if id(p) not in self.params]
         self._changed = None
+        self._resync = False
         self.cache.clear()
         self._signatures.clear()
         self.reset_batch()
@@ -308,9 +312,14 @@ class Recorder:
 
     # ------------------------------------------------------------------ hooks
     def _on_pre_forward(self, module: nn.Module, args) -> None:
-        # Global forward pre-hook: only the model's own forward starts anything.
+        # Global forward pre-hook: only the model's own forward starts anything; under
+        # provenance the hooked layers whose forward runs are noted.
         if module is self.model:
             self._model_forward(module, args, call_kwargs())
+        elif self._prov is not None:
+            layer = self._layer_of.get(id(module))
+            if layer is not None:
+                self._prov.entered.add(id(layer))
 
     def _stop_tracking(self) -> None:
         # End the provenance of a forward that detach() / suspended() interrupted.
@@ -515,14 +524,48 @@ class Recorder:
                 cap.a, cap.shared = as_batch(cap.a, cap.a.shape[0], "prepend"), "prepend"
             cap.met = True
 
-    def _param_source(self, p: Tensor, info: tuple) -> Record:
-        # The record of a raw parameter at its first use in a tracked forward (provenance).
+    def _param_source(self, p: Tensor, info: tuple) -> Optional[Record]:
+        # The record of a raw parameter at its first use in a tracked forward (provenance); or
+        # a hooked layer's parameter read functionally by another module.
         layer, name = info
+        if name is None:
+            return self._demote(layer[0]) if len(layer) == 1 else None
         cap = Record(layer, Call((), {}, None, "param"), (name,), self._step,
                      flatten(p)[1], [None])
         cap.forward, cap.shared = self._forward_id, "param"
         self._calls += 1
         return cap
+
+    def _demote(self, layer: Layer) -> None:
+        # A hooked layer's parameter is read outside its forward (torchvision's Swin:
+        # F.linear(x, self.qkv.weight) in the parent): from this forward on, its parent's
+        # torch.func replay covers it (find_layers' ``demoted``); the parent's forward hook,
+        # still to come in this forward, records it.
+        if (self._layer_of.get(id(layer.module)) is not layer or not layer.path
+                or isinstance(layer.rule, FallbackRule)):
+            return None
+        self._demoted.add(layer.path)
+        self._resync = True  # (the next forward rebuilds every layer map with the demotion)
+        parent_path = layer.path.rpartition(".")[0]
+        parent = self.model.get_submodule(parent_path)
+        old = self._layer_of.get(id(parent))
+        params = dict(old.params) if old is not None else {}
+        rel = layer.path[len(parent_path) + 1:] if parent_path else layer.path
+        params.update((f"{rel}.{n}", p) for n, p in layer.params.items())
+        new = Layer(parent_path, parent, FALLBACK, params)
+        self.layers = [new if x is old else x for x in self.layers if x is not layer]
+        if old is None:
+            self.layers.append(new)
+        del self._layer_of[id(layer.module)]
+        self._layer_of[id(parent)] = new
+        _HOOKED.pop(layer.module, None)
+        _HOOKED[parent] = self
+        warnings.warn(
+            f"module {layer.describe()} has its parameters read outside its forward (by its "
+            f"parent {new.describe()}, e.g. F.linear(x, self.{rel}.weight)); gradhooks covers "
+            f"them with the torch.func fallback's replay of the parent", FallbackWarning,
+            stacklevel=2)
+        return None
 
     def _settle_params(self, prov: Provenance) -> None:
         # At the end of a tracked forward: a raw parameter whose uses all met the batch in ops
@@ -536,7 +579,7 @@ class Recorder:
                 cap.names = ()
                 continue
             for call in prov.fallback_calls:
-                if call.layer is cap.layer:
+                if call.layer.module is cap.layer.module:  # (the Layer may be a demotion's)
                     call.names = tuple(n for n in call.names if n != name)
 
     def _on_meeting(self, edge, sources: tuple, how: str, shape: tuple, grad: Tensor) -> None:
@@ -594,7 +637,8 @@ class Recorder:
             return
         if utils.PAUSED or not torch.is_grad_enabled() or in_backward():
             return  # records nothing; or a recomputation (checkpoint) of the current batch
-        if self._changed is not None or any(p.requires_grad for p in self._unhooked):
+        if (self._changed is not None or self._resync
+                or any(p.requires_grad for p in self._unhooked)):
             self._sync()  # the model changed since attach: follow it
         self._forward_id += 1
         # A forward that will record starts a new batch: drop the last one's records here, not
@@ -618,8 +662,13 @@ class Recorder:
             return
         # The top-level inputs are the batch (all of them: EmbeddingBag's offsets too); its size
         # is the first hooked call's on them (the first input's batch dim until then).
-        raw = {pid: info for pid, info in self._raw.items()
-               if info[0].params[info[1]].requires_grad}
+        owners: Dict[int, tuple] = {}  # (tied parameters have several)
+        for layer in self.layers:
+            for p in layer.params.values():
+                owners[id(p)] = owners.get(id(p), ()) + (layer,)
+        raw = {pid: (layers, None) for pid, layers in owners.items()}
+        raw.update((pid, info) for pid, info in self._raw.items()
+                   if info[0].params[info[1]].requires_grad)
         prov = Provenance(first.shape[bdim], bdim, top, self._on_meeting, self._refuse_shared,
                           self._on_noted, raw, self._param_source)
         prov.fallback_calls = []  # this forward's records of modules that own raw parameters

@@ -38,7 +38,6 @@ gradhooks' records are detached.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Tuple
 
 import torch

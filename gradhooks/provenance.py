@@ -124,11 +124,15 @@ class Provenance(TorchFunctionMode):
             the operand handed to the op.
         refuse: ``refuse(sources, message)``: sources met the batch in an op that cannot be
             split per sample.
-        params: ``{id(param): info}`` of raw parameters (owned by modules without a rule):
-            each is a source of its own, recorded at its first use in the forward by
+        params: ``{id(param): (layer, name)}`` of raw parameters (owned by modules without a
+            rule): each is a source of its own, recorded at its first use in the forward by
             ``param_source(param, info)``, which returns the record; its per-sample gradient is
             its cotangent where it meets the batch (``x * gamma``, ``x + pos_embed``, ``cat`` of
-            an expanded class token), at the cost of those ops.
+            an expanded class token), at the cost of those ops. And ``(layers, None)`` for the
+            parameters of hooked layers (``layers``: those that own it): one read in an op while
+            none of its layers' forwards has run (:attr:`entered`) is read functionally by
+            another module (``F.linear(x, self.qkv.weight)`` in a parent): ``param_source(param,
+            (layers, None))`` is told.
 
     Attributes:
         shared: whether a shared call happened (the signature needs tracking on every forward).
@@ -148,6 +152,7 @@ class Provenance(TorchFunctionMode):
         self.params = params or {}  # id(param) -> what param_source needs to record it
         self.param_source = param_source
         self.param_sources: dict = {}  # id(param) -> its sources tuple, made at its first use
+        self.entered: set = set()  # ids of the hooked layers whose forward ran in this forward
 
     # -------------------------------------------------------------- tags
     def batched(self, t) -> bool:
@@ -168,7 +173,12 @@ class Provenance(TorchFunctionMode):
             return True, None
         tag = getattr(t, _TAG, None)
         if tag is None or tag[0] is not self.token:
-            if id(t) in self.params:  # a raw parameter: a source of its own
+            info = self.params.get(id(t))
+            if info is not None and info[1] is None:  # a hooked layer's parameter
+                if not any(id(owner) in self.entered for owner in info[0]):  # read outside
+                    self.param_source(t, info)
+                return False, None
+            if info is not None:  # a raw parameter: a source of its own
                 src = self.param_sources.get(id(t))
                 if src is None:
                     self.shared = True

@@ -9,7 +9,7 @@ it received. :class:`Batch`: what a reader gets from
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -144,7 +144,8 @@ class Record:
 
 
 
-def find_layers(model: nn.Module, strict: bool, hooked: Callable[[nn.Module], bool]) -> List[Layer]:
+def find_layers(model: nn.Module, strict: bool, hooked: Callable[[nn.Module], bool],
+                demoted: Iterable[str] = ()) -> List[Layer]:
     """The modules of ``model`` to hook, in ``named_modules()`` order, with their rules.
 
     A module with trainable parameters gets its rule (exact type, then parents:
@@ -161,6 +162,9 @@ def find_layers(model: nn.Module, strict: bool, hooked: Callable[[nn.Module], bo
         model: the model.
         strict: refuse modules without a dedicated rule instead of the fallback.
         hooked: whether a module is already hooked by another recorder.
+        demoted: paths of modules whose parameters their parent reads functionally
+            (``F.linear(x, self.qkv.weight)``, torchvision's Swin; found by provenance): not
+            hooked themselves; the parent's ``torch.func`` replay covers their parameters.
 
     Raises:
         UnsupportedModuleError: with ``strict``, naming every module without a rule; or for a
@@ -182,8 +186,22 @@ def find_layers(model: nn.Module, strict: bool, hooked: Callable[[nn.Module], bo
         prefix = path + "." if path else ""
         return any(q != path and q.startswith(prefix) for q in registered[id(p)])
 
+    demoted = set(demoted)
     for path, module in model.named_modules():
         own = {n: p for n, p in module.named_parameters(recurse=False) if not alias(path, p)}
+        if path in demoted:
+            continue
+        children = [d for d in demoted if d.rpartition(".")[0] == path]
+        if children:  # the parent that reads them: the replay covers its and their parameters
+            handled = dict(own)
+            for d in children:
+                rel = d[len(path) + 1:] if path else d
+                handled.update((f"{rel}.{n}", p) for n, p in
+                               module.get_submodule(rel).named_parameters())
+            claimed.update(id(module.get_submodule(n.rsplit(".", 1)[0]))
+                           for n in handled if "." in n)
+            layers.append(Layer(path, module, FALLBACK, handled))
+            continue
         if not own:
             rule = find_rule(module, path)
             if rule is not None and rule.check_always:  # BatchNorm(affine=False)

@@ -3,6 +3,8 @@ layers called on inputs that are the same for every sample (a learned query, a (
 from sizes, an initial state made from the batch size), whose outputs meet the batch by
 broadcasting or row by row, against a loop in float64 and float32, at batch sizes 0, 1, several
 and equal to the sequence length."""
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -232,3 +234,36 @@ def test_raw_parameters_of_a_container_match_loop(batch, einsum, dtype):
         assert_close_to_loop(ours, loop_grads(model, F.cross_entropy, x, y), dtype)
     else:
         assert all(g.shape[0] == 0 for g in ours.values())
+
+
+class Functional(nn.Module):
+    """A parent that reads its child Linear's weights with F.linear (torchvision's Swin does):
+    the child's forward never runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.head = nn.Linear(3, D), nn.Linear(D, 3)
+
+    def forward(self, x):  # x (B, T, 3)
+        return self.head(torch.tanh(F.linear(x, self.qkv.weight, self.qkv.bias)).mean(1))
+
+
+@pytest.mark.parametrize("batch", [0, 1, 4], ids=["B0", "B1", "B4"])
+def test_weights_read_functionally_by_a_parent_match_loop(batch, dtype):
+    """The child's parameters go to the parent's torch.func replay (with a FallbackWarning at
+    the forward that finds it), exact from that first batch on."""
+    torch.manual_seed(0)
+    outer = nn.Sequential(Functional()).to(dtype)
+    x, y = torch.randn(batch, 4, 3, dtype=dtype), torch.randint(0, 3, (batch,))
+    ref = loop_grads(outer, F.cross_entropy, x, y) if batch else None
+    with gradhooks.attach(outer, loss_reduction="sum") as gh:
+        for step in range(2):
+            with pytest.warns(gradhooks.FallbackWarning, match=r"'0.qkv'.*'0' \(Functional\)") \
+                    if step == 0 else warnings.catch_warnings():
+                F.cross_entropy(outer(x), y, reduction="sum").backward()
+            ours = gh.per_sample_grads()
+            if batch:
+                assert_close_to_loop(ours, ref, dtype)
+            else:
+                assert {n: g.shape[0] for n, g in ours.items()} == {n: 0 for n in ours}
+            outer.zero_grad()

@@ -2,10 +2,10 @@
 (transformers, peft LoRA, timm, torchvision), per-sample gradients, per-sample norms and DP
 clipping in float64 against looped autograd (1e-10 relative to the largest entry).
 
-Models that fail because of a recorder-side part of issue 16 are written as they should pass and
-marked ``xfail(strict=True)`` with the precise cause, so the marker goes when that part lands
-(default position ids and T5's relative-position buckets are shared calls, decided by
-provenance: gradhooks/provenance.py).
+Default position ids, T5's relative-position buckets and BART's positions are shared calls,
+decided by provenance (gradhooks/provenance.py); ViT's and ConvNeXt's raw parameters are priced at
+their own ops; Swin's parent reads its child Linears' weights with F.linear, and the parent's
+torch.func replay covers them.
 Needs the ``zoo`` extra (also in ``test``): a missing library fails the test.
 """
 import warnings
@@ -22,12 +22,6 @@ from gradhooks.rules.fallback import FallbackRule
 
 torchvision = zoo_imports.import_torchvision()
 V, H, T, B = 64, 32, 8, 2  # vocab, hidden size, tokens, batch
-
-
-def recorder_xfail(cause, raises):
-    """A zoo case that needs a part of issue 16 not built yet: it must fail, and with
-    ``raises``."""
-    return pytest.mark.xfail(strict=True, raises=raises, reason=f"recorder: {cause}")
 
 
 class TokensToLogits(nn.Module):
@@ -139,7 +133,6 @@ def timm_model(name, **kwargs):
 
 
 def timm_mixer():
-    import timm
     from timm.models.mlp_mixer import MlpMixer
     return MlpMixer(num_classes=5, img_size=32, patch_size=8, num_blocks=2, embed_dim=H), "image"
 
@@ -194,12 +187,7 @@ ZOO = {
     "tv-resnet18-groupnorm": (vision(lambda m: m.resnet18(num_classes=5, norm_layer=lambda c: nn.GroupNorm(2, c))), None),
     "tv-convnext": (vision(tv_convnext), None),
     "tv-mobilenet-v3-small-eval": (vision(lambda m: m.mobilenet_v3_small(num_classes=5)), None),
-    "tv-swin": (vision(tv_swin), recorder_xfail(
-        "torchvision's shifted_window_attention calls F.linear(x, self.qkv.weight) and "
-        "F.linear(x, self.proj.weight) from the parent ShiftedWindowAttention: the Linear "
-        "modules are never called, so their parameters get gradient no hook saw "
-        "(GradientMismatchError); needs weights used functionally by a parent",
-        gradhooks.GradientMismatchError)),
+    "tv-swin": (vision(tv_swin), None),
 }
 
 

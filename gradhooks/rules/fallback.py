@@ -99,7 +99,7 @@ class FallbackRule(LayerRule):
                         f"of size {b}; the torch.func fallback needs every output the loss uses to "
                         f"be batched like the input"
                     )
-        own = {n: getattr(module, n).detach() for n in names}
+        own = {n: module.get_parameter(n).detach() for n in names}
 
         def one(params, xs: List[Tensor], gs: List[Tensor]):
             leaves = list(in_leaves)
