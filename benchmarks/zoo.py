@@ -15,8 +15,8 @@ Each step includes its forward. Ratios are to ``train``. Run from the repository
     python benchmarks/zoo.py [--repeats 15] [--threads 1] [--models llama,gpt2] [--out results/zoo.md]
 
 Every model runs with its library's default call (position ids, T5's relative-position buckets
-and BART's positions are shared calls: gradhooks/provenance.py); Swin (a parent's F.linear on
-child weights) is left out.
+and BART's positions are shared calls: gradhooks/provenance.py; Swin's attention, whose parent reads
+its child Linears' weights, is replayed by the fallback).
 """
 from __future__ import annotations
 
@@ -85,13 +85,17 @@ def build(name):
         return timm.create_model("resnet18", num_classes=10), "image"
     if name == "tv-resnet18-gn":
         return tv.models.resnet18(num_classes=10, norm_layer=lambda c: nn.GroupNorm(8, c)), "image"
+    if name == "tv-swin":
+        return tv.models.SwinTransformer(patch_size=[4, 4], embed_dim=32, depths=[2, 2],
+                                         num_heads=[2, 4], window_size=[4, 4], num_classes=10), "image"
     if name == "tv-mobilenet-v3-small":
         return tv.models.mobilenet_v3_small(num_classes=10), "image"
     raise KeyError(name)
 
 
 MODELS = ["bert", "gpt2", "t5", "bart", "llama", "llama-lora", "timm-vit", "timm-convnext-atto",
-          "timm-efficientnet-b0", "timm-resnet18", "tv-resnet18-gn", "tv-mobilenet-v3-small"]
+          "timm-efficientnet-b0", "timm-resnet18", "tv-resnet18-gn", "tv-mobilenet-v3-small",
+          "tv-swin"]
 
 
 def data(kind):
