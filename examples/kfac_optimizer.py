@@ -47,6 +47,7 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import gradhooks  # noqa: E402
+from gradhooks import DiagonalFactors  # noqa: E402
 from gradhooks.workloads import DigitsCNN, load_digits_batch  # noqa: E402
 
 # chosen by --sweep (see the module docstring); smoothed training loss after 100 steps:
@@ -82,6 +83,7 @@ class KFAC:
         self.gh = gradhooks.attach(model, check=False)
         self.params = dict(model.named_parameters())
         self.factors, self.eig, self.buf, self.steps = {}, {}, {}, 0
+        self.diagonal: set = set()  # names of the entries that are diagonal blocks
 
     def step(self, x, y):
         """One training step on the batch ``(x, y)``; returns the batch loss."""
@@ -103,10 +105,13 @@ class KFAC:
             self._update_factors(self.gh.kfac_factors(self.kfac_approx, max_dense=self.max_dense))
         if self.steps % self.inv_every == 0:
             self.eig = {name: (_eig(f.A, f.diagonal_A), _eig(f.G, f.diagonal_G))
-                        for name, f in self.factors.items()}
+                        for name, f in self.factors.items() if name not in self.diagonal}
         grads = {n: p.grad for n, p in self.params.items()}
         update = dict(grads)  # parameters without factors keep their gradient
         for name, f in self.factors.items():
+            if name in self.diagonal:  # (norm layers and the like: their exact diagonal block)
+                update.update(f.precondition(grads, self.damping))
+                continue
             (qa, la), (qg, lg) = self.eig[name]
             v = _rotate(f.grad_matrix(grads), qg, qa, transpose=True)
             v = v / (lg[..., :, None] * la[..., None, :] + self.damping)
@@ -127,7 +132,12 @@ class KFAC:
     def _update_factors(self, new):
         for name, f in new.items():
             old = self.factors.get(name)
-            if old is not None:
+            if isinstance(f, DiagonalFactors):
+                self.diagonal.add(name)
+                if old is not None:
+                    for n, d in f.diagonal.items():
+                        f.diagonal[n] = old.diagonal[n].mul_(self.ema).add_(d, alpha=1 - self.ema)
+            elif old is not None:
                 f.A = old.A.mul_(self.ema).add_(f.A, alpha=1 - self.ema)
                 f.G = old.G.mul_(self.ema).add_(f.G, alpha=1 - self.ema)
             self.factors[name] = f

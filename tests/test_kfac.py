@@ -1011,3 +1011,32 @@ def test_several_passes_need_the_pass_by_pass_reader():
         out.pow(2).sum().backward()
         with pytest.raises(GradHooksError, match=r"'emb' \(Embedding\).*gradhooks.kfac"):
             gh.kfac_factors()
+
+
+def test_kfac_optimizer_example_steps_with_diagonal_blocks():
+    """The example's KFAC optimizer preconditions a LayerNorm (a diagonal block, DiagonalFactors)
+    beside the Linear layers' Kronecker factors: the LayerNorm's update is its gradient over
+    (diagonal + damping), and training goes down."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "kfac_optimizer.py"
+    spec = importlib.util.spec_from_file_location("kfac_optimizer_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x, y = torch.randn(32, 4, dtype=torch.float64), torch.randint(0, 3, (32,))
+    opt = example.KFAC(model, lr=0.05, factor_every=1, inv_every=1, momentum=0.0,
+                       fisher="empirical", generator=torch.Generator().manual_seed(0))
+    try:
+        before = model[1].weight.detach().clone()
+        first = opt.step(x, y)
+        diag = opt.factors["1"]
+        assert isinstance(diag, gradhooks.DiagonalFactors) and "1" in opt.diagonal
+        want = before - 0.05 * model[1].weight.grad / (diag.diagonal["1.weight"] + opt.damping)
+        torch.testing.assert_close(model[1].weight.detach(), want, rtol=1e-12, atol=1e-14)
+        for _ in range(20):
+            last = opt.step(x, y)
+        assert last < first
+    finally:
+        opt.gh.detach()
