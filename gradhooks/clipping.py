@@ -590,7 +590,8 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noi
     sizes (``loss_reduction="mean"``). Under FSDP2 (attach with ``check=False``) the first pass
     asks autograd for the parameter gradients (the unsharded parameters FSDP swaps in are not
     the ones the hooks know) and keeps the records until the norms are formed, and FSDP
-    all-gathers each layer for both passes. A rank with an empty local batch takes both passes.
+    all-gathers each layer for both passes. A rank with an empty local batch takes both passes
+    under FSDP2, and the second (with the all-reduces) under DDP.
 
     With ``attach(..., grad_scaler=scaler)`` both passes backpropagate ``S`` times the losses
     (``S = scaler.get_scale()``): pass the unscaled losses; ``param.grad`` is then ``S`` times
@@ -621,7 +622,8 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noi
     total = losses.sum() if scaler is None else scaler.scale(losses.sum())
     scale = recorder.grad_scale()  # S: both passes backpropagate S times the losses
     mesh = _fsdp_mesh(recorder)
-    if batch == 0 and mesh is None:  # an empty (Poisson) batch: the clipped sum is 0, the noise is not
+    group = _ddp_group(recorder) if mesh is None else mesh.get_group()
+    if batch == 0 and group is None:  # an empty (Poisson) batch: the clipped sum is 0, the noise is not
         recorder.reset_batch()
         for _, p in trainable:
             p.grad = None
@@ -650,6 +652,8 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noi
                 del snap
             else:
                 sq = _empty_norms(trainable)
+        elif batch == 0:  # DDP: an empty local batch joins the ranks' collectives below
+            sq = _empty_norms(trainable)
         elif recorder.drive(total, None, True, stream):
             sq = streams[0].finish()
             if sq is None:
@@ -664,7 +668,6 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noi
     recorder.reset_batch()  # records consumed; the second pass records nothing
     for _, p in trainable:
         p.grad = None
-    group = _ddp_group(recorder) if mesh is None else mesh.get_group()
     if group is not None:  # DDP and FSDP average the ranks' gradients: weigh by world / global D
         divisor = _global_divisor(recorder, group, batch) / dist.get_world_size(group)
     second = (losses * (factors / divisor).to(losses.dtype)).sum()

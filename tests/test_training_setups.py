@@ -53,14 +53,15 @@ def _check_per_sample(rank, world, base, ref_model, ddp):
         torch.testing.assert_close(p.grad, expected, rtol=1e-12, atol=1e-12)
 
 
-def _check_clipping(rank, world, base, ref_model, ddp):
+def _check_clipping(sizes, rank, world, base, ref_model, ddp):
     """Book-keeping (ghost, materialised) and two-pass clipping of a DDP model: every rank ends
-    with the clipped, noised mean of the ranks' concatenated batch, the noise added once."""
+    with the clipped, noised mean of the ranks' concatenated batch, the noise added once; also
+    when one rank's (Poisson) batch is empty: it joins every collective."""
     batches = []
     for r in range(world):
         g = torch.Generator().manual_seed(200 + r)
-        batches.append((torch.randn(3 + r, 5, generator=g, dtype=torch.float64),
-                        torch.randint(0, 3, (3 + r,), generator=g)))
+        batches.append((torch.randn(sizes[r], 5, generator=g, dtype=torch.float64),
+                        torch.randint(0, 3, (sizes[r],), generator=g)))
     x_all = torch.cat([b[0] for b in batches])
     y_all = torch.cat([b[1] for b in batches])
     ref = loop_grads(ref_model, F.cross_entropy, x_all, y_all)
@@ -90,8 +91,9 @@ def _check_clipping(rank, world, base, ref_model, ddp):
                                            msg=lambda m: f"{method} {name}: {m}")
 
 
-def test_ddp_clipping_two_processes_gloo():
-    _spawn(_check_clipping)
+@pytest.mark.parametrize("sizes", [(3, 4), (4, 0)], ids=["unequal", "one-rank-empty"])
+def test_ddp_clipping_two_processes_gloo(sizes):
+    _spawn(functools.partial(_check_clipping, sizes))
 
 
 def test_ddp_two_processes_gloo():
