@@ -132,7 +132,17 @@ class Recorder:
         self._resync = False        # Provenance (gradhooks.provenance) of the forward running now, or None; per input
         # signature, whether its forwards need it (None: not tracked yet).
         self._prov: Optional[Provenance] = None
-        self._signatures: Dict[tuple, bool] = {}
+        # Per input signature, what its tracked forward found: "mode" (track every forward:
+        # sources that meet the batch after other ops, raw parameters), or the plan
+        # {(id(layer), k): layout} of its shared calls whose outputs themselves meet the batch
+        # only by broadcasts ("expand" / "prepend": later forwards hand them downstream as B
+        # identical samples, records.expand_call) or only row by row ("rows": their B rows are
+        # the samples', an ordinary call); {} without shared calls. Planned forwards run
+        # without tracking.
+        self._signatures: Dict[tuple, object] = {}
+        self._plan: Optional[dict] = None  # the plan of the forward running now
+        self._plan_b = 0
+        self._ordinals: Dict[int, int] = {}  # calls of each hooked layer in this forward
         # Under torch.compile the recording runs eagerly (a graph break), instead of dynamo
         # tracing it and recompiling for every record; the filters above stay traceable.
         self._record = torch.compiler.disable(self._on_forward)
@@ -321,6 +331,16 @@ class Recorder:
             if layer is not None:
                 self._prov.entered.add(id(layer))
 
+    def _learn(self, prov: Provenance) -> None:
+        # What a tracked forward that returned tells about its signature (see _signatures).
+        plan = {key: "rows" if prov.kinds.get(id(cap)) == "direct" else how
+                for cap, key, how in prov.shared_calls}
+        if prov.param_sources or prov.plain or len(plan) < len(prov.shared_calls):
+            plan = "mode"
+        before = self._signatures.get(prov.signature)
+        self._signatures[prov.signature] = (plan if before is None or before == plan
+                                            else "mode")
+
     def _stop_tracking(self) -> None:
         # End the provenance of a forward that detach() / suspended() interrupted.
         prov, self._prov = self._prov, None
@@ -331,6 +351,8 @@ class Recorder:
         # The model's forward returned (completed) or raised: its provenance stops; a tracked
         # forward that returned tells whether its signature needs tracking every time.
         prov = self._prov
+        if module is self.model and prov is None:
+            self._plan = None  # (calls outside the model's forward follow no plan)
         if module is self.model and prov is not None:
             prov.depth -= 1
             if prov.depth == 0:
@@ -341,8 +363,7 @@ class Recorder:
                                      if v[0].forward != self._forward_id}
                 else:
                     self._settle_params(prov)
-                    key = prov.signature
-                    self._signatures[key] = self._signatures.get(key, False) or prov.shared
+                    self._learn(prov)
 
     def _on_any_forward(self, module: nn.Module, args, kwargs, output) -> None:
         # Global forward hook: the hooked layers' calls.
@@ -386,12 +407,18 @@ class Recorder:
                 rule.check_call(module, args, kwargs, self._options)
             if not names:
                 return
-            prov = self._prov
+            prov, plan, ordinal = self._prov, self._plan, 0
+            if prov is not None or plan:
+                ordinal = self._ordinals[id(layer)] = self._ordinals.get(id(layer), 0) + 1
+            planned = plan.get((id(layer), ordinal)) if plan else None
+            if planned == "rows":  # (its B rows are the samples': an ordinary call)
+                planned = None
             # Provenance decides whether this call sees the batch: a call whose output the
             # batch did not reach is a shared call, whatever its sizes.
             shared_call = prov is not None and not any(
                 prov.batched(t) for t in (leaves if rule.multi_io else (output,)))
-            b = None if shared_call else rule.call_batch_size(module, args, kwargs, self.batch_first)
+            b = (None if shared_call or planned else
+                 rule.call_batch_size(module, args, kwargs, self.batch_first))
         except GradHooksError as e:
             raise type(e)(f"module {layer.describe()}: {e}") from None
         if self.check and not layer.watched:
@@ -401,18 +428,26 @@ class Recorder:
         if self._backward_seen and not in_backward():  # (a recomputation belongs to this batch)
             self.clear()
         if shared_call:
-            return self._record_shared(prov, layer, args, kwargs, output, names, x)
-        if prov is None and id(layer) in self._shared_layers and in_backward():
+            return self._record_shared(prov, layer, args, kwargs, output, names, x, ordinal)
+        if planned is not None:  # a shared call its signature's tracked forward planned
+            b = (self._batch_size if self._batch_size is not None
+                 and self._batch_forward == self._forward_id else self._plan_b)
+            x, output, args, kwargs = expand_call(b, x, output, args, kwargs, planned)
+            self._shared_layers.add(id(layer))
+            if rule.multi_io:
+                leaves, spec = flatten(output)
+                reached = [0]
+        elif prov is None and id(layer) in self._shared_layers and in_backward():
             raise BatchSizeError(
                 f"module {layer.describe()} is recomputed in the backward pass (a checkpointed "
                 f"region) after a call on shared inputs in its forward; gradhooks takes a shared "
                 f"call's per-sample part where it meets the batch in the forward, which a "
                 f"recomputation does not replay. Leave the layers that make position biases / "
                 f"learned queries outside torch.utils.checkpoint")
-        shared = (prov is None and b == 1 and self._batch_size is not None and self._batch_size > 1
-                  and self._forward_id == self._batch_forward
-                  and shared_lookup(x, output, self.batch_first))
-        if shared:  # handed downstream expanded to the batch (records.shared_lookup)
+        shared = planned is not None or (
+            prov is None and b == 1 and self._batch_size is not None and self._batch_size > 1
+            and self._forward_id == self._batch_forward and shared_lookup(x, output, self.batch_first))
+        if shared and planned is None:  # handed downstream expanded to the batch (records.shared_lookup)
             b = self._batch_size
             x, output, args, kwargs = expand_call(b, x, output, args, kwargs)
             if rule.multi_io:
@@ -470,7 +505,7 @@ class Recorder:
         return None
 
     def _record_shared(self, prov: Provenance, layer: Layer, args, kwargs, output, names,
-                       x) -> None:
+                       x, ordinal: int) -> None:
         # A call whose output the batch did not reach (gradhooks.provenance): its input is
         # recorded as a batch of B identical samples (provenance.as_batch) and its output
         # tagged as a source; its per-sample grad_outputs come from where it meets the batch.
@@ -498,6 +533,7 @@ class Recorder:
             cap = Record(layer, x_b.detach(), names, self._step)
         cap.forward = self._forward_id
         cap.shared = how
+        prov.shared_calls.append((cap, (id(layer), ordinal), how))
         if isinstance(rule, FallbackRule):
             prov.fallback_calls.append(cap)
         self._calls += 1
@@ -505,12 +541,24 @@ class Recorder:
         prov.add_source(output, cap)
         return None
 
-    def _on_noted(self, sources: tuple, how: str, u_b: Tensor) -> None:
+    def _on_noted(self, sources: tuple, how: str, u_b: Optional[Tensor],
+                  direct: Optional[int]) -> None:
         # In the forward, where a shared call's output meets the batch (as u_b): the output-
         # edges pass of gh.backward asks for the gradient below u_b, so that autograd runs its
         # hook. A call on B rows whose output meets the batch only row by row, itself (an
         # initial state made from the batch size), is recorded as an ordinary call on its B
         # rows (no B x B expansion); any other meeting makes it B identical samples again.
+        # (only a call whose output itself meets the batch, always by broadcasts that add the
+        # batch dim as its record's layout does, or always row by row, can be planned)
+        kinds = self._prov.kinds
+        for s in sources:
+            cap = s[0]
+            fits = (how == "direct" or how == "broadcast"
+                    and direct == {"expand": 0, "prepend": 1}.get(cap.shared))
+            if direct is None or not fits or kinds.setdefault(id(cap), how) != how:
+                self._prov.plain.add(id(cap))
+        if u_b is None:
+            return
         self._meetings = True
         if self._driven:
             self._edges_complete &= mark(self, sources[0][0], [], u_b.grad_fn)
@@ -630,6 +678,7 @@ class Recorder:
         # Sources met the batch in an op that is not split per sample: their reads raise.
         for cap, *_ in sources:
             self._refused.setdefault(id(cap), (cap, message))
+            self._prov.plain.add(id(cap))
 
     def _on_model_forward(self, module: nn.Module, args, kwargs) -> None:
         if self._prov is not None:  # the model's forward calls the model again
@@ -654,11 +703,14 @@ class Recorder:
         # is new or had shared calls: the batch is what the top-level inputs carry on the batch
         # dim. Sequence-first models (batch_first=False) keep the size rules (README, Limitations).
         bdim = 0
+        self._plan, self._ordinals = None, {}
         first = next((t for t in top if t.dim() > bdim), None) if self.batch_first else None
         if first is None or any(is_functorch_wrapped(t) for t in top):
             return
         key = (tuple((tuple(t.shape), t.dtype) for t in top), training)
-        if self._signatures.get(key) is False:
+        known = self._signatures.get(key)
+        if isinstance(known, dict):  # (empty: no shared calls)
+            self._plan, self._plan_b = known or None, first.shape[bdim]
             return
         # The top-level inputs are the batch (all of them: EmbeddingBag's offsets too); its size
         # is the first hooked call's on them (the first input's batch dim until then).
@@ -672,6 +724,9 @@ class Recorder:
         prov = Provenance(first.shape[bdim], bdim, top, self._on_meeting, self._refuse_shared,
                           self._on_noted, raw, self._param_source)
         prov.fallback_calls = []  # this forward's records of modules that own raw parameters
+        prov.shared_calls = []  # (record, (id(layer), k), layout) of this forward's shared calls
+        prov.plain = set()  # ids of shared calls whose outputs are used otherwise (see _on_noted)
+        prov.kinds = {}  # id(record) -> how its output meets the batch ("broadcast" / "direct")
         prov.signature, prov.depth = key, 1
         self._prov = prov
         prov.__enter__()

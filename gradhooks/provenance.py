@@ -120,8 +120,11 @@ class Provenance(TorchFunctionMode):
             met the batch: ``u_b``'s shape, the batch dim of size ``B``, for ``how ==
             "broadcast"``; ``u``'s own shape for ``"rows"`` and ``"direct"`` (``u`` is the
             shared call's output itself, its ``B`` rows lined up with the batch's).
-        noted: ``noted(sources, how, u_b)``, called in the forward for each such meeting with
-            the operand handed to the op.
+        noted: ``noted(sources, how, u_b, direct)``, called in the forward for each such
+            meeting with the operand handed to the op (``direct``: when the operand is the
+            shared call's output itself, the number of leading dims the op's broadcast adds to
+            it, else ``None``), and as ``noted(sources, "derived", None, None)`` for an op that
+            computes from sources before they meet the batch.
         refuse: ``refuse(sources, message)``: sources met the batch in an op that cannot be
             split per sample.
         params: ``{id(param): (layer, name)}`` of raw parameters (owned by modules without a
@@ -215,6 +218,9 @@ class Provenance(TorchFunctionMode):
         if ref is not None and tainted:
             args, kwargs = self._split(func, args, kwargs, ref, tainted, sources)
         out = func(*args, **kwargs)
+        if ref is None and tainted and not any(out is t for t in tainted):
+            self.noted(sources, "derived", None, None)  # (computed from before the meeting;
+            # an op that returns its input, .to() of the same dtype, computes nothing)
         if ref is not None or sources is not None:
             tag = (self.token, None if ref is not None else sources)
             if isinstance(out, Tensor):
@@ -253,17 +259,16 @@ class Provenance(TorchFunctionMode):
                 return args, kwargs
             _, src = self._look(u)
             edge = get_gradient_edge(u)
+            # u is the shared call's output itself: the leading dims the op adds to it
+            direct = k if (len(src) == 1 and edge.node is src[0][1].node
+                           and edge.output_nr == src[0][1].output_nr) else None
             if shape[bd] == 1:
                 full = list(shape)
                 full[bd] = self.b
                 u_b, how = u.reshape(shape).expand(full), "broadcast"
-            else:
-                u_b, how = u.view(u.shape), "rows"
-                # the shared call's own output, B rows lined up with the batch's
-                if (len(src) == 1 and edge.node is src[0][1].node
-                        and edge.output_nr == src[0][1].output_nr):
-                    how = "direct"
-            self.noted(src, how, u_b)
+            else:  # (direct: its B rows lined up with the batch's)
+                u_b, how = u.view(u.shape), "rows" if direct is None else "direct"
+            self.noted(src, how, u_b, direct)
             u_b.register_hook(lambda g, e=edge, s=src, h=how, shp=tuple(u.shape): self.meet(e, s, h, shp, g))
             swap[id(u)] = u_b
         if not swap:

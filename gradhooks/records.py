@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_unflatten
 from . import rules as _rules  # noqa: F401  (registers the built-in rules)
 from .checks import GradTotal, check_unrecorded
 from .errors import FallbackWarning, GradHooksError, GradientMismatchError, UnsupportedModuleError
+from .provenance import as_batch
 from .registry import LayerRule, find_rule, supported_types
 from .rules.fallback import FALLBACK
 from .utils import own_loss_scale, tensors
@@ -41,15 +42,17 @@ def shared_lookup(x, output, batch_first: bool) -> bool:
             and output.dim() >= 1 and not x.is_floating_point() and (batch_first or x.dim() < 3))
 
 
-def expand_call(b: int, x: Tensor, output: Tensor, args: tuple, kwargs: dict):
-    """``(x, output, args, kwargs)`` of a :func:`shared_lookup` call with its input ``x`` (the
-    first argument) and its output expanded to ``b`` rows (views)."""
-    x_b = x.expand(b, *x.shape[1:])
+def expand_call(b: int, x: Tensor, output: Tensor, args: tuple, kwargs: dict, how: str = "expand"):
+    """``(x, output, args, kwargs)`` of a shared call (a :func:`shared_lookup` one, or one that
+    provenance found handed straight to a broadcast with the batch) with its input ``x`` (the
+    first argument) and its output made ``b`` identical samples in the layout ``how``
+    (:func:`gradhooks.provenance.as_batch`; views)."""
+    x_b = as_batch(x, b, how)
     if args:
         args = (x_b, *args[1:])
     else:
         kwargs = {k: (x_b if i == 0 else v) for i, (k, v) in enumerate(kwargs.items())}
-    return x_b, output.expand(b, *output.shape[1:]), args, kwargs
+    return x_b, as_batch(output, b, how), args, kwargs
 
 
 def plain_state(p: nn.Parameter) -> dict:
