@@ -30,8 +30,12 @@ refused at the read with the module, the op and the shapes, never guessed.
 
 Tracking costs a Python call per torch op of the forward (about +5% on a Transformer block's
 forward). The recorder runs it on the first forward of each input signature (the top-level
-inputs' shapes and dtypes, train/eval mode), and on later forwards only for signatures whose
-tracked forward had a shared call.
+inputs' shapes and dtypes, train/eval mode). What it finds is kept per signature: without shared
+calls, nothing more is tracked; when every shared call's output itself meets the batch only by a
+broadcast that adds the batch dim as the record's layout does (position ids), or only row by row
+(token types of B rows), later forwards follow that plan without tracking (the output handed
+downstream as B identical samples, or recorded as an ordinary call); otherwise (T5's buckets,
+permuted before they meet the batch; raw parameters) every forward is tracked.
 """
 from __future__ import annotations
 

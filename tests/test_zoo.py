@@ -82,6 +82,67 @@ def bart():
     return TokensToLogits(tr.BartForConditionalGeneration(cfg), decoder=True), "tokens"
 
 
+def distilbert():
+    tr = transformers_lib()
+    cfg = tr.DistilBertConfig(vocab_size=V, dim=H, n_layers=2, n_heads=4, hidden_dim=2 * H,
+                              max_position_embeddings=T, num_labels=3)
+    return TokensToLogits(tr.DistilBertForSequenceClassification(cfg)), "label"
+
+
+def roberta():
+    """RoBERTa makes its position ids from the input ids (a cumulative sum of the non-pad mask):
+    the position lookup computes from the batch."""
+    tr = transformers_lib()
+    cfg = tr.RobertaConfig(vocab_size=V, hidden_size=H, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=2 * H, max_position_embeddings=T + 2, num_labels=3,
+                           pad_token_id=0)
+    return TokensToLogits(tr.RobertaForSequenceClassification(cfg)), "label"
+
+
+def qwen2():
+    tr = transformers_lib()
+    cfg = tr.Qwen2Config(vocab_size=V, hidden_size=H, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=2 * H, max_position_embeddings=T)
+    return TokensToLogits(tr.Qwen2ForCausalLM(cfg)), "tokens"
+
+
+def whisper():
+    """Whisper: log-mel features (B, 8, 16) into the encoder (its sinusoidal positions are a
+    frozen Embedding), decoder tokens made from sizes (the same for every sample: a shared
+    call of the token embedding), a 3-class head on the last position's logits."""
+    tr = transformers_lib()
+    cfg = tr.WhisperConfig(vocab_size=V, d_model=H, encoder_layers=1, decoder_layers=1,
+                           encoder_attention_heads=4, decoder_attention_heads=4,
+                           encoder_ffn_dim=2 * H, decoder_ffn_dim=2 * H, num_mel_bins=8,
+                           max_source_positions=8, max_target_positions=T, pad_token_id=0,
+                           bos_token_id=0, eos_token_id=0, decoder_start_token_id=0)
+
+    class Speech(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = tr.WhisperForConditionalGeneration(cfg)
+
+        def forward(self, mel):
+            ids = torch.arange(4).expand(mel.shape[0], 4)
+            return self.model(input_features=mel, decoder_input_ids=ids).logits[:, -1, :3]
+    return Speech(), "mel"
+
+
+def hf_vit():
+    tr = transformers_lib()
+    cfg = tr.ViTConfig(image_size=32, patch_size=8, hidden_size=H, num_hidden_layers=2,
+                       num_attention_heads=4, intermediate_size=2 * H, num_labels=5)
+
+    class Images(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = tr.ViTForImageClassification(cfg)
+
+        def forward(self, x):
+            return self.model(pixel_values=x).logits
+    return Images(), "image"
+
+
 def llama():
     tr = transformers_lib()
     cfg = tr.LlamaConfig(vocab_size=V, hidden_size=H, num_hidden_layers=2, num_attention_heads=4,
@@ -153,17 +214,20 @@ def tv_swin(m):
                              window_size=[4, 4], num_classes=5)
 
 
-# Modules the torch.func fallback covers (their class names), per model; every other module with
-# parameters must have a rule. Each is a raw parameter of a container module (the recorder-side
-# part of issue 16 prices these at the container's ops).
+# Modules with parameters but no rule (their class names), per model; every other module with
+# parameters must have a rule. The raw parameters of containers are priced at their own ops
+# (gradhooks.provenance), the others replayed by the torch.func fallback.
 FALLBACK = {
     "timm-vit-tiny-layerscale": {"VisionTransformer"},  # cls_token, pos_embed
     "timm-convnext-atto": {"ConvNeXtBlock"},  # gamma, applied by the block itself
     "tv-convnext": {"CNBlock"},  # layer_scale
     "tv-swin": {"ShiftedWindowAttention"},  # relative_position_bias_table
+    "hf-vit": {"ViTEmbeddings"},  # cls_token, position_embeddings
+    "tv-vit": {"VisionTransformer", "Encoder"},  # class_token; pos_embedding
     # Embedding subclasses with their own forward (scaled tokens; positions made from the
     # input's shape, a shared call): the fallback replays each, a single embedding lookup.
     "bart": {"BartScaledWordEmbedding", "BartLearnedPositionalEmbedding"},
+    "whisper": {"WhisperPositionalEmbedding"},  # (its decoder's: an Embedding subclass)
 }
 
 # id: (builder, marks)
@@ -188,6 +252,16 @@ ZOO = {
     "tv-convnext": (vision(tv_convnext), None),
     "tv-mobilenet-v3-small-eval": (vision(lambda m: m.mobilenet_v3_small(num_classes=5)), None),
     "tv-swin": (vision(tv_swin), None),
+    "distilbert": (distilbert, None),
+    "roberta": (roberta, None),
+    "qwen2": (qwen2, None),
+    "bert-lora": (lora(bert, ["query", "value"]), None),
+    "whisper": (whisper, None),
+    "hf-vit": (hf_vit, None),
+    "tv-vit": (vision(lambda m: m.VisionTransformer(image_size=32, patch_size=8, num_layers=2,
+                                                    num_heads=2, hidden_dim=H, mlp_dim=2 * H,
+                                                    num_classes=5)), None),
+    "tv-efficientnet-b0-eval": (vision(lambda m: m.efficientnet_b0(num_classes=5)), None),
 }
 
 
@@ -208,6 +282,8 @@ def assert_close(ours, ref):
 def inputs(kind, generator, b=B, t=T):
     if kind == "image":
         return torch.randn(b, 3, 32, 32, dtype=torch.float64, generator=generator), torch.randint(0, 5, (b,), generator=generator)
+    if kind == "mel":
+        return torch.randn(b, 8, 16, dtype=torch.float64, generator=generator), torch.randint(0, 3, (b,), generator=generator)
     if kind == "audio":
         return torch.randn(b, 400, dtype=torch.float64, generator=generator), torch.randint(0, 3, (b,), generator=generator)
     ids = torch.randint(1, V, (b, t), generator=generator)
