@@ -7,7 +7,15 @@ The CNN has the tutorial CNN's layout (two convolutions, max-pool, linear head) 
 of scikit-learn's bundled digits (no download). It is trained to a MAP estimate, then
 ``Laplace(model, "classification", hessian_structure=..., backend=GradHooksGGN)`` is fitted on
 the training set, its prior precision chosen by the marginal likelihood, and the GLM predictive
-(probit) is compared with the MAP softmax on the test set.
+(probit) is compared with the MAP softmax on the test set, for all weights and for the last
+layer.
+
+On this easy problem the MAP model is already calibrated (ECE 0.009) and the Laplace predictive,
+which widens every prediction, is underconfident: ECE 0.43 for all weights, 0.23 for the last
+layer, with the marginal-likelihood prior. That is the method and the prior, not the backend:
+gradhooks' factors equal laplace-torch's curvlinops backend's here to the last bit (prior
+precision 3.65, log marginal likelihood -676.4 after the same training), and its BackPack
+backend, whose convolution factors differ, gives 4.71 / -972.6 and ECE 0.36.
 """
 import argparse
 import pathlib
@@ -73,18 +81,21 @@ def main() -> None:
             nn.functional.cross_entropy(model(xb), yb).backward()
             opt.step()
     model.eval()
-    la = Laplace(model, "classification", subset_of_weights="all",
-                 hessian_structure=args.structure, backend=GradHooksGGN)
-    la.fit(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[train], y[train]),
-                                       batch_size=100))
-    la.optimize_prior_precision(method="marglik")
+    fit_loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[train], y[train]),
+                                             batch_size=100)
     with torch.no_grad():
         p_map = model(x[test]).softmax(1)
-    p_la = la(x[test], pred_type="glm", link_approx="probit")
-    rows = {"MAP": calibration(p_map.double(), y[test]),
-            f"Laplace ({args.structure}, gradhooks)": calibration(p_la.double().detach(), y[test])}
-    print(f"prior precision {float(la.prior_precision):.3g}, "
-          f"log marginal likelihood {float(la.log_marginal_likelihood()):.1f}")
+    rows = {"MAP": calibration(p_map.double(), y[test])}
+    for weights in ("all", "last_layer"):
+        la = Laplace(model, "classification", subset_of_weights=weights,
+                     hessian_structure=args.structure, backend=GradHooksGGN)
+        la.fit(fit_loader)
+        la.optimize_prior_precision(method="marglik")
+        p_la = la(x[test], pred_type="glm", link_approx="probit")
+        name = f"Laplace ({args.structure}{', last layer' if weights == 'last_layer' else ''}, gradhooks)"
+        rows[name] = calibration(p_la.double().detach(), y[test])
+        print(f"{name}: prior precision {float(la.prior_precision):.3g}, "
+              f"log marginal likelihood {float(la.log_marginal_likelihood()):.1f}")
     print(f"{'model':28s} {'acc':>6s} {'ECE':>7s} {'NLL':>7s}")
     for name, (ece, nll, acc, *_) in rows.items():
         print(f"{name:28s} {acc:6.3f} {ece:7.4f} {nll:7.4f}")
