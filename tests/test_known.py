@@ -318,3 +318,52 @@ def test_batchnormact_in_training_mode_is_refused():
     with gradhooks.attach(bn):
         with pytest.raises(gradhooks.UnsupportedCallError, match="BatchNormAct2d"):
             bn(torch.randn(2, 4, 3, 3))
+
+
+class PegasusScaledWordEmbedding(nn.Embedding):
+    """transformers' ``*ScaledWordEmbedding`` (BART, M2M100, Pegasus ...): a lookup times a
+    constant."""
+
+    def __init__(self, num, dim, padding_idx=None, embed_scale=1.0, plus=0.0):
+        super().__init__(num, dim, padding_idx=padding_idx)
+        self.embed_scale, self.plus = embed_scale, plus
+
+    def forward(self, ids):
+        return super().forward(ids) * self.embed_scale + self.plus
+
+
+@pytest.mark.parametrize("batch", [0, 1, 3], ids=["B0", "B1", "B3"])
+@pytest.mark.parametrize("padding", [None, 2], ids=["no-pad", "pad"])
+def test_scaled_word_embedding_matches_loop(batch, padding, dtype):
+    """Recognised by the probe (no fallback): per-sample gradients, norms and clipping from the
+    scaled row scatters, against the loop."""
+    torch.manual_seed(0)
+    emb = PegasusScaledWordEmbedding(7, 4, padding_idx=padding, embed_scale=2.5).to(dtype)
+    model = nn.Sequential(emb, nn.Tanh(), nn.Flatten(), nn.Linear(12, 2)).to(dtype)
+    x, y = torch.randint(0, 7, (batch, 3)), torch.randint(0, 2, (batch,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        gh = gradhooks.attach(model, loss_reduction="sum")
+    try:
+        assert type(rule_of(gh, "0")).__name__ == "ScaledEmbeddingRule"
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        norms = gh.per_sample_grad_norms()
+        ours = gh.per_sample_grads()
+    finally:
+        gh.detach()
+    if batch == 0:
+        assert ours["0.weight"].shape == (0, 7, 4) and norms.shape == (0,)
+        return
+    ref = loop_grads(model, F.cross_entropy, x, y)
+    assert_close_to_loop(ours, ref, dtype)
+    want = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+    torch.testing.assert_close(norms, want, rtol=1e-9 if dtype == torch.float64 else 1e-4, atol=0)
+
+
+def test_scaled_word_embedding_that_computes_otherwise_gets_the_fallback():
+    """A ``*ScaledWordEmbedding`` that adds a constant after the scaling fails the probe."""
+    model = nn.Sequential(PegasusScaledWordEmbedding(7, 4, embed_scale=2.0, plus=1.0), nn.Tanh())
+    with pytest.warns(FallbackWarning, match="ScaledEmbeddingRule.*differs"):
+        gh = gradhooks.attach(model)
+    assert isinstance(rule_of(gh, "0"), FallbackRule)
+    gh.detach()

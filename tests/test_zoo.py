@@ -224,9 +224,10 @@ FALLBACK = {
     "tv-swin": {"ShiftedWindowAttention"},  # relative_position_bias_table
     "hf-vit": {"ViTEmbeddings"},  # cls_token, position_embeddings
     "tv-vit": {"VisionTransformer", "Encoder"},  # class_token; pos_embedding
-    # Embedding subclasses with their own forward (scaled tokens; positions made from the
-    # input's shape, a shared call): the fallback replays each, a single embedding lookup.
-    "bart": {"BartScaledWordEmbedding", "BartLearnedPositionalEmbedding"},
+    # An Embedding subclass with its own forward (positions made from the input's shape, a
+    # shared call): the fallback replays it, a single lookup. (BART's scaled token embedding
+    # is recognised: ScaledEmbeddingRule.)
+    "bart": {"BartLearnedPositionalEmbedding"},
     "whisper": {"WhisperPositionalEmbedding"},  # (its decoder's: an Embedding subclass)
 }
 

@@ -43,6 +43,7 @@ import math
 from typing import Dict, Iterable, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..utils import compute_dtype
@@ -170,6 +171,34 @@ class EmbeddingRule(LayerRule):
         r = self.rows(module, a, g, batch_first, names)["weight"]
         return {"weight": scatter_rows(idx.shape[self._batch_dim(idx, batch_first)],
                                        module.num_embeddings, r.sample, r.row, r.values)}
+
+
+class ScaledEmbeddingRule(EmbeddingRule):
+    """An ``nn.Embedding`` subclass whose forward multiplies the lookup by a constant:
+    ``y = embedding(x) * embed_scale`` (transformers' ``BartScaledWordEmbedding``,
+    ``M2M100ScaledWordEmbedding`` ... the ``sqrt(d_model)`` scaling of Vaswani et al. 2017).
+
+    Not registered by type: :mod:`gradhooks.rules.known` recognises the class by name and checks
+    :meth:`formula` against the module on a probe input. Per-sample gradients as
+    :class:`EmbeddingRule`'s with the grad_output rows times ``embed_scale`` (the chain rule
+    through the constant): ``weight``: ``(B, V, D)``, or the row scatters for norms and clipping.
+    """
+
+    def rows(self, module: nn.Module, a: Call, g: Tensor, batch_first: bool,
+             names: Iterable[str]) -> Dict[str, Rows]:
+        r = super().rows(module, a, g, batch_first, names)["weight"]
+        return {"weight": Rows(r.sample, r.row, r.values * float(module.embed_scale))}
+
+    def formula(self, module: nn.Module, x: Tensor) -> Tensor:
+        """What the rule assumes the module computes: ``F.embedding(x, weight) * embed_scale``."""
+        return F.embedding(x, module.weight, module.padding_idx) * module.embed_scale
+
+    def probe_input(self, module: nn.Module) -> Optional[Tensor]:
+        """``(2, 3)`` indices into the table, or ``None`` without a numeric ``embed_scale``."""
+        if not isinstance(getattr(module, "embed_scale", None), (int, float)) \
+                or not isinstance(module, nn.Embedding):
+            return None
+        return torch.randint(0, module.num_embeddings, (2, 3), device=module.weight.device)
 
 
 _BAG_ARGS = ("input", "offsets", "per_sample_weights")

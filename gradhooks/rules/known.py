@@ -17,7 +17,8 @@ Names (and where the classes live): ``Conv1D`` (``transformers.pytorch_utils``, 
 ``RmsNorm`` (``timm.layers``); ``LayerNorm2d`` (``timm.layers``,
 ``torchvision.models.convnext``); ``LayerNorm`` (``timm.layers``, an ``nn.LayerNorm`` subclass
 with its own forward); ``BatchNormAct2d`` (``timm.layers``); ``LayerScale``, ``LayerScale2d``
-(``timm.layers``, ``timm.models.vision_transformer``). A probe costs one forward of a
+(``timm.layers``, ``timm.models.vision_transformer``); ``*ScaledWordEmbedding`` (transformers'
+BART, M2M100, NLLB ...: a lookup times ``embed_scale``). A probe costs one forward of a
 ``(2, 3, D)`` or ``(2, C, 3, 2)`` tensor per module.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 from ..errors import FallbackWarning
 from ..registry import LayerRule, find_type_rule, register_recogniser
 from ..utils import paused
+from .embedding import ScaledEmbeddingRule
 from .linear import TransposedLinearRule
 from .norm import BatchNormActRule, LayerNorm2dRule, RMSNormLikeRule
 from .scale import ScaleRule
@@ -53,7 +55,8 @@ KNOWN: Dict[str, Tuple[LayerRule, ...]] = {
 
 #: Class-name endings -> rules, for families copied under many model names
 #: (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``MistralRMSNorm`` ...).
-SUFFIXES: Dict[str, Tuple[LayerRule, ...]] = {"RMSNorm": _RMS}
+SUFFIXES: Dict[str, Tuple[LayerRule, ...]] = {"RMSNorm": _RMS,
+                                               "ScaledWordEmbedding": (ScaledEmbeddingRule(),)}
 
 
 def probe_matches(module: nn.Module, rule: LayerRule) -> Tuple[bool, str]:
