@@ -50,6 +50,18 @@ _HOOKED: "weakref.WeakKeyDictionary[nn.Module, Recorder]" = weakref.WeakKeyDicti
 _MISSING = object()
 
 
+def _reads_batch_at(layer: Layer, shape, dtype, dim: int, batch_first: bool = False) -> bool:
+    # Whether the layer's rule reads the batch of an input of ``shape`` from dim ``dim``: asked
+    # on a meta tensor whose dim ``dim`` has a size no other dim has (a size never decides).
+    shape = list(shape)
+    shape[dim] = max(shape) + 1
+    try:
+        return layer.rule.batch_size(layer.module, torch.empty(shape, dtype=dtype, device="meta"),
+                                     batch_first) == shape[dim]
+    except GradHooksError:
+        return False
+
+
 def _hint(module: nn.Module, default: str) -> str:
     # What to do about a call that does not see the whole batch.
     if type(module).__module__.startswith("opacus."):  # RNNLinear in a DP RNN
@@ -518,7 +530,7 @@ class Recorder:
                                               "expanded to (B, T)), or keep the module frozen."))
         rule = layer.rule
         b = prov.b
-        how = shared_layout(x, output)
+        how = self._shared_layout(layer, x, output, b, args, kwargs)
         x_b = as_batch(x, b, how)
         if rule.multi_io:
             leaves, spec = flatten(as_batch(output, b, how))
@@ -541,8 +553,30 @@ class Recorder:
         prov.add_source(output, cap)
         return None
 
+    def _shared_layout(self, layer: Layer, x: Tensor, output: Tensor, b: int, args,
+                       kwargs) -> str:
+        # Where a shared call's samples go (provenance.shared_layout): dim 0; with
+        # batch_first=False the dim the layer's rule reads the batch from, found by asking the
+        # rule on a shape whose candidate dim has a size no other dim has (never by a size
+        # that happens to equal B). The fallback's replay takes the samples on dim 0 always.
+        rule = layer.rule
+        if self.batch_first or isinstance(rule, FallbackRule):
+            return shared_layout(x, output)
+        for dim in (1, 0):
+            how = shared_layout(x, output, dim)
+            shape = as_batch(torch.empty(x.shape, dtype=x.dtype, device="meta"), 1, how).shape
+            if _reads_batch_at(layer, shape, x.dtype, dim):
+                return how
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors((args, kwargs)))
+        raise BatchSizeError(
+            f"module {layer.describe()} is called on inputs that do not come from the batch "
+            f"(shapes {shapes}), and its rule reads no batch dim gradhooks can add to them "
+            f"(batch_first=False). " + _hint(layer.module, "Pass the inputs batched (e.g. "
+                                                           "position ids expanded to (T, B)), "
+                                                           "or keep the module frozen."))
+
     def _on_noted(self, sources: tuple, how: str, u_b: Optional[Tensor],
-                  direct: Optional[int]) -> None:
+                  direct: Optional[int], dim: Optional[int] = None) -> None:
         # In the forward, where a shared call's output meets the batch (as u_b): the output-
         # edges pass of gh.backward asks for the gradient below u_b, so that autograd runs its
         # hook. A call on B rows whose output meets the batch only row by row, itself (an
@@ -555,7 +589,8 @@ class Recorder:
             cap = s[0]
             fits = (how == "direct" or how == "broadcast"
                     and direct == {"expand": 0, "prepend": 1}.get(cap.shared))
-            if direct is None or not fits or kinds.setdefault(id(cap), how) != how:
+            if (direct is None or not fits or not self.batch_first
+                    or kinds.setdefault(id(cap), how) != how):  # (plans: batch_first only)
                 self._prov.plain.add(id(cap))
         if u_b is None:
             return
@@ -565,11 +600,16 @@ class Recorder:
         for cap, _, _ in sources:
             if cap.spec is not None:
                 continue
-            if how == "direct" and cap.shared == "prepend" and not cap.met:
-                if 0 < cap.a.shape[0] == cap.a.shape[1]:  # (its input has B rows)
-                    cap.a, cap.shared = cap.a[0], "rows"
+            layout = cap.shared
+            if how == "direct" and layout.startswith("prepend") and not cap.met:
+                # (its input has B rows, lined up with the batch where its output meets it)
+                d = 1 if layout == "prepend1" else 0
+                one = cap.a.select(d, 0) if cap.a.shape[d] else None
+                if (one is not None and one.dim() > dim and one.shape[dim] == cap.a.shape[d]
+                        and _reads_batch_at(cap.layer, one.shape, one.dtype, dim, self.batch_first)):
+                    cap.a, cap.shared, cap.rows = one, "rows", layout
             elif how != "direct" and cap.shared == "rows":
-                cap.a, cap.shared = as_batch(cap.a, cap.a.shape[0], "prepend"), "prepend"
+                cap.a, cap.shared = as_batch(cap.a, cap.a.shape[0], cap.rows), cap.rows
             cap.met = True
 
     def _param_source(self, p: Tensor, info: tuple) -> Optional[Record]:
@@ -630,23 +670,28 @@ class Recorder:
                 if call.layer.module is cap.layer.module:  # (the Layer may be a demotion's)
                     call.names = tuple(n for n in call.names if n != name)
 
-    def _on_meeting(self, edge, sources: tuple, how: str, shape: tuple, grad: Tensor) -> None:
+    def _on_meeting(self, edge, sources: tuple, how: str, shape: tuple, grad: Tensor,
+                    dim: int = 0) -> None:
         # Tensor hook (gradhooks.provenance): the gradient of a source-carrying tensor where it
-        # met the batch; its per-sample part, pulled back to each source's output.
+        # met the batch (on dim ``dim``); its per-sample part, pulled back to each source's
+        # output.
         if utils.PAUSED or self._muted or not self._attached:
             return None
-        b = grad.shape[0]
         if how == "direct" and sources[0][0].shared == "rows":
             if sources[0][0].step == self._step:
                 self._receive(sources[0][0], None, grad)
             return None
         if how == "broadcast":
+            grad = grad.movedim(dim, 0)
+            b = grad.shape[0]
             cot = grad.reshape(b, *shape)
-        else:  # rows: sample n's cotangent is row n of the gradient
+        else:  # rows: sample n's cotangent is row n (on dim ``dim`` of u) of the gradient
+            b = shape[dim]
             cot = grad.new_zeros((b, *shape))
             idx = torch.arange(b, device=grad.device)
             if b:
-                cot.view(b, b, -1)[idx, idx] = grad.reshape(b, -1)
+                rows = cot.movedim(dim + 1, 1)  # (sample, row, ...): a view
+                rows[idx, idx] = grad.reshape(shape).movedim(dim, 0)
         live = [s for s in sources if s[0].step == self._step]
         if not live:
             return None
@@ -701,12 +746,12 @@ class Recorder:
     def _track(self, top: List[Tensor], training: bool) -> None:
         # Start the provenance of this forward (gradhooks.provenance) when its input signature
         # is new or had shared calls: the batch is what the top-level inputs carry on the batch
-        # dim. Sequence-first models (batch_first=False) keep the size rules (README, Limitations).
-        bdim = 0
+        # dim (batch_first=False: dim 1 of an input of 2 dims or more, torch's (T, B, ...)).
         self._plan, self._ordinals = None, {}
-        first = next((t for t in top if t.dim() > bdim), None) if self.batch_first else None
+        first = next((t for t in top if t.dim() > 0), None)
         if first is None or any(is_functorch_wrapped(t) for t in top):
             return
+        bdim = 0 if self.batch_first or first.dim() < 2 else 1
         key = (tuple((tuple(t.shape), t.dtype) for t in top), training)
         known = self._signatures.get(key)
         if isinstance(known, dict):  # (empty: no shared calls)
@@ -721,7 +766,7 @@ class Recorder:
         raw = {pid: (layers, None) for pid, layers in owners.items()}
         raw.update((pid, info) for pid, info in self._raw.items()
                    if info[0].params[info[1]].requires_grad)
-        prov = Provenance(first.shape[bdim], bdim, top, self._on_meeting, self._refuse_shared,
+        prov = Provenance(first.shape[bdim], 0 if self.batch_first else 1, top, self._on_meeting, self._refuse_shared,
                           self._on_noted, raw, self._param_source)
         prov.fallback_calls = []  # this forward's records of modules that own raw parameters
         prov.shared_calls = []  # (record, (id(layer), k), layout) of this forward's shared calls

@@ -9,6 +9,16 @@ is not batched is a *shared call*: the same for every sample (position ids ``(1,
 output is tagged as a *source*; tensors computed from sources but not from the batch carry their
 sources along.
 
+Batched tensors carry their *batch dim* too: dim 0 of the top-level inputs (with
+``batch_first=False``, dim 1 of those of 2 dims or more, torch's ``(T, B, ...)``), followed
+through each op by :func:`batch_dim_after` (a transpose moves it, a view keeps it where the dims
+before it keep their product, any other op is replayed on ``meta`` tensors whose batch dims have
+a size no other dim has). So where a shared tensor meets the batch, the dim it lines up with is
+known from the data flow, not read off a size: a ``(T, 1, D)`` position table added to a
+``(T, B, D)`` activation with ``T == B`` is a broadcast over dim 1, never rows of dim 0. Where
+an op merges the batch with other dims (a ``(B * T, D)`` view), the batch dim is lost and the
+declared layout (``batch_first``) stands in.
+
 Where a tensor ``u`` carrying sources meets the batch (an op with a batched operand), its
 gradient is still the sum over the samples; the per-sample part is taken there, before the sum:
 
@@ -47,9 +57,10 @@ from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Provenance", "ROW_ALIGNED", "shared_layout", "as_batch", "source_cotangent"]
+__all__ = ["Provenance", "ROW_ALIGNED", "shared_layout", "as_batch", "source_cotangent",
+           "batch_dim_after"]
 
-_TAG = "_gradhooks_provenance"  # attribute on tensors the forward computes: (token, sources)
+_TAG = "_gradhooks_provenance"  # on tensors the forward computes: (token, sources, batch dim)
 
 
 def _functions(names, owners) -> frozenset:
@@ -92,22 +103,159 @@ _METADATA = frozenset(
        if hasattr(getattr(torch.Tensor, n, None), "__get__")])
 
 
-def shared_layout(x: Tensor, output: Tensor) -> str:
-    """How a shared call's input ``x`` and output become a batch of ``B`` identical samples:
-    ``"expand"`` when both have a leading dim of size 1 (it becomes the batch dim: ``(1, T) ->
-    (B, T)``), else ``"prepend"`` (a new batch dim: ``(T, T) -> (B, T, T)``)."""
-    return "expand" if x.shape[:1] == (1,) and output.shape[:1] == (1,) else "prepend"
+# Ops whose output keeps the batched operand's dims, right-aligned (elementwise and unary ops,
+# norms over the last dims, casts): the batch dim follows without a replay.
+_SAME = (_functions(_ELEMENTWISE + (
+    "relu", "relu_", "gelu", "silu", "silu_", "tanh", "tanh_", "sigmoid", "sigmoid_", "softmax",
+    "log_softmax", "dropout", "dropout_", "layer_norm", "rms_norm", "group_norm", "batch_norm",
+    "exp", "exp_", "log", "log1p", "sqrt", "rsqrt", "neg", "__neg__", "abs", "square",
+    "reciprocal", "sign", "sin", "cos", "erf", "softplus", "elu", "leaky_relu", "hardtanh",
+    "hardswish", "hardsigmoid", "mish", "celu", "selu", "glu", "tril", "triu", "cumsum", "flip",
+    "clone", "contiguous", "to", "type", "float", "double", "half", "bfloat16", "type_as",
+    "detach", "requires_grad_", "nan_to_num", "sigmoid", "logit", "masked_fill", "normalize",
+    "pad", "roll", "interpolate", "conv1d", "conv2d", "conv3d", "max_pool1d", "max_pool2d",
+    "avg_pool1d", "avg_pool2d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "instance_norm",
+    "gelu_", "silu", "threshold", "relu6", "prelu", "rrelu", "hardshrink", "softsign",
+    "tanhshrink", "logsigmoid", "softmin", "alpha_dropout", "feature_alpha_dropout",
+    "dropout1d", "dropout2d", "dropout3d"), (torch, torch.Tensor, F))
+    - _functions(("glu", "pad", "interpolate", "conv1d", "conv2d", "conv3d", "max_pool1d",
+                  "max_pool2d", "avg_pool1d", "avg_pool2d", "adaptive_avg_pool1d",
+                  "adaptive_avg_pool2d"), (torch, torch.Tensor, F)))
+_RESHAPE = _functions(("view", "reshape", "view_as", "reshape_as", "expand", "expand_as",
+                       "flatten", "unflatten", "broadcast_to"), (torch, torch.Tensor))
+_TRANSPOSE = _functions(("transpose", "transpose_", "swapaxes", "swapdims"), (torch, torch.Tensor))
+_PERMUTE = _functions(("permute",), (torch, torch.Tensor))
+_UNSQUEEZE = _functions(("unsqueeze", "unsqueeze_"), (torch, torch.Tensor))
+
+
+def batch_dim_after(func, args, kwargs, ref: Tensor, bd, batched, out):
+    """The batch dim of ``out = func(*args, **kwargs)``, followed from its batched operands
+    (``batched``: ``[(tensor, its batch dim)]``; ``ref`` the one of most dims, batch dim
+    ``bd``), or ``None`` where the op merges it with other dims or drops it. Elementwise ops
+    keep it right-aligned, transposes / permutes / unsqueezes move it, views and reshapes keep
+    it where the dims before it keep their product; any other op is replayed on ``meta``
+    tensors whose batch dims get a size no other dim has, and the batch dim is where that size
+    comes out (so a dim whose size happens to equal ``B`` is never taken for it). A list for a
+    tuple output."""
+    if bd is None:
+        return None
+    if func in _SAME:
+        if isinstance(out, Tensor) and out.dim() >= ref.dim():
+            return bd + out.dim() - ref.dim()
+    elif args and args[0] is ref and isinstance(out, Tensor):
+        nd = ref.dim()
+        if func in _TRANSPOSE:
+            d0, d1 = (a % nd for a in _args(args, kwargs, (("dim0", 1), ("dim1", 2))))
+            return d1 if bd == d0 else d0 if bd == d1 else bd
+        if func in _PERMUTE:
+            dims = kwargs.get("dims", args[1:] if len(args) > 2 or not isinstance(
+                args[1], (tuple, list)) else args[1])
+            return [d % nd for d in dims].index(bd)
+        if func in _UNSQUEEZE:
+            d = _args(args, kwargs, (("dim", 1),))[0] % (nd + 1)
+            return bd + (d <= bd)
+        if func in _RESHAPE:
+            return _same_prefix(ref.shape, bd, out.shape)
+        if func is F.linear:
+            return bd if bd < nd - 1 else None
+    if func in _JOINS and isinstance(out, Tensor):  # (its other operands may be made from sizes)
+        d = _args(args, kwargs, (("dim", 1),))[0] if len(args) > 1 or "dim" in kwargs else 0
+        if out.dim() == ref.dim():  # cat
+            return bd if d % out.dim() != bd else None
+        return bd + (d % out.dim() <= bd)  # stack
+    if not (isinstance(out, Tensor) or isinstance(out, (tuple, list)) and all(
+            isinstance(o, Tensor) for o in out)):
+        return None
+    return _on_meta(func, args, kwargs, batched, out)
+
+
+def _args(args, kwargs, spec):
+    return [kwargs[name] if name in kwargs else args[pos] for name, pos in spec]
+
+
+def _same_prefix(shape, bd: int, out_shape):
+    # The dim of out_shape after which the product of the dims before it is the product of
+    # shape[:bd] and whose size is shape[bd] (a view that keeps the batch dim), or None.
+    before, size, acc = 1, shape[bd], 1
+    for n in shape[:bd]:
+        before *= n
+    if before == 0:
+        return None
+    for k, n in enumerate(out_shape):
+        if acc == before and n == size:
+            return k
+        acc *= n
+        if acc > before:
+            return None
+    return None
+
+
+def _on_meta(func, args, kwargs, batched, out):
+    dims = {id(t): bd for t, bd in batched}
+    if any(bd is None for bd in dims.values()):
+        return None
+    unique = 2 + max((n for t in _tensors(args, kwargs) for n in t.shape), default=0)
+
+    def meta(t):
+        if not isinstance(t, Tensor):
+            return t
+        shape = list(t.shape)
+        if id(t) in dims:
+            shape[dims[id(t)]] = unique
+        return torch.empty(shape, dtype=t.dtype, device="meta")
+
+    def swap(a):
+        return meta(a) if isinstance(a, Tensor) else (
+            type(a)(meta(t) for t in a) if type(a) in (list, tuple) else a)
+
+    def find(o):
+        hits = [i for i, n in enumerate(o.shape) if n == unique] if isinstance(o, Tensor) else ()
+        return hits[0] if len(hits) == 1 else None
+
+    try:
+        with torch.no_grad():
+            got = func(*(swap(a) for a in args), **{k: swap(v) for k, v in kwargs.items()})
+    except Exception:  # (an op meta tensors do not run, or that reads values: unknown)
+        return None
+    if isinstance(out, Tensor):
+        return find(got)
+    return [find(o) for o in got] if isinstance(got, (tuple, list)) else None
+
+
+def shared_layout(x: Tensor, output: Tensor, dim: int = 0) -> str:
+    """How a shared call's input ``x`` and output become a batch of ``B`` identical samples with
+    the samples on dim ``dim`` (``0``, or ``1`` for a layer that reads ``(T, B, ...)`` with
+    ``batch_first=False``): ``"expand"`` when both have size 1 there (it becomes the batch dim:
+    ``(1, T) -> (B, T)``), else ``"prepend"`` (a new batch dim: ``(T, T) -> (B, T, T)``); for
+    ``dim == 1`` the same with a ``1`` suffix (``(T,) -> (T, B)``, ``(T, 1, D) -> (T, B, D)``)."""
+    size1 = all(t.dim() > dim and t.shape[dim] == 1 for t in (x, output))
+    return ("expand" if size1 else "prepend") + ("1" if dim else "")
+
+
+def _layout_dim(how: str) -> int:
+    return 1 if how.endswith("1") else 0
 
 
 def as_batch(t: Tensor, b: int, how: str) -> Tensor:
     """``t`` as ``b`` identical samples in the layout ``how`` (:func:`shared_layout`): a view."""
-    return t.expand(b, *t.shape[1:]) if how == "expand" else t.unsqueeze(0).expand(b, *t.shape)
+    d = _layout_dim(how)
+    if how.startswith("expand"):
+        shape = list(t.shape)
+        shape[d] = b
+        return t.expand(shape)
+    shape = list(t.shape)
+    shape.insert(d, b)
+    return t.unsqueeze(d).expand(shape)
 
 
 def source_cotangent(cot: Tensor, how: str) -> Tensor:
     """Per-sample cotangents ``(B, *output.shape)`` of a shared call's output in the layout of
-    its input (:func:`shared_layout`): the leading 1 dropped for ``"expand"``."""
-    return cot.reshape(cot.shape[0], *cot.shape[2:]) if how == "expand" else cot
+    its input (:func:`shared_layout`): the size-1 dim dropped for ``"expand"``, the samples
+    moved to dim 1 for the ``"...1"`` layouts."""
+    d = _layout_dim(how)
+    if how.startswith("expand"):
+        cot = cot.squeeze(d + 1)
+    return cot.movedim(0, d) if d else cot
 
 
 class Provenance(TorchFunctionMode):
@@ -116,19 +264,22 @@ class Provenance(TorchFunctionMode):
     Args:
         batch_size: ``B``: the first top-level input's size on the batch dim, until the recorder
             sets it from the first hooked call that computes from the batch.
-        batch_dim: ``0`` (``batch_first``) or ``1``.
+        batch_dim: ``0`` (``batch_first``) or ``1`` (``batch_first=False``: the batch is dim 1
+            of a meeting's batched operand of 3 or more dims, dim 0 of one of 1 or 2 dims,
+            torch's sequence layout as the Linear rule reads it).
         inputs: the top-level input tensors that carry the batch.
-        meet: ``meet(edge, sources, how, shape, grad)``, called in the backward pass with the
-            gradient ``grad`` of a source-carrying tensor ``u`` (autograd edge ``edge``, shape
-            ``shape``, carrying ``sources``: ``((record, edge of its output, its shape), ...)``) where it
-            met the batch: ``u_b``'s shape, the batch dim of size ``B``, for ``how ==
-            "broadcast"``; ``u``'s own shape for ``"rows"`` and ``"direct"`` (``u`` is the
-            shared call's output itself, its ``B`` rows lined up with the batch's).
-        noted: ``noted(sources, how, u_b, direct)``, called in the forward for each such
+        meet: ``meet(edge, sources, how, shape, grad, dim)``, called in the backward pass with
+            the gradient ``grad`` of a source-carrying tensor ``u`` (autograd edge ``edge``,
+            shape ``shape``, carrying ``sources``: ``((record, edge of its output, its shape),
+            ...)``) where it met the batch: ``u_b``'s shape, the batch dim ``dim`` of size
+            ``B``, for ``how == "broadcast"``; ``u``'s own shape for ``"rows"`` and ``"direct"``
+            (``u`` is the shared call's output itself), its ``B`` rows on its dim ``dim`` lined
+            up with the batch's.
+        noted: ``noted(sources, how, u_b, direct, dim)``, called in the forward for each such
             meeting with the operand handed to the op (``direct``: when the operand is the
             shared call's output itself, the number of leading dims the op's broadcast adds to
-            it, else ``None``), and as ``noted(sources, "derived", None, None)`` for an op that
-            computes from sources before they meet the batch.
+            it, else ``None``), and as ``noted(sources, "derived", None, None, None)`` for an op
+            that computes from sources before they meet the batch.
         refuse: ``refuse(sources, message)``: sources met the batch in an op that cannot be
             split per sample.
         params: ``{id(param): (layer, name)}`` of raw parameters (owned by modules without a
@@ -150,7 +301,9 @@ class Provenance(TorchFunctionMode):
                  param_source: Callable = None):
         super().__init__()
         self.b, self.bdim = batch_size, batch_dim
-        self.inputs = {id(t) for t in inputs}
+        # top-level input -> its batch dim: dim 0, or with batch_dim 1 dim 1 of one of 2 dims
+        # or more (torch's (T, B, ...))
+        self.inputs = {id(t): 0 if batch_dim == 0 or t.dim() < 2 else 1 for t in inputs}
         self._keep = inputs  # (the ids above stay theirs while the forward runs)
         self.token = object()
         self.meet, self.refuse, self.noted = meet, refuse, noted
@@ -171,29 +324,29 @@ class Provenance(TorchFunctionMode):
         the sources its input carried: a shared call on a shared tensor)."""
         self.shared = True
         own = ((record, get_gradient_edge(output), output.shape),)
-        _, before = self._look(output)
-        setattr(output, _TAG, (self.token, own if before is None else _union(own, before)))
+        _, before, _ = self._look(output)
+        setattr(output, _TAG, (self.token, own if before is None else _union(own, before), None))
 
     def _look(self, t: Tensor):
-        # (batched, sources) of one tensor
+        # (batched, sources, batch dim) of one tensor (the batch dim: None where unknown)
         if id(t) in self.inputs:
-            return True, None
+            return True, None, self.inputs[id(t)]
         tag = getattr(t, _TAG, None)
         if tag is None or tag[0] is not self.token:
             info = self.params.get(id(t))
             if info is not None and info[1] is None:  # a hooked layer's parameter
                 if not any(id(owner) in self.entered for owner in info[0]):  # read outside
                     self.param_source(t, info)
-                return False, None
+                return False, None, None
             if info is not None:  # a raw parameter: a source of its own
                 src = self.param_sources.get(id(t))
                 if src is None:
                     self.shared = True
                     record = self.param_source(t, self.params[id(t)])
                     src = self.param_sources[id(t)] = ((record, get_gradient_edge(t), t.shape),)
-                return False, src
-            return False, None
-        return tag[1] is None, tag[1]
+                return False, src, None
+            return False, None, None
+        return tag[1] is None, tag[1], tag[2]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -201,6 +354,7 @@ class Provenance(TorchFunctionMode):
         if func in _METADATA:
             return func(*args, **kwargs)
         ref, sources, tainted = None, None, None  # ref: the batched operand of most dims
+        batched = None  # [(tensor, its batch dim)]
         for group in (args, kwargs.values()):
             for a in group:
                 if isinstance(a, Tensor):
@@ -212,21 +366,31 @@ class Provenance(TorchFunctionMode):
                 for t in items:
                     if not isinstance(t, Tensor):
                         continue
-                    is_b, src = self._look(t)
+                    is_b, src, bd = self._look(t)
                     if is_b:
                         if ref is None or t.dim() > ref.dim():
-                            ref = t
+                            ref, rbd = t, bd
+                        batched = [(t, bd)] if batched is None else batched + [(t, bd)]
                     elif src is not None:
                         sources = src if sources is None else _union(sources, src)
                         tainted = [t] if tainted is None else tainted + [t]
         if ref is not None and tainted:
-            args, kwargs = self._split(func, args, kwargs, ref, tainted, sources)
+            args, kwargs = self._split(func, args, kwargs, ref, rbd, tainted, sources)
         out = func(*args, **kwargs)
         if ref is None and tainted and not any(out is t for t in tainted):
-            self.noted(sources, "derived", None, None)  # (computed from before the meeting;
+            self.noted(sources, "derived", None, None, None)  # (computed from before the meeting;
             # an op that returns its input, .to() of the same dtype, computes nothing)
-        if ref is not None or sources is not None:
-            tag = (self.token, None if ref is not None else sources)
+        if ref is not None:
+            if isinstance(out, Tensor):
+                _set(out, (self.token, None, batch_dim_after(func, args, kwargs, ref, rbd,
+                                                             batched, out)))
+            elif type(out) in (tuple, list) or isinstance(out, tuple):
+                dims = batch_dim_after(func, args, kwargs, ref, rbd, batched, out)
+                for i, o in enumerate(out):
+                    if isinstance(o, Tensor):
+                        _set(o, (self.token, None, dims[i] if dims is not None else None))
+        elif sources is not None:
+            tag = (self.token, sources, None)
             if isinstance(out, Tensor):
                 _set(out, tag)
             elif type(out) in (tuple, list) or isinstance(out, tuple):
@@ -236,11 +400,15 @@ class Provenance(TorchFunctionMode):
         return out
 
     # -------------------------------------------------------------- where sources meet the batch
-    def _split(self, func, args, kwargs, ref, tainted, sources):
+    def _split(self, func, args, kwargs, ref, bd, tainted, sources):
         # Hand the op each source-carrying operand in a form whose gradient is per sample
-        # (module docstring); refuse ops that are not row-aligned.
+        # (module docstring); refuse ops that are not row-aligned. ``bd``: the batch dim of
+        # ``ref``, followed from the inputs (batch_dim_after); where an op lost it, the
+        # declared layout's.
         name = getattr(func, "__name__", repr(func))
-        nd, bd = ref.dim(), self.bdim
+        nd = ref.dim()
+        if bd is None:
+            bd = self.bdim if nd >= 3 else 0
         if func not in ROW_ALIGNED or nd <= bd or ref.shape[bd] != self.b:
             self.refuse(sources, f"op {name} with shapes {_shapes(args, kwargs)}")
             return args, kwargs
@@ -261,7 +429,7 @@ class Provenance(TorchFunctionMode):
                 self.refuse(sources, f"op {name}: an operand of shape {tuple(u.shape)} does not "
                                      f"line up with the batch of shape {tuple(ref.shape)}")
                 return args, kwargs
-            _, src = self._look(u)
+            _, src, _ = self._look(u)
             edge = get_gradient_edge(u)
             # u is the shared call's output itself: the leading dims the op adds to it
             direct = k if (len(src) == 1 and edge.node is src[0][1].node
@@ -269,11 +437,12 @@ class Provenance(TorchFunctionMode):
             if shape[bd] == 1:
                 full = list(shape)
                 full[bd] = self.b
-                u_b, how = u.reshape(shape).expand(full), "broadcast"
-            else:  # (direct: its B rows lined up with the batch's)
-                u_b, how = u.view(u.shape), "rows" if direct is None else "direct"
-            self.noted(src, how, u_b, direct)
-            u_b.register_hook(lambda g, e=edge, s=src, h=how, shp=tuple(u.shape): self.meet(e, s, h, shp, g))
+                u_b, how, d = u.reshape(shape).expand(full), "broadcast", bd
+            else:  # (direct: its B rows lined up with the batch's, on u's dim d)
+                u_b, how, d = u.view(u.shape), "rows" if direct is None else "direct", bd - k
+            self.noted(src, how, u_b, direct, d)
+            u_b.register_hook(lambda g, e=edge, s=src, h=how, shp=tuple(u.shape), d=d:
+                              self.meet(e, s, h, shp, g, d))
             swap[id(u)] = u_b
         if not swap:
             return args, kwargs

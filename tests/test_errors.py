@@ -230,14 +230,16 @@ def test_parameter_of_a_module_whose_forward_never_runs_is_reported(grad_totals)
             self.inner = nn.Linear(3, 3)
             self.child = nn.Linear(3, 3)
 
-        def forward(self, x):
-            return F.linear(self.inner(x), self.child.weight, self.child.bias)
+        def forward(self, box):
+            return F.linear(self.inner(box.x), self.child.weight, self.child.bias)
 
-    # (batch_first=False: no provenance, which would hand the child to the parent's replay,
-    # tests/test_dp.py; the sum check's refusal is what remains)
+    class Box:  # (inputs that hold no tensor gradhooks can see: no provenance, which would
+        def __init__(self, x):  # hand the child to the parent's replay, tests/test_dp.py;
+            self.x = x  # the sum check's refusal is what remains)
+
     model = Parent()
-    with gradhooks.attach(model, batch_first=False) as gh:
-        (model(torch.randn(4, 3)) ** 2).sum().backward()
+    with gradhooks.attach(model) as gh:
+        (model(Box(torch.randn(4, 3))) ** 2).sum().backward()
         with pytest.raises(gradhooks.GradientMismatchError, match="'child.weight', 'child.bias'.*saw no call"):
             gh.per_sample_grads()
 

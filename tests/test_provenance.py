@@ -267,3 +267,75 @@ def test_weights_read_functionally_by_a_parent_match_loop(batch, dtype):
             else:
                 assert {n: g.shape[0] for n, g in ours.items()} == {n: 0 for n in ours}
             outer.zero_grad()
+
+
+class SeqFirst(nn.Module):
+    """A sequence-first model (inputs ``(T, B, 3)``, ``batch_first=False``) with every kind of
+    shared call: position ids ``(T,)`` through an Embedding (``(T, D)`` unsqueezed to
+    ``(T, 1, D)`` and broadcast), a ``(T, T)`` relative-position bias, a class token (a raw
+    parameter expanded to ``(1, B, D)`` and concatenated on the time dim), a raw position
+    parameter ``(T + 1, 1, D)`` and a zero initial state of the batch's size through a Linear
+    (``(B, D)``, met row by row)."""
+
+    def __init__(self, length, batch_first_input=False):
+        super().__init__()
+        self.batch_first_input = batch_first_input  # (B, T, 3) inputs, transposed here
+        self.inp = nn.Linear(3, D)
+        self.pos = nn.Embedding(length, D)
+        self.rel = nn.Embedding(2 * length - 1, 1)
+        self.cls = nn.Parameter(torch.randn(1, 1, D))
+        self.pos_raw = nn.Parameter(torch.randn(length + 1, 1, D))
+        self.init = nn.Linear(D, D)
+        self.head = nn.Linear(D, 3)
+        self.length = length
+
+    def forward(self, x):  # x (T, B, 3)
+        h = self.inp(x)
+        if self.batch_first_input:  # (B, T, D) -> (T, B, D)
+            h = h.transpose(0, 1)
+        t, b = h.shape[0], h.shape[1]
+        ids = torch.arange(t)
+        h = h + self.pos(ids).unsqueeze(1)  # (T, B, D)
+        h = torch.cat([self.cls.expand(1, b, D), h], 0) + self.pos_raw  # (T + 1, B, D)
+        buckets = ids[None, :] - ids[:, None] + t - 1  # (T, T)
+        bias = self.rel(buckets)[..., 0]  # (T, T): shared
+        hb = h[1:].transpose(0, 1)  # (B, T, D)
+        attn = torch.softmax(hb @ hb.transpose(1, 2) / D ** 0.5 + bias, -1)  # (B, T, T)
+        mixed = (attn @ hb).transpose(0, 1)  # (T, B, D)
+        state = self.init(torch.zeros(b, D, dtype=x.dtype))  # (B, D): shared, B rows
+        return self.head(torch.tanh(mixed.mean(0) + h[0] + state))
+
+
+@pytest.mark.filterwarnings("ignore::gradhooks.FallbackWarning")
+@pytest.mark.parametrize("batch,length", [(0, 4), (1, 4), (3, 4), (4, 4)],
+                         ids=["B0", "B1", "B3", "T_eq_B"])
+@pytest.mark.parametrize("batch_first", [False, True], ids=["seq_first", "transposed_inside"])
+def test_sequence_first_shared_calls_match_loop(batch, length, batch_first, dtype):
+    """Shared calls meeting (T, B, ...) tensors: with batch_first=False, and in a batch_first
+    model that transposes its input to (T, B, ...) itself. Provenance follows the batch dim
+    through the ops (the transpose moves it to dim 1), so with T == B a (T, 1, D) operand is
+    a broadcast over dim 1, never rows of dim 0 of equal size. Norms too; two batches, so
+    that the second forward is checked as well."""
+    torch.manual_seed(0)
+    model = SeqFirst(length, batch_first).to(dtype)
+    with gradhooks.attach(model, batch_first=batch_first, loss_reduction="sum") as gh:
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            x = torch.randn(length, batch, 3, dtype=dtype)
+            if batch_first:
+                x = x.transpose(0, 1).contiguous()
+            y = torch.randint(0, 3, (batch,))
+            F.cross_entropy(model(x), y, reduction="sum").backward()
+            ours = gh.per_sample_grads()
+            if not batch:
+                assert {n: g.shape for n, g in ours.items()} == {
+                    n: (0, *p.shape) for n, p in model.named_parameters()}
+                continue
+            with gradhooks.utils.paused():
+                ref = loop_grads(model, F.cross_entropy, x, y, batch_dim=0 if batch_first else 1)
+            assert_close_to_loop(ours, ref, dtype)
+            norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+            tol = 1e-10 if dtype == torch.float64 else 1e-4
+            torch.testing.assert_close(gh.per_sample_grad_norms(), norms, rtol=tol, atol=tol)
+            for p in model.parameters():
+                p.grad = None

@@ -115,8 +115,8 @@ class FallbackRule(LayerRule):
             return pull([gi if keep_dims else gi.unsqueeze(_batch_dim_of(g_leaves[i]))
                          for i, gi in zip(reached, gs)])[0]
 
-        def _batch_dim_of(t: Tensor) -> int:
-            return _batch_dim(t, batch_first)
+        def _batch_dim_of(t: Tensor) -> int:  # (a shared call's samples are on dim 0)
+            return 0 if a.shared is not None else _batch_dim(t, batch_first)
 
         xs = [in_leaves[i] for i in batched]
         gs = [g_leaves[i] for i in reached]
