@@ -126,6 +126,8 @@ _RESHAPE = _functions(("view", "reshape", "view_as", "reshape_as", "expand", "ex
 _TRANSPOSE = _functions(("transpose", "transpose_", "swapaxes", "swapdims"), (torch, torch.Tensor))
 _PERMUTE = _functions(("permute",), (torch, torch.Tensor))
 _UNSQUEEZE = _functions(("unsqueeze", "unsqueeze_"), (torch, torch.Tensor))
+_REDUCE = _functions(("sum", "mean", "amax", "amin", "max", "min", "std", "var", "logsumexp",
+                      "norm", "prod", "any", "all", "argmax", "argmin"), (torch, torch.Tensor))
 
 
 def batch_dim_after(func, args, kwargs, ref: Tensor, bd, batched, out):
@@ -158,6 +160,40 @@ def batch_dim_after(func, args, kwargs, ref: Tensor, bd, batched, out):
             return _same_prefix(ref.shape, bd, out.shape)
         if func is F.linear:
             return bd if bd < nd - 1 else None
+        if func in _MATMULS and nd >= 2:  # (ref on the left: its rows and batch dims stay)
+            if bd == nd - 1:
+                return None  # (contracted)
+            other = args[1] if len(args) > 1 else kwargs.get("other")
+            if bd == nd - 2:
+                return out.dim() - (2 if isinstance(other, Tensor) and other.dim() >= 2 else 1)
+            return bd + out.dim() - nd
+        if func is _GETITEM:
+            got = _index_dim(nd, bd, args[1])
+            if got is not False:
+                return got
+        if func in _SPATIAL:  # (convolutions and pools: the batch on dim 0 of a batched input)
+            return 0 if bd == 0 and out.dim() == nd and nd == _SPATIAL[func] + 2 else None
+        if func is F.pad:
+            pad = args[1] if len(args) > 1 else kwargs["pad"]
+            return bd if bd < nd - len(pad) // 2 or not any(pad[2 * (nd - 1 - bd):][:2]) else None
+        if func is F.embedding:  # (indices (*), output (*, D))
+            return bd
+        if func is F.scaled_dot_product_attention:  # (the query's layout)
+            return bd + out.dim() - nd if bd < nd - 1 else None
+        if func in _REDUCE:
+            dims = kwargs.get("dim", args[1] if len(args) > 1 else None)
+            if dims is None or not isinstance(dims, (int, tuple, list)):
+                return None
+            dims = {d % nd for d in ((dims,) if isinstance(dims, int) else dims)}
+            if bd in dims or not dims:
+                return None
+            keep = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+            return bd if keep else bd - sum(d < bd for d in dims)
+    if func in _PIECES and args and args[0] is ref and isinstance(out, (tuple, list)):
+        nd = ref.dim()
+        d = kwargs.get("dim", args[_PIECES[func]] if len(args) > _PIECES[func] else 0) % nd
+        one = None if d == bd else bd - (d < bd and func in _UNBIND)
+        return [one] * len(out)
     if func in _JOINS and isinstance(out, Tensor):  # (its other operands may be made from sizes)
         d = _args(args, kwargs, (("dim", 1),))[0] if len(args) > 1 or "dim" in kwargs else 0
         if out.dim() == ref.dim():  # cat
@@ -167,6 +203,40 @@ def batch_dim_after(func, args, kwargs, ref: Tensor, bd, batched, out):
             isinstance(o, Tensor) for o in out)):
         return None
     return _on_meta(func, args, kwargs, batched, out)
+
+
+_UNBIND = _functions(("unbind",), (torch, torch.Tensor))
+# ops returning pieces along a dim: the position of their dim argument
+_PIECES = {**{f: 1 for f in _UNBIND},
+           **{f: 2 for f in _functions(("chunk", "split", "tensor_split"), (torch, torch.Tensor))}}
+_GETITEM = torch.Tensor.__getitem__
+_SPATIAL = {f: k for k in (1, 2, 3) for f in _functions(
+    (f"conv{k}d", f"conv_transpose{k}d", f"max_pool{k}d", f"avg_pool{k}d",
+     f"adaptive_avg_pool{k}d", f"adaptive_max_pool{k}d"), (torch, F))}
+
+
+def _index_dim(nd: int, bd: int, index):
+    # The batch dim after basic indexing x[index] (ints, slices, None, ...): None if an int or a
+    # partial slice takes the batch dim; False for advanced indexing (left to the meta replay).
+    index = index if isinstance(index, tuple) else (index,)
+    if any(not (i is None or i is Ellipsis or isinstance(i, slice)
+                or (isinstance(i, int) and not isinstance(i, bool))) for i in index):
+        return False
+    named = sum(1 for i in index if i is not None and i is not Ellipsis)
+    src = dst = 0
+    for i in index:
+        if i is Ellipsis:
+            skip = nd - named
+            if src <= bd < src + skip:
+                return dst + bd - src
+            src, dst = src + skip, dst + skip
+        elif i is None:
+            dst += 1
+        elif src == bd:
+            return dst if i == slice(None) else None
+        else:
+            src, dst = src + 1, dst + (isinstance(i, slice))
+    return dst + bd - src
 
 
 def _args(args, kwargs, spec):
@@ -190,11 +260,63 @@ def _same_prefix(shape, bd: int, out_shape):
     return None
 
 
+_RECURRENT = _functions(("lstm", "gru", "rnn_tanh", "rnn_relu"), (torch._VF,))
+_CELLS = _functions(("lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell"), (torch._VF,))
+_REPLAYS: dict = {}  # (func, the operands' shapes, dtypes and batch dims, other args) -> result
+_MAX_REPLAYS = 4096
+
+
+def _replay_key(func, args, kwargs, dims):
+    # A hashable key of the op's signature, or None (an argument that is not hashable).
+    def one(a):
+        if isinstance(a, Tensor):
+            return (tuple(a.shape), a.dtype, dims.get(id(a), -1))
+        if type(a) in (list, tuple):
+            return tuple(one(t) for t in a)
+        return a
+    try:
+        key = (func, tuple(one(a) for a in args), tuple((k, one(v)) for k, v in kwargs.items()))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def _on_meta(func, args, kwargs, batched, out):
     dims = {id(t): bd for t, bd in batched}
     if any(bd is None for bd in dims.values()):
         return None
-    unique = 2 + max((n for t in _tensors(args, kwargs) for n in t.shape), default=0)
+    if func in _RECURRENT:  # (a replay on meta steps through time in Python: seconds)
+        return _recurrent_dims(func, args, dims, out)
+    if func in _CELLS:  # (h, c) of a (B, in) input
+        return ([0] * len(out) if not isinstance(out, Tensor) else 0) if dims.get(
+            id(args[0])) == 0 and args[0].dim() == 2 else None
+    key = _replay_key(func, args, kwargs, dims)
+    if key is not None and key in _REPLAYS:
+        return _REPLAYS[key]
+    got = _replay(func, args, kwargs, dims, out)
+    if key is not None:
+        if len(_REPLAYS) >= _MAX_REPLAYS:
+            _REPLAYS.clear()
+        _REPLAYS[key] = got
+    return got
+
+
+def _recurrent_dims(func, args, dims, out):
+    # _VF.lstm(input, hx, weights, bias, layers, dropout, train, bidirectional, batch_first):
+    # the output keeps the input's layout, the states are (layers * directions, B, H)
+    x = args[0]
+    if not isinstance(args[1], (tuple, list)) or len(args) < 9 or x.dim() != 3:
+        return None  # (a PackedSequence's data)
+    bd = dims.get(id(x))
+    if bd != (0 if args[8] else 1):
+        return None
+    return [bd] + [1] * (len(out) - 1)
+
+
+def _replay(func, args, kwargs, dims, out):
+    # (far above every size, so that no dim the op makes from the others meets it)
+    unique = 10007 + 3 * max((n for t in _tensors(args, kwargs) for n in t.shape), default=0)
 
     def meta(t):
         if not isinstance(t, Tensor):

@@ -339,3 +339,54 @@ def test_sequence_first_shared_calls_match_loop(batch, length, batch_first, dtyp
             torch.testing.assert_close(gh.per_sample_grad_norms(), norms, rtol=tol, atol=tol)
             for p in model.parameters():
                 p.grad = None
+
+
+def _ops(x, w):
+    # (func, args, kwargs) on a batched x (B=2 on its dim 1 of (T=2, B=2, D=4)): sizes equal on
+    # purpose, so only the data flow can tell the batch dim
+    e = torch.nn.Embedding(5, 4).weight
+    return [
+        (torch.Tensor.transpose, (x, 0, 1), {}), (torch.Tensor.permute, (x, 2, 0, 1), {}),
+        (torch.permute, (x, (1, 2, 0)), {}), (torch.Tensor.unsqueeze, (x, 1), {}),
+        (torch.matmul, (x, w), {}),
+        (torch.Tensor.__matmul__, (x, x.transpose(1, 2)), {}), (F.linear, (x, w), {}),
+        (torch.Tensor.mean, (x, 0), {}), (torch.Tensor.sum, (x, (0, 2), True), {}),
+        (torch.Tensor.amax, (x, -1), {}), (torch.Tensor.__getitem__, (x, 0), {}),
+        (torch.Tensor.__getitem__, (x, (slice(None), 0)), {}),
+        (torch.Tensor.__getitem__, (x, (Ellipsis, None, 1)), {}),
+        (torch.Tensor.__getitem__, (x, (slice(None), slice(1, None))), {}),
+        (F.pad, (x, (1, 1)), {}), (F.pad, (x, (0, 0, 1, 0)), {}),
+        (torch.Tensor.unbind, (x, 0), {}), (torch.Tensor.chunk, (x, 2, -1), {}),
+        (torch.cat, ([x, x], 2), {}), (torch.stack, ([x, x], 1), {}),
+        (torch.add, (x, torch.ones(3, 1, 1, 4)), {}), (torch.softmax, (x, -1), {}),
+        (F.scaled_dot_product_attention, (x.unsqueeze(0), x.unsqueeze(0), x.unsqueeze(0)), {}),
+        (F.embedding, (torch.zeros(2, 2, dtype=torch.long), e), {}),
+    ]
+
+
+@pytest.mark.parametrize("i", range(24))
+def test_batch_dim_followed_through_ops_as_the_meta_replay_finds_it(i):
+    """The batch dim's fast rules (transpose, matmul, reductions, indexing ...) agree with the
+    replay on meta tensors whose batch dim has a size no other dim has, with every dim of the
+    real tensors of equal size (T == B == heads)."""
+    from gradhooks.provenance import _on_meta, batch_dim_after
+    x, w = torch.randn(2, 2, 4), torch.randn(4, 4)
+    func, args, kwargs = _ops(x, w)[i]
+    ref = next(a for a in args if isinstance(a, torch.Tensor)) if func not in (torch.cat, torch.stack) else x
+    bd = 1 if ref.dim() == 3 else (2 if ref.dim() == 4 else 1)
+    out = func(*args, **kwargs)
+    batched = [(ref, bd)]
+    assert batch_dim_after(func, args, kwargs, ref, bd, batched, out) == _on_meta(func, args, kwargs, batched, out)
+
+
+@pytest.mark.parametrize("shape,bd,out_shape,expected", [
+    ((2, 2, 4), 1, (2, 2, 2, 2), 1), ((2, 2, 4), 1, (2, 8), None), ((2, 2, 4), 0, (2, 8), 0),
+    ((2, 2, 4), 1, (4, 4), None), ((2, 2, 4), 0, (1, 2, 2, 4), 1), ((2, 2, 4), 2, (2, 2, 2, 2), None),
+    ((0, 2, 4), 1, (0, 8), None)])
+def test_batch_dim_kept_by_views_that_keep_the_dims_before_it(shape, bd, out_shape, expected):
+    """A view / reshape keeps the batch dim where the product of the dims before it is kept and
+    the next dim has its size; one that merges it with another dim loses it."""
+    from gradhooks.provenance import batch_dim_after
+    x = torch.zeros(shape)
+    out = x.reshape(out_shape)
+    assert batch_dim_after(torch.Tensor.reshape, (x, *out_shape), {}, x, bd, [(x, bd)], out) == expected
