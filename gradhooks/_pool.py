@@ -54,7 +54,8 @@ class BufferPool:
         beyond :attr:`GENERATIONS` is forgotten."""
         gen: Dict[tuple, List[Tensor]] = {}
         for t in tensors:
-            if t.device.type != "cpu" or t.numel() * t.element_size() < self.MIN_BYTES:
+            if (t.device.type != "cpu" or t.numel() * t.element_size() < self.MIN_BYTES
+                    or t.requires_grad):  # (a differentiable read's: no out= into it)
                 continue
             gen.setdefault((t.shape, t.dtype, t.device), []).append(t)
         self._gens = [gen] + self._gens[: self.GENERATIONS - 1]
@@ -114,9 +115,14 @@ def using_pool(pool: Optional[BufferPool]) -> Iterator[None]:
         _POOL = prev
 
 
-def new_empty(shape: Tuple[int, ...], like: Tensor) -> Tensor:
+def new_empty(shape: Tuple[int, ...], like: Tensor) -> Optional[Tensor]:
     """An uninitialised ``like.dtype``/``like.device`` tensor of ``shape`` for a rule's result:
-    a reused one from the active :class:`BufferPool` when available, else a new one."""
+    a reused one from the active :class:`BufferPool` when available, else a new one; ``None``
+    for a differentiable read (``like`` carries an autograd graph under grad mode), where the
+    rule must make its result by the op itself (``out=None``: ops with ``out=`` have no
+    derivative)."""
+    if like.requires_grad and torch.is_grad_enabled():
+        return None
     shape = tuple(shape)
     if _POOL is not None:
         t = _POOL.take(shape, like.dtype, like.device)

@@ -87,6 +87,8 @@ class Recorder:
         model: the attached model.
         loss_reduction: ``"mean"`` or ``"sum"``, as given to :func:`gradhooks.attach`.
         batch_first: the layout flag given to :func:`gradhooks.attach`.
+        differentiable: records keep their inputs' and grad_outputs' autograd graphs
+            (:func:`gradhooks.attach`).
         strict: refuse modules without a dedicated rule instead of the fallback.
         sum_check: the :class:`~gradhooks.checks.SumCheck` policy (``check=``).
         names: ``{id(param): name}`` of every parameter of the model, in
@@ -98,7 +100,7 @@ class Recorder:
 
     def __init__(self, model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
                  check=True, strict: bool = False, allow_batchnorm_train: bool = False,
-                 forwards: str = "one", grad_scaler=None):
+                 forwards: str = "one", grad_scaler=None, differentiable: bool = False):
         check_loss_reduction(loss_reduction)
         if forwards not in FORWARDS:
             raise ValueError(f"forwards must be one of {FORWARDS}, got {forwards!r}")
@@ -107,6 +109,7 @@ class Recorder:
                             f"{type(grad_scaler).__name__}")
         self.forwards = forwards
         self.grad_scaler = grad_scaler
+        self.differentiable = bool(differentiable)
         if not isinstance(model, nn.Module):
             raise TypeError(f"attach expects an nn.Module, got {type(model).__name__}")
         self.model = model
@@ -507,7 +510,7 @@ class Recorder:
             if shared:
                 return output
         else:
-            cap = Record(layer, x.detach(), names, self._step)
+            cap = Record(layer, x if self.differentiable else x.detach(), names, self._step)
             cap.forward = self._forward_id
             on_grad(output, functools.partial(self._on_grad_output, cap, None))
             if self._driven:
@@ -801,13 +804,14 @@ class Recorder:
             self._backward_seen = True
             self._drop_result()
             return
-        if grad.requires_grad and self._higher_order is None:
+        if grad.requires_grad and self._higher_order is None and not self.differentiable:
             self._higher_order = cap.layer.describe()
         if not cap.hits:  # the first grad_output this call receives
             self._records.append(cap)
         if grad.dtype in (torch.bfloat16, torch.float16):
             cap.low = grad.dtype
-        grad = grad.detach()
+        if not self.differentiable:  # (else a create_graph pass's graph stays: differentiable reads)
+            grad = grad.detach()
         if cap.shared is not None and leaf is None:
             # A shared call's parts arrive once per place it meets the batch: one grad_output
             # per backward pass is their sum.
@@ -975,13 +979,14 @@ class Recorder:
 
     # ------------------------------------------------------------------ backward
     def drive(self, loss: Tensor, gradient: Optional[Tensor], retain_graph: bool,
-              listen: Optional[Callable[[list, Dict[int, int]], object]] = None) -> bool:
+              listen: Optional[Callable[[list, Dict[int, int]], object]] = None,
+              create_graph: bool = False) -> bool:
         """The backward pass of :meth:`gradhooks.GradHooks.backward` (see its docstring): asks
         autograd for the hooked layers' output gradients (``GradientEdge`` inputs) instead of the
         parameters', except where the sum check is due (:meth:`SumCheck.edges_allowed`).
 
         Args:
-            loss, gradient, retain_graph: as for ``torch.autograd.grad``.
+            loss, gradient, retain_graph, create_graph: as for ``torch.autograd.grad``.
             listen: ``listen(records, events)``, called before an output-edges pass with the
                 records below ``loss`` and the hook calls each will get; returns an object whose
                 ``hit(record)`` is called on each of those calls during the pass (two-pass
@@ -1016,7 +1021,8 @@ class Recorder:
             self._listener = None if listen is None else listen(caps, events)
             try:
                 grads = torch.autograd.grad(loss, [e for e, _, _ in captures], gradient,
-                                            retain_graph=retain_graph, allow_unused=True)
+                                            retain_graph=retain_graph, allow_unused=True,
+                                            create_graph=create_graph)
                 for (_, cap, leaf), grad in zip(captures, grads):
                     if grad is not None and leaf != -1:
                         self._receive(cap, leaf, grad)
@@ -1029,7 +1035,8 @@ class Recorder:
                 raise GradHooksError(
                     "GradHooks.backward: no hooked parameter requires grad; nothing to record")
             torch.autograd.grad(loss, params, gradient, retain_graph=retain_graph,
-                                allow_unused=True)  # gradient hooks hand them to the sum check
+                                allow_unused=True, create_graph=create_graph)  # (gradient hooks
+            # hand them to the sum check)
             if self.check and self._sum_check != "skip":
                 self._sum_check = "due"
                 self._drive_key = key if self._edges_complete else None

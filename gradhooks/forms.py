@@ -152,13 +152,13 @@ def weight_grad(a: Tensor, g: Tensor, out_shape: Optional[Tuple[int, ...]] = Non
     """
     n, grp, _, i = a.shape
     shape = (n, grp, g.shape[-1], i)
-    out = new_empty(out_shape or shape, a)
-    target = out.view(shape)
+    out = new_empty(out_shape or shape, a if a.requires_grad else g)
+    target = None if out is None else out.view(shape)
     if a.shape[2] == 1:
-        torch.mul(g[:, :, 0, :, None], a[:, :, 0, None, :], out=target)
+        got = torch.mul(g[:, :, 0, :, None], a[:, :, 0, None, :], out=target)
     else:
-        torch.matmul(g.transpose(-1, -2), a, out=target)
-    return out
+        got = torch.matmul(g.transpose(-1, -2), a, out=target)
+    return got.view(out_shape or shape) if out is None else out
 
 
 def bias_grad(g: Tensor, out_shape: Optional[Tuple[int, ...]] = None) -> Tensor:
@@ -173,6 +173,8 @@ def bias_grad(g: Tensor, out_shape: Optional[Tuple[int, ...]] = None) -> Tensor:
     """
     shape = g.shape[:2] + g.shape[3:]
     out = new_empty(out_shape or shape, g)
+    if out is None:  # (a differentiable read)
+        return g.sum(2).view(out_shape or shape)
     torch.sum(g, dim=2, out=out.view(shape))
     return out
 

@@ -82,12 +82,12 @@ class GradHooks:
 
     def __init__(self, model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
                  check=True, strict: bool = False, allow_batchnorm_train: bool = False,
-                 forwards: str = "one", grad_scaler=None):
+                 forwards: str = "one", grad_scaler=None, differentiable: bool = False):
         #: The :class:`~gradhooks.capture.Recorder`: hooks and records (read-only for users).
         self.recorder = Recorder(model, loss_reduction=loss_reduction, batch_first=batch_first,
                                  check=check, strict=strict,
                                  allow_batchnorm_train=allow_batchnorm_train, forwards=forwards,
-                                 grad_scaler=grad_scaler)
+                                 grad_scaler=grad_scaler, differentiable=differentiable)
 
     @property
     def model(self) -> nn.Module:
@@ -280,14 +280,15 @@ class GradHooks:
         check_samples(self.recorder, loss_fn, inputs, targets, samples=samples,
                       generator=generator)
 
-    def per_sample_jacobians(self, output: Tensor, *, flat: bool = False
-                             ) -> Union[Dict[str, Tensor], Tensor]:
+    def per_sample_jacobians(self, output: Tensor, *, flat: bool = False,
+                             create_graph: bool = False) -> Union[Dict[str, Tensor], Tensor]:
         """Per-sample Jacobians of ``output`` ``(B, *S)`` w.r.t. the hooked trainable parameters:
         ``{name: (B, *S, *param.shape)}`` (or one ``(B, *S, P)`` tensor with ``flat=True``), from
         the forward that made ``output`` and one backward pass per coordinate of ``S``, which
-        this call runs (call it before any backward pass of that forward). Conventions and
-        errors: :func:`gradhooks.jacobians.per_sample_jacobians`."""
-        return per_sample_jacobians(self.recorder, output, flat=flat)
+        this call runs (call it before any backward pass of that forward); differentiable with
+        ``create_graph=True`` (attach with ``differentiable=True``). Conventions and errors:
+        :func:`gradhooks.jacobians.per_sample_jacobians`."""
+        return per_sample_jacobians(self.recorder, output, flat=flat, create_graph=create_graph)
 
     def ggn_sqrt(self, output: Tensor, loss_fn: nn.Module, *, mc_samples: int = 0,
                  generator: Optional[torch.Generator] = None) -> Dict[str, Tensor]:
@@ -370,7 +371,7 @@ class GradHooks:
 
 def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
            check=True, strict: bool = False, allow_batchnorm_train: bool = False,
-           forwards: str = "one", grad_scaler=None) -> GradHooks:
+           forwards: str = "one", grad_scaler=None, differentiable: bool = False) -> GradHooks:
     """Attach per-sample-gradient hooks to every supported layer of an existing model.
 
     Registers a forward hook on each module that has a rule (``nn.Linear``, ``nn.Conv1d/2d/3d``;
@@ -406,6 +407,17 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
             (``scaler.scale(loss).backward()``): per-sample results, norms and KFAC factors
             are those of the unscaled loss, and clipping writes ``.grad`` at the scaler's scale
             for ``scaler.step(optimizer)`` (:func:`gradhooks.clipping.clip_and_accumulate`).
+        differentiable: the records keep the autograd graphs of the layer inputs and of the
+            grad_outputs of a ``backward(create_graph=True)``, so that
+            :meth:`GradHooks.per_sample_grads` after such a backward and
+            :meth:`GradHooks.per_sample_jacobians` with ``create_graph=True`` return tensors
+            that can be differentiated w.r.t. the parameters and the inputs (a per-sample
+            gradient or Jacobian penalty; ASDL's Jacobians cannot). Layers whose rules have a
+            differentiable path: Linear, transformers' ``Conv1D``, Conv, Embedding, the affine
+            norm layers (:attr:`~gradhooks.registry.LayerRule.differentiable`); a read that
+            needs another raises :class:`UnsupportedModuleError`. A loss that itself contains
+            derivatives through the hooked layers is then not refused by the higher-order
+            check (the sum check still runs). Default ``False``: records are detached.
 
     Returns:
         A :class:`GradHooks`, also a context manager that detaches on exit.
@@ -418,4 +430,4 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
     """
     return GradHooks(model, loss_reduction=loss_reduction, batch_first=batch_first, check=check,
                      strict=strict, allow_batchnorm_train=allow_batchnorm_train,
-                     forwards=forwards, grad_scaler=grad_scaler)
+                     forwards=forwards, grad_scaler=grad_scaler, differentiable=differentiable)

@@ -40,23 +40,25 @@ def trainable_params(recorder: Recorder) -> List[Tuple[int, str, Tensor]]:
 def unit_cotangents(output: Tensor):
     """The ``K`` cotangents ``e_k`` of an output ``(B, *S)`` (``K = prod(S)``): ones at
     coordinate ``k`` of every sample, made one at a time."""
-    b, k = output.shape[0], output[0].numel()
+    b, k = output.shape[0], math.prod(output.shape[1:])  # (B = 0 too)
     for i in range(k):
         cot = output.new_zeros(b, k)
         cot[:, i] = 1
         yield cot.view(output.shape)
 
 
-def pass_grads(calls: List[PassCall], batch_first: bool, scale=None) -> Dict[int, Tensor]:
+def pass_grads(calls: List[PassCall], batch_first: bool, scale=None,
+               differentiable: bool = False) -> Dict[int, Tensor]:
     """Per-sample gradients ``{id(param): (B, *param.shape)}`` of one backward pass's calls
     (:func:`gradhooks.passes.run_passes`), summed over the calls of a parameter (a module
-    called twice, tied weights); ``scale`` as :func:`gradhooks.per_sample.call_grads`."""
+    called twice, tied weights); ``scale`` and ``differentiable`` as
+    :func:`gradhooks.per_sample.call_grads`."""
     out: Dict[int, Tensor] = {}
     for call in calls:
         layer = call.layer
         try:
             got = call_grads(layer.rule, layer.module, call.a, call.grads, batch_first,
-                             call.names, scale)
+                             call.names, scale, differentiable=differentiable)
         except GradHooksError as e:
             raise type(e)(f"module {layer.describe()}: {e}") from None
         for local, t in got.items():
@@ -68,8 +70,8 @@ def pass_grads(calls: List[PassCall], batch_first: bool, scale=None) -> Dict[int
     return out
 
 
-def per_sample_jacobians(recorder: Recorder, output: Tensor, *, flat: bool = False
-                         ) -> Union[Dict[str, Tensor], Tensor]:
+def per_sample_jacobians(recorder: Recorder, output: Tensor, *, flat: bool = False,
+                         create_graph: bool = False) -> Union[Dict[str, Tensor], Tensor]:
     """Per-sample Jacobians of the model output w.r.t. the hooked trainable parameters.
 
     Call it after the forward that made ``output`` and before any backward pass through it: it
@@ -85,6 +87,10 @@ def per_sample_jacobians(recorder: Recorder, output: Tensor, *, flat: bool = Fal
         output: ``(B, *S)``, made from the current batch by the hooked model; every sample's
             output must depend on that sample only (as for every per-sample result).
         flat: return one ``(B, *S, P)`` tensor instead of the dict.
+        create_graph: keep the result differentiable w.r.t. the parameters and the inputs (a
+            Jacobian penalty, a differentiable NTK): the passes run with ``create_graph=True``
+            and the rules on records that keep their graphs; needs
+            ``attach(..., differentiable=True)``. The graph of ``output`` is kept.
 
     Returns:
         ``{name: (B, *S, *param.shape)}`` in ``model.named_parameters()`` order, entry
@@ -98,6 +104,9 @@ def per_sample_jacobians(recorder: Recorder, output: Tensor, *, flat: bool = Fal
             reached the hooked layers after the forward (run the forward again).
         BatchSizeError: if ``output`` is not batched on dim 0 like the hooked layers' inputs.
         HigherOrderGradError, GradientMismatchError: as :meth:`~gradhooks.GradHooks.per_sample_grads`.
+        GradHooksError: ``create_graph`` without ``attach(..., differentiable=True)``.
+        UnsupportedModuleError: ``create_graph`` with a layer whose rule has no
+            differentiable path (:attr:`~gradhooks.registry.LayerRule.differentiable`).
 
     Afterwards the batch's records are released (their grad_outputs were the Jacobian passes):
     later reads of the batch raise :class:`~gradhooks.errors.RecordsReleasedError`.
@@ -119,11 +128,12 @@ def per_sample_jacobians(recorder: Recorder, output: Tensor, *, flat: bool = Fal
     cotangents = unit_cotangents(output)
     with no_autocast(), using_pool(recorder.pool):
         for c, calls in enumerate(run_passes(recorder, output, cotangents, k,
-                                             "per_sample_jacobians()")):
-            for pid, t in pass_grads(calls, recorder.batch_first).items():
-                lo, hi = offsets[pid]
-                jac[:, c, lo:hi] = t.reshape(b, -1)
-    jac = jac.view(b, *shape, -1)
+                                             "per_sample_jacobians()", create_graph)):
+            for pid, t in (pass_grads(calls, recorder.batch_first, None, create_graph)
+                           if b else {}).items():
+                lo, hi = offsets[pid]  # (an empty batch: no rule runs, as per_sample_grads)
+                jac[:, c, lo:hi] = t.reshape(b, hi - lo)
+    jac = jac.view(b, *shape, jac.shape[-1])
     if flat:
         return jac
     return {name: jac[..., offsets[pid][0]:offsets[pid][1]].view(b, *shape, *p.shape).to(p.dtype)

@@ -32,8 +32,10 @@ Where gradhooks computes it: ``jacobians`` (:func:`~gradhooks.jacobians.per_samp
 ``C`` backward passes, :func:`~gradhooks.ggn.ggn_diag`; the EF diagonal in closed form),
 ``full`` (``V^T V`` from the GGN's square root, :func:`~gradhooks.ggn.ggn_sqrt`; ``G^T G`` for
 the EF), ``kron``. ``jacobians(enable_backprop=True)`` (differentiable Jacobians, used by
-laplace's ``enable_backprop`` option) falls back to laplace's torch.func implementation:
-gradhooks' records are detached.
+laplace's ``enable_backprop`` option) attaches with ``differentiable=True`` and reads with
+``create_graph=True`` (:func:`~gradhooks.jacobians.per_sample_jacobians`); a model with a layer
+whose rule has no differentiable path (recurrent, attention, the fallback) goes to laplace's
+torch.func implementation instead.
 """
 from __future__ import annotations
 
@@ -57,10 +59,11 @@ __all__ = ["GradHooksGGN", "GradHooksEF"]
 class _GradHooksInterface:
     """What both backends share: attaching to the (last-layer) model for one call."""
 
-    def _attach(self, reduction: str = "sum"):
+    def _attach(self, reduction: str = "sum", differentiable: bool = False):
         # A fresh attach per call: laplace calls the backend from fit() and from predictive
         # code, and hooks left on the model would record every later forward.
-        return attach(self._model, loss_reduction=reduction, check=False)
+        return attach(self._model, loss_reduction=reduction, check=False,
+                      differentiable=differentiable)
 
     def _flat(self, grads) -> Tensor:
         # dict {name: (..., *shape)} over self.params_dict's names -> (..., P), subnetwork applied
@@ -78,14 +81,21 @@ class _GradHooksInterface:
 
     def jacobians(self, x, enable_backprop: bool = False) -> Tuple[Tensor, Tensor]:
         """``(Js (B, C, P), f (B, C))``: per-sample Jacobians of the model output
-        (:func:`gradhooks.jacobians.per_sample_jacobians`), or laplace's torch.func version
-        when ``enable_backprop`` (differentiable) is asked for."""
-        if enable_backprop:
+        (:func:`gradhooks.jacobians.per_sample_jacobians`); with ``enable_backprop`` both keep
+        their autograd graphs (``create_graph=True``), or come from laplace's torch.func version
+        for a model with a layer whose rule has no differentiable path."""
+        with torch.enable_grad(), self._attach(differentiable=enable_backprop) as gh:
+            if enable_backprop and not all(layer.rule.differentiable
+                                           for layer in gh.recorder.layers):
+                js = None
+            else:
+                f = self.model(x)
+                self._check_covered(gh)
+                js = gh.per_sample_jacobians(f, create_graph=enable_backprop)
+        if js is None:
             return GGNInterface.jacobians(self, x, enable_backprop=True)
-        with torch.enable_grad(), self._attach() as gh:
-            f = self.model(x)
-            self._check_covered(gh)
-            js = gh.per_sample_jacobians(f)
+        if enable_backprop:
+            return self._flat(js), f
         return self._flat(js).detach(), f.detach()
 
     def gradients(self, x, y) -> Tuple[Tensor, Tensor]:

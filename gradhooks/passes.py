@@ -93,7 +93,7 @@ def _take(cap) -> Optional[PassCall]:
 
 
 def run_passes(recorder: Recorder, output: Tensor, cotangents: Iterable[Tensor], count: int,
-               read: str) -> Iterator[List[PassCall]]:
+               read: str, create_graph: bool = False) -> Iterator[List[PassCall]]:
     """Run one backward pass of ``output`` per cotangent and yield each pass's calls.
 
     Args:
@@ -104,6 +104,9 @@ def run_passes(recorder: Recorder, output: Tensor, cotangents: Iterable[Tensor],
             each pass), made lazily.
         count: how many there are (the graph is kept until the last).
         read: the reading call, for messages.
+        create_graph: run the passes with ``create_graph=True`` (the graph is then kept after
+            the last pass too): with ``attach(..., differentiable=True)`` the calls' ``a`` and
+            grad_outputs carry the autograd graph, for a differentiable read.
 
     Yields:
         Per pass, the :class:`PassCall` of every call the pass reached, in the order reached;
@@ -111,11 +114,18 @@ def run_passes(recorder: Recorder, output: Tensor, cotangents: Iterable[Tensor],
 
     Raises:
         HigherOrderGradError, GradientMismatchError: as :meth:`Recorder.snapshot`.
+        GradHooksError: with ``create_graph`` on a recorder not attached with
+            ``differentiable=True`` (its records are detached).
     """
     check_output(recorder, output, read)
+    if create_graph and not recorder.differentiable:
+        raise GradHooksError(
+            f"{read} with create_graph=True needs records that keep their autograd graphs: "
+            f"attach the model with gradhooks.attach(model, differentiable=True)")
     for c, cot in enumerate(cotangents):
         last = c == count - 1
-        recorder.drive(output, cot.to(output.dtype), retain_graph=not last)
+        recorder.drive(output, cot.to(output.dtype), retain_graph=create_graph or not last,
+                       create_graph=create_graph)
         batch = recorder.snapshot(read, sum_check=False, release=last)
         calls = [t for t in map(_take, batch.records) if t is not None]
         yield calls

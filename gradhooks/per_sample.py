@@ -17,10 +17,10 @@ from torch.utils._pytree import tree_map
 from ._pool import using_pool
 from .capture import Recorder
 from .checks import check_sums
-from .errors import GradHooksError
-from .utils import LOW_PRECISION, compute_dtype, no_autocast
+from .errors import GradHooksError, UnsupportedModuleError
+from .utils import LOW_PRECISION, compute_dtype, no_autocast, tensors
 
-__all__ = ["per_sample_grads", "call_grads"]
+__all__ = ["per_sample_grads", "call_grads", "carries_graph"]
 
 
 def per_sample_grads(recorder: Recorder, *, retain_records: bool = False) -> Dict[str, Tensor]:
@@ -44,13 +44,14 @@ def per_sample_grads(recorder: Recorder, *, retain_records: bool = False) -> Dic
                 raw[id(p)] = p.new_zeros((0, *p.shape))
             if batch.releasing:
                 cap.release()
+    differentiable = recorder.differentiable and carries_graph(batch.records)
     with no_autocast(), using_pool(batch.pool):
         for cap in batch.records if batch.size else ():
             layer = cap.layer
             try:  # (no local holds the records: a released cap frees them during the call)
                 out = call_grads(layer.rule, layer.module, cap.a, cap.grads_arg(),
                                  batch.batch_first, cap.names, batch.scale,
-                                 cap.release if batch.releasing else None)
+                                 cap.release if batch.releasing else None, differentiable)
             except GradHooksError as e:
                 raise type(e)(f"module {layer.describe()}: {e}") from None
             for local, t in out.items():
@@ -77,9 +78,17 @@ def per_sample_grads(recorder: Recorder, *, retain_records: bool = False) -> Dic
     return recorder.keep_result(result)
 
 
+def carries_graph(records) -> bool:
+    """Whether any of the batch's records carries an autograd graph (``attach(...,
+    differentiable=True)`` and a ``backward(create_graph=True)``): the read is differentiable."""
+    return any(isinstance(t, Tensor) and t.requires_grad
+               for cap in records for t in tensors((cap.a, cap.grads)))
+
+
 def call_grads(rule, module: nn.Module, a, grads, batch_first: bool,
                names: Iterable[str], scale: Optional[float],
-               release: Optional[Callable[[], None]] = None) -> Dict[str, Tensor]:
+               release: Optional[Callable[[], None]] = None,
+               differentiable: bool = False) -> Dict[str, Tensor]:
     """Per-sample gradients of one recorded call, with the ``loss_reduction`` scale applied.
 
     Args:
@@ -96,14 +105,37 @@ def call_grads(rule, module: nn.Module, a, grads, batch_first: bool,
         release: called once the rule no longer needs the caller's references to ``a`` and
             ``grads`` (after scaled copies are made): the caller drops its records there, so
             that an unscaled grad_output is not held beside its copy while the rule runs.
+        differentiable: a differentiable read (``attach(..., differentiable=True)`` records,
+            ``create_graph``): the result carries the autograd graph of ``a`` and ``grads``.
 
     Returns:
         ``{name: (B, *param.shape)}``, scaled. The scale is applied to whichever is smaller,
         the grad_output or the per-sample result (for a Linear on ``(B, in)`` the grad_output
         is ``in`` times smaller, which saves a full pass over the result). Inputs and
         grad_outputs of lower precision than float32 (autocast) are promoted to float32 first.
+
+    Raises:
+        UnsupportedModuleError: for a differentiable read and a rule without a differentiable
+            path (:attr:`~gradhooks.registry.LayerRule.differentiable`: one that reads its
+            module's parameters itself, a replay, would drop their graph).
     """
     names = tuple(names)
+    if differentiable:
+        if not rule.differentiable:
+            raise UnsupportedModuleError(
+                f"{type(module).__name__}'s rule has no differentiable path, so its per-sample "
+                f"result would drop the autograd graph this read was asked to keep "
+                f"(differentiable=True with create_graph); differentiable reads cover Linear, "
+                f"Conv1D, Conv, Embedding and the affine norm layers: freeze this module's "
+                f"parameters for the read, or use torch.func for it")
+        with torch.enable_grad():
+            return _call_grads(rule, module, a, grads, batch_first, names, scale, release)
+    return _call_grads(rule, module, a, grads, batch_first, names, scale, release)
+
+
+def _call_grads(rule, module: nn.Module, a, grads, batch_first: bool, names: tuple,
+                scale: Optional[float], release: Optional[Callable[[], None]]
+                ) -> Dict[str, Tensor]:
     if rule.multi_io:
         if scale is not None:
             grads = tree_map(lambda t: t * scale if isinstance(t, Tensor) else t, grads)

@@ -127,6 +127,11 @@ class LayerRule:
     #: ``G = 1`` is allowed with it.
     weight_transposed: bool = False
 
+    #: ``True`` if :meth:`per_sample_grads` is differentiable in its inputs ``a`` and ``g``
+    #: (ops with autograd formulas, no ``out=``, nothing detached), so that reads of
+    #: ``attach(..., differentiable=True)`` records carry the autograd graph.
+    differentiable: bool = False
+
     #: ``True`` if the rule implements :meth:`linear_form` (the layer is linear in its weight:
     #: ``nn.Linear``, ``nn.ConvNd``). Readers then form norms, clipped sums and KFAC factors from
     #: the canonical form instead of a per-sample tensor.

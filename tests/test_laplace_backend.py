@@ -118,3 +118,24 @@ def test_kron_with_layer_norm_uses_its_diagonal_block():
     _close(block.diagonal(), d[lo:hi], "LayerNorm diagonal")
     assert torch.count_nonzero(block - torch.diag_embed(block.diagonal())) == 0
     assert torch.count_nonzero(full[lo:hi, :lo]) == 0
+
+
+@pytest.mark.parametrize("make", [_mlp, _cnn], ids=["mlp", "cnn"])
+def test_jacobians_with_enable_backprop_are_differentiable(make):
+    """laplace's ``jacobians(x, enable_backprop=True)`` (its differentiable predictive): our
+    Jacobians keep their graphs (``create_graph``); the gradient of a function of ``Js`` and
+    ``f`` w.r.t. the inputs and the weights equals that through laplace's curvlinops backend
+    (torch.func ``vmap(jacrev)``, correct on these layers)."""
+    torch.manual_seed(0)
+    model = make().double()
+    x = _digits()[0][:5].clone().requires_grad_()
+    params = list(model.parameters())
+    got = []
+    for backend in (GradHooksGGN, CurvlinopsGGN):
+        js, f = backend(model, "classification").jacobians(x, enable_backprop=True)
+        assert js.requires_grad and f.requires_grad
+        value = (js ** 2).sum() + (js.sum(-1) * f).sum()
+        got.append((js.detach(), torch.autograd.grad(value, [x] + params)))
+    torch.testing.assert_close(got[0][0], got[1][0], rtol=1e-10, atol=1e-12)
+    for ours, theirs in zip(got[0][1], got[1][1]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-11)

@@ -29,6 +29,7 @@ Two exact ways to evaluate the weight gradient, chosen per call by :func:`choose
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -180,6 +181,8 @@ class ConvRule(LayerRule):
     The batch dim is always dim 0 (torch's convolution layout), whatever ``batch_first``.
     """
 
+    differentiable = True
+
     weight_linear_in_input = True
     has_linear_form = True
 
@@ -231,7 +234,7 @@ class ConvRule(LayerRule):
         if "weight" in names:
             method = self.method
             if method == "auto":
-                method = choose_method(module, g[0, 0].numel())
+                method = choose_method(module, math.prod(g.shape[2:]))
             if method == "conv":
                 out["weight"] = conv_weight_grad(module, a, g)
             else:

@@ -36,6 +36,7 @@ Two exact evaluations, as for :mod:`gradhooks.rules.conv`, chosen per call by
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -178,7 +179,7 @@ class ConvTransposeRule(LayerRule):
         if "weight" in names:
             method = self.method
             if method == "auto":
-                method = choose_method(module, g[0, 0].numel())
+                method = choose_method(module, math.prod(g.shape[2:]))
             fn = conv_transpose_weight_grad if method == "conv" else unfold_weight_grad
             out["weight"] = fn(module, a, g)
         if "bias" in names:

@@ -102,6 +102,8 @@ class EmbeddingRule(LayerRule):
         BatchSizeError: for a 0-dim index.
     """
 
+    differentiable = True
+
     param_names = ("weight",)
     multi_io = True
 

@@ -42,6 +42,8 @@ class LinearRule(LayerRule):
     weight-sharing positions summed per sample.
     """
 
+    differentiable = True
+
     weight_linear_in_input = True
     has_linear_form = True
 
@@ -66,17 +68,18 @@ class LinearRule(LayerRule):
         out = {}
         if a.dim() == 2:  # (B, in), S = 1: outer products, without the canonical views
             if "weight" in names:
-                w = new_empty((a.shape[0], *module.weight.shape), a)
+                w = new_empty((a.shape[0], *module.weight.shape), a if a.requires_grad else g)
                 left, right = (a, g) if self.weight_transposed else (g, a)
                 out["weight"] = torch.mul(left.unsqueeze(2), right.unsqueeze(1), out=w)
             if "bias" in names:
-                out["bias"] = new_empty(g.shape, g).copy_(g)
+                b = new_empty(g.shape, g)
+                out["bias"] = g.clone() if b is None else b.copy_(g)
             return out
         a, g = self.linear_form(module, a, g, batch_first)  # (N, 1, S, in), (N, 1, S, out)
         n = a.shape[0]
         if "weight" in names:
             if self.weight_transposed:
-                w = new_empty((n, *module.weight.shape), a)
+                w = new_empty((n, *module.weight.shape), a if a.requires_grad else g)
                 out["weight"] = torch.matmul(a[:, 0].transpose(1, 2), g[:, 0], out=w)
             else:
                 out["weight"] = weight_grad(a, g, (n, *module.weight.shape))

@@ -97,6 +97,8 @@ class _AffineNormRule(LayerRule):
     sample, giving ``(B, *param.shape)``).
     """
 
+    differentiable = True
+
     def normalised(self, module: nn.Module, a: Tensor) -> Tensor:
         raise NotImplementedError
 
@@ -430,6 +432,8 @@ class BatchNormActRule(BatchNormRule):
     Raises:
         UnsupportedCallError: at the forward, for batch statistics (see :class:`BatchNormRule`).
     """
+
+    differentiable = False  # (its activation's vjp is taken on a detached copy)
 
     def per_sample_grads(
         self, module: nn.Module, a: Tensor, g: Tensor, batch_first: bool, names: Iterable[str]
