@@ -112,13 +112,18 @@ class _GradHooksInterface:
         wanted = [p for p in self._model.parameters() if p.requires_grad]
         if self.subnetwork_indices is not None:
             raise GradHooksError("kron: subnetwork Laplace has no Kronecker structure")
-        names = _module_paths(self.model, self._model)
-        factors = _kfac_driver(self.model, x, y, self.lossfunc, fisher=fisher,
+        model, inputs = self.model, x
+        if self.last_layer and hasattr(self.model, "forward_with_features"):
+            # (the last layer on the features: the passes need not run through the rest)
+            with torch.no_grad():
+                inputs = self.model.forward_with_features(x)[1]
+            model = self._model
+        prefix = _module_paths(model, self._model)
+        factors = _kfac_driver(model, inputs, y, self.lossfunc, fisher=fisher,
                                mc_samples=mc_samples, kfac_approx=kfac_approx,
-                               )
-        prefix = names
+                               modules=None if prefix is None else [prefix])
         found = {}  # id(param) -> laplace block: [G, A] / [A, G] (transposed) / [dense]
-        params = dict(self.model.named_parameters())
+        params = dict(model.named_parameters())
         rescale = len(y) / n_data
         for path, fac in factors.items():
             if prefix is not None and not (path == prefix or path.startswith(prefix + ".")):
@@ -132,7 +137,7 @@ class _GradHooksInterface:
                 "or 'full'")
         blocks = [found[id(p)] for p in wanted]  # laplace's order: parameters()
         with torch.no_grad():
-            loss = self.lossfunc(self.model(x), y)
+            loss = self.lossfunc(model(inputs), y)
         return self.factor * loss.detach(), Kron(blocks) * self.factor
 
 

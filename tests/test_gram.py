@@ -31,9 +31,20 @@ def _loss(case):
     return nn.CrossEntropyLoss()
 
 
+@pytest.fixture(params=["by_cost", "gram_form", "matrices"])
+def form(request, monkeypatch):
+    """Each layer's block by the cost model, or forced into the Gram form / the per-sample
+    matrices (both exact: every layer kind is checked in both)."""
+    import gradhooks.gram as gram_mod
+    if request.param != "by_cost":
+        monkeypatch.setattr(gram_mod, "gram_form_cheaper",
+                            lambda *a, forced=request.param == "gram_form": forced)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_gram_within_and_between(case, dtype):
+def test_gram_within_and_between(case, dtype, form):
     torch.manual_seed(0)
     make, data = CASES[case]
     model = make().to(dtype)
@@ -56,7 +67,7 @@ def test_gram_within_and_between(case, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_ntk(case, dtype):
+def test_ntk(case, dtype, form):
     torch.manual_seed(0)
     make, data = CASES[case]
     model = make().to(dtype)
