@@ -16,8 +16,12 @@ for ``S > 1``)::
     ||dW_n||^2 = sum_g sum_{s,t} (a[n,g,s] . a[n,g,t]) (g[n,g,s] . g[n,g,t])
 
 costs ``N G S^2 (I + O)`` multiply-adds and ``N G S^2`` memory; materialising ``dW_n`` costs
-``N G S I O`` and ``N G I O``. Per parameter the cheaper by this count is used, the Gram form iff
-``S (I + O) < I O`` (:func:`use_gram`; it then needs less memory as well). Measured (2 CPU cores,
+``N G S I O`` and ``N G I O``. Per parameter the cheaper is used, by this count plus, for
+tensors too large for the cache, the cost of writing and reading them back (:func:`use_gram`:
+the Gram form iff ``S (I + O) < I O`` on small layers; the Gram form then needs less memory as
+well; ``benchmarks/norm_cost.py`` measures both forms on a grid of 42 Linear shapes and the
+two rules' picks: FLOPs alone 3-4 picks slower than the best, up to 2.3x; with the bytes term
+2, up to 1.1x, both near ties). Measured (2 CPU cores,
 torch 2.13, ``N = 32``, medians, ms Gram / materialised, ratio ``S (I + O) / (I O)``): Linear
 128x128 S=32 (0.5) 0.13 / 0.24, S=64 (1.0) 0.43 / 0.43, S=128 (2.0) 1.6 / 0.82; 512x512 S=128
 (0.5) 6.6 / 23.6; 64->512 S=64 (1.1) 0.90 / 0.91, S=128 (2.3) 3.7 / 2.0; Conv2d 3x3 128->128 on
@@ -73,7 +77,20 @@ ROWS = "rows"          # rule with row scatters (Embedding): per (sample, row) s
 GENERIC = "generic"    # any other rule: materialised norm and clipped sum
 
 
-def use_gram(positions: int, fan_in: int, fan_out: int, shared: int = 1) -> bool:
+#: Bytes of per-sample tensors above which writing them is bound by memory traffic on this
+#: machine (``benchmarks/norm_cost.py``: below it the two forms' times follow their multiply-add
+#: counts; above it a materialised ``(N, O, I)`` costs about :data:`BYTE_COST` multiply-adds per
+#: value, written to fresh pages and read back).
+MEMORY_BOUND = 4 * 2**20
+
+#: Multiply-adds one value of a memory-bound per-sample tensor costs (write and read back):
+#: fitted on this machine (2 cores, about 120 G multiply-adds/s in ``bmm``, 3.6 GB/s for fresh
+#: pages), ``benchmarks/norm_cost.py``.
+BYTE_COST = 250
+
+
+def use_gram(positions: int, fan_in: int, fan_out: int, shared: int = 1,
+             batch: int = 0) -> bool:
     """Whether the Gram form of a weight's per-sample squared norms is the cheaper one.
 
     Args:
@@ -83,12 +100,28 @@ def use_gram(positions: int, fan_in: int, fan_out: int, shared: int = 1) -> bool
         fan_out: ``O``, output features per group.
         shared: how many weights have this same grad_output (an LSTM's ``weight_ih`` and
             ``weight_hh``: the gate gradients), whose Gram matrix is then formed once for all.
+        batch: ``N G``, the number of per-sample (per-group) matrices (``0``: unknown, the
+            multiply-add counts alone).
 
     Returns:
-        ``S (I + O / shared) < I O``: the multiply-add counts ``N G S^2 (I + O / shared)``
-        (Gram) against ``N G S I O`` (materialised); measurements in the module docstring.
+        Whether ``S^2 (I + O / shared) + bytes(S^2 (1 + 1 / shared))`` (Gram: the ``a a^T``
+        and ``g g^T`` matrices) is below ``S I O + bytes(I O)`` (materialised), where
+        ``bytes(k)`` is :data:`BYTE_COST` ``k`` when the ``batch`` such tensors exceed
+        :data:`MEMORY_BOUND` bytes (float32) and 0 below (they stay in cache). The FLOP count
+        alone is the textbook rule (Li et al. 2022, sec. 4: ``S (I + O) < I O``); the bytes term
+        turns it on memory-bound layers (``benchmarks/norm_cost.py``, N = 32: 128 tokens of
+        128 -> 512, Gram 3.1 ms against 6.9 ms materialised, where FLOPs alone pick the
+        materialised form; 256 tokens of 512 -> 512, 20 against 37 ms). Measurements in the
+        module docstring.
     """
-    return positions * (fan_in + fan_out / shared) < fan_in * fan_out
+    s, i, o = positions, fan_in, fan_out
+    gram = s * s * (i + o / shared)
+    mat = s * i * o
+    if batch * s * s * 4 > MEMORY_BOUND:
+        gram += BYTE_COST * s * s * (1 + 1 / shared)
+    if batch * i * o * 4 > MEMORY_BOUND:
+        mat += BYTE_COST * i * o
+    return gram < mat
 
 
 def add_up(parts) -> Optional[Tensor]:
@@ -306,8 +339,8 @@ def _plan_template(batch: Batch):
                 calls = [sizes[i] for _, _, i in p.entries]
                 shapes = {(grp, i, o) for grp, _, i, o in calls}
                 if len(shapes) == 1:
-                    _, i, o = shapes.pop()
-                    if use_gram(sum(s for _, s, _, _ in calls), i, o):
+                    grp, i, o = shapes.pop()
+                    if use_gram(sum(s for _, s, _, _ in calls), i, o, batch=batch.size * grp):
                         p.kind = GRAM
     units = tuple(0 if not (i in sizes and sizes[i][0] == 1 and sizes[i][1] == 1)
                   else 2 if _identity_form(caps[i], batch.batch_first) else 1
@@ -435,7 +468,7 @@ def _forms_sq_norm(batch: Batch, p: PlannedParam, forms: Forms, sq, probes, proj
         if b.a is not None:  # weight-like: checked on the projection (blocks add up)
             a4, g4 = b.a.unsqueeze(1), b.g.unsqueeze(1)
             shared = forms.sharing(b.g)
-            if use_gram(b.a.shape[1], b.a.shape[2], b.g.shape[2], shared):
+            if use_gram(b.a.shape[1], b.a.shape[2], b.g.shape[2], shared, batch=b.a.shape[0]):
                 if shared > 1:  # the grad_output's Gram matrix is formed once for its blocks
                     aa = b.a @ b.a.transpose(-1, -2)
                     part = aa.mul_(forms.gram(b.g)).view(aa.shape[0], -1).sum(1)

@@ -215,7 +215,7 @@ def _setup(name, batch, dtype):
 def form(request, monkeypatch):
     """Which norm form Linear/Conv weights use: the cost model's choice, or forced."""
     if request.param != "auto":
-        monkeypatch.setattr(norms, "use_gram", lambda *a: request.param == "gram")
+        monkeypatch.setattr(norms, "use_gram", lambda *a, **k: request.param == "gram")
     return request.param
 
 
@@ -308,13 +308,21 @@ def test_norms_of_several_backward_passes(dtype, grad_totals):
         _assert_close(gh.per_sample_grad_norms(), _ref_norms(ref), dtype, "norms")
 
 
-def test_use_gram_is_the_flop_count():
+def test_use_gram_is_the_flop_count_plus_memory_bound_bytes():
     assert norms.use_gram(1, 10, 10)            # S = 1: always the product of norms
     assert norms.use_gram(63, 128, 128)         # 63 * 256 < 128 * 128
     assert not norms.use_gram(64, 128, 128)
     assert not norms.use_gram(576, 288, 64)     # the seed CNN's conv2: materialised
     # the LSTM LM's weight_ih (32 steps, 32 -> 256 gates): its gate-gradient Gram is shared
     assert not norms.use_gram(32, 32, 256) and norms.use_gram(32, 32, 256, shared=2)
+    # in cache (32 x 128 x 128 floats: 2 MB) the FLOP count decides, as above
+    assert not norms.use_gram(64, 128, 128, batch=32)
+    # beyond the cache writing (N, O, I) costs BYTE_COST per value: 128 tokens of 128 -> 512
+    # (FLOPs: 128 * 640 > 65536, materialised; measured 3.0 ms Gram, 6.8 ms materialised)
+    assert not norms.use_gram(128, 128, 512) and norms.use_gram(128, 128, 512, batch=32)
+    assert norms.use_gram(256, 512, 512, batch=32) and not norms.use_gram(256, 512, 512)
+    # and the Gram matrices' own bytes count too: 256 tokens of 512 -> 128 stays materialised
+    assert not norms.use_gram(256, 512, 128, batch=32)
 
 
 class _LSTMHead(nn.Module):
@@ -527,7 +535,7 @@ def test_input_modified_in_place():
 @pytest.mark.parametrize("layer", ["linear", "conv", "lstm", "attention", "embedding"])
 def test_functional_use_of_a_weight_is_caught(layer, form, monkeypatch, grad_totals):
     """A weight also used outside its module: the sum check refuses the norms and the clipping."""
-    monkeypatch.setattr(norms, "use_gram", lambda *a: form == "gram")
+    monkeypatch.setattr(norms, "use_gram", lambda *a, **k: form == "gram")
     if layer == "linear":
         mod, x = nn.Linear(4, 4), torch.randn(3, 4)
         extra = lambda: (x @ mod.weight.T).square().sum()  # noqa: E731
