@@ -590,10 +590,9 @@ class Recorder:
         kinds = self._prov.kinds
         for s in sources:
             cap = s[0]
-            fits = (how == "direct" or how == "broadcast"
+            fits = (how == "direct" or how == "broadcast" and self.batch_first
                     and direct == {"expand": 0, "prepend": 1}.get(cap.shared))
-            if (direct is None or not fits or not self.batch_first
-                    or kinds.setdefault(id(cap), how) != how):  # (plans: batch_first only)
+            if direct is None or not fits or kinds.setdefault(id(cap), how) != how:
                 self._prov.plain.add(id(cap))
         if u_b is None:
             return

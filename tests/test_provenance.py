@@ -390,3 +390,42 @@ def test_batch_dim_kept_by_views_that_keep_the_dims_before_it(shape, bd, out_sha
     x = torch.zeros(shape)
     out = x.reshape(out_shape)
     assert batch_dim_after(torch.Tensor.reshape, (x, *out_shape), {}, x, bd, [(x, bd)], out) == expected
+
+
+class SeqInitialState(nn.Module):
+    """InitialState in torch's sequence layout: ``(T, B, 3)`` inputs, a Linear on a state of
+    ones ``(B, D)`` made from the batch size (a shared call met row by row)."""
+
+    def __init__(self):
+        super().__init__()
+        self.init = nn.Linear(D, D)
+        self.step = nn.Linear(3, D)
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):  # x (T, B, 3)
+        h = self.init(torch.ones(x.shape[1], D, dtype=x.dtype))
+        for t in range(x.shape[0]):
+            h = torch.tanh(self.step(x[t]) + h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 4], ids=["B1", "B3", "T_eq_B"])
+def test_sequence_first_state_from_sizes_is_planned_and_exact(batch, dtype):
+    """batch_first=False: the state's Linear is found row by row at the first forward; later
+    forwards follow the plan (an ordinary call on its B rows, no tracking) and stay exact."""
+    torch.manual_seed(0)
+    model = SeqInitialState().to(dtype)
+    with gradhooks.attach(model, batch_first=False, loss_reduction="sum") as gh:
+        for seed in (1, 2, 3):
+            torch.manual_seed(seed)
+            x, y = torch.randn(4, batch, 3, dtype=dtype), torch.randint(0, 3, (batch,))
+            F.cross_entropy(model(x), y, reduction="sum").backward()
+            ours = gh.per_sample_grads()
+            with gradhooks.utils.paused():
+                ref = loop_grads(model, F.cross_entropy, x, y, batch_dim=1)
+            assert_close_to_loop(ours, ref, dtype)
+            for p in model.parameters():
+                p.grad = None
+        if batch > 1:  # (with B = 1 a (1, D) state is also a broadcast: tracked each time)
+            assert list(gh.recorder._signatures.values()) == [
+                {(id(gh.recorder.layers[0]), 1): "rows"}]
