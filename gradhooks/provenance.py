@@ -262,6 +262,7 @@ def _same_prefix(shape, bd: int, out_shape):
 
 _RECURRENT = _functions(("lstm", "gru", "rnn_tanh", "rnn_relu"), (torch._VF,))
 _CELLS = _functions(("lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell"), (torch._VF,))
+ROW_ALIGNED = ROW_ALIGNED | _CELLS  # (a cell's state (B, H) lines up with its input (B, in))
 _REPLAYS: dict = {}  # (func, the operands' shapes, dtypes and batch dims, other args) -> result
 _MAX_REPLAYS = 4096
 
@@ -531,7 +532,8 @@ class Provenance(TorchFunctionMode):
         nd = ref.dim()
         if bd is None:
             bd = self.bdim if nd >= 3 else 0
-        if func not in ROW_ALIGNED or nd <= bd or ref.shape[bd] != self.b:
+        states = func in _RECURRENT  # (initial states (layers * directions, B, H): batch dim 1)
+        if (func not in ROW_ALIGNED and not states) or nd <= bd or ref.shape[bd] != self.b:
             self.refuse(sources, f"op {name} with shapes {_shapes(args, kwargs)}")
             return args, kwargs
         if func in _JOINS:
@@ -543,11 +545,13 @@ class Provenance(TorchFunctionMode):
         for u in tainted:
             if id(u) in swap or not u.requires_grad:
                 continue
-            k = nd - u.dim()
+            k = 0 if states else nd - u.dim()
             shape = (1,) * k + tuple(u.shape)
+            ubd = 1 if states else bd  # (u's dim that lines up with the batch)
             # (matmul: only the dims before the last two broadcast; a vector operand does not)
             matrix = func in _MATMULS and (u.dim() < 2 or bd >= nd - 2)
-            if k < 0 or matrix or shape[bd] not in (1, self.b):
+            if (k < 0 or matrix or len(shape) <= ubd or shape[ubd] not in (1, self.b)
+                    or states and (u.dim() != 3 or u is args[0])):
                 self.refuse(sources, f"op {name}: an operand of shape {tuple(u.shape)} does not "
                                      f"line up with the batch of shape {tuple(ref.shape)}")
                 return args, kwargs
@@ -556,12 +560,12 @@ class Provenance(TorchFunctionMode):
             # u is the shared call's output itself: the leading dims the op adds to it
             direct = k if (len(src) == 1 and edge.node is src[0][1].node
                            and edge.output_nr == src[0][1].output_nr) else None
-            if shape[bd] == 1:
+            if shape[ubd] == 1:
                 full = list(shape)
-                full[bd] = self.b
-                u_b, how, d = u.reshape(shape).expand(full), "broadcast", bd
+                full[ubd] = self.b
+                u_b, how, d = u.reshape(shape).expand(full), "broadcast", ubd
             else:  # (direct: its B rows lined up with the batch's, on u's dim d)
-                u_b, how, d = u.view(u.shape), "rows" if direct is None else "direct", bd - k
+                u_b, how, d = u.view(u.shape), "rows" if direct is None else "direct", ubd - k
             self.noted(src, how, u_b, direct, d)
             u_b.register_hook(lambda g, e=edge, s=src, h=how, shp=tuple(u.shape), d=d:
                               self.meet(e, s, h, shp, g, d))

@@ -429,3 +429,53 @@ def test_sequence_first_state_from_sizes_is_planned_and_exact(batch, dtype):
         if batch > 1:  # (with B = 1 a (1, D) state is also a broadcast: tracked each time)
             assert list(gh.recorder._signatures.values()) == [
                 {(id(gh.recorder.layers[0]), 1): "rows"}]
+
+
+class LearnedState(nn.Module):
+    """A recurrent layer whose initial state is a raw parameter of the container, expanded to
+    the batch (``(layers, 1, H) -> (layers, B, H)``, or ``(1, H) -> (B, H)`` for a cell)."""
+
+    def __init__(self, kind, batch_first):
+        super().__init__()
+        self.kind, self.batch_first = kind, batch_first
+        cls = {"gru": nn.GRU, "lstm": nn.LSTM, "rnn": nn.RNN}.get(kind)
+        if cls is not None:
+            self.rnn = cls(3, 5, num_layers=2, batch_first=batch_first)
+            self.h0 = nn.Parameter(torch.randn(2, 1, 5))
+            self.c0 = nn.Parameter(torch.randn(2, 1, 5)) if kind == "lstm" else None
+        else:
+            self.rnn = nn.LSTMCell(3, 5)
+            self.h0, self.c0 = nn.Parameter(torch.randn(1, 5)), nn.Parameter(torch.randn(1, 5))
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):  # x (B, T, 3) or (T, B, 3)
+        b = x.shape[0] if self.batch_first else x.shape[1]
+        if self.kind == "cell":
+            h, c = self.h0.expand(b, 5), self.c0.expand(b, 5)
+            for t in range(x.shape[1 if self.batch_first else 0]):
+                h, c = self.rnn(x[:, t] if self.batch_first else x[t], (h, c))
+            return self.head(h)
+        h0 = self.h0.expand(2, b, 5).contiguous()
+        state = h0 if self.c0 is None else (h0, self.c0.expand(2, b, 5).contiguous())
+        out, _ = self.rnn(x, state)
+        return self.head(out[:, -1] if self.batch_first else out[-1])
+
+
+@pytest.mark.parametrize("batch", [1, 3, 4], ids=["B1", "B3", "T_eq_B"])
+@pytest.mark.parametrize("batch_first", [True, False], ids=["bf", "seq"])
+@pytest.mark.parametrize("kind", ["gru", "lstm", "rnn", "cell"])
+def test_learned_initial_states_match_loop(kind, batch_first, batch, dtype):
+    """A learned initial state meets the batch inside the recurrent op (its states' batch dim
+    is 1, whatever the input's layout; a cell's is 0): split there, row by row, so the
+    container needs no replay (a vmapped replay of nn.GRU fails in torch.func)."""
+    torch.manual_seed(0)
+    model = LearnedState(kind, batch_first).to(dtype)
+    x = torch.randn(batch, 4, 3, dtype=dtype)
+    if not batch_first:
+        x = x.transpose(0, 1).contiguous()
+    y = torch.randint(0, 3, (batch,))
+    with gradhooks.attach(model, batch_first=batch_first, loss_reduction="sum") as gh:
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        ours = gh.per_sample_grads()
+    ref = loop_grads(model, F.cross_entropy, x, y, batch_dim=0 if batch_first else 1)
+    assert_close_to_loop(ours, ref, dtype)
