@@ -50,6 +50,15 @@ _HOOKED: "weakref.WeakKeyDictionary[nn.Module, Recorder]" = weakref.WeakKeyDicti
 _MISSING = object()
 
 
+def relayout(t: Tensor, how: tuple) -> Tensor:
+    """A position-wise layer's input or grad_output in the layout its rule reads the batch
+    from (:meth:`Recorder._layout_swap`): ``("swap", d0, d1)`` transposes two dims,
+    ``("split", d, B, inner)`` unflattens a dim of ``B * inner`` rows into ``(B, inner)``."""
+    if how[0] == "swap":
+        return t.transpose(how[1], how[2])
+    return t.unflatten(how[1], how[2:])
+
+
 def _reads_batch_at(layer: Layer, shape, dtype, dim: int, batch_first: bool = False) -> bool:
     # Whether the layer's rule reads the batch of an input of ``shape`` from dim ``dim``: asked
     # on a meta tensor whose dim ``dim`` has a size no other dim has (a size never decides).
@@ -350,7 +359,8 @@ class Recorder:
         # What a tracked forward that returned tells about its signature (see _signatures).
         plan = {key: "rows" if prov.kinds.get(id(cap)) == "direct" else how
                 for cap, key, how in prov.shared_calls}
-        if prov.param_sources or prov.plain or len(plan) < len(prov.shared_calls):
+        if (prov.param_sources or prov.plain or prov.swapped
+                or len(plan) < len(prov.shared_calls)):
             plan = "mode"
         before = self._signatures.get(prov.signature)
         self._signatures[prov.signature] = (plan if before is None or before == plan
@@ -432,6 +442,13 @@ class Recorder:
             # batch did not reach is a shared call, whatever its sizes.
             shared_call = prov is not None and not any(
                 prov.batched(t) for t in (leaves if rule.multi_io else (output,)))
+            swap = None
+            if (prov is not None and not shared_call and rule.position_wise and x.dim() >= 2
+                    and args and args[0] is x):
+                swap = self._layout_swap(prov, layer, x)
+                if swap is not None:  # (recorded with the batch where the rule reads it)
+                    x = relayout(x, swap)
+                    args = (x, *args[1:])
             b = (None if shared_call or planned else
                  rule.call_batch_size(module, args, kwargs, self.batch_first))
         except GradHooksError as e:
@@ -511,7 +528,7 @@ class Recorder:
                 return output
         else:
             cap = Record(layer, x if self.differentiable else x.detach(), names, self._step)
-            cap.forward = self._forward_id
+            cap.forward, cap.swap = self._forward_id, swap
             on_grad(output, functools.partial(self._on_grad_output, cap, None))
             if self._driven:
                 self._edges_complete &= mark(self, cap, [(output, None)], None)
@@ -555,6 +572,33 @@ class Recorder:
         self._shared_layers.add(id(layer))
         prov.add_source(output, cap)
         return None
+
+    def _layout_swap(self, prov: Provenance, layer: Layer, x: Tensor) -> Optional[tuple]:
+        # A position-wise layer (Linear, LayerNorm ...) whose input carries the batch on
+        # another dim than the one its rule reads under the declared layout (a batch-first
+        # model that transposes to (T, B, D) inside, as FSMT does), or merged into rows
+        # (OPT's (B * T, D) before its feed-forward): how to lay out its records so that the
+        # rule reads the batch (relayout; None: as they are). Decided by the batch dim
+        # provenance followed from the inputs; with T == B the declared layout would silently
+        # read the positions as samples.
+        _, _, bd = prov._look(x)
+        if isinstance(bd, tuple):  # samples merged with the dims after them: (B * T, D) rows
+            d, inner = bd
+            if d != 0 or not self.batch_first or x.shape[0] % inner:
+                return None
+            swap = ("split", 0, x.shape[0] // inner, inner)
+            if not _reads_batch_at(layer, relayout(x, swap).shape, x.dtype, 0, True):
+                return None
+            prov.swapped = True
+            return swap
+        want = 0 if self.batch_first or x.dim() < 3 else 1  # (the Linear rule's convention)
+        if bd is None or bd == want or x.dim() < 3:  # (the common case: no probe)
+            return None
+        if (_reads_batch_at(layer, x.shape, x.dtype, bd, self.batch_first)
+                or not _reads_batch_at(layer, x.shape, x.dtype, want, self.batch_first)):
+            return None
+        prov.swapped = True  # (its signature is tracked on every forward: no plan)
+        return ("swap", bd, want)
 
     def _shared_layout(self, layer: Layer, x: Tensor, output: Tensor, b: int, args,
                        kwargs) -> str:
@@ -773,6 +817,7 @@ class Recorder:
         prov.fallback_calls = []  # this forward's records of modules that own raw parameters
         prov.shared_calls = []  # (record, (id(layer), k), layout) of this forward's shared calls
         prov.plain = set()  # ids of shared calls whose outputs are used otherwise (see _on_noted)
+        prov.swapped = False  # a position-wise layer's records had their batch dim swapped
         prov.kinds = {}  # id(record) -> how its output meets the batch ("broadcast" / "direct")
         prov.signature, prov.depth = key, 1
         self._prov = prov
@@ -803,6 +848,8 @@ class Recorder:
             self._backward_seen = True
             self._drop_result()
             return
+        if cap.swap is not None and leaf is None:  # (see _layout_swap)
+            grad = relayout(grad, cap.swap)
         if grad.requires_grad and self._higher_order is None and not self.differentiable:
             self._higher_order = cap.layer.describe()
         if not cap.hits:  # the first grad_output this call receives

@@ -49,6 +49,7 @@ permuted before they meet the batch; raw parameters) every forward is tracked.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, List
 
 import torch
@@ -138,9 +139,30 @@ def batch_dim_after(func, args, kwargs, ref: Tensor, bd, batched, out):
     it where the dims before it keep their product; any other op is replayed on ``meta``
     tensors whose batch dims get a size no other dim has, and the batch dim is where that size
     comes out (so a dim whose size happens to equal ``B`` is never taken for it). A list for a
-    tuple output."""
+    tuple output.
+
+    A batch merged with the dims after it (``(B, H, T, d) -> (B * H, T, d)``, attention code
+    that runs ``bmm`` over samples and heads) is kept as ``(dim, inner)``: dim ``dim`` has size
+    ``B * inner`` with the samples as its outer factor; views split it back where the flat
+    layout allows (``(T, B * H, d) -> (T, B, H * d)``).
+    """
     if bd is None:
         return None
+    if isinstance(bd, tuple):  # a merged batch: its dim moves as a dim does
+        d, inner = bd
+        if args and args[0] is ref and func in _RESHAPE and isinstance(out, Tensor):
+            return _flat_batch(ref.shape, d, inner, out.shape)
+        if func in _SPATIAL:
+            return None
+        got = _dim_after(func, args, kwargs, ref, d, None, out)
+        if isinstance(got, list):
+            return [None if g is None else (g, inner) for g in got]
+        return None if got is None else (got, inner)
+    return _dim_after(func, args, kwargs, ref, bd, batched, out)
+
+
+def _dim_after(func, args, kwargs, ref: Tensor, bd: int, batched, out):
+    # batch_dim_after for a batch dim of its own (``batched`` None: no meta replay)
     if func in _SAME:
         if isinstance(out, Tensor) and out.dim() >= ref.dim():
             return bd + out.dim() - ref.dim()
@@ -157,7 +179,7 @@ def batch_dim_after(func, args, kwargs, ref: Tensor, bd, batched, out):
             d = _args(args, kwargs, (("dim", 1),))[0] % (nd + 1)
             return bd + (d <= bd)
         if func in _RESHAPE:
-            return _same_prefix(ref.shape, bd, out.shape)
+            return _flat_batch(ref.shape, bd, 1, out.shape)
         if func is F.linear:
             return bd if bd < nd - 1 else None
         if func in _MATMULS and nd >= 2:  # (ref on the left: its rows and batch dims stay)
@@ -199,7 +221,7 @@ def batch_dim_after(func, args, kwargs, ref: Tensor, bd, batched, out):
         if out.dim() == ref.dim():  # cat
             return bd if d % out.dim() != bd else None
         return bd + (d % out.dim() <= bd)  # stack
-    if not (isinstance(out, Tensor) or isinstance(out, (tuple, list)) and all(
+    if batched is None or not (isinstance(out, Tensor) or isinstance(out, (tuple, list)) and all(
             isinstance(o, Tensor) for o in out)):
         return None
     return _on_meta(func, args, kwargs, batched, out)
@@ -243,17 +265,23 @@ def _args(args, kwargs, spec):
     return [kwargs[name] if name in kwargs else args[pos] for name, pos in spec]
 
 
-def _same_prefix(shape, bd: int, out_shape):
-    # The dim of out_shape after which the product of the dims before it is the product of
-    # shape[:bd] and whose size is shape[bd] (a view that keeps the batch dim), or None.
-    before, size, acc = 1, shape[bd], 1
-    for n in shape[:bd]:
-        before *= n
-    if before == 0:
+def _flat_batch(shape, bd: int, inner: int, out_shape):
+    # Where a view of ``shape`` to ``out_shape`` puts the batch (dim ``bd`` of size ``B * inner``,
+    # samples outermost): the output dim whose flat layout holds the samples at the same
+    # stride with the same dims outside them, as an int (``inner == 1`` there) or
+    # ``(dim, inner)``; None if the view mixes the samples with other dims.
+    size = shape[bd]
+    if not size or size % inner:
         return None
+    b = size // inner
+    before = math.prod(shape[:bd])
+    stride = inner * math.prod(shape[bd + 1:])
+    if before == 0 or stride == 0:
+        return None
+    acc = 1
     for k, n in enumerate(out_shape):
-        if acc == before and n == size:
-            return k
+        if acc == before and n % b == 0 and (n // b) * math.prod(out_shape[k + 1:]) == stride:
+            return k if n == b else (k, n // b)
         acc *= n
         if acc > before:
             return None
@@ -285,7 +313,7 @@ def _replay_key(func, args, kwargs, dims):
 
 def _on_meta(func, args, kwargs, batched, out):
     dims = {id(t): bd for t, bd in batched}
-    if any(bd is None for bd in dims.values()):
+    if any(not isinstance(bd, int) for bd in dims.values()):
         return None
     if func in _RECURRENT:  # (a replay on meta steps through time in Python: seconds)
         return _recurrent_dims(func, args, dims, out)
@@ -310,7 +338,7 @@ def _recurrent_dims(func, args, dims, out):
     if not isinstance(args[1], (tuple, list)) or len(args) < 9 or x.dim() != 3:
         return None  # (a PackedSequence's data)
     bd = dims.get(id(x))
-    if bd != (0 if args[8] else 1):
+    if bd != (0 if args[8] else 1):  # (a merged batch is not an int: None)
         return None
     return [bd] + [1] * (len(out) - 1)
 
@@ -530,7 +558,7 @@ class Provenance(TorchFunctionMode):
         # declared layout's.
         name = getattr(func, "__name__", repr(func))
         nd = ref.dim()
-        if bd is None:
+        if not isinstance(bd, int):  # (lost, or merged with other dims: the declared layout)
             bd = self.bdim if nd >= 3 else 0
         states = func in _RECURRENT  # (initial states (layers * directions, B, H): batch dim 1)
         if (func not in ROW_ALIGNED and not states) or nd <= bd or ref.shape[bd] != self.b:

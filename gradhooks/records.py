@@ -96,7 +96,7 @@ class Record:
     """
 
     __slots__ = ("layer", "a", "versions", "names", "grads", "step", "spec", "low", "hits", "forward",
-                 "shared", "task", "met", "rows", "__weakref__")
+                 "shared", "task", "met", "rows", "swap", "__weakref__")
 
     def __init__(self, layer: "Layer", a, names: Tuple[str, ...], step: int, spec=None,
                  leaves: Optional[list] = None):
@@ -113,6 +113,9 @@ class Record:
         self.task: Optional[int] = None
         self.met = False  # whether its output met the batch yet (in the forward)
         self.rows = None  # a "rows" call's layout before it became one (to go back to)
+        # how the input and grad_output were laid out so that the rule reads the batch where
+        # the model carries it (capture.relayout), or None
+        self.swap: Optional[tuple] = None
 
     def check_unmodified(self, result: str) -> None:
         """Raise :class:`GradientMismatchError` if a recorded input was modified in place since

@@ -127,6 +127,11 @@ class LayerRule:
     #: ``G = 1`` is allowed with it.
     weight_transposed: bool = False
 
+    #: ``True`` if the layer acts on each position of its input alike, over the trailing
+    #: feature dims (Linear, LayerNorm, RMSNorm): its records may then have two leading dims
+    #: swapped, input and grad_output alike, to put the batch where the rule reads it.
+    position_wise: bool = False
+
     #: ``True`` if :meth:`per_sample_grads` is differentiable in its inputs ``a`` and ``g``
     #: (ops with autograd formulas, no ``out=``, nothing detached), so that reads of
     #: ``attach(..., differentiable=True)`` records carry the autograd graph.

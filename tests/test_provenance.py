@@ -380,12 +380,14 @@ def test_batch_dim_followed_through_ops_as_the_meta_replay_finds_it(i):
 
 
 @pytest.mark.parametrize("shape,bd,out_shape,expected", [
-    ((2, 2, 4), 1, (2, 2, 2, 2), 1), ((2, 2, 4), 1, (2, 8), None), ((2, 2, 4), 0, (2, 8), 0),
+    ((2, 2, 4), 1, (2, 2, 2, 2), 1), ((2, 2, 4), 1, (2, 8), (1, 4)), ((2, 2, 4), 0, (2, 8), 0),
+    ((3, 4, 5), 0, (12, 5), (0, 4)), ((3, 4, 5), 1, (12, 5), None),
     ((2, 2, 4), 1, (4, 4), None), ((2, 2, 4), 0, (1, 2, 2, 4), 1), ((2, 2, 4), 2, (2, 2, 2, 2), None),
     ((0, 2, 4), 1, (0, 8), None)])
 def test_batch_dim_kept_by_views_that_keep_the_dims_before_it(shape, bd, out_shape, expected):
     """A view / reshape keeps the batch dim where the product of the dims before it is kept and
-    the next dim has its size; one that merges it with another dim loses it."""
+    the next dim has its size; merged with the dims after it, it is kept as (dim, inner) (the
+    samples the outer factor); merged with a dim before it, it is lost."""
     from gradhooks.provenance import batch_dim_after
     x = torch.zeros(shape)
     out = x.reshape(out_shape)
@@ -479,3 +481,22 @@ def test_learned_initial_states_match_loop(kind, batch_first, batch, dtype):
         ours = gh.per_sample_grads()
     ref = loop_grads(model, F.cross_entropy, x, y, batch_dim=0 if batch_first else 1)
     assert_close_to_loop(ours, ref, dtype)
+
+
+def test_batch_merged_with_heads_is_followed_back_to_its_own_dim():
+    """Attention code that runs bmm over samples x heads: (B, H, T, d) -> (B*H, T, d) ->
+    transpose -> (T, B*H, d) -> view (T, B, H*d); with B == T == H the sizes cannot tell, the
+    flat layout can."""
+    from gradhooks.provenance import batch_dim_after
+    x = torch.zeros(3, 3, 3, 5)
+    steps = [(torch.Tensor.reshape, lambda t: (t, 9, 3, 5)), (torch.Tensor.transpose, lambda t: (t, 0, 1)),
+             (torch.Tensor.contiguous, lambda t: (t,)), (torch.Tensor.view, lambda t: (t, 3, 3, 15))]
+    bd, t = 0, x
+    found = []
+    for func, make in steps:
+        args = make(t)
+        out = func(*args)
+        bd = batch_dim_after(func, args, {}, t, bd, [(t, bd)], out)
+        found.append(bd)
+        t = out
+    assert found == [(0, 3), (1, 3), (1, 3), 1]

@@ -71,6 +71,31 @@ def t5():
     return TokensToLogits(tr.T5ForConditionalGeneration(cfg), decoder=True), "tokens"
 
 
+def opt():
+    """OPT flattens its hidden states to (B * T, D) rows before each block's LayerNorm and
+    feed-forward: provenance keeps the samples as the rows' outer factor, and the records of
+    those layers are laid out (B, T, D)."""
+    tr = transformers_lib()
+    cfg = tr.OPTConfig(vocab_size=V, hidden_size=H, num_hidden_layers=2, ffn_dim=2 * H,
+                       num_attention_heads=4, max_position_embeddings=T + 2, word_embed_proj_dim=H,
+                       dropout=0.0)
+    return TokensToLogits(tr.OPTForCausalLM(cfg)), "tokens"
+
+
+def fsmt():
+    """FSMT (fairseq's translation Transformer) computes in (T, B, D) inside a batch-first
+    model and runs its attention over (B * heads, T, d): its Linear and LayerNorm calls see the
+    batch on dim 1, which provenance follows (with T == B the declared layout would read the
+    positions as samples)."""
+    tr = transformers_lib()
+    cfg = tr.FSMTConfig(langs=["en", "de"], src_vocab_size=V, tgt_vocab_size=V, d_model=H,
+                        encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=2 * H, decoder_ffn_dim=2 * H,
+                        max_position_embeddings=T + 4, dropout=0.0, attention_dropout=0.0,
+                        activation_dropout=0.0)
+    return TokensToLogits(tr.FSMTForConditionalGeneration(cfg), decoder=True), "tokens"
+
+
 def bart():
     """BART's learned positions: an Embedding subclass whose forward makes the position ids from
     the input's shape, (B, T) after an expand, the same for every sample."""
@@ -228,6 +253,8 @@ FALLBACK = {
     # shared call): the fallback replays it, a single lookup. (BART's scaled token embedding
     # is recognised: ScaledEmbeddingRule.)
     "bart": {"BartLearnedPositionalEmbedding"},
+    "opt": {"OPTLearnedPositionalEmbedding"},  # (an Embedding subclass with its own forward)
+    "fsmt": {"SinusoidalPositionalEmbedding"},  # (the same)
     "whisper": {"WhisperPositionalEmbedding"},  # (its decoder's: an Embedding subclass)
 }
 
@@ -254,6 +281,8 @@ ZOO = {
     "tv-mobilenet-v3-small-eval": (vision(lambda m: m.mobilenet_v3_small(num_classes=5)), None),
     "tv-swin": (vision(tv_swin), None),
     "distilbert": (distilbert, None),
+    "opt": (opt, None),
+    "fsmt": (fsmt, None),
     "roberta": (roberta, None),
     "qwen2": (qwen2, None),
     "bert-lora": (lora(bert, ["query", "value"]), None),
@@ -323,7 +352,7 @@ def test_zoo_model_matches_loop(name, build):
         gh.detach()
 
 
-@pytest.mark.parametrize("name", ["bert", "gpt2", "t5", "bart", "llama-gqa"])
+@pytest.mark.parametrize("name", ["bert", "gpt2", "t5", "bart", "llama-gqa", "opt", "fsmt"])
 def test_zoo_length_equal_to_batch(name):
     """T == B: position ids (1, T) or (B, T) made from sizes, and T5's (T, T) relative-position
     buckets, have the batch size on their first dim by coincidence; gradhooks follows where
@@ -333,7 +362,8 @@ def test_zoo_length_equal_to_batch(name):
     first is tracked, the second follows its plan (BERT, GPT-2: positions handed to the
     broadcast as B samples, token types an ordinary call on their B rows) or is tracked again
     (T5: the buckets meet the batch after a permute; BART: its decoder's positions (1, T, d) come
-    from a call on the (B, T) ids)."""
+    from a call on the (B, T) ids; OPT's (B * T, D) rows and FSMT's (T, B, D) layers: records
+    laid out per call)."""
     model, kind = ZOO[name][0]()
     model = model.double().eval()
     with warnings.catch_warnings():
@@ -350,7 +380,9 @@ def test_zoo_length_equal_to_batch(name):
             assert_close(gh.per_sample_grads(), ref)
         # (the loop's batches of one are a signature of their own)
         plan = gh.recorder._signatures[((((4, 4), torch.int64),), False)]
-        assert plan == {"t5": "mode", "bart": "mode", "llama-gqa": {}}.get(name) or (
+        # (OPT, FSMT: records laid out per call, relayout: tracked every forward)
+        assert plan == {"t5": "mode", "bart": "mode", "llama-gqa": {}, "opt": "mode",
+                        "fsmt": "mode"}.get(name) or (
             name in ("bert", "gpt2") and isinstance(plan, dict) and plan), plan
     finally:
         gh.detach()

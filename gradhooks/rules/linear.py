@@ -42,6 +42,8 @@ class LinearRule(LayerRule):
     weight-sharing positions summed per sample.
     """
 
+    position_wise = True
+
     differentiable = True
 
     weight_linear_in_input = True

@@ -126,6 +126,8 @@ class _TrailingNormRule(_AffineNormRule):
     ``batch_first=False``); every position of ``*`` (and ``T``) is a shared position.
     """
 
+    position_wise = True
+
     @staticmethod
     def normalized_shape(module: nn.Module) -> Tuple[int, ...]:
         """The trailing dims normalised over (``module.normalized_shape``; the weight's shape
