@@ -34,7 +34,7 @@ from .checks import GradTotal, SumCheck, refusal
 from .errors import BatchSizeError, GradHooksError
 from .forms import Call
 from .graph import call_kwargs, in_backward, mark, module_hooks, on_grad, walk
-from .provenance import Provenance, as_batch, shared_layout, source_cotangent
+from .provenance import Provenance, as_batch, input_batch_dim, shared_layout, source_cotangent
 from .errors import FallbackWarning
 from .rules.fallback import FALLBACK, FallbackRule
 from .records import (FORWARDS, Batch, Layer, Record, expand_call, find_layers, plain_state,
@@ -587,7 +587,7 @@ class Recorder:
             if d != 0 or not self.batch_first or x.shape[0] % inner:
                 return None
             swap = ("split", 0, x.shape[0] // inner, inner)
-            if not _reads_batch_at(layer, relayout(x, swap).shape, x.dtype, 0, True):
+            if not _reads_batch_at(layer, relayout(x, swap).shape, x.dtype, 0, self.batch_first):
                 return None
             prov.swapped = True
             return swap
@@ -623,7 +623,7 @@ class Recorder:
                                                            "or keep the module frozen."))
 
     def _on_noted(self, sources: tuple, how: str, u_b: Optional[Tensor],
-                  direct: Optional[int], dim: Optional[int] = None) -> None:
+                  direct: Optional[int], dim: Optional[int]) -> None:
         # In the forward, where a shared call's output meets the batch (as u_b): the output-
         # edges pass of gh.backward asks for the gradient below u_b, so that autograd runs its
         # hook. A call on B rows whose output meets the batch only row by row, itself (an
@@ -717,7 +717,7 @@ class Recorder:
                     call.names = tuple(n for n in call.names if n != name)
 
     def _on_meeting(self, edge, sources: tuple, how: str, shape: tuple, grad: Tensor,
-                    dim: int = 0) -> None:
+                    dim: int) -> None:
         # Tensor hook (gradhooks.provenance): the gradient of a source-carrying tensor where it
         # met the batch (on dim ``dim``); its per-sample part, pulled back to each source's
         # output.
@@ -797,7 +797,8 @@ class Recorder:
         first = next((t for t in top if t.dim() > 0), None)
         if first is None or any(is_functorch_wrapped(t) for t in top):
             return
-        bdim = 0 if self.batch_first or first.dim() < 2 else 1
+        layout = 0 if self.batch_first else 1
+        bdim = input_batch_dim(first, layout)
         key = (tuple((tuple(t.shape), t.dtype) for t in top), training)
         known = self._signatures.get(key)
         if isinstance(known, dict):  # (empty: no shared calls)
@@ -812,7 +813,7 @@ class Recorder:
         raw = {pid: (layers, None) for pid, layers in owners.items()}
         raw.update((pid, info) for pid, info in self._raw.items()
                    if info[0].params[info[1]].requires_grad)
-        prov = Provenance(first.shape[bdim], 0 if self.batch_first else 1, top, self._on_meeting, self._refuse_shared,
+        prov = Provenance(first.shape[bdim], layout, top, self._on_meeting, self._refuse_shared,
                           self._on_noted, raw, self._param_source)
         prov.fallback_calls = []  # this forward's records of modules that own raw parameters
         prov.shared_calls = []  # (record, (id(layer), k), layout) of this forward's shared calls

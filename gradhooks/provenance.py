@@ -15,9 +15,10 @@ through each op by :func:`batch_dim_after` (a transpose moves it, a view keeps i
 before it keep their product, any other op is replayed on ``meta`` tensors whose batch dims have
 a size no other dim has). So where a shared tensor meets the batch, the dim it lines up with is
 known from the data flow, not read off a size: a ``(T, 1, D)`` position table added to a
-``(T, B, D)`` activation with ``T == B`` is a broadcast over dim 1, never rows of dim 0. Where
-an op merges the batch with other dims (a ``(B * T, D)`` view), the batch dim is lost and the
-declared layout (``batch_first``) stands in.
+``(T, B, D)`` activation with ``T == B`` is a broadcast over dim 1, never rows of dim 0. A batch
+merged with the dims after it (``(B * H, T, d)``, ``(B * T, D)`` rows) is followed as the merged
+dim's outer factor; where an op merges it with a dim before it, or reads it otherwise, the batch
+dim is lost and the declared layout (``batch_first``) stands in.
 
 Where a tensor ``u`` carrying sources meets the batch (an op with a batched operand), its
 gradient is still the sum over the samples; the per-sample part is taken there, before the sum:
@@ -59,7 +60,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["Provenance", "ROW_ALIGNED", "shared_layout", "as_batch", "source_cotangent",
-           "batch_dim_after"]
+           "batch_dim_after", "input_batch_dim"]
 
 _TAG = "_gradhooks_provenance"  # on tensors the forward computes: (token, sources, batch dim)
 
@@ -85,11 +86,17 @@ _ELEMENTWISE = (
 _MATMUL = ("matmul", "bmm", "__matmul__", "__rmatmul__")
 _JOIN = ("cat", "concat", "concatenate", "stack")
 
+# torch's recurrent kernels: whole layers (states (layers * directions, B, H): batch dim 1) and
+# cells (states (B, H), lined up with the input (B, in))
+_RECURRENT = _functions(("lstm", "gru", "rnn_tanh", "rnn_relu"), (torch._VF,))
+_CELLS = _functions(("lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell"), (torch._VF,))
+
 #: Ops whose operands line up on the batch dim by broadcasting (elementwise, batched matmul) or
-#: row by row (``cat`` / ``stack`` along another dim): where a source meets the batch in one of
-#: these, its per-sample cotangents are taken (module docstring).
+#: row by row (``cat`` / ``stack`` along another dim, a recurrent cell's state): where a source
+#: meets the batch in one of these, its per-sample cotangents are taken (module docstring); and
+#: a recurrent layer's initial states, on their dim 1 (:meth:`Provenance._split`).
 ROW_ALIGNED = (_functions(_ELEMENTWISE + _MATMUL + _JOIN, (torch, torch.Tensor))
-               | {F.scaled_dot_product_attention})
+               | {F.scaled_dot_product_attention} | _CELLS)
 _JOINS = _functions(_JOIN, (torch,))
 _MATMULS = _functions(_MATMUL, (torch, torch.Tensor))
 
@@ -106,22 +113,17 @@ _METADATA = frozenset(
 
 # Ops whose output keeps the batched operand's dims, right-aligned (elementwise and unary ops,
 # norms over the last dims, casts): the batch dim follows without a replay.
-_SAME = (_functions(_ELEMENTWISE + (
-    "relu", "relu_", "gelu", "silu", "silu_", "tanh", "tanh_", "sigmoid", "sigmoid_", "softmax",
-    "log_softmax", "dropout", "dropout_", "layer_norm", "rms_norm", "group_norm", "batch_norm",
-    "exp", "exp_", "log", "log1p", "sqrt", "rsqrt", "neg", "__neg__", "abs", "square",
-    "reciprocal", "sign", "sin", "cos", "erf", "softplus", "elu", "leaky_relu", "hardtanh",
-    "hardswish", "hardsigmoid", "mish", "celu", "selu", "glu", "tril", "triu", "cumsum", "flip",
-    "clone", "contiguous", "to", "type", "float", "double", "half", "bfloat16", "type_as",
-    "detach", "requires_grad_", "nan_to_num", "sigmoid", "logit", "masked_fill", "normalize",
-    "pad", "roll", "interpolate", "conv1d", "conv2d", "conv3d", "max_pool1d", "max_pool2d",
-    "avg_pool1d", "avg_pool2d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "instance_norm",
-    "gelu_", "silu", "threshold", "relu6", "prelu", "rrelu", "hardshrink", "softsign",
-    "tanhshrink", "logsigmoid", "softmin", "alpha_dropout", "feature_alpha_dropout",
-    "dropout1d", "dropout2d", "dropout3d"), (torch, torch.Tensor, F))
-    - _functions(("glu", "pad", "interpolate", "conv1d", "conv2d", "conv3d", "max_pool1d",
-                  "max_pool2d", "avg_pool1d", "avg_pool2d", "adaptive_avg_pool1d",
-                  "adaptive_avg_pool2d"), (torch, torch.Tensor, F)))
+_SAME = _functions(_ELEMENTWISE + (
+    "relu", "relu_", "gelu", "gelu_", "silu", "silu_", "tanh", "tanh_", "sigmoid", "sigmoid_",
+    "softmax", "log_softmax", "softmin", "dropout", "dropout_", "alpha_dropout",
+    "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d", "layer_norm", "rms_norm",
+    "group_norm", "batch_norm", "instance_norm", "normalize", "exp", "exp_", "log", "log1p",
+    "sqrt", "rsqrt", "neg", "__neg__", "abs", "square", "reciprocal", "sign", "sin", "cos",
+    "erf", "softplus", "elu", "leaky_relu", "hardtanh", "hardswish", "hardsigmoid", "mish",
+    "celu", "selu", "threshold", "relu6", "prelu", "rrelu", "hardshrink", "softsign",
+    "tanhshrink", "logsigmoid", "logit", "tril", "triu", "cumsum", "flip", "roll",
+    "masked_fill", "nan_to_num", "clone", "contiguous", "to", "type", "float", "double", "half",
+    "bfloat16", "type_as", "detach", "requires_grad_"), (torch, torch.Tensor, F))
 _RESHAPE = _functions(("view", "reshape", "view_as", "reshape_as", "expand", "expand_as",
                        "flatten", "unflatten", "broadcast_to"), (torch, torch.Tensor))
 _TRANSPOSE = _functions(("transpose", "transpose_", "swapaxes", "swapdims"), (torch, torch.Tensor))
@@ -129,6 +131,15 @@ _PERMUTE = _functions(("permute",), (torch, torch.Tensor))
 _UNSQUEEZE = _functions(("unsqueeze", "unsqueeze_"), (torch, torch.Tensor))
 _REDUCE = _functions(("sum", "mean", "amax", "amin", "max", "min", "std", "var", "logsumexp",
                       "norm", "prod", "any", "all", "argmax", "argmin"), (torch, torch.Tensor))
+
+_UNBIND = _functions(("unbind",), (torch, torch.Tensor))
+# ops returning pieces along a dim: the position of their dim argument
+_PIECES = {**{f: 1 for f in _UNBIND},
+           **{f: 2 for f in _functions(("chunk", "split", "tensor_split"), (torch, torch.Tensor))}}
+_GETITEM = torch.Tensor.__getitem__
+_SPATIAL = {f: k for k in (1, 2, 3) for f in _functions(
+    (f"conv{k}d", f"conv_transpose{k}d", f"max_pool{k}d", f"avg_pool{k}d",
+     f"adaptive_avg_pool{k}d", f"adaptive_max_pool{k}d"), (torch, F))}
 
 
 def batch_dim_after(func, args, kwargs, ref: Tensor, bd, batched, out):
@@ -227,16 +238,6 @@ def _dim_after(func, args, kwargs, ref: Tensor, bd: int, batched, out):
     return _on_meta(func, args, kwargs, batched, out)
 
 
-_UNBIND = _functions(("unbind",), (torch, torch.Tensor))
-# ops returning pieces along a dim: the position of their dim argument
-_PIECES = {**{f: 1 for f in _UNBIND},
-           **{f: 2 for f in _functions(("chunk", "split", "tensor_split"), (torch, torch.Tensor))}}
-_GETITEM = torch.Tensor.__getitem__
-_SPATIAL = {f: k for k in (1, 2, 3) for f in _functions(
-    (f"conv{k}d", f"conv_transpose{k}d", f"max_pool{k}d", f"avg_pool{k}d",
-     f"adaptive_avg_pool{k}d", f"adaptive_max_pool{k}d"), (torch, F))}
-
-
 def _index_dim(nd: int, bd: int, index):
     # The batch dim after basic indexing x[index] (ints, slices, None, ...): None if an int or a
     # partial slice takes the batch dim; False for advanced indexing (left to the meta replay).
@@ -288,9 +289,6 @@ def _flat_batch(shape, bd: int, inner: int, out_shape):
     return None
 
 
-_RECURRENT = _functions(("lstm", "gru", "rnn_tanh", "rnn_relu"), (torch._VF,))
-_CELLS = _functions(("lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell"), (torch._VF,))
-ROW_ALIGNED = ROW_ALIGNED | _CELLS  # (a cell's state (B, H) lines up with its input (B, in))
 _REPLAYS: dict = {}  # (func, the operands' shapes, dtypes and batch dims, other args) -> result
 _MAX_REPLAYS = 4096
 
@@ -373,6 +371,13 @@ def _replay(func, args, kwargs, dims, out):
     return [find(o) for o in got] if isinstance(got, (tuple, list)) else None
 
 
+def input_batch_dim(t: Tensor, batch_dim: int) -> int:
+    """The batch dim of a top-level input under the declared layout: dim 0, or with
+    ``batch_dim == 1`` (``batch_first=False``) dim 1 of one of 2 dims or more (torch's
+    ``(T, B, ...)``)."""
+    return 0 if batch_dim == 0 or t.dim() < 2 else 1
+
+
 def shared_layout(x: Tensor, output: Tensor, dim: int = 0) -> str:
     """How a shared call's input ``x`` and output become a batch of ``B`` identical samples with
     the samples on dim ``dim`` (``0``, or ``1`` for a layer that reads ``(T, B, ...)`` with
@@ -452,9 +457,7 @@ class Provenance(TorchFunctionMode):
                  param_source: Callable = None):
         super().__init__()
         self.b, self.bdim = batch_size, batch_dim
-        # top-level input -> its batch dim: dim 0, or with batch_dim 1 dim 1 of one of 2 dims
-        # or more (torch's (T, B, ...))
-        self.inputs = {id(t): 0 if batch_dim == 0 or t.dim() < 2 else 1 for t in inputs}
+        self.inputs = {id(t): input_batch_dim(t, batch_dim) for t in inputs}
         self._keep = inputs  # (the ids above stay theirs while the forward runs)
         self.token = object()
         self.meet, self.refuse, self.noted = meet, refuse, noted

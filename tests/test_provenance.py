@@ -45,18 +45,21 @@ class SharedBias(nn.Module):
 
 class InitialState(nn.Module):
     """A Linear on a zero state of the batch's size, made from sizes: a shared call with B rows
-    that meets the batch row by row."""
+    that meets the batch row by row. ``seq_first``: inputs ``(T, B, 3)`` (torch's sequence
+    layout) instead of ``(B, T, 3)``."""
 
-    def __init__(self):
+    def __init__(self, seq_first=False):
         super().__init__()
+        self.seq_first = seq_first
         self.init = nn.Linear(D, D)
         self.step = nn.Linear(3, D)
         self.head = nn.Linear(D, 3)
 
-    def forward(self, x):  # x (B, T, 3)
-        h = self.init(torch.ones(x.shape[0], D, dtype=x.dtype))  # (B, D), the same for all
-        for t in range(x.shape[1]):
-            h = torch.tanh(self.step(x[:, t]) + h)
+    def forward(self, x):  # x (B, T, 3), or (T, B, 3) when seq_first
+        steps = x.unbind(0) if self.seq_first else x.unbind(1)
+        h = self.init(torch.ones(steps[0].shape[0], D, dtype=x.dtype))  # (B, D), the same for all
+        for x_t in steps:
+            h = torch.tanh(self.step(x_t) + h)
         return self.head(h)
 
 
@@ -394,29 +397,12 @@ def test_batch_dim_kept_by_views_that_keep_the_dims_before_it(shape, bd, out_sha
     assert batch_dim_after(torch.Tensor.reshape, (x, *out_shape), {}, x, bd, [(x, bd)], out) == expected
 
 
-class SeqInitialState(nn.Module):
-    """InitialState in torch's sequence layout: ``(T, B, 3)`` inputs, a Linear on a state of
-    ones ``(B, D)`` made from the batch size (a shared call met row by row)."""
-
-    def __init__(self):
-        super().__init__()
-        self.init = nn.Linear(D, D)
-        self.step = nn.Linear(3, D)
-        self.head = nn.Linear(D, 3)
-
-    def forward(self, x):  # x (T, B, 3)
-        h = self.init(torch.ones(x.shape[1], D, dtype=x.dtype))
-        for t in range(x.shape[0]):
-            h = torch.tanh(self.step(x[t]) + h)
-        return self.head(h)
-
-
 @pytest.mark.parametrize("batch", [1, 3, 4], ids=["B1", "B3", "T_eq_B"])
 def test_sequence_first_state_from_sizes_is_planned_and_exact(batch, dtype):
     """batch_first=False: the state's Linear is found row by row at the first forward; later
     forwards follow the plan (an ordinary call on its B rows, no tracking) and stay exact."""
     torch.manual_seed(0)
-    model = SeqInitialState().to(dtype)
+    model = InitialState(seq_first=True).to(dtype)
     with gradhooks.attach(model, batch_first=False, loss_reduction="sum") as gh:
         for seed in (1, 2, 3):
             torch.manual_seed(seed)
