@@ -397,7 +397,7 @@ def test_batch_dim_kept_by_views_that_keep_the_dims_before_it(shape, bd, out_sha
     assert batch_dim_after(torch.Tensor.reshape, (x, *out_shape), {}, x, bd, [(x, bd)], out) == expected
 
 
-@pytest.mark.parametrize("batch", [1, 3, 4], ids=["B1", "B3", "T_eq_B"])
+@pytest.mark.parametrize("batch", [0, 1, 3, 4], ids=["B0", "B1", "B3", "T_eq_B"])
 def test_sequence_first_state_from_sizes_is_planned_and_exact(batch, dtype):
     """batch_first=False: the state's Linear is found row by row at the first forward; later
     forwards follow the plan (an ordinary call on its B rows, no tracking) and stay exact."""
@@ -409,9 +409,13 @@ def test_sequence_first_state_from_sizes_is_planned_and_exact(batch, dtype):
             x, y = torch.randn(4, batch, 3, dtype=dtype), torch.randint(0, 3, (batch,))
             F.cross_entropy(model(x), y, reduction="sum").backward()
             ours = gh.per_sample_grads()
-            with gradhooks.utils.paused():
-                ref = loop_grads(model, F.cross_entropy, x, y, batch_dim=1)
-            assert_close_to_loop(ours, ref, dtype)
+            if batch:
+                with gradhooks.utils.paused():
+                    ref = loop_grads(model, F.cross_entropy, x, y, batch_dim=1)
+                assert_close_to_loop(ours, ref, dtype)
+            else:
+                assert {n: g.shape for n, g in ours.items()} == {
+                    n: (0, *p.shape) for n, p in model.named_parameters()}
             for p in model.parameters():
                 p.grad = None
         if batch > 1:  # (with B = 1 a (1, D) state is also a broadcast: tracked each time)
@@ -449,7 +453,7 @@ class LearnedState(nn.Module):
         return self.head(out[:, -1] if self.batch_first else out[-1])
 
 
-@pytest.mark.parametrize("batch", [1, 3, 4], ids=["B1", "B3", "T_eq_B"])
+@pytest.mark.parametrize("batch", [0, 1, 3, 4], ids=["B0", "B1", "B3", "T_eq_B"])
 @pytest.mark.parametrize("batch_first", [True, False], ids=["bf", "seq"])
 @pytest.mark.parametrize("kind", ["gru", "lstm", "rnn", "cell"])
 def test_learned_initial_states_match_loop(kind, batch_first, batch, dtype):
@@ -465,6 +469,10 @@ def test_learned_initial_states_match_loop(kind, batch_first, batch, dtype):
     with gradhooks.attach(model, batch_first=batch_first, loss_reduction="sum") as gh:
         F.cross_entropy(model(x), y, reduction="sum").backward()
         ours = gh.per_sample_grads()
+    if not batch:
+        assert {n: g.shape for n, g in ours.items()} == {
+            n: (0, *p.shape) for n, p in model.named_parameters()}
+        return
     ref = loop_grads(model, F.cross_entropy, x, y, batch_dim=0 if batch_first else 1)
     assert_close_to_loop(ours, ref, dtype)
 
