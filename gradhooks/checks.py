@@ -39,7 +39,12 @@ SUM_CHECK_PROBES = 256
 
 @functools.lru_cache(maxsize=256)
 def _probe_index(numel: int, probes: int, device: torch.device) -> Tensor:
-    return torch.linspace(0, numel - 1, probes, device=device).long()
+    """``probes`` evenly spaced flat coordinates of ``[0, numel)``, first and last included, in
+    int64 arithmetic (``k (numel - 1) // (probes - 1)``): a float32 ``linspace`` rounds
+    ``numel - 1`` to ``numel`` above ``2**24`` elements (every word embedding of a
+    pretrained-size language model) and indexes out of range."""
+    k = torch.arange(probes, dtype=torch.int64, device=device)
+    return k.mul_(numel - 1).div_(max(probes - 1, 1), rounding_mode="floor")
 
 
 @functools.lru_cache(maxsize=64)

