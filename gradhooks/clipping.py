@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 
 from .capture import Batch, Recorder
 from .errors import GradHooksError
-from .norms import (CLOSED, FORMS, GENERIC, GRAM, ROWS, Forms, PlannedParam, add_up, plan,
+from .norms import (CLOSED, FORMS, GENERIC, GRAM, ROWS, TIED, Forms, PlannedParam, add_up, plan,
                     result_sq_norms, squared_norms, summed)
 from .per_sample import call_grads, per_sample_grads
 from .utils import no_autocast, own_loss_scale
@@ -96,7 +96,10 @@ def _ghost_sums(batch: Batch, plans: Dict[int, PlannedParam], c: Union[Tensor, D
     factored forms are written straight into the parameter's ``.grad`` when it has the
     parameter's shape, the computation's dtype and a contiguous layout (no second tensor of the
     parameter's size: ghost clipping's peak stays at plain training's)."""
-    left = {pid: len(p.entries) for pid, p in plans.items()}
+    # a TIED weight's row scatters count as one contribution, added last (in place)
+    left = {pid: len(p.entries) if p.kind != TIED
+            else 1 + sum(not cap.layer.rule.has_rows for cap, _ in p.entries)
+            for pid, p in plans.items()}
     partial: Dict[int, Tensor] = {}
     offered: set = set()
     weights = (lambda pid: c) if isinstance(c, Tensor) else c.__getitem__
@@ -136,7 +139,8 @@ def _ghost_sums(batch: Batch, plans: Dict[int, PlannedParam], c: Union[Tensor, D
     for cap in batch.records:
         layer = cap.layer
         kinds = [plans[id(layer.params[n])].kind for n in cap.names]
-        closed = [n for n, k in zip(cap.names, kinds) if k in (GRAM, CLOSED)]
+        closed = [n for n, k in zip(cap.names, kinds)
+                  if k in (GRAM, CLOSED) or (k == TIED and not layer.rule.has_rows)]
         generic = [n for n, k in zip(cap.names, kinds) if k == GENERIC]
         if closed:
             a, g = summed(cap)
@@ -159,6 +163,13 @@ def _ghost_sums(batch: Batch, plans: Dict[int, PlannedParam], c: Union[Tensor, D
                 pid = id(layer.params[local])
                 offered.add(pid)
                 add(pid, torch.tensordot(weights(pid).to(t.dtype), t, 1))
+    for pid, p in plans.items():
+        if p.kind == TIED:  # the output projections' sum so far, plus the rows' index_add
+            r = forms.rows(p)
+            out = partial.pop(pid)
+            cw = weights(pid).to(r.values.dtype)
+            out.index_add_(0, r.row, (r.values * cw[r.sample, None]).to(out.dtype))
+            assign(pid, out)
 
 
 def clip_and_accumulate(recorder: Recorder, max_norm: Union[float, Sequence[float]], *,
