@@ -20,7 +20,7 @@ from .checks import GradTotal, check_unrecorded
 from .errors import FallbackWarning, GradHooksError, GradientMismatchError, UnsupportedModuleError
 from .provenance import as_batch
 from .registry import LayerRule, find_rule, supported_types
-from .rules.fallback import FALLBACK
+from .rules.fallback import FALLBACK, note_container
 from .utils import own_loss_scale, tensors
 
 __all__ = ["Layer", "Record", "Batch", "find_layers", "plain_state", "shared_lookup", "expand_call",
@@ -158,7 +158,10 @@ def find_layers(model: nn.Module, strict: bool, hooked: Callable[[nn.Module], bo
     A module with trainable parameters gets its rule (exact type, then parents:
     :func:`~gradhooks.registry.find_rule`), or the ``torch.func`` fallback for parameters no rule
     handles (one :class:`FallbackWarning` lists them); a rule may claim a submodule's parameters
-    (``MultiheadAttention``'s ``out_proj``), which is then not hooked itself. A parameter that a
+    (``MultiheadAttention``'s ``out_proj``), which is then not hooked itself. The warning names
+    leaf modules only: a container's own (raw) parameters (ViT's class token, a layer scale) are
+    taken at their own ops where they meet the batch, and the container is replayed, with a
+    :class:`FallbackWarning` then, only where that fails (:class:`~gradhooks.rules.fallback.FallbackRule`). A parameter that a
     module and one of its descendants both register (Opacus' ``DPLSTM`` / ``DPGRU`` / ``DPRNN``
     register their cells' weights again under the ``nn.LSTM`` names) is handled by the
     descendant, which computes with it; results keep the model's names
@@ -207,6 +210,7 @@ def find_layers(model: nn.Module, strict: bool, hooked: Callable[[nn.Module], bo
                                module.get_submodule(rel).named_parameters())
             claimed.update(id(module.get_submodule(n.rsplit(".", 1)[0]))
                            for n in handled if "." in n)
+            note_container(module, path)
             layers.append(Layer(path, module, FALLBACK, handled))
             continue
         if not own:
@@ -230,7 +234,10 @@ def find_layers(model: nn.Module, strict: bool, hooked: Callable[[nn.Module], bo
                 unsupported.append((path, module, extra))
                 continue
             rule, handled = FALLBACK, FALLBACK.params_of(module)
-            fallback.append(f"{path or '<root>'!r} ({type(module).__qualname__})")
+            if next(module.children(), None) is None:
+                fallback.append(f"{path or '<root>'!r} ({type(module).__qualname__})")
+            else:  # its raw parameters are usually taken at their own ops (provenance): its
+                note_container(module, path)  # replay warns when it runs (FallbackRule)
         if handled:
             if hooked(module):
                 raise GradHooksError(

@@ -80,6 +80,46 @@ def test_fallback_warns_once_listing_the_modules():
     assert "'1' (Affine)" in msg and "'2' (PReLU)" in msg and "'0'" not in msg and "strict=True" in msg
 
 
+class RawParamContainer(nn.Module):
+    """A container with a raw parameter of its own (ViT's class token, a layer scale) used
+    after its child: by a broadcast (taken at its own op, no replay) or as a matmul operand
+    (met in an op gradhooks does not split per sample: the container is replayed)."""
+
+    def __init__(self, use):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.w = nn.Parameter(torch.randn(4, 4))
+        self.use = use
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h + self.w[0] if self.use == "broadcast" else h @ self.w
+
+
+@pytest.mark.parametrize("use", ["broadcast", "matmul"])
+def test_fallback_warning_names_only_modules_that_are_replayed(use, dtype):
+    """A container's raw parameter taken at its own op is no fallback: no warning (torchvision's
+    ViT warned "'<root>' (VisionTransformer)" although nothing was replayed); one whose
+    container is replayed warns when the replay runs, naming it. Exact in both cases."""
+    model = nn.Sequential(RawParamContainer(use)).to(dtype)
+    x = torch.randn(3, 4, dtype=dtype)
+    loss_fn = lambda out, t: (out ** 2).sum()
+    ref = gradhooks.looped_per_sample_grads(model, loss_fn, x, torch.zeros(3), loss_reduction="sum")
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        with gradhooks.attach(model, loss_reduction="sum") as gh:
+            loss_fn(model(x), None).backward()
+            got = gh.per_sample_grads()
+    fallback = [str(w.message) for w in rec if issubclass(w.category, gradhooks.FallbackWarning)]
+    if use == "broadcast":
+        assert fallback == []
+    else:
+        assert len(fallback) == 1 and "'0' (RawParamContainer)" in fallback[0] and "w" in fallback[0]
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    for name in ref:
+        assert (got[name] - ref[name]).abs().max() <= tol * ref[name].abs().max(), name
+
+
 def test_no_warning_when_every_module_has_a_rule():
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -30,6 +30,8 @@ Cost: one vmapped forward and vjp of the module per read (about what ``torch.fun
 """
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Dict, Iterable, List
 
 import torch
@@ -37,11 +39,11 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..errors import BatchSizeError, UnsupportedCallError
+from ..errors import BatchSizeError, FallbackWarning, UnsupportedCallError
 from ..registry import Call, LayerRule
 from ..utils import paused
 
-__all__ = ["FallbackRule", "FALLBACK"]
+__all__ = ["FallbackRule", "FALLBACK", "note_container"]
 
 
 def _batch_dim(t: Tensor, batch_first: bool) -> int:
@@ -75,6 +77,7 @@ class FallbackRule(LayerRule):
         names = tuple(names)
         if a.shared == "param":  # a raw parameter's own cotangents (gradhooks.provenance)
             return {names[0]: g}
+        _warn_container(module, names)
         in_leaves, in_spec = tree_flatten((a.args, a.kwargs))
         g_leaves, _ = tree_flatten(g)
         reached = [i for i, t in enumerate(g_leaves) if isinstance(t, Tensor)]
@@ -132,6 +135,33 @@ class FallbackRule(LayerRule):
                 ) from None
             raise
         return {n: out[n].detach().contiguous() for n in names}
+
+
+_WARNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_PATHS: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+
+
+def note_container(module: nn.Module, path: str) -> None:
+    """Remember a container's path in its model, for the warning of its first replay."""
+    _PATHS[module] = path
+
+
+def _warn_container(module: nn.Module, names: tuple) -> None:
+    """A :class:`~gradhooks.errors.FallbackWarning` the first time a module with children is
+    replayed for its own (raw) parameters: :func:`~gradhooks.records.find_layers` names leaf
+    modules at ``attach``, but a container's raw parameters are usually taken at their own ops
+    (:mod:`gradhooks.provenance`), so only a replay that really runs is reported."""
+    names = [n for n in names if "." not in n]  # (children's weights read by the parent
+    if not names or next(module.children(), None) is None or module in _WARNED:  # warned of)
+        return
+    _WARNED.add(module)
+    warnings.warn(
+        f"gradhooks replays the module {_PATHS.get(module, '?') or '<root>'!r} "
+        f"({type(module).__qualname__}) with its torch.func fallback "
+        f"(vmap of the module's vjp per sample, children included) for its own parameters "
+        f"{', '.join(names)}: they meet the batch in an op gradhooks does not split per sample. "
+        f"Exact only if the module treats the samples of a batch independently (see "
+        f"gradhooks.rules.fallback).", FallbackWarning, stacklevel=4)
 
 
 #: The one instance the hook manager uses for modules without a rule.
