@@ -9,6 +9,8 @@ Public API::
 
     gh.per_sample_grad_norms()     # (B,) norms without materialising
     gh.clip_and_accumulate(1.0, noise_multiplier=1.0)   # DP-SGD: clipped, noised sum -> .grad
+    gh.clip_and_accumulate(1.0, accumulate=True)        # ... per micro-batch of a logical batch,
+    gh.finish_step(noise_multiplier=1.0)                #     then the noise once -> .grad
     gh.kfac_factors()              # {module: KFACFactors(A, G) or DiagonalFactors} from the same records
     gradhooks.kfac(model, x, y, nn.CrossEntropyLoss(), fisher="type-2")  # one-call KFAC
 
@@ -17,17 +19,20 @@ Public API::
     gradhooks.compare(model, loss_fn, inputs, targets)   # check against both, time the loop
 """
 from .errors import (
+    AccumulationError,
     BatchSizeError,
     FallbackWarning,
     GradHooksError,
     GradientMismatchError,
     HigherOrderGradError,
     NoBackwardError,
+    NotDetachedWarning,
     RecordsReleasedError,
     UnsupportedCallError,
     UnsupportedLossError,
     UnsupportedModuleError,
 )
+from .accumulation import micro_batches
 from .forms import Block, Call, Rows
 from .gram import GradientFeatures
 from .hooks import GradHooks, attach
@@ -49,6 +54,7 @@ __version__ = "0.1.0"
 __all__ = [
     "attach",
     "GradHooks",
+    "micro_batches",
     "kfac",
     "KFACFactors",
     "DiagonalFactors",
@@ -68,6 +74,7 @@ __all__ = [
     "Block",
     "Rows",
     "GradHooksError",
+    "AccumulationError",
     "UnsupportedModuleError",
     "BatchSizeError",
     "NoBackwardError",
@@ -76,4 +83,5 @@ __all__ = [
     "UnsupportedCallError",
     "HigherOrderGradError",
     "FallbackWarning",
+    "NotDetachedWarning",
 ]

@@ -33,7 +33,7 @@ from ._pool import BufferPool
 from .checks import GradTotal, SumCheck, refusal
 from .errors import BatchSizeError, GradHooksError
 from .forms import Call
-from .graph import call_kwargs, in_backward, mark, module_hooks, on_grad, walk
+from .graph import GlobalHooks, call_kwargs, in_backward, mark, module_hooks, on_grad, walk
 from .provenance import Provenance, as_batch, input_batch_dim, shared_layout, source_cotangent
 from .errors import FallbackWarning
 from .rules.fallback import FALLBACK, FallbackRule
@@ -44,8 +44,10 @@ from .utils import check_loss_reduction, detached, flatten, is_functorch_wrapped
 
 __all__ = ["Recorder", "Batch", "Layer", "Record", "is_hooked"]
 
-# Modules currently hooked by a live Recorder (to refuse a second attach to the same layer).
-_HOOKED: "weakref.WeakKeyDictionary[nn.Module, Recorder]" = weakref.WeakKeyDictionary()
+# Modules currently hooked by a live Recorder (to refuse a second attach to the same layer),
+# each to a weak reference to it: a strong one would keep the recorder, its model and so the key
+# alive for the rest of the process.
+_HOOKED: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 _MISSING = object()
 
@@ -81,9 +83,22 @@ def _hint(module: nn.Module, default: str) -> str:
     return default
 
 
+def _hooker(module: nn.Module) -> Optional["Recorder"]:
+    # The live Recorder that hooks ``module``, or None.
+    ref = _HOOKED.get(module)
+    return None if ref is None else ref()
+
+
 def is_hooked(model: nn.Module) -> bool:
     """Whether any module of ``model`` is hooked by a live :class:`Recorder`."""
-    return any(m in _HOOKED for m in model.modules())
+    return any(_hooker(m) is not None for m in model.modules())
+
+
+def _param_grad(recorder: "weakref.ref[Recorder]", pid: int, grad: Tensor) -> None:
+    # A parameter's gradient hook (Recorder._watch_param): holds its recorder weakly, as the
+    # global hooks do, so that the model does not keep a dropped recorder alive.
+    live = recorder()
+    return None if live is None else live._on_param_grad(pid, grad)
 
 
 class Recorder:
@@ -129,7 +144,7 @@ class Recorder:
         self.strict = bool(strict)
         self._options = {"allow_batchnorm_train": bool(allow_batchnorm_train)}
         self.layers: List[Layer] = []
-        self._handles: list = []
+        self._hooks: Optional[GlobalHooks] = None  # the global module hooks (graph.module_hooks)
         self.names: Dict[int, str] = {}  # id(param) -> name in model.named_parameters()
         self.params: Dict[int, nn.Parameter] = {}
         self._hooks_were_none: List[nn.Parameter] = []  # params whose _backward_hooks we created
@@ -180,12 +195,20 @@ class Recorder:
         # copy.deepcopy / pickle / torch.save of an attached model give a plain model.
         self._hook_modules()
         self._attached = True
-        self._sync()
+        try:
+            self._sync()
+        except BaseException:  # (a refused model: nothing of the attempt stays installed)
+            self.detach()
+            raise
 
     def _hook_modules(self) -> None:
-        self._handles = module_hooks(self, pre=Recorder._on_pre_forward,
-                                     post=Recorder._on_any_forward, done=Recorder._on_done,
-                                     registration=Recorder._on_registration)
+        # Removed by detach(), or with the parameters' hooks when the recorder is collected
+        # while attached (a GradHooks that drops its recorder detaches it first).
+        self._hooks = module_hooks(self, pre=Recorder._on_pre_forward,
+                                   post=Recorder._on_any_forward, done=Recorder._on_done,
+                                   registration=Recorder._on_registration,
+                                   what=f"a gradhooks recorder of a {type(self.model).__name__}",
+                                   also=self._param_handles)
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -197,8 +220,7 @@ class Recorder:
             yield
             return
         self._stop_tracking()
-        for h in self._handles:
-            h.remove()
+        self._hooks.remove()
         try:
             yield
         finally:
@@ -213,7 +235,7 @@ class Recorder:
         self.names = {id(p): name for name, p in self.model.named_parameters()}
         self.order = {pid: i for i, pid in enumerate(self.names)}  # results in this order
         self.layers = find_layers(self.model, self.strict,
-                                  lambda m: _HOOKED.get(m, self) is not self, self._demoted)
+                                  lambda m: _hooker(m) not in (None, self), self._demoted)
         self._layer_of = {id(layer.module): layer for layer in self.layers}
         # Raw parameters: those of containers on the fallback (ViT's class token, a block's
         # layer scale), whose replay would run the children again; under provenance each is a
@@ -225,7 +247,7 @@ class Recorder:
                      for name, p in layer.params.items()}
         self._module_ids = {id(m) for m in self.model.modules()}
         for layer in self.layers:
-            _HOOKED[layer.module] = self
+            _HOOKED[layer.module] = weakref.ref(self)
             for p in layer.params.values():
                 if id(p) in self.params:
                     continue  # tied: one hook per parameter
@@ -262,7 +284,7 @@ class Recorder:
         self._saved_grad_sample.clear()
         self.params.clear()
         for layer in self.layers:
-            if _HOOKED.get(layer.module) is self:
+            if _hooker(layer.module) is self:
                 del _HOOKED[layer.module]
 
     def _on_registration(self, module: nn.Module, name: str, value) -> None:
@@ -285,9 +307,8 @@ class Recorder:
         if not self._attached:
             return
         self._stop_tracking()
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._hooks.remove()
+        self._hooks = None
         self._unsync()
         self._attached = False  # graphs built before: their hooks now do nothing
         self.reset_batch()
@@ -693,7 +714,7 @@ class Recorder:
         del self._layer_of[id(layer.module)]
         self._layer_of[id(parent)] = new
         _HOOKED.pop(layer.module, None)
-        _HOOKED[parent] = self
+        _HOOKED[parent] = weakref.ref(self)
         warnings.warn(
             f"module {layer.describe()} has its parameters read outside its forward (by its "
             f"parent {new.describe()}, e.g. F.linear(x, self.{rel}.weight)); gradhooks covers "
@@ -901,7 +922,8 @@ class Recorder:
         self._watched.add(id(p))
         if p._backward_hooks is None:
             self._hooks_were_none.append(p)
-        self._param_handles.append(p.register_hook(functools.partial(self._on_param_grad, id(p))))
+        self._param_handles.append(p.register_hook(functools.partial(_param_grad,
+                                                                     weakref.ref(self), id(p))))
 
     def _on_param_grad(self, pid: int, grad: Tensor) -> None:
         if utils.PAUSED or self._muted or not self._attached or self._pulling:
@@ -916,6 +938,14 @@ class Recorder:
         return None
 
     # ------------------------------------------------------------------ what readers see
+    @property
+    def batch_id(self) -> int:
+        """A number that changes whenever a batch starts (:meth:`reset_batch`: the first
+        recording forward after a backward pass, :meth:`clear`, a consumed batch); equal for
+        every backward pass through one forward (:mod:`gradhooks.accumulation` tells batches
+        apart by it)."""
+        return self._step
+
     @property
     def records(self) -> Tuple["Record", ...]:
         """The current batch's records that a backward pass reached, in the order reached."""

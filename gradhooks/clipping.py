@@ -20,6 +20,11 @@ as its grad_outputs are in and drops them (:class:`_NormStream`); a second, ordi
 ``sum_n c_n loss_n / D`` then gives the clipped sum through autograd's own weight-gradient
 kernels. One more backward pass, but no grad_output outlives its layer.
 
+**Logical batches larger than memory** (``accumulate=True``, :func:`finish_step`; Abadi et al.
+2016's lots, Opacus' virtual steps): each micro-batch's clipped sum goes to an
+:class:`~gradhooks.accumulation.Accumulation`, the noise and the division come once per logical
+batch (:mod:`gradhooks.accumulation`).
+
 Norms are formed by :mod:`gradhooks.norms`, with its sum checks.
 """
 from __future__ import annotations
@@ -32,14 +37,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 
+from .accumulation import Accumulation
 from .capture import Batch, Recorder
-from .errors import GradHooksError
+from .errors import AccumulationError, GradHooksError
 from .norms import (CLOSED, FORMS, GENERIC, GRAM, ROWS, TIED, Forms, PlannedParam, add_up, plan,
                     result_sq_norms, squared_norms, summed)
 from .per_sample import call_grads, per_sample_grads
 from .utils import no_autocast, own_loss_scale
 
-__all__ = ["clip_and_accumulate", "clipped_backward", "CLIP_METHODS"]
+__all__ = ["clip_and_accumulate", "clipped_backward", "finish_step", "CLIP_METHODS"]
 
 #: The values ``method`` of :func:`clip_and_accumulate` may take.
 CLIP_METHODS = ("ghost", "materialize")
@@ -175,7 +181,9 @@ def _ghost_sums(batch: Batch, plans: Dict[int, PlannedParam], c: Union[Tensor, D
 def clip_and_accumulate(recorder: Recorder, max_norm: Union[float, Sequence[float]], *,
                         method: str = "ghost", noise_multiplier: float = 0.0,
                         generator: Optional[torch.Generator] = None,
-                        groups: Optional[Sequence[Sequence[str]]] = None) -> Tensor:
+                        groups: Optional[Sequence[Sequence[str]]] = None,
+                        accumulate: bool = False,
+                        accumulation: Optional[Accumulation] = None) -> Tensor:
     """DP-SGD step gradient: per-sample clipping to ``max_norm``, summed, plus Gaussian noise,
     written to ``param.grad``.
 
@@ -208,14 +216,17 @@ def clip_and_accumulate(recorder: Recorder, max_norm: Union[float, Sequence[floa
     communication in either: each rank records whole layers for its own samples.
 
     **param.grad is overwritten**, whatever autograd accumulated into it (the unclipped batch
-    gradient, and anything earlier): for gradient accumulation over several batches, sum the
-    results yourself. With ``method="ghost"`` Linear parameters and those of recurrent and
-    attention layers are written into the existing ``.grad`` tensor where it has the
-    parameter's shape, dtype and a contiguous layout (like ``torch.nn.utils.clip_grad_norm_``,
-    in place: a reference to the old ``.grad`` sees the new values), so that no second
-    gradient-sized tensor is allocated; the others get a new tensor. Trainable parameters the
-    backward did not reach get the clipped sum 0 plus the noise (DP requires noise on every
-    released coordinate); frozen parameters (``requires_grad=False``) are left alone.
+    gradient of this batch; a gradient of an earlier batch that no clip read raises
+    :class:`~gradhooks.AccumulationError` instead of being dropped, see
+    :mod:`gradhooks.accumulation`). For a logical batch larger than memory clip each micro-batch
+    with ``accumulate=True`` and call :func:`finish_step` after the last. With
+    ``method="ghost"`` Linear parameters and those of recurrent and attention layers are written
+    into the existing ``.grad`` tensor where it has the parameter's shape, dtype and a
+    contiguous layout (like ``torch.nn.utils.clip_grad_norm_``, in place: a reference to the old
+    ``.grad`` sees the new values), so that no second gradient-sized tensor is allocated; the
+    others get a new tensor. Trainable parameters the backward did not reach get the clipped sum
+    0 plus the noise (DP requires noise on every released coordinate); frozen parameters
+    (``requires_grad=False``) are left alone.
 
     Args:
         recorder: the :class:`~gradhooks.capture.Recorder` of a :class:`~gradhooks.GradHooks`
@@ -242,6 +253,16 @@ def clip_and_accumulate(recorder: Recorder, max_norm: Union[float, Sequence[floa
         generator: a ``torch.Generator`` on the parameters' device, for reproducible noise
             (default: torch's global generator). The noise is drawn parameter by parameter in the
             order of ``model.named_parameters()``.
+        accumulate: this batch is a micro-batch of a larger logical batch (DP-SGD's lot; Opacus'
+            virtual steps): its clipped sum ``sum_n c_n dtheta_n`` (no noise, no division, of
+            the unscaled loss under a ``GradScaler``) is added to ``accumulation``, ``.grad`` is
+            set to ``None`` (the micro-batch's unclipped gradient must not reach an optimizer),
+            and :func:`finish_step` later adds the noise and divides, once. Every micro-batch of
+            a lot must use the same ``max_norm`` and ``groups``. Under DDP the ranks'
+            accumulators are summed by :func:`finish_step`; not on FSDP2 models.
+        accumulation: the :class:`~gradhooks.accumulation.Accumulation` of the
+            :class:`~gradhooks.GradHooks` (passed by ``gh.clip_and_accumulate``): needed for
+            ``accumulate=True``; also watches for a ``.grad`` this call would drop.
 
     Returns:
         ``(B,)``: the per-sample gradient norms before clipping (the clip factors are
@@ -249,7 +270,12 @@ def clip_and_accumulate(recorder: Recorder, max_norm: Union[float, Sequence[floa
 
     Raises:
         ValueError: if ``max_norm`` is not a positive finite number, ``noise_multiplier`` is
-            negative, or ``method`` is unknown.
+            negative (or not 0 with ``accumulate=True``), ``method`` is unknown, or
+            ``max_norm`` / ``groups`` differ from the lot's earlier micro-batches.
+        AccumulationError: ``.grad`` holds a gradient of an earlier batch that no clip read
+            (``loss.backward()`` of another forward, not zeroed since: it would be dropped);
+            without ``accumulate=True`` while micro-batches are accumulated; with it, this
+            batch was accumulated already.
         GradHooksError: if a trainable parameter of the model is not covered by the hooks (it
             was frozen when :func:`gradhooks.attach` ran and its module has no rule): it could
             not be clipped; an FSDP2 model attached with the sum check on.
@@ -262,11 +288,14 @@ def clip_and_accumulate(recorder: Recorder, max_norm: Union[float, Sequence[floa
     if group_of is not None:
         max_norm = math.sqrt(sum(b * b for b in bounds))  # the bound of the whole gradient
     trainable = _clip_setup(recorder, max_norm, noise_multiplier)
+    mesh = _fsdp_mesh(recorder)
+    key = (tuple(bounds), None if groups is None else tuple(tuple(g) for g in groups))
+    _accumulation_setup(recorder, accumulation, accumulate, "clip_and_accumulate()", trainable,
+                        noise_multiplier, mesh, key, recorder.batch_id)
     if recorder.released:  # per_sample_grads() formed the result and released the records
         method = "materialize"
     batch = recorder.snapshot("clip_and_accumulate()") if method == "ghost" else None
     assigned = set()
-    mesh = _fsdp_mesh(recorder)
     local_sums: Dict[int, Tensor] = {}  # FSDP2: the full-shape local sums, reduce-scattered below
 
     def assign(pid: int, t: Tensor) -> None:
@@ -303,6 +332,13 @@ def clip_and_accumulate(recorder: Recorder, max_norm: Union[float, Sequence[floa
             for name, t in grads.items():
                 c = factors if isinstance(factors, Tensor) else factors[pids[name]]
                 assign(pids[name], torch.tensordot(c.to(t.dtype), t, 1).mul_(scale))
+    if accumulate:  # .grad is S / D times the clipped sum: into the accumulator, unscaled
+        for _, p in trainable:
+            if id(p) not in assigned:
+                p.grad = None  # (a parameter the backward did not reach: 0)
+        accumulation.add(trainable, 1.0 / scale, recorder.batch_size or 0, bound=max_norm,
+                         key=key, batch=recorder.batch_id, overflow=_overflowed(recorder, norms))
+        return norms
     group = _ddp_group(recorder)
     if mesh is not None:  # each rank's share of the sum over the ranks' samples / global D
         local = own_loss_scale(recorder.loss_reduction, recorder.batch_size or 0) or 1.0
@@ -332,6 +368,8 @@ def clip_and_accumulate(recorder: Recorder, max_norm: Union[float, Sequence[floa
                                         device=p.device), alpha=std)
             dist.all_reduce(p.grad, group=group)
     _skip_if_not_finite(recorder, trainable, norms)
+    if accumulation is not None:
+        accumulation.consumed(trainable)
     return norms
 
 
@@ -460,6 +498,48 @@ def _skip_if_not_finite(recorder: Recorder, trainable, norms: Tensor) -> None:
             p.grad.fill_(float("inf"))
 
 
+def _overflowed(recorder: Recorder, norms: Tensor) -> bool:
+    """Whether a ``GradScaler``'s step overflowed: a non-finite per-sample norm."""
+    return recorder.grad_scale() != 1.0 and not bool(torch.isfinite(norms).all())
+
+
+def _accumulation_setup(recorder: Recorder, accumulation: Optional[Accumulation],
+                        accumulate: bool, read: str, trainable, noise_multiplier, mesh, key,
+                        batch: Optional[int]) -> None:
+    """The checks of a clip before it reads anything (:mod:`gradhooks.accumulation`): with
+    ``accumulate=True`` no noise, no FSDP2, the same clipping as the lot's earlier
+    micro-batches and (book-keeping, ``batch`` its id) not read twice; without it no pending
+    accumulation; either way no ``.grad`` holding an unread gradient of an earlier batch.
+
+    Raises:
+        ValueError: ``accumulate=True`` with noise, without an accumulator, or with other
+            ``max_norm`` / ``groups`` than the earlier micro-batches.
+        AccumulationError: as :class:`~gradhooks.accumulation.Accumulation` says.
+        GradHooksError: ``accumulate=True`` on an FSDP2-sharded model."""
+    if accumulate:
+        if accumulation is None:
+            raise ValueError(f"{read} with accumulate=True needs the GradHooks' accumulator: "
+                             f"call it as gh.{read[:-2]}(..., accumulate=True)")
+        if noise_multiplier:
+            raise ValueError(
+                f"{read} with accumulate=True adds no noise (DP-SGD adds it once per logical "
+                f"batch): pass noise_multiplier to gh.finish_step() instead, got "
+                f"noise_multiplier={noise_multiplier!r}")
+        if mesh is not None:
+            raise GradHooksError(
+                f"{read} with accumulate=True is not supported on a model sharded by FSDP2 "
+                f"(fully_shard): the accumulated sums would be full-size on every rank. Use a "
+                f"logical batch that fits in one step there, or DistributedDataParallel")
+    if accumulation is None:
+        return
+    accumulation.watch()
+    if accumulate:
+        accumulation.begin(read, key, batch)
+    else:
+        accumulation.refuse_pending(read)
+    accumulation.check_grads(trainable, read)
+
+
 def _clip_setup(recorder: Recorder, max_norm, noise_multiplier) -> List[Tuple[str, nn.Parameter]]:
     """Check the clipping arguments; return the model's trainable ``(name, param)``.
 
@@ -560,7 +640,8 @@ class _NormStream:
 
 
 def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noise_multiplier: float = 0.0,
-                     generator: Optional[torch.Generator] = None) -> Tensor:
+                     generator: Optional[torch.Generator] = None, accumulate: bool = False,
+                     accumulation: Optional[Accumulation] = None) -> Tensor:
     """DP-SGD step gradient by two-pass ghost clipping (Li et al. 2022, arXiv:2110.05679,
     sec. 4): ``param.grad`` as :func:`clip_and_accumulate` sets it, from the per-sample losses,
     with peak memory close to plain training.
@@ -594,6 +675,11 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noi
         noise_multiplier: ``sigma >= 0``; the noise ``sigma C z / D`` is added as in
             :func:`clip_and_accumulate` (``D = B`` for ``loss_reduction="mean"``, else 1).
         generator: a ``torch.Generator`` for the noise.
+        accumulate, accumulation: as :func:`clip_and_accumulate`: the second pass backpropagates
+            ``sum_n c_n losses[n]`` (no ``1 / D``), whose gradient is moved from ``.grad``
+            into ``accumulation``; :func:`finish_step` adds the noise and divides. Under DDP
+            the second pass's all-reduce gives every rank the ranks' mean, which
+            :func:`finish_step`'s sum over the ranks turns into their total.
 
     **Several processes.** As :func:`clip_and_accumulate`: the result is that of the ranks'
     concatenated batch. The second pass is an ordinary backward, so DDP's all-reduce or FSDP2's
@@ -613,13 +699,20 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noi
 
     Raises:
         ValueError: bad ``max_norm`` or ``noise_multiplier``, or ``losses`` not a ``(B,)`` tensor
-            that requires grad, ``B`` the batch size the hooks recorded.
+            that requires grad, ``B`` the batch size the hooks recorded; with ``accumulate=True``
+            as :func:`clip_and_accumulate`.
+        AccumulationError: as :func:`clip_and_accumulate` (``.grad`` holding an unread
+            gradient of an earlier batch, which this call sets to ``None``).
         GradHooksError: a trainable parameter the hooks do not cover; an FSDP2 model attached
             with the sum check on.
         NoBackwardError, GradientMismatchError: as :func:`gradhooks.norms.per_sample_grad_norms`.
     """
     trainable = _clip_setup(recorder, max_norm, noise_multiplier)
     batch = recorder.batch_size
+    mesh = _fsdp_mesh(recorder)
+    key = ((max_norm,), None)
+    _accumulation_setup(recorder, accumulation, accumulate, "clipped_backward()", trainable,
+                        noise_multiplier, mesh, key, None)
     if not (isinstance(losses, Tensor) and losses.dim() == 1 and losses.requires_grad
             and losses.shape[0] == batch):
         shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
@@ -628,17 +721,23 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noi
             f"{batch}, e.g. F.cross_entropy(out, y, reduction='none')) that require grad; got "
             f"{shape}" + ("" if not isinstance(losses, Tensor) or losses.requires_grad
                           else " not requiring grad"))
-    divisor = own_loss_scale(recorder.loss_reduction, batch) or 1.0
+    # (accumulating: the second pass gives the clipped sum itself, D comes at finish_step)
+    divisor = 1.0 if accumulate else own_loss_scale(recorder.loss_reduction, batch) or 1.0
     scaler = recorder.grad_scaler if recorder.grad_scale() != 1.0 else None
     total = losses.sum() if scaler is None else scaler.scale(losses.sum())
     scale = recorder.grad_scale()  # S: both passes backpropagate S times the losses
-    mesh = _fsdp_mesh(recorder)
     group = _ddp_group(recorder) if mesh is None else mesh.get_group()
     if batch == 0 and group is None:  # an empty (Poisson) batch: the clipped sum is 0, the noise is not
         recorder.reset_batch()
         for _, p in trainable:
             p.grad = None
+        if accumulate:
+            accumulation.add(trainable, 1.0, 0, bound=max_norm, key=key, batch=None,
+                             overflow=False)
+            return _empty_norms(trainable)
         _add_noise(trainable, set(), noise_multiplier * max_norm * scale / divisor, generator)
+        if accumulation is not None:
+            accumulation.consumed(trainable)
         return _empty_norms(trainable)
     streams: list = []
 
@@ -679,11 +778,18 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noi
     recorder.reset_batch()  # records consumed; the second pass records nothing
     for _, p in trainable:
         p.grad = None
-    if group is not None:  # DDP and FSDP average the ranks' gradients: weigh by world / global D
+    if group is not None and not accumulate:
+        # DDP and FSDP average the ranks' gradients: weigh by world / global D
         divisor = _global_divisor(recorder, group, batch) / dist.get_world_size(group)
     second = (losses * (factors / divisor).to(losses.dtype)).sum()
     with recorder.muted():
         (second if scaler is None else scaler.scale(second)).backward()
+    if accumulate:
+        # .grad: S times the clipped sum (under DDP the ranks' mean: finish_step's all-reduce
+        # sums the ranks' accumulators)
+        accumulation.add(trainable, 1.0 / scale, batch, bound=max_norm, key=key, batch=None,
+                         overflow=_overflowed(recorder, norms))
+        return norms
     if mesh is not None:  # FSDP reduce-scattered the clipped sums; the noise drawn on rank 0
         std = noise_multiplier * max_norm * scale / (divisor * dist.get_world_size(group))
         for _, p in trainable:
@@ -707,4 +813,108 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noi
                 dist.broadcast(z, src=dist.get_global_rank(group, 0), group=group)
                 p.grad.add_(z, alpha=std)
     _skip_if_not_finite(recorder, trainable, norms)
+    if accumulation is not None:
+        accumulation.consumed(trainable)
     return norms
+
+
+def finish_step(recorder: Recorder, accumulation: Accumulation, *, noise_multiplier: float = 0.0,
+                expected_batch_size: Optional[float] = None,
+                generator: Optional[torch.Generator] = None) -> int:
+    """The DP-SGD step gradient of a logical batch clipped in micro-batches (Abadi et al. 2016,
+    arXiv:1607.00133, algorithm 1, one lot; Opacus' virtual steps / ``BatchMemoryManager``).
+
+    After ``clip_and_accumulate(C, accumulate=True)`` or ``clipped_backward(losses, C,
+    accumulate=True)`` on each micro-batch, sets for every trainable parameter ``theta``::
+
+        theta.grad = (sum_{n in lot} min(1, C / ||dtheta_n||) dtheta_n + sigma C z) / D
+
+    the sum over every sample of every micro-batch (each clipped on its own, as one clip of the
+    whole lot would), ``z ~ N(0, I)`` drawn once, from ``generator``, parameter by parameter in
+    the order of ``model.named_parameters()`` (as :func:`clip_and_accumulate` draws it), ``C``
+    the micro-batches' ``max_norm`` (group-wise: ``sqrt(sum_k C_k^2)``), and ``D``:
+    ``expected_batch_size`` when given (Poisson sampling: Opacus divides by the expected lot
+    size ``q N``, so that the sum's sensitivity does not depend on the drawn size), else the
+    number of samples ``B`` of the lot for ``loss_reduction="mean"`` (1 if ``B = 0``) and 1 for
+    ``"sum"`` -- as :func:`clip_and_accumulate` on the whole lot. Then the accumulation is
+    emptied: the next ``accumulate=True`` clip starts the next lot. Call
+    ``optimizer.step()`` next, as after a clip.
+
+    With a ``GradScaler`` (``attach(..., grad_scaler=scaler)``) ``.grad`` is written ``S``
+    times this (``S = scaler.get_scale()`` now; the micro-batches were accumulated unscaled),
+    and set to ``inf`` if a micro-batch's norms overflowed, for ``scaler.step(optimizer)`` to
+    skip, as :func:`clip_and_accumulate`. On a ``DistributedDataParallel`` model the ranks'
+    accumulators are summed (one all-reduce per parameter, the noise drawn on rank 0), ``B``
+    is the ranks' total (one all-reduce), and ``expected_batch_size`` is that of the lot of all
+    ranks together; every rank must call it. Not on FSDP2 models (``accumulate=True`` refuses
+    them).
+
+    Args:
+        recorder: the :class:`~gradhooks.capture.Recorder` of a :class:`~gradhooks.GradHooks`.
+        accumulation: its :class:`~gradhooks.accumulation.Accumulation` (called as
+            ``gh.finish_step(...)``).
+        noise_multiplier: ``sigma >= 0``; ``0`` adds no noise.
+        expected_batch_size: ``D > 0`` for Poisson-sampled lots, e.g.
+            ``int(sample_rate * len(dataset))``; ``None``: as above.
+        generator: a ``torch.Generator`` on the parameters' device, for reproducible noise.
+
+    Returns:
+        ``B``: the number of samples accumulated in this process.
+
+    Raises:
+        AccumulationError: nothing was accumulated since the last ``finish_step`` (no
+            ``accumulate=True`` clip); the current batch had a backward pass that was not
+            clipped into the accumulation; or a ``.grad`` holds a gradient no clip read (both
+            would be dropped).
+        ValueError: ``noise_multiplier`` negative, ``expected_batch_size`` not positive.
+        GradHooksError: a trainable parameter the hooks do not cover.
+    """
+    read = "finish_step()"
+    if not accumulation.pending:
+        raise AccumulationError(
+            f"{read} with nothing accumulated: clip each micro-batch of the logical batch with "
+            f"gh.clip_and_accumulate(C, accumulate=True) (after its backward) or "
+            f"gh.clipped_backward(losses, C, accumulate=True) first; for a batch clipped "
+            f"without accumulate=True the noise was added by that call already")
+    e = expected_batch_size
+    if e is not None and not (isinstance(e, (int, float)) and not isinstance(e, bool)
+                              and math.isfinite(e) and e > 0):
+        raise ValueError(f"expected_batch_size must be a positive number (the expected size of "
+                         f"the Poisson-sampled logical batch), got {expected_batch_size!r}")
+    trainable = _clip_setup(recorder, accumulation.bound, noise_multiplier)
+    accumulation.watch()
+    if recorder.records and recorder.batch_id != accumulation.batch:
+        raise AccumulationError(
+            f"{read}: the current batch had a backward pass (its records are there) that was "
+            f"not clipped into the accumulation; its samples would be left out. Call "
+            f"gh.clip_and_accumulate(C, accumulate=True) after each micro-batch's backward, "
+            f"then finish_step()")
+    accumulation.check_grads(trainable, read, current=True)
+    group = _ddp_group(recorder)
+    samples = accumulation.samples
+    if expected_batch_size is not None:
+        divisor = float(expected_batch_size)
+    elif recorder.loss_reduction == "mean":
+        total = samples if group is None else _global_divisor(recorder, group, samples)
+        divisor = float(total) or 1.0
+    else:
+        divisor = 1.0
+    std = noise_multiplier * accumulation.bound
+    scale = recorder.grad_scale() / divisor
+    draws = group is None or dist.get_rank(group) == 0  # the noise once, on rank 0
+    with no_autocast():
+        for _, p in trainable:
+            t = accumulation.sums.pop(id(p), None)
+            if t is None:
+                t = torch.zeros_like(p)
+            if std > 0 and draws:
+                t.add_(torch.randn(p.shape, generator=generator, dtype=t.dtype, device=t.device),
+                       alpha=std)
+            if group is not None:
+                dist.all_reduce(t, group=group)
+            p.grad = t.mul_(scale).to(p.dtype)
+            if accumulation.overflow:
+                p.grad.fill_(float("inf"))
+    accumulation.consumed(trainable)
+    accumulation.reset()
+    return samples

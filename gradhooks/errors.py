@@ -17,6 +17,7 @@ __all__ = [
     "GradientMismatchError",
     "UnsupportedLossError",
     "FallbackWarning",
+    "NotDetachedWarning",
 ]
 
 
@@ -75,8 +76,31 @@ class GradientMismatchError(GradHooksError):
     """
 
 
+class AccumulationError(GradHooksError):
+    """A DP-SGD gradient accumulated over several backward passes would be dropped, counted
+    twice or released without its noise.
+
+    Raised by :meth:`~gradhooks.GradHooks.clip_and_accumulate`,
+    :meth:`~gradhooks.GradHooks.clipped_backward` and :meth:`~gradhooks.GradHooks.finish_step`
+    (:mod:`gradhooks.accumulation`): ``param.grad`` still holds the gradient of an earlier
+    batch's ``loss.backward()`` that no clip read (clipping would overwrite it); a plain clip
+    while micro-batches are accumulated (call it with ``accumulate=True``, then
+    ``finish_step()``); a micro-batch clipped into the accumulation twice; ``finish_step()``
+    with nothing accumulated, or after a backward pass that was not clipped into it. The message
+    says which and what to do.
+    """
+
+
 class FallbackWarning(UserWarning):
     """Issued once per :func:`gradhooks.attach`, listing the modules the torch.func fallback covers."""
+
+
+class NotDetachedWarning(ResourceWarning):
+    """A :class:`~gradhooks.GradHooks` was garbage-collected while still attached (never
+    :meth:`~gradhooks.GradHooks.detach`-ed, nor used as a context manager): its hooks are
+    removed then, as :meth:`~gradhooks.GradHooks.detach` would, and this warning says so, as an
+    unclosed file's does. A ``ResourceWarning``: hidden by Python's default filters, shown under
+    ``python -X dev``, ``-W default`` and pytest."""
 
 
 class UnsupportedLossError(GradHooksError, TypeError):

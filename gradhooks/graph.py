@@ -7,17 +7,22 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
+from torch.nn.modules import module as _torch_module
 from torch.nn.modules.module import (register_module_forward_hook, register_module_forward_pre_hook,
                                      register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
 
-__all__ = ["module_hooks", "call_kwargs", "on_grad", "tag", "mark", "walk", "in_backward", "TAG", "RECOMPUTING"]
+from .errors import NotDetachedWarning
+
+__all__ = ["GlobalHooks", "module_hooks", "remove_handles", "warn_not_detached", "call_kwargs",
+           "on_grad", "tag", "mark", "walk", "in_backward", "TAG", "RECOMPUTING"]
 
 #: Autograd nodes whose backward runs a forward again and differentiates it on its own
 #: (``torch.utils.checkpoint`` with ``use_reentrant=True``): the hooked layers inside are not
@@ -33,6 +38,8 @@ def _accumulate_grad_type() -> type:
 _ACCUMULATE_GRAD = _accumulate_grad_type()  # autograd's node of a leaf: nothing below it
 TAG = "gradhooks"
 _RAISED = object()  # key of the entries drive() finds in autograd nodes' metadata
+# Flags torch keeps beside a global forward hook, under its handle's id.
+_FLAGS = ("_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called")
 
 
 
@@ -52,24 +59,52 @@ def on_grad(t: Tensor, fn) -> None:
         node.register_prehook(functools.partial(fn, nr=t.output_nr))
 
 
+class GlobalHooks:
+    """The entries one owner put in torch's process-wide module hook dictionaries
+    (``torch.nn.modules.module._global_*``), and their removal.
+
+    :meth:`remove` deletes exactly these entries -- the hooks and the flags torch keeps beside
+    them (``_global_forward_hooks_with_kwargs``, ``_global_forward_hooks_always_called``) --, and
+    never another owner's: torch's handle ids are unique in the process. (torch 2.13's
+    ``RemovableHandle`` of a ``with_kwargs=True`` global forward hook leaves its
+    ``_global_forward_hooks_with_kwargs`` flag behind: one entry per attachment, for the rest of
+    the process.) When nothing holds hooks, the dictionaries are empty again and every module
+    call of the process takes torch's hook-free fast path.
+
+    If the owner is garbage-collected before :meth:`remove`, the entries are removed then, with
+    the handles in ``also`` (a list the owner keeps filling: its tensor hooks), and a
+    :class:`~gradhooks.errors.NotDetachedWarning` naming ``what``.
+    """
+
+    def __init__(self, owner, handles: list, what: str, also: list):
+        self.handles = handles
+        self._finalizer = weakref.finalize(owner, _collected, handles, also, what)
+        self._finalizer.atexit = False  # (live at exit: the process's end removes everything)
+
+    def remove(self) -> None:
+        """Remove the entries (a second call does nothing)."""
+        self._finalizer.detach()
+        remove_handles(self.handles)
+
+
 def module_hooks(owner, *, pre: Callable, post: Callable, done: Callable,
-                 registration: Callable) -> list:
-    """Register torch's global module hooks for ``owner`` and return their handles:
-    ``pre(owner, module, args)`` before every module's forward (torch's global pre-hooks get
-    no keyword arguments: :func:`call_kwargs` reads them), ``post(owner, module, args, kwargs, output)`` after it
-    (what it returns, if not ``None``, replaces the output), ``done(owner, module)`` instead
-    when the forward raised (``post`` sees the ends of forwards that returned), ``registration(owner, module, name, value)`` when a parameter or
-    submodule is set on any module. Global hooks filtered by module, instead of hooks on the
-    model's modules, leave the model itself without hooks (``deepcopy`` / ``pickle`` of it are
-    plain). They hold ``owner`` weakly and are removed when it is collected (a GradHooks dropped
-    without ``detach()``, with its model)."""
+                 registration: Callable, what: str, also: list) -> GlobalHooks:
+    """Register torch's global module hooks for ``owner`` and return them as a
+    :class:`GlobalHooks`: ``pre(owner, module, args)`` before every module's forward (torch's
+    global pre-hooks get no keyword arguments: :func:`call_kwargs` reads them),
+    ``post(owner, module, args, kwargs, output)`` after it (what it returns, if not ``None``,
+    replaces the output), ``done(owner, module)`` instead when the forward raised (``post`` sees
+    the ends of forwards that returned), ``registration(owner, module, name, value)`` when a
+    parameter or submodule is set on any module. Global hooks filtered by module, instead of
+    hooks on the model's modules, leave the model itself without hooks (``deepcopy`` / ``pickle``
+    of it are plain). They hold ``owner`` weakly and are removed when it is collected, with the
+    handles in ``also`` (:class:`GlobalHooks`; ``what`` names the owner in the warning)."""
     me = weakref.ref(owner)
 
     def on_pre(module, args):
         live = me()
         if live is not None:
             pre(live, module, args)
-
 
     def on_post(module, args, kwargs, output=_RAISED):
         # (torch calls an always-called hook with (module, args, result) when forward raised)
@@ -90,8 +125,7 @@ def module_hooks(owner, *, pre: Callable, post: Callable, done: Callable,
                register_module_forward_hook(on_post, with_kwargs=True, always_call=True),
                register_module_parameter_registration_hook(on_registration),
                register_module_module_registration_hook(on_registration)]
-    weakref.finalize(owner, _remove, list(handles))
-    return handles
+    return GlobalHooks(owner, handles, what, also)
 
 
 def call_kwargs() -> dict:
@@ -103,9 +137,26 @@ def call_kwargs() -> dict:
     return kwargs if isinstance(kwargs, dict) else {}
 
 
-def _remove(handles: list) -> None:
+def remove_handles(handles: list) -> None:
+    """Remove torch hook handles, global or not, with the flags torch keeps beside global
+    forward hooks under the same id (which its ``RemovableHandle`` may leave behind)."""
     for h in handles:
         h.remove()
+        for name in _FLAGS:
+            getattr(_torch_module, name, {}).pop(h.id, None)
+
+
+def warn_not_detached(what: str) -> None:
+    """Issue the :class:`~gradhooks.errors.NotDetachedWarning` of an attachment that was
+    garbage-collected while attached (``what`` names it)."""
+    warnings.warn(f"{what} was garbage-collected without detach(); its hooks are removed now. "
+                  f"Call detach(), or attach in a `with` statement.", NotDetachedWarning)
+
+
+def _collected(handles: list, also: list, what: str) -> None:
+    # The owner of global hooks was garbage-collected without removing them.
+    warn_not_detached(what)
+    remove_handles(handles + also)
 
 
 def mark(owner, record, outputs: list, internal) -> bool:

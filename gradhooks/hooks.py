@@ -8,14 +8,17 @@ and forwards each read to the module that computes it: per-sample gradients
 """
 from __future__ import annotations
 
+import weakref
 from typing import Dict, Iterable, Mapping, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
+from .accumulation import Accumulation
 from .capture import Recorder
-from .clipping import clip_and_accumulate, clipped_backward
+from .clipping import clip_and_accumulate, clipped_backward, finish_step
 from .errors import GradHooksError
+from .graph import warn_not_detached
 from .gram import GradientFeatures, gradient_features, gram, jacobian_features
 from .projections import projected_grads
 from .ggn import empirical_fisher_diag, ggn_diag, ggn_sqrt, ggn_vector_product
@@ -78,6 +81,16 @@ class GradHooks:
     structure is checked when it appears. ``check="always"`` checks every read; ``check=False``
     never. Calls whose input was modified in place after the forward, and ``create_graph``
     backward passes, are refused on every read whatever ``check`` is.
+
+    **What an attachment installs process-wide.** Four entries in torch's global module hook
+    dictionaries (``torch.nn.modules.module._global_*``: a forward pre-hook, an always-called
+    forward hook with kwargs, a parameter- and a module-registration hook), filtered by module,
+    so that the model itself carries no hook. While any attachment is live every module call of
+    the process, other models' included, leaves torch's hook-free fast path (measured in the
+    README, "Training set-ups"). :meth:`detach` removes exactly this attachment's entries;
+    a ``GradHooks`` garbage-collected while attached is detached then, with a
+    :class:`~gradhooks.errors.NotDetachedWarning` (a ``ResourceWarning``, as for an unclosed
+    file). With nothing attached, the dictionaries are as they were.
     """
 
     def __init__(self, model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
@@ -88,6 +101,12 @@ class GradHooks:
                                  check=check, strict=strict,
                                  allow_batchnorm_train=allow_batchnorm_train, forwards=forwards,
                                  grad_scaler=grad_scaler, differentiable=differentiable)
+        # Dropped while attached: detached, with a warning. (It holds the recorder, not this
+        # facade; atexit off: a process that ends with an attachment removes everything.)
+        weakref.finalize(self, _dropped, self.recorder).atexit = False
+        #: The DP-SGD accumulator over micro-batches and its ``.grad`` watch
+        #: (:class:`~gradhooks.accumulation.Accumulation`).
+        self.accumulation = Accumulation(self.recorder)
 
     @property
     def model(self) -> nn.Module:
@@ -123,8 +142,10 @@ class GradHooks:
         """Remove every hook, record and ``grad_sample`` attribute; the model is as before attach.
 
         Afterwards the model's hook dictionaries, ``state_dict()``, ``copy.deepcopy`` and
-        ``pickle`` behave exactly as before :func:`attach`. Calling it twice is harmless.
+        ``pickle`` behave exactly as before :func:`attach`. Calling it twice is harmless. A DP
+        accumulation not finished (:meth:`finish_step`) is dropped.
         """
+        self.accumulation.close()
         self.recorder.detach()
 
     def clear(self) -> None:
@@ -227,24 +248,43 @@ class GradHooks:
     def clip_and_accumulate(self, max_norm, *, method: str = "ghost",
                             noise_multiplier: float = 0.0,
                             generator: Optional[torch.Generator] = None,
-                            groups: Optional[Iterable[Iterable[str]]] = None) -> Tensor:
+                            groups: Optional[Iterable[Iterable[str]]] = None,
+                            accumulate: bool = False) -> Tensor:
         """DP-SGD (Abadi et al. 2016, arXiv:1607.00133): overwrite ``param.grad`` with the sum
         of per-sample gradients clipped to ``max_norm`` plus Gaussian noise (ghost clipping by
         default; Li et al. 2022, Bu et al. 2023) and return the ``(B,)`` norms before clipping
-        (``groups``: group-wise clipping, ``(B, K)`` norms);
-        arguments and errors: :func:`gradhooks.clipping.clip_and_accumulate`."""
+        (``groups``: group-wise clipping, ``(B, K)`` norms). ``accumulate=True``: a micro-batch
+        of a larger logical batch; its clipped sum is added to :attr:`accumulation` (no noise,
+        no division, ``param.grad`` set to ``None``) for :meth:`finish_step`. Arguments and
+        errors: :func:`gradhooks.clipping.clip_and_accumulate`, :mod:`gradhooks.accumulation`."""
         return clip_and_accumulate(self.recorder, max_norm, method=method,
                                    noise_multiplier=noise_multiplier, generator=generator,
-                                   groups=None if groups is None else [list(g) for g in groups])
+                                   groups=None if groups is None else [list(g) for g in groups],
+                                   accumulate=accumulate, accumulation=self.accumulation)
 
     def clipped_backward(self, losses: Tensor, max_norm: float, *, noise_multiplier: float = 0.0,
-                         generator: Optional[torch.Generator] = None) -> Tensor:
+                         generator: Optional[torch.Generator] = None,
+                         accumulate: bool = False) -> Tensor:
         """DP-SGD by two-pass ghost clipping (Li et al. 2022, sec. 4): instead of
         ``loss.backward()``, from the ``(B,)`` per-sample losses, overwrite ``param.grad`` with
         the clipped sum plus noise, keeping memory close to plain training; returns the ``(B,)``
-        norms. Arguments and errors: :func:`gradhooks.clipping.clipped_backward`."""
+        norms. ``accumulate=True``: add the clipped sum to :attr:`accumulation` instead, as
+        :meth:`clip_and_accumulate`. Arguments and errors:
+        :func:`gradhooks.clipping.clipped_backward`."""
         return clipped_backward(self.recorder, losses, max_norm,
-                                noise_multiplier=noise_multiplier, generator=generator)
+                                noise_multiplier=noise_multiplier, generator=generator,
+                                accumulate=accumulate, accumulation=self.accumulation)
+
+    def finish_step(self, *, noise_multiplier: float = 0.0,
+                    expected_batch_size: Optional[float] = None,
+                    generator: Optional[torch.Generator] = None) -> int:
+        """End a DP-SGD step whose logical batch was clipped in micro-batches
+        (``accumulate=True``): write ``param.grad = (sum of the clipped per-sample gradients +
+        sigma C z) / D``, the noise drawn once, ``D`` the logical batch size (``"mean"``), 1
+        (``"sum"``) or ``expected_batch_size`` (Poisson sampling, as Opacus); returns the
+        number of samples. Arguments and errors: :func:`gradhooks.clipping.finish_step`."""
+        return finish_step(self.recorder, self.accumulation, noise_multiplier=noise_multiplier,
+                           expected_batch_size=expected_batch_size, generator=generator)
 
     def kfac_factors(self, kfac_approx: str = "expand", *, backward_passes: str = "sum",
                      modules: Optional[Iterable[str]] = None, max_dense: Optional[int] = None,
@@ -367,6 +407,13 @@ class GradHooks:
         """Per-parameter gradient variance over the batch ``{name: (*param.shape)}`` (``1/B``
         normalisation, BackPACK's Variance); see :func:`gradhooks.statistics.variance`."""
         return variance(self.recorder)
+
+
+def _dropped(recorder: Recorder) -> None:
+    # A GradHooks was garbage-collected: a recorder still attached is detached.
+    if recorder.attached:
+        warn_not_detached(f"GradHooks of a {type(recorder.model).__name__}")
+        recorder.detach()
 
 
 def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
