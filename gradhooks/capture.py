@@ -1067,7 +1067,10 @@ class Recorder:
             listen: ``listen(records, events)``, called before an output-edges pass with the
                 records below ``loss`` and the hook calls each will get; returns an object whose
                 ``hit(record)`` is called on each of those calls during the pass (two-pass
-                clipping forms norms as a layer's gradients come in).
+                clipping forms norms as a layer's gradients come in). Not called where a shared
+                call's output or a raw parameter met the batch in the forward (their parts come
+                from hooks on the meeting operands, which the events do not count): the pass
+                still asks for the output edges, and the reader takes the records at its end.
 
         Returns:
             Whether the pass asked for the output edges (else for the parameters, whose
@@ -1089,8 +1092,9 @@ class Recorder:
         # (two-pass clipping counts each record's hook calls from the tags: not those of the
         # meetings of shared calls, whose parts come from hooks on the meeting operands)
         edges_mode = (self.sum_check.edges_allowed(key) and self._edges_complete and bool(caps)
-                      and not (listen is not None and self._meetings)
                       and walked is not None)
+        if self._meetings:
+            listen = None
         self._driven = True
         if edges_mode:
             self._sum_check = "skip"  # this batch's parameter gradients are incomplete

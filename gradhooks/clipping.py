@@ -764,11 +764,12 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *, noi
                 sq = _empty_norms(trainable)
         elif batch == 0:  # DDP: an empty local batch joins the ranks' collectives below
             sq = _empty_norms(trainable)
-        elif recorder.drive(total, None, True, stream):
+        elif recorder.drive(total, None, True, stream) and streams:
             sq = streams[0].finish()
             if sq is None:
                 recorder.snapshot("clipped_backward()")  # raises NoBackwardError
-        else:  # the sum check is due: records kept, checked, then reduced
+        else:  # the sum check is due, or shared calls / raw parameters met the batch (their
+            # hook calls are not counted: no stream): records kept, then reduced
             snap = recorder.snapshot("clipped_backward()")
             plans, units = plan(snap)
             sq = add_up(squared_norms(snap, plans, units, Forms(snap, plans)).values())
