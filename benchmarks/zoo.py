@@ -42,14 +42,7 @@ import zoo_imports  # noqa: E402  (torchvision in the CPU venv, see tests/zoo_im
 B, T, V, H = 16, 64, 1000, 64
 
 
-class TokensToLogits(nn.Module):
-    def __init__(self, model, decoder=False):
-        super().__init__()
-        self.model, self.decoder = model, decoder
-
-    def forward(self, ids):
-        kw = {"decoder_input_ids": ids.flip(1)} if self.decoder else {}
-        return self.model(input_ids=ids, **kw).logits
+TokensToLogits = zoo_imports.TokensToLogits  # (shared with the tests)
 
 
 def build(name):

@@ -43,6 +43,7 @@ import gradhooks
 import zoo_imports
 
 torchvision = zoo_imports.import_torchvision()  # (before transformers: see zoo_imports)
+TokensToLogits = zoo_imports.TokensToLogits
 import transformers  # noqa: E402
 
 pytestmark = pytest.mark.scale
@@ -54,19 +55,6 @@ pytestmark = pytest.mark.scale
 # measured 3.4e-6 at most (per-sample gradients, both clippings), bound 5e-5. A norm, a sum of
 # squares of millions of positive terms, carries its terms' relative rounding: same bounds.
 RTOL = {torch.float64: 1e-9, torch.float32: 5e-5}
-
-
-class TokensToLogits(nn.Module):
-    """``ids (B, T) -> logits``: a transformers model called as people call it (T5: the
-    decoder reads the reversed ids)."""
-
-    def __init__(self, model, decoder=False):
-        super().__init__()
-        self.model, self.decoder = model, decoder
-
-    def forward(self, ids):
-        kwargs = {"decoder_input_ids": ids.flip(1)} if self.decoder else {}
-        return self.model(input_ids=ids, **kwargs).logits
 
 
 def token_losses(out, y):

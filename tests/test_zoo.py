@@ -21,23 +21,8 @@ from conftest import RTOL, loop_grads
 from gradhooks.rules.fallback import FallbackRule
 
 torchvision = zoo_imports.import_torchvision()
+TokensToLogits = zoo_imports.TokensToLogits
 V, H, T, B = 64, 32, 8, 2  # vocab, hidden size, tokens, batch
-
-
-class TokensToLogits(nn.Module):
-    """``ids (B, T) -> logits``: a transformers model called as people call it."""
-
-    def __init__(self, model, batched_positions=False, decoder=False):
-        super().__init__()
-        self.model, self.batched_positions, self.decoder = model, batched_positions, decoder
-
-    def forward(self, ids):
-        kwargs = {}
-        if self.batched_positions:  # the workaround until the recorder part lands
-            kwargs["position_ids"] = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
-        if self.decoder:
-            kwargs["decoder_input_ids"] = ids.flip(1)
-        return self.model(input_ids=ids, **kwargs).logits
 
 
 def token_loss(out, y):

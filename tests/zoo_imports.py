@@ -9,6 +9,9 @@ cleanly is left alone."""
 import sys
 import types
 
+import torch
+from torch import nn
+
 
 def import_torchvision():
     """``torchvision`` (in the ``test`` extra: an ImportError is a broken install, raised)."""
@@ -26,3 +29,21 @@ def import_torchvision():
 
 
 import_torchvision()
+
+
+class TokensToLogits(nn.Module):
+    """``ids (B, T) -> logits``: a transformers model called as people call it (shared by the
+    zoo and the real-size tier). ``batched_positions``: pass ``position_ids`` expanded to the
+    batch; ``decoder``: an encoder-decoder whose decoder reads the reversed ids."""
+
+    def __init__(self, model, batched_positions=False, decoder=False):
+        super().__init__()
+        self.model, self.batched_positions, self.decoder = model, batched_positions, decoder
+
+    def forward(self, ids):
+        kwargs = {}
+        if self.batched_positions:
+            kwargs["position_ids"] = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+        if self.decoder:
+            kwargs["decoder_input_ids"] = ids.flip(1)
+        return self.model(input_ids=ids, **kwargs).logits
