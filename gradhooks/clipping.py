@@ -493,7 +493,7 @@ def _skip_if_not_finite(recorder: Recorder, trainable, norms: Tensor) -> None:
     """With a ``GradScaler``: a step whose per-sample gradients overflowed (a non-finite norm)
     sets every ``.grad`` to ``inf``, so that ``scaler.step()`` skips it and ``scaler.update()``
     lowers the scale, as for plain training (a clipping factor of 0 would hide the overflow)."""
-    if recorder.grad_scale() != 1.0 and not bool(torch.isfinite(norms).all()):
+    if _overflowed(recorder, norms):
         for _, p in trainable:
             p.grad.fill_(float("inf"))
 
