@@ -139,6 +139,7 @@ def _ghost_sums(batch: Batch, plans: Dict[int, PlannedParam], c: Union[Tensor, D
             out = r.values.new_zeros(batch.params[pid].shape)
             cw = weights(pid).to(r.values.dtype)
             assign(pid, out.index_add_(0, r.row, r.values * cw[r.sample, None]))
+    tied = {pid: forms.rows(p) for pid, p in plans.items() if p.kind == TIED}  # (the norms')
     forms.calls.clear()
     forms.joined.clear()
     forms.scatters.clear()
@@ -169,13 +170,11 @@ def _ghost_sums(batch: Batch, plans: Dict[int, PlannedParam], c: Union[Tensor, D
                 pid = id(layer.params[local])
                 offered.add(pid)
                 add(pid, torch.tensordot(weights(pid).to(t.dtype), t, 1))
-    for pid, p in plans.items():
-        if p.kind == TIED:  # the output projections' sum so far, plus the rows' index_add
-            r = forms.rows(p)
-            out = partial.pop(pid)
-            cw = weights(pid).to(r.values.dtype)
-            out.index_add_(0, r.row, (r.values * cw[r.sample, None]).to(out.dtype))
-            assign(pid, out)
+    for pid, r in tied.items():  # the output projections' sum so far, plus the rows' index_add
+        out = partial.pop(pid)
+        cw = weights(pid).to(r.values.dtype)
+        out.index_add_(0, r.row, (r.values * cw[r.sample, None]).to(out.dtype))
+        assign(pid, out)
 
 
 def clip_and_accumulate(recorder: Recorder, max_norm: Union[float, Sequence[float]], *,
