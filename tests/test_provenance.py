@@ -372,7 +372,7 @@ def test_batch_dim_followed_through_ops_as_the_meta_replay_finds_it(i):
     """The batch dim's fast rules (transpose, matmul, reductions, indexing ...) agree with the
     replay on meta tensors whose batch dim has a size no other dim has, with every dim of the
     real tensors of equal size (T == B == heads)."""
-    from gradhooks.provenance import _on_meta, batch_dim_after
+    from gradhooks.batch_dims import _on_meta, batch_dim_after
     x, w = torch.randn(2, 2, 4), torch.randn(4, 4)
     func, args, kwargs = _ops(x, w)[i]
     ref = next(a for a in args if isinstance(a, torch.Tensor)) if func not in (torch.cat, torch.stack) else x
@@ -419,7 +419,7 @@ def test_sequence_first_state_from_sizes_is_planned_and_exact(batch, dtype):
             for p in model.parameters():
                 p.grad = None
         if batch > 1:  # (with B = 1 a (1, D) state is also a broadcast: tracked each time)
-            assert list(gh.recorder._signatures.values()) == [
+            assert list(gh.recorder.placement.signatures.values()) == [
                 {(id(gh.recorder.layers[0]), 1): "rows"}]
 
 
@@ -494,3 +494,48 @@ def test_batch_merged_with_heads_is_followed_back_to_its_own_dim():
         found.append(bd)
         t = out
     assert found == [(0, 3), (1, 3), (1, 3), 1]
+
+
+def test_provenance_follows_the_batch_dim_not_the_sizes():
+    """Directly on a Provenance (no model, no hooks): with T == B the batch dim after a transpose
+    is the one the data flow moved it to, a (B * T, D) view merges it with the positions, and a
+    tensor not computed from the batch is not batched whatever its sizes."""
+    from gradhooks.provenance import Provenance
+
+    b = t = 4
+    x = torch.randn(b, t, 3)
+    noop = lambda *args: None
+    prov = Provenance(b, 0, [x], noop, noop, noop)
+    with prov:
+        swapped = x.transpose(0, 1)
+        rows = x.reshape(b * t, 3)
+        buckets = torch.zeros(t, t)  # (T, T) with T == B
+    assert prov.look(swapped)[0] and prov.look(swapped)[2] == 1
+    assert prov.look(rows)[2] == (0, t)
+    assert not prov.batched(buckets)
+    assert prov.batch_size == b and prov.batch_dim == 0
+    assert prov.shared_calls == [] and prov.plain == set() and not prov.swapped
+
+
+def test_transposed_layers_are_relayouted_and_their_signature_tracked_every_time():
+    """A batch-first model that runs a Linear on (T, B, D) with T == B: the placement swaps its
+    records back (so the rule reads the samples, not the positions), and the signature stays
+    tracked ("mode")."""
+    class Transposing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.lin(x.transpose(0, 1)).transpose(0, 1)
+
+    torch.manual_seed(0)
+    model = Transposing().double()
+    x = torch.randn(4, 4, 3, dtype=torch.float64)
+    ref = loop_grads(model, lambda out, y: out.sum(), x, torch.zeros(4))
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        model(x).sum().backward()
+        (record,) = gh.recorder.records
+        assert record.swap == ("swap", 1, 0)
+        assert list(gh.recorder.placement.signatures.values()) == ["mode"]
+        assert_close_to_loop(gh.per_sample_grads(), ref, torch.float64)

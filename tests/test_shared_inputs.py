@@ -53,3 +53,24 @@ def test_a_float_input_of_one_row_is_still_refused():
     with gradhooks.attach(model):
         with pytest.raises(gradhooks.BatchSizeError, match="sees batch size 1"):
             model(torch.randn(4, 3))
+
+
+def test_position_ids_are_planned_after_the_first_forward(dtype):
+    """The first forward of a signature is tracked and plans the position lookup ("expand": its
+    output meets the batch by a broadcast that adds the batch dim); the second follows the plan
+    without tracking, and is as exact."""
+    torch.manual_seed(0)
+    model = Positions().to(dtype)
+    x, y = torch.randint(0, 11, (4, 5)), torch.randint(0, 3, (4,))
+    ref = loop_grads(model, F.cross_entropy, x, y)
+    tracked = []
+    with gradhooks.attach(model) as gh:
+        placement = gh.recorder.placement
+        model.head.register_forward_hook(
+            lambda *_: tracked.append(placement.provenance is not None))
+        for _ in range(2):
+            F.cross_entropy(model(x), y).backward()
+            assert_close_to_loop(gh.per_sample_grads(), ref, dtype)
+        pos = next(layer for layer in gh.recorder.layers if layer.module is model.pos)
+        assert list(placement.signatures.values()) == [{(id(pos), 1): "expand"}]
+    assert tracked == [True, False]

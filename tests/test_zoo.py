@@ -364,7 +364,7 @@ def test_zoo_length_equal_to_batch(name):
             torch.testing.assert_close(gh.per_sample_grad_norms(), ref_norms, rtol=1e-10, atol=0)
             assert_close(gh.per_sample_grads(), ref)
         # (the loop's batches of one are a signature of their own)
-        plan = gh.recorder._signatures[((((4, 4), torch.int64),), False)]
+        plan = gh.recorder.placement.signatures[((((4, 4), torch.int64),), False)]
         # (OPT, FSMT: records laid out per call, relayout: tracked every forward)
         assert plan == {"t5": "mode", "bart": "mode", "llama-gqa": {}, "opt": "mode",
                         "fsmt": "mode"}.get(name) or (
