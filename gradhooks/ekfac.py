@@ -26,6 +26,7 @@ from typing import Dict, Iterable, Optional
 import torch
 from torch import Tensor
 
+from .canonical import augmented, canonical
 from .capture import Recorder
 from .forms import weight_grad
 from .kfac import KFACFactors, kfac_factors
@@ -100,16 +101,13 @@ def ekfac_factors(recorder: Recorder, *, modules: Optional[Iterable[str]] = None
                 if cap.layer.path != path:
                     continue
                 layer = cap.layer
-                dt = compute_dtype(cap.a, *cap.grads)
-                a, _ = layer.rule.linear_form(layer.module, cap.a.to(dt), cap.grads[0].to(dt),
-                                              batch.batch_first)
-                if kf.weight is None:
-                    a = a[..., :0]
-                if kf.bias is not None:
-                    a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], -1)
-                a_e = a @ q_a.to(dt)  # (N, groups, S, I') in the eigenbasis
+                dt = compute_dtype(cap.a, *cap.grads)  # (one dtype for all passes)
+                a, g = canonical(layer, cap.a, cap.grads[0], batch.batch_first,
+                                 form_a=kf.weight is not None, dtype=dt)
+                a = augmented(a, g, kf.bias is not None)  # (N, groups, S, I')
+                a_e = a @ q_a.to(dt)  # in the eigenbasis
                 for k, g in enumerate(cap.grads):
-                    _, g = layer.rule.linear_form(layer.module, None, g.to(dt), batch.batch_first)
+                    _, g = canonical(layer, None, g, batch.batch_first, dtype=dt)
                     m = weight_grad(a_e, (g @ q_g.to(dt)) * batch.factor)  # (N, groups, O, I')
                     passes[k] = m if k not in passes else passes[k].add_(m)
             scaling = sum(m.square().sum(0) for m in passes.values()) * w

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ._pool import using_pool
+from .canonical import canonical_call, scaled
 from .capture import Recorder
 from .jacobians import pass_grads, trainable_params
 from .losses import LossModel
@@ -120,15 +121,11 @@ def _squares(calls: List[PassCall], batch_first: bool, scale: Optional[float], p
                 and all(uses[id(layer.params[n])] == 1 for n in names)):
             dense.append(call)
             continue
-        g = call.grads[0] if len(call.grads) == 1 else torch.stack(call.grads).sum(0)
-        dt = compute_dtype(call.a, g)
-        a_c, g_c = rule.linear_form(layer.module, call.a.to(dt) if "weight" in names else None,
-                                    g.to(dt), batch_first)
+        a_c, g_c = canonical_call(call, batch_first, form_a="weight" in names)
         if g_c.shape[2] != 1:
             dense.append(call)
             continue
-        if scale is not None:
-            g_c = g_c * scale
+        g_c = scaled(g_c, scale)  # (after the test: a dense call is scaled by pass_grads)
         g2 = g_c[:, :, 0].square()  # (N, G, O)
         for name in names:
             p = layer.params[name]

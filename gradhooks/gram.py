@@ -35,11 +35,12 @@ import torch
 from torch import Tensor
 
 from ._pool import using_pool
+from .canonical import augmented, canonical_call
 from .capture import Recorder
 from .errors import GradHooksError
 from .jacobians import pass_grads, unit_cotangents
 from .passes import PassCall, check_output, run_passes
-from .utils import compute_dtype, no_autocast
+from .utils import no_autocast
 
 __all__ = ["GradientFeatures", "LinearEntry", "gradient_features", "jacobian_features", "gram",
            "gram_form_cheaper"]
@@ -90,22 +91,14 @@ def _linear_ok(calls: List[PassCall]) -> Dict[int, bool]:
     return ok
 
 
-def _canonical(call: PassCall, batch_first: bool, scale: Optional[float], want_a: bool):
-    layer, rule = call.layer, call.layer.rule
-    g = call.grads[0] if len(call.grads) == 1 else torch.stack(call.grads).sum(0)
-    dt = compute_dtype(call.a, g)
+def _features(call: PassCall, batch_first: bool, scale: Optional[float], want_a: bool):
+    # ``(ã, g)`` of a call (canonical form, own-loss scale on g, the bias's ones column), or
+    # ``(None, g)`` for the later passes (the input is the first pass's).
     weight = "weight" in call.names
-    a, g = rule.linear_form(layer.module, call.a.to(dt) if (want_a and weight) else None,
-                            g.to(dt), batch_first)
-    if scale is not None:
-        g = g * scale
+    a, g = canonical_call(call, batch_first, form_a=want_a and weight, scale=scale)
     if not want_a:
         return None, g
-    n, grp, s, _ = g.shape
-    ones = g.new_ones(n, grp, s, 1)
-    if not weight:
-        return ones, g
-    return (torch.cat([a, ones], -1) if "bias" in call.names else a), g
+    return augmented(a, g, "bias" in call.names), g
 
 
 def _collect(recorder: Recorder, pass_calls: List[List[PassCall]], scale: Optional[float],
@@ -126,7 +119,7 @@ def _collect(recorder: Recorder, pass_calls: List[List[PassCall]], scale: Option
                 other.append(call)
                 continue
             path = call.layer.path
-            a, g = _canonical(call, batch_first, scale, want_a=p == 0)
+            a, g = _features(call, batch_first, scale, want_a=p == 0)
             if p == 0:
                 linear_a.setdefault(path, []).append(a)
             per_layer.setdefault(path, []).append(g)

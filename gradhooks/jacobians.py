@@ -20,10 +20,10 @@ import torch
 from torch import Tensor
 
 from ._pool import using_pool
+from .canonical import call_grads
 from .capture import Recorder
 from .errors import GradHooksError
 from .passes import PassCall, run_passes
-from .per_sample import call_grads
 from .utils import no_autocast
 
 __all__ = ["per_sample_jacobians", "pass_grads", "trainable_params", "unit_cotangents"]
@@ -52,7 +52,7 @@ def pass_grads(calls: List[PassCall], batch_first: bool, scale=None,
     """Per-sample gradients ``{id(param): (B, *param.shape)}`` of one backward pass's calls
     (:func:`gradhooks.passes.run_passes`), summed over the calls of a parameter (a module
     called twice, tied weights); ``scale`` and ``differentiable`` as
-    :func:`gradhooks.per_sample.call_grads`."""
+    :func:`gradhooks.canonical.call_grads`."""
     out: Dict[int, Tensor] = {}
     for call in calls:
         layer = call.layer

@@ -1,6 +1,6 @@
 """Weights tied between an input embedding and an output projection (GPT-2, Llama-3.2, Gemma,
 T5): norms and book-keeping / two-pass clipping from the factored records (rows + Gram form +
-their cross term, ``norms.TIED``), against a loop of batch-of-one passes, in both forms of the
+their cross term, ``plan.TIED``), against a loop of batch-of-one passes, in both forms of the
 projection's part (Gram and materialised), with the weight stored either way round, padding,
 a projection called twice, both reductions, B = 0, 1 and several."""
 import pytest
@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import gradhooks
-import gradhooks.norms as norms
+import gradhooks.plan as plan
 from gradhooks.errors import GradientMismatchError
 from conftest import RTOL, loop_grads
 
@@ -86,7 +86,7 @@ MODELS = {"linear-head": lambda: TiedLM(), "padding": lambda: TiedLM(padding_idx
 @pytest.mark.parametrize("model_name", list(MODELS))
 @pytest.mark.parametrize("b", [0, 1, 4])
 def test_tied_norms_and_clipping_match_loop(model_name, form, b, dtype, loss_reduction, monkeypatch):
-    monkeypatch.setattr(norms, "use_gram", lambda *a, **k: form == "gram")
+    monkeypatch.setattr(plan, "use_gram", lambda *a, **k: form == "gram")
     model = MODELS[model_name]().to(dtype)
     x = torch.randint(0, V, (b, T))
     y = torch.randint(0, V, (b, T))
@@ -96,9 +96,8 @@ def test_tied_norms_and_clipping_match_loop(model_name, form, b, dtype, loss_red
     with gradhooks.attach(model, loss_reduction=loss_reduction, check="always") as gh:
         gh.backward(loss_fn(model(x), y))
         if b:
-            from gradhooks.norms import plan
-            plans, _ = plan(gh.recorder.snapshot("test"))
-            assert {p.name: p.kind for p in plans.values()}["emb.weight"] == norms.TIED
+            plans, _ = plan.plan(gh.recorder.snapshot("test"))
+            assert {p.name: p.kind for p in plans.values()}["emb.weight"] == plan.TIED
         got = gh.per_sample_grad_norms()
         assert got.shape == (b,)
         if b:
@@ -152,5 +151,5 @@ def test_tied_cross_term_uneven_rows_per_sample():
     dense_rows = torch.zeros(n, V, D, dtype=torch.float64).index_put_((sample, row), values, accumulate=True)
     dense_lin = torch.einsum("nsv,nsd->nvd", p, q)
     want = (dense_rows * dense_lin).sum((1, 2))
-    got = norms.tied_cross(Rows(sample, row, values), p, q)
+    got = plan.tied_cross(Rows(sample, row, values), p, q)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
