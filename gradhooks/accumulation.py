@@ -49,8 +49,8 @@ import weakref
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
+from .distributed import is_sharded
 from .errors import AccumulationError
 from .utils import is_paused
 
@@ -111,7 +111,7 @@ class Accumulation:
         ``DTensor`` parameters (FSDP2, whose ``.grad`` FSDP writes itself) are not watched."""
         for p in self.recorder.params.values():
             w = self._watched.get(id(p))
-            if (w is not None and w() is p) or not p.requires_grad or isinstance(p, DTensor):
+            if (w is not None and w() is p) or not p.requires_grad or is_sharded(p):
                 continue
             self._watched[id(p)] = weakref.ref(p)
             if p._post_accumulate_grad_hooks is None:

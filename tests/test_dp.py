@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import gradhooks
-from gradhooks import clipping, norms
+from gradhooks import clipping, ghost_sums, norms, plan
 from conftest import RTOL, loop_grads, weighted_square_loss
 
 FALLBACK_OK = pytest.mark.filterwarnings("ignore::gradhooks.FallbackWarning")
@@ -215,7 +215,7 @@ def _setup(name, batch, dtype):
 def form(request, monkeypatch):
     """Which norm form Linear/Conv weights use: the cost model's choice, or forced."""
     if request.param != "auto":
-        monkeypatch.setattr(norms, "use_gram", lambda *a, **k: request.param == "gram")
+        monkeypatch.setattr(plan, "use_gram", lambda *a, **k: request.param == "gram")
     return request.param
 
 
@@ -359,7 +359,7 @@ def test_lstm_gate_gradient_gram_is_formed_once(monkeypatch, dtype):
 def test_gram_form_forms_no_per_sample_tensor(monkeypatch):
     """Linear without bias on (B, in): norms and ghost clipping never call a rule."""
     model = nn.Sequential(nn.Linear(30, 20, bias=False), nn.Tanh(), nn.Linear(20, 10, bias=False))
-    for module in (norms, clipping):
+    for module in (plan, ghost_sums):  # (clipping's weighted sums: gradhooks.ghost_sums)
         monkeypatch.setattr(module, "call_grads", lambda *a, **k: pytest.fail("materialised"))
     with gradhooks.attach(model) as gh:
         weighted_square_loss()(model(torch.randn(8, 30)), torch.ones(8)).backward()
@@ -535,7 +535,7 @@ def test_input_modified_in_place():
 @pytest.mark.parametrize("layer", ["linear", "conv", "lstm", "attention", "embedding"])
 def test_functional_use_of_a_weight_is_caught(layer, form, monkeypatch, grad_totals):
     """A weight also used outside its module: the sum check refuses the norms and the clipping."""
-    monkeypatch.setattr(norms, "use_gram", lambda *a, **k: form == "gram")
+    monkeypatch.setattr(plan, "use_gram", lambda *a, **k: form == "gram")
     if layer == "linear":
         mod, x = nn.Linear(4, 4), torch.randn(3, 4)
         extra = lambda: (x @ mod.weight.T).square().sum()  # noqa: E731
@@ -596,8 +596,8 @@ def test_sum_check_schedule_follows_per_sample_grads(monkeypatch):
     check="always": every read."""
     calls = []
     for fn in ("check_sums", "check_projections"):
-        real = getattr(norms, fn)
-        monkeypatch.setattr(norms, fn,
+        real = getattr(plan, fn)
+        monkeypatch.setattr(plan, fn,
                             lambda *a, _real=real, **k: (calls.append(1), _real(*a, **k))[1])
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     for check, expected in ((True, 2), ("always", 2 * 4)):  # 2 calls per checked read
