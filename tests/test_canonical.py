@@ -61,19 +61,10 @@ def _record(make, shape, n: int, dtype: torch.dtype, batch_first: bool):
     return module, x, g
 
 
-#: ConvRule.linear_form reshapes g with a -1 that is ambiguous for N = 0 (the readers return
-#: before forming the canonical form of an empty batch, so no read reaches it today).
-EMPTY_CONV = pytest.mark.xfail(strict=True, raises=RuntimeError,
-                               reason="rules/conv.py linear_form: reshape(n, G, O, -1) with n = 0")
-
-
 @pytest.mark.parametrize("n", [0, 1, 4], ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("name,make,shape,batch_first", CASES, ids=[c[0] for c in CASES])
-def test_canonical_contracts_to_looped_per_sample_grads(name, make, shape, batch_first, dtype, n,
-                                                        request):
-    if n == 0 and name.startswith("conv"):
-        request.applymarker(EMPTY_CONV)
+def test_canonical_contracts_to_looped_per_sample_grads(name, make, shape, batch_first, dtype, n):
     module, x, g = _record(make, shape, n, dtype, batch_first)
     layer = _layer(module)
     a_c, g_c = canonical(layer, x, g, batch_first)

@@ -89,7 +89,8 @@ def unfold(module: nn.Module, x: Tensor) -> Tensor:
     s = 1
     for o in out_sizes:
         s *= o
-    return x.permute(perm).reshape(n, groups, s, -1)
+    # (sizes spelled out, not -1: N = 0 is an empty batch, and -1 is then ambiguous)
+    return x.permute(perm).reshape(n, groups, s, c // groups * math.prod(x.shape[3 + dims:]))
 
 
 # Measured by benchmarks/conv_methods.py (2 CPU cores, torch 2.13, B=64, Conv2d(C, C, 3), medians):
@@ -203,7 +204,8 @@ class ConvRule(LayerRule):
         """Canonical form: ``a`` ``(N, G, S, C_in/G * K)`` unfolded patches (:func:`unfold`),
         ``g`` ``(N, G, S, C_out/G)`` (a view), ``S`` the output positions."""
         n, groups = g.shape[0], module.groups
-        g = g.reshape(n, groups, module.out_channels // groups, -1).transpose(-1, -2)
+        g = g.reshape(n, groups, module.out_channels // groups, math.prod(g.shape[2:])
+                      ).transpose(-1, -2)
         return (None if a is None else unfold(module, a)), g
 
     def weighted_sum(self, module: nn.Module, a: Tensor, g: Tensor, c: Tensor, batch_first: bool,
@@ -222,7 +224,7 @@ class ConvRule(LayerRule):
             x, padding = pad_as_torch(module, x)
             result["weight"] = weight_backward(module, x, gw, padding, per_sample=False)
         if "bias" in names:
-            per = g.reshape(g.shape[0], g.shape[1], -1).sum(-1)  # (N, C_out)
+            per = g.flatten(2).sum(-1)  # (N, C_out)
             result["bias"] = torch.mv(per.t(), c, out=(out or {}).get("bias"))
         return result
 
@@ -241,5 +243,5 @@ class ConvRule(LayerRule):
                 a_c, g_c = self.linear_form(module, a, g, batch_first)
                 out["weight"] = weight_grad(a_c, g_c, (n, *module.weight.shape))
         if "bias" in names:
-            out["bias"] = g.reshape(n, module.out_channels, -1).sum(-1)
+            out["bias"] = g.flatten(2).sum(-1)
         return out

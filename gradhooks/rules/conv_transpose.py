@@ -92,7 +92,8 @@ def unfold_weight_grad(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
     extra = [op // s for op, s in zip(output_padding(module, x, g.shape), module.stride)]
     if any(extra):
         x = F.pad(x, [p for e in reversed(extra) for p in (0, e)])
-    x = x.reshape(n, groups, module.in_channels // groups, -1).transpose(-1, -2)
+    x = x.reshape(n, groups, module.in_channels // groups, math.prod(x.shape[2:])
+                  ).transpose(-1, -2)
     return weight_grad(patches, x).reshape(n, *module.weight.shape)
 
 
@@ -127,7 +128,7 @@ def transposed_patches(module: nn.Module, x: Tensor, y_shape) -> Tensor:
         x, eye, None, module.stride, module.padding, output_padding(module, x, y_shape), c_in,
         module.dilation)  # (N, C_in * K, *Y), channel i * K + k
     n = x.shape[0]
-    return out.reshape(n, groups, c_in // groups * k, -1).transpose(-1, -2)
+    return out.reshape(n, groups, c_in // groups * k, math.prod(out.shape[2:])).transpose(-1, -2)
 
 
 # Why choose_method is given the output positions. Measured (CPU time, 1 thread, 2-core AMD EPYC,
@@ -169,7 +170,8 @@ class ConvTransposeRule(LayerRule):
         canonical form, with ``x`` and the unfolded ``g`` swapped, is not used: its "output"
         side would be ``C_in`` and the bias would not fit it.)"""
         n, groups = g.shape[0], module.groups
-        g_c = g.reshape(n, groups, module.out_channels // groups, -1).transpose(-1, -2)
+        g_c = g.reshape(n, groups, module.out_channels // groups, math.prod(g.shape[2:])
+                        ).transpose(-1, -2)
         return (None if a is None else transposed_patches(module, a, g.shape)), g_c
 
     def per_sample_grads(
@@ -183,5 +185,5 @@ class ConvTransposeRule(LayerRule):
             fn = conv_transpose_weight_grad if method == "conv" else unfold_weight_grad
             out["weight"] = fn(module, a, g)
         if "bias" in names:
-            out["bias"] = g.reshape(g.shape[0], module.out_channels, -1).sum(-1)
+            out["bias"] = g.flatten(2).sum(-1)
         return out
