@@ -25,7 +25,7 @@ class BatchReads:
         self._recorder = recorder
 
     def snapshot(self, read: str, records: Optional[List[Record]] = None,
-                 release: bool = False, sum_check: bool = True) -> Batch:
+                 release: bool = False, sum_check: bool = True, result: bool = False) -> Batch:
         """The batch as a reader sees it, validated once.
 
         Args:
@@ -37,6 +37,11 @@ class BatchReads:
             sum_check: whether the read runs the sum check when it is due (counts as a read for
                 the recorder's ``sum_check`` policy); ``False`` for reads that check nothing
                 (KFAC factors).
+            result: the per-sample gradients an earlier read kept answer this read when that
+                read released the records (per-sample gradients, their norms, clipping of
+                them, their moments): the batch is then handed over with no records and its
+                :attr:`~gradhooks.records.Batch.result`, without validation (as the result was
+                validated when formed).
 
         Raises:
             RecordsReleasedError: if an earlier read released the records (or one that did
@@ -48,6 +53,8 @@ class BatchReads:
             GradientMismatchError: if a recorded input was modified in place since its forward.
         """
         recorder = self._recorder
+        if result and recorder._released and recorder.result is not None:
+            return Batch(recorder, (), None, False, self.grad_scale())
         reached = recorder._records
         # (A model that is itself a hooked layer, a cell called per time step, is a layer
         # called several times: its calls see the same samples.)
@@ -73,9 +80,11 @@ class BatchReads:
             structure = self._structure()
             if recorder._sum_check == "due" or recorder.sum_check.read_due(structure):
                 key = structure
-        if release:
+        releasing = release and recorder.result is None  # (a kept result: nothing is formed)
+        batch = Batch(recorder, records, key, checking, self.grad_scale(), releasing)
+        if releasing:
             recorder._released = True
-        return Batch(recorder, records, key, checking, self._check_passed, self.grad_scale())
+        return batch
 
     def grad_scale(self) -> float:
         """The loss scale ``S`` of the recorder's ``grad_scaler`` (its current ``get_scale()``,
@@ -86,8 +95,9 @@ class BatchReads:
             return 1.0
         return float(scaler.get_scale())
 
-    def _check_passed(self, key: tuple) -> None:
-        # Batch's on_passed: the sum check of structure ``key`` passed.
+    def check_passed(self, key: tuple) -> None:
+        """A read's sum check of structure ``key`` passed (:meth:`Batch.check_passed`): the
+        policy counts it, and this batch's due check is done."""
         recorder = self._recorder
         recorder.sum_check.passed(key, recorder._drive_key)
         recorder._sum_check = None

@@ -39,7 +39,7 @@ from .checks import GradTotal, SumCheck
 from .forward_pass import ForwardPass
 from .graph import GlobalHooks, call_kwargs, module_hooks
 from .placement import Placement
-from .records import FORWARDS, Batch, Layer, Record
+from .records import FORWARDS, Batch, Layer, Memo, Record
 from .utils import check_loss_reduction
 
 
@@ -69,7 +69,8 @@ class Recorder:
         order: ``{id(param): position}`` in that order (results are in this order).
         params: ``{id(param): param}`` of the hooked parameters.
         layers: the hooked :class:`Layer` objects, in ``model.named_modules()`` order.
-        cache: per-structure decisions readers keep between batches (cleared on detach).
+        memo: the :class:`~gradhooks.records.Memo` of per-structure decisions readers keep
+            between batches (the norm plan's templates; cleared when the model changes).
         totals: ``{id(param): GradTotal}``: autograd's gradients of this batch (sum check).
         pool: the :class:`~gradhooks._pool.BufferPool` results' tensors are reused from.
         attachment: the :class:`~gradhooks.attachment.Attachment` (hooked modules and
@@ -113,7 +114,7 @@ class Recorder:
         self._hooks: Optional[GlobalHooks] = None  # the global module hooks (graph.module_hooks)
         self._attached = False
         self.pool = BufferPool()
-        self.cache: Dict[object, object] = {}
+        self.memo = Memo()
         # backward(): once called, forwards record their outputs' autograd edges.
         self._driven = False
         self._muted = False  # hooks record nothing (muted(): clipped_backward's second pass)
@@ -175,7 +176,7 @@ class Recorder:
         # (Re)build what is hooked from the model as it is now (Attachment.sync); the readers'
         # cache, the signatures' plans and the batch go with the old layer maps.
         self.attachment.sync()
-        self.cache.clear()
+        self.memo.clear()
         self.placement.forget_signatures()
         self.reset_batch()
 
@@ -314,18 +315,26 @@ class Recorder:
         return self._result
 
     def keep_result(self, result: Dict[str, Tensor]) -> Dict[str, Tensor]:
-        """Keep ``result`` (the per-sample reader's) until the next backward pass or batch, when
-        its tensors are offered to :attr:`pool`; returns it."""
+        """Keep ``result`` (the per-sample reader's, :meth:`Batch.keep`) until the next backward
+        pass or batch, when its tensors are offered to :attr:`pool`; returns it."""
         self._result = result
         return result
 
+    def release_record(self, record: Record) -> None:
+        """Free ``record``'s tensors on a reader's request (:meth:`Batch.release`)."""
+        record.release()
+
+    def sum_check_passed(self, key: tuple) -> None:
+        """A read's sum check of structure ``key`` passed (:meth:`Batch.check_passed`)."""
+        self.reads.check_passed(key)
+
     def snapshot(self, read: str, *, records: Optional[List["Record"]] = None,
-                 release: bool = False, sum_check: bool = True) -> "Batch":
+                 release: bool = False, sum_check: bool = True, result: bool = False) -> "Batch":
         """The batch as a reader sees it (``read`` names the reading call), validated once:
         :meth:`gradhooks.batch_reads.BatchReads.snapshot` documents the arguments and the
         errors raised (records released or stale, no backward, ``create_graph``, a refused
         shared call, an input modified in place)."""
-        return self.reads.snapshot(read, records, release, sum_check)
+        return self.reads.snapshot(read, records, release, sum_check, result)
 
     def grad_scale(self) -> float:
         """The loss scale ``S`` of the ``grad_scaler`` given to :func:`gradhooks.attach`, or

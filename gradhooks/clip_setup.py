@@ -18,7 +18,6 @@ import torch
 from torch import Tensor, nn
 
 from .accumulation import Accumulation
-from .capture import Recorder
 from .distributed import Ranks, ranks_of
 from .errors import GradHooksError
 
@@ -26,9 +25,11 @@ __all__ = ["check_clip", "clip_ranks", "check_accumulation", "empty_norms", "ove
            "skip_if_not_finite", "add_noise"]
 
 
-def check_clip(recorder: Recorder, max_norm, noise_multiplier) -> List[Tuple[str, nn.Parameter]]:
+def check_clip(source, max_norm, noise_multiplier) -> List[Tuple[str, nn.Parameter]]:
     """Check the clipping arguments; return the model's trainable ``(name, param)``, in
-    ``named_parameters()`` order (the order the noise is drawn in).
+    ``named_parameters()`` order (the order the noise is drawn in). ``source``: the
+    :class:`~gradhooks.records.Batch` of a reader, or the recorder of a driver (its ``model``
+    and ``params``).
 
     Raises:
         ValueError: ``max_norm`` not a positive finite number, ``noise_multiplier`` negative.
@@ -39,8 +40,8 @@ def check_clip(recorder: Recorder, max_norm, noise_multiplier) -> List[Tuple[str
     if not (isinstance(noise_multiplier, (int, float)) and noise_multiplier >= 0):
         raise ValueError(f"noise_multiplier must be >= 0 (noise std / max_norm), got "
                          f"{noise_multiplier!r}")
-    trainable = [(n, p) for n, p in recorder.model.named_parameters() if p.requires_grad]
-    missing = [n for n, p in trainable if id(p) not in recorder.params]
+    trainable = [(n, p) for n, p in source.model.named_parameters() if p.requires_grad]
+    missing = [n for n, p in trainable if id(p) not in source.params]
     if missing:
         raise GradHooksError(
             f"trainable parameters {', '.join(map(repr, missing))} are not covered by the hooks "
@@ -50,9 +51,11 @@ def check_clip(recorder: Recorder, max_norm, noise_multiplier) -> List[Tuple[str
     return trainable
 
 
-def clip_ranks(recorder: Recorder) -> Optional[Ranks]:
+def clip_ranks(source) -> Optional[Ranks]:
     """The ranks a clip combines over (:func:`gradhooks.distributed.ranks_of` of the model and
-    its hooked parameters), or ``None`` for one process.
+    its hooked parameters), or ``None`` for one process. ``source``: the
+    :class:`~gradhooks.records.Batch` of a reader, or the recorder of a driver (its ``model``,
+    ``params`` and ``check``).
 
     Under FSDP2 each rank still records whole layers for its own samples (FSDP gathers a
     layer's parameters for its forward and backward), so per-sample norms need no
@@ -64,8 +67,8 @@ def clip_ranks(recorder: Recorder) -> Optional[Ranks]:
             default): it watches the sharded parameters, while autograd's gradients go to the
             unsharded ones FSDP swaps in for the forward and backward, so it would report every
             parameter as missing its gradient. Attach with ``check=False``."""
-    ranks = ranks_of(recorder.model, recorder.params.values())
-    if ranks is not None and ranks.sharded and recorder.check:
+    ranks = ranks_of(source.model, source.params.values())
+    if ranks is not None and ranks.sharded and source.check:
         raise GradHooksError(
             "clipping a model sharded by FSDP2 (fully_shard) needs attach(..., check=False): "
             "the sum check watches the sharded parameters, but autograd's gradients go to the "
@@ -73,7 +76,7 @@ def clip_ranks(recorder: Recorder) -> Optional[Ranks]:
     return ranks
 
 
-def check_accumulation(recorder: Recorder, accumulation: Optional[Accumulation],
+def check_accumulation(accumulation: Optional[Accumulation],
                        accumulate: bool, read: str, trainable, noise_multiplier,
                        ranks: Optional[Ranks], key: tuple, batch: Optional[int]) -> None:
     """The checks of a clip before it reads anything (:mod:`gradhooks.accumulation`): with
@@ -116,17 +119,17 @@ def empty_norms(trainable: Sequence[Tuple[str, nn.Parameter]]) -> Tensor:
     return torch.zeros(0, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
 
 
-def overflowed(recorder: Recorder, norms: Tensor) -> bool:
-    """Whether a ``GradScaler``'s step overflowed: a non-finite per-sample norm (``norms``:
-    ``(N,)`` or ``(N, K)``)."""
-    return recorder.grad_scale() != 1.0 and not bool(torch.isfinite(norms).all())
+def overflowed(grad_scale: float, norms: Tensor) -> bool:
+    """Whether a ``GradScaler``'s step (``grad_scale``: its scale, 1.0 without one) overflowed:
+    a non-finite per-sample norm (``norms``: ``(N,)`` or ``(N, K)``)."""
+    return grad_scale != 1.0 and not bool(torch.isfinite(norms).all())
 
 
-def skip_if_not_finite(recorder: Recorder, trainable, norms: Tensor) -> None:
+def skip_if_not_finite(grad_scale: float, trainable, norms: Tensor) -> None:
     """With a ``GradScaler``: a step whose per-sample gradients overflowed (a non-finite norm)
     sets every ``.grad`` to ``inf``, so that ``scaler.step()`` skips it and ``scaler.update()``
     lowers the scale, as for plain training (a clipping factor of 0 would hide the overflow)."""
-    if overflowed(recorder, norms):
+    if overflowed(grad_scale, norms):
         for _, p in trainable:
             p.grad.fill_(float("inf"))
 

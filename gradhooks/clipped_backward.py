@@ -50,7 +50,7 @@ class _NormStream:
 
     The records are split into groups linked by shared parameters (a layer called twice, tied
     weights). As soon as every record of a group has had all its hook calls (``events``), the
-    group's norms are formed (:func:`gradhooks.norms.squared_norms`) and its activations and
+    group's norms are formed (:func:`gradhooks.plan.squared_norms`) and its activations and
     grad_outputs dropped, so grad_outputs do not pile up over the backward as in book-keeping.
     """
 
@@ -188,7 +188,7 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *,
     batch = recorder.batch_size
     ranks = clip_ranks(recorder)
     key = ((max_norm,), None)
-    check_accumulation(recorder, accumulation, accumulate, "clipped_backward()", trainable,
+    check_accumulation(accumulation, accumulate, "clipped_backward()", trainable,
                        noise_multiplier, ranks, key, None)
     if not (isinstance(losses, Tensor) and losses.dim() == 1 and losses.requires_grad
             and losses.shape[0] == batch):
@@ -232,7 +232,7 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *,
         # .grad: S times the clipped sum (under DDP the ranks' mean: finish_step's all-reduce
         # sums the ranks' accumulators)
         accumulation.add(trainable, 1.0 / scale, batch, bound=max_norm, key=key, batch=None,
-                         overflow=overflowed(recorder, norms))
+                         overflow=overflowed(recorder.grad_scale(), norms))
         return norms
     if ranks is None:
         add_noise(trainable, {id(p) for _, p in trainable if p.grad is not None},
@@ -240,7 +240,7 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *,
     else:  # DDP / FSDP summed the clipped sums; the same noise on every rank, drawn once
         _same_noise(trainable, ranks, noise_multiplier * max_norm * scale / (divisor * ranks.size),
                     generator)
-    skip_if_not_finite(recorder, trainable, norms)
+    skip_if_not_finite(recorder.grad_scale(), trainable, norms)
     if accumulation is not None:
         accumulation.consumed(trainable)
     return norms

@@ -37,26 +37,24 @@ import torch
 from torch import Tensor, nn
 
 from .accumulation import Accumulation
-from .capture import Batch, Recorder
+from .capture import Recorder
 from .clip_setup import (add_noise, check_accumulation, check_clip, clip_ranks, empty_norms,
                          overflowed, skip_if_not_finite)
-# (clipped_backward, _NormStream: importable from here, as before the two-pass driver had its
-# own module)
-from .clipped_backward import _NormStream, clipped_backward  # noqa: F401
 from .distributed import Ranks, is_sharded, ranks_of
 from .errors import AccumulationError
 from .ghost_sums import ghost_sums
-from .plan import Forms, add_up, plan, result_sq_norms, squared_norms
 from .per_sample import per_sample_grads
+from .plan import Forms, add_up, plan, result_sq_norms, squared_norms
+from .records import Batch
 from .utils import no_autocast, own_loss_scale
 
-__all__ = ["clip_and_accumulate", "clipped_backward", "finish_step", "CLIP_METHODS"]
+__all__ = ["clip_and_accumulate", "finish_step", "CLIP_METHODS"]
 
 #: The values ``method`` of :func:`clip_and_accumulate` may take.
 CLIP_METHODS = ("ghost", "materialize")
 
 
-def clip_and_accumulate(recorder: Recorder, max_norm: Union[float, Sequence[float]], *,
+def clip_and_accumulate(batch: Batch, max_norm: Union[float, Sequence[float]], *,
                         method: str = "ghost", noise_multiplier: float = 0.0,
                         generator: Optional[torch.Generator] = None,
                         groups: Optional[Sequence[Sequence[str]]] = None,
@@ -107,8 +105,8 @@ def clip_and_accumulate(recorder: Recorder, max_norm: Union[float, Sequence[floa
     (``requires_grad=False``) are left alone.
 
     Args:
-        recorder: the :class:`~gradhooks.capture.Recorder` of a :class:`~gradhooks.GradHooks`
-            (called as ``gh.clip_and_accumulate(...)``).
+        batch: ``recorder.snapshot("clip_and_accumulate()", release=method == "materialize",
+            result=True)`` (called as ``gh.clip_and_accumulate(...)``).
         max_norm: ``C > 0``.
         method: ``"ghost"`` (default): norms by the Gram form where cheaper, clipped sums from
             the records with one weighted contraction per Linear/Conv call and per block of
@@ -160,23 +158,21 @@ def clip_and_accumulate(recorder: Recorder, max_norm: Union[float, Sequence[floa
         NoBackwardError, HigherOrderGradError, GradientMismatchError: as
             :func:`gradhooks.norms.per_sample_grad_norms`.
     """
-    clip = _set_up(recorder, max_norm, method, noise_multiplier, groups, accumulate,
-                   accumulation)
-    batch = recorder.snapshot("clip_and_accumulate()") if clip.method == "ghost" else None
-    sums = _Target(recorder, clip.ranks)
+    clip = _set_up(batch, max_norm, method, noise_multiplier, groups, accumulate, accumulation)
+    sums = _Target(batch, clip.ranks)
     with no_autocast():
-        found = _norms(recorder, clip, batch)
-        _weighted_sums(recorder, batch, found, sums.assign)
+        found = _norms(batch, clip)
+        _weighted_sums(batch, clip, found, sums.assign)
     if accumulate:  # .grad is S / D times the clipped sum: into the accumulator, unscaled
         for _, p in clip.trainable:
             if id(p) not in sums.assigned:
                 p.grad = None  # (a parameter the backward did not reach: 0)
-        accumulation.add(clip.trainable, 1.0 / found.scale, recorder.batch_size or 0,
-                         bound=clip.max_norm, key=clip.key, batch=recorder.batch_id,
-                         overflow=overflowed(recorder, found.norms))
+        accumulation.add(clip.trainable, 1.0 / found.scale, batch.size or 0,
+                         bound=clip.max_norm, key=clip.key, batch=batch.batch_id,
+                         overflow=overflowed(batch.grad_scale, found.norms))
         return found.norms
-    _noise(recorder, clip, sums, found.scale, noise_multiplier, generator)
-    skip_if_not_finite(recorder, clip.trainable, found.norms)
+    _noise(batch, clip, sums, found.scale, noise_multiplier, generator)
+    skip_if_not_finite(batch.grad_scale, clip.trainable, found.norms)
     if accumulation is not None:
         accumulation.consumed(clip.trainable)
     return found.norms
@@ -195,7 +191,7 @@ class _Clip(NamedTuple):
     key: tuple
 
 
-def _set_up(recorder: Recorder, max_norm, method: str, noise_multiplier, groups, accumulate: bool,
+def _set_up(batch: Batch, max_norm, method: str, noise_multiplier, groups, accumulate: bool,
             accumulation: Optional[Accumulation]) -> _Clip:
     """:func:`clip_and_accumulate`'s set-up: every check of the arguments, the ranks and the
     accumulator, before anything is read.
@@ -205,15 +201,15 @@ def _set_up(recorder: Recorder, max_norm, method: str, noise_multiplier, groups,
             the readers' ``NoBackwardError`` and the like)."""
     if method not in CLIP_METHODS:
         raise ValueError(f"method must be one of {CLIP_METHODS}, got {method!r}")
-    bounds, group_of = _groups(recorder, max_norm, groups)
+    bounds, group_of = _groups(batch, max_norm, groups)
     if group_of is not None:
         max_norm = math.sqrt(sum(b * b for b in bounds))  # the bound of the whole gradient
-    trainable = check_clip(recorder, max_norm, noise_multiplier)
-    ranks = clip_ranks(recorder)
+    trainable = check_clip(batch, max_norm, noise_multiplier)
+    ranks = clip_ranks(batch)
     key = (tuple(bounds), None if groups is None else tuple(tuple(g) for g in groups))
-    check_accumulation(recorder, accumulation, accumulate, "clip_and_accumulate()", trainable,
-                       noise_multiplier, ranks, key, recorder.batch_id)
-    if recorder.released:  # per_sample_grads() formed the result and released the records
+    check_accumulation(accumulation, accumulate, "clip_and_accumulate()", trainable,
+                       noise_multiplier, ranks, key, batch.batch_id)
+    if batch.released:  # per_sample_grads() formed the result and released the records
         method = "materialize"
     return _Clip(method, bounds, group_of, max_norm, trainable, ranks, key)
 
@@ -229,7 +225,7 @@ class _Norms(NamedTuple):
     read: object
 
 
-def _norms(recorder: Recorder, clip: _Clip, batch: Optional[Batch]) -> _Norms:
+def _norms(batch: Batch, clip: _Clip) -> _Norms:
     """The per-sample norms and clipping factors: from the records (``batch``, book-keeping:
     Gram form where cheaper), from the materialised per-sample gradients, or none (an empty
     batch).
@@ -237,10 +233,10 @@ def _norms(recorder: Recorder, clip: _Clip, batch: Optional[Batch]) -> _Norms:
     Raises:
         NoBackwardError, HigherOrderGradError, GradientMismatchError: as
             :func:`gradhooks.norms.per_sample_grad_norms`."""
-    if recorder.batch_size == 0:  # an empty (Poisson) batch: the sum is 0
+    if batch.size == 0:  # an empty (Poisson) batch: the sum is 0
         # (D = 1 for an empty batch with loss_reduction="mean", as clipped_backward takes it)
-        return _Norms(empty_norms(clip.trainable), None, recorder.grad_scale(), None)
-    if batch is not None:
+        return _Norms(empty_norms(clip.trainable), None, batch.grad_scale, None)
+    if clip.method == "ghost":
         plans, units = plan(batch)
         forms = Forms(batch, plans)
         sq = squared_norms(batch, plans, units, forms)
@@ -248,10 +244,9 @@ def _norms(recorder: Recorder, clip: _Clip, batch: Optional[Batch]) -> _Norms:
         # The records are S / D times the per-sample gradients: weighting them gives the
         # clipped sum times S / D.
         return _Norms(norms, factors, batch.grad_scale / batch.divisor, (plans, forms))
-    grads = per_sample_grads(recorder)
-    scale = recorder.grad_scale() / (
-        own_loss_scale(recorder.loss_reduction, recorder.batch_size) or 1.0)
-    pids = {name: pid for pid, name in recorder.names.items()}
+    grads = per_sample_grads(batch)
+    scale = batch.grad_scale / batch.divisor
+    pids = {name: pid for pid, name in batch.names.items()}
     sq = {pids[name]: t for name, t in result_sq_norms(grads).items()}
     if sq:
         norms, factors = _factors(sq, clip.group_of, clip.bounds, 1.0)
@@ -260,18 +255,18 @@ def _norms(recorder: Recorder, clip: _Clip, batch: Optional[Batch]) -> _Norms:
     return _Norms(norms, factors, scale, grads)
 
 
-def _weighted_sums(recorder: Recorder, batch: Optional[Batch], found: _Norms, assign) -> None:
+def _weighted_sums(batch: Batch, clip: _Clip, found: _Norms, assign) -> None:
     """``sum_n c_n d(param)_n`` times ``found.scale`` for each parameter, handed to
     ``assign(id(param), sum)``: from the records (:func:`gradhooks.ghost_sums.ghost_sums`) or
     from the materialised per-sample gradients (one ``tensordot`` each); nothing for an empty
     batch."""
     if found.read is None:
         return
-    if batch is not None:
+    if clip.method == "ghost":
         plans, forms = found.read
         ghost_sums(batch, plans, found.factors, assign, forms)
         return
-    pids = {name: pid for pid, name in recorder.names.items()}
+    pids = {name: pid for pid, name in batch.names.items()}
     for name, t in found.read.items():
         c = found.factors if isinstance(found.factors, Tensor) else found.factors[pids[name]]
         assign(pids[name], torch.tensordot(c.to(t.dtype), t, 1).mul_(found.scale))
@@ -282,8 +277,8 @@ class _Target:
     autograd's gradient at once; or already written into it), or, for a sharded parameter of
     several ranks, aside until the ranks' sums are combined (:meth:`summand`)."""
 
-    def __init__(self, recorder: Recorder, ranks: Optional[Ranks]):
-        self.params, self.ranks = recorder.params, ranks
+    def __init__(self, batch: Batch, ranks: Optional[Ranks]):
+        self.params, self.ranks = batch.params, ranks
         self.assigned: set = set()
         self.aside: Dict[int, Tensor] = {}  # the full-shape local sums of sharded parameters
 
@@ -304,7 +299,7 @@ class _Target:
         return p.grad if id(p) in self.assigned else Ranks.zero_summand(p)
 
 
-def _noise(recorder: Recorder, clip: _Clip, sums: _Target, scale: float, noise_multiplier,
+def _noise(batch: Batch, clip: _Clip, sums: _Target, scale: float, noise_multiplier,
            generator: Optional[torch.Generator]) -> None:
     """The noise, and the ranks' sum: one process adds ``sigma C S / D z`` to each ``.grad``
     (zeros where nothing was assigned); several processes divide each rank's sum by the global
@@ -317,8 +312,8 @@ def _noise(recorder: Recorder, clip: _Clip, sums: _Target, scale: float, noise_m
         add_noise(clip.trainable, sums.assigned, noise_multiplier * clip.max_norm * scale,
                   generator)
         return
-    local = own_loss_scale(recorder.loss_reduction, recorder.batch_size or 0) or 1.0
-    total = ranks.global_divisor(recorder.loss_reduction, recorder.batch_size or 0)
+    local = own_loss_scale(batch.loss_reduction, batch.size or 0) or 1.0
+    total = ranks.global_divisor(batch.loss_reduction, batch.size or 0)
     std = noise_multiplier * clip.max_norm * scale * local / total
     for _, p in clip.trainable:
         t = sums.summand(p).mul_(local / total)
@@ -328,7 +323,7 @@ def _noise(recorder: Recorder, clip: _Clip, sums: _Target, scale: float, noise_m
         p.grad = ranks.sum_(p, t)
 
 
-def _groups(recorder: Recorder, max_norm, groups):
+def _groups(batch: Batch, max_norm, groups):
     """``(bounds, group_of)``: the clipping bound of each group and ``{id(param): group}``
     (``None`` for flat clipping: one group, every parameter).
 
@@ -341,17 +336,17 @@ def _groups(recorder: Recorder, max_norm, groups):
     if len(bounds) != len(groups) or not groups:
         raise ValueError(f"max_norm gives {len(bounds)} bounds for {len(groups)} groups")
     for b in bounds:
-        check_clip(recorder, b, 0.0)  # each a positive finite number
-    pid_of = {name: pid for pid, name in recorder.names.items()}
+        check_clip(batch, b, 0.0)  # each a positive finite number
+    pid_of = {name: pid for pid, name in batch.names.items()}
     group_of: Dict[int, int] = {}
     for k, names in enumerate(groups):
         for name in names:
-            if name not in pid_of or id(recorder.model.get_parameter(name)) != pid_of[name]:
+            if name not in pid_of or id(batch.model.get_parameter(name)) != pid_of[name]:
                 raise ValueError(f"groups: {name!r} is not a parameter of the model")
             if pid_of[name] in group_of:
                 raise ValueError(f"groups: {name!r} is in two groups")
             group_of[pid_of[name]] = k
-    missing = [n for n, p in recorder.model.named_parameters()
+    missing = [n for n, p in batch.model.named_parameters()
                if p.requires_grad and id(p) not in group_of]
     if missing:
         raise ValueError(f"groups must cover every trainable parameter; not in a group: "
@@ -376,12 +371,13 @@ def _factors(sq: Dict[int, Tensor], group_of, bounds, factor: float):
     return norms, {pid: factors[:, group_of[pid]].contiguous() for pid in sq}
 
 
-
 def finish_step(recorder: Recorder, accumulation: Accumulation, *, noise_multiplier: float = 0.0,
                 expected_batch_size: Optional[float] = None,
                 generator: Optional[torch.Generator] = None) -> int:
     """The DP-SGD step gradient of a logical batch clipped in micro-batches (Abadi et al. 2016,
     arXiv:1607.00133, algorithm 1, one lot; Opacus' virtual steps / ``BatchMemoryManager``).
+    It reads no records (the micro-batches' clipped sums are in ``accumulation``), so it takes
+    the recorder, for the model, its parameters and the batch the last micro-batch was.
 
     After ``clip_and_accumulate(C, accumulate=True)`` or ``clipped_backward(losses, C,
     accumulate=True)`` on each micro-batch, sets for every trainable parameter ``theta``::

@@ -27,9 +27,9 @@ import torch
 from torch import Tensor
 
 from .canonical import augmented, canonical
-from .capture import Recorder
 from .forms import weight_grad
 from .kfac import KFACFactors, kfac_factors
+from .records import Batch
 from .utils import compute_dtype, no_autocast, own_loss_scale
 
 __all__ = ["EKFACFactors", "ekfac_factors"]
@@ -65,14 +65,14 @@ class EKFACFactors:
         return (k * s.reshape(-1)) @ k.t()
 
 
-def ekfac_factors(recorder: Recorder, *, modules: Optional[Iterable[str]] = None
+def ekfac_factors(batch: Batch, *, modules: Optional[Iterable[str]] = None
                   ) -> Dict[str, EKFACFactors]:
     """EKFAC factors of every layer with a linear form the backward reached (Linear, Conv,
     transformers' Conv1D), after one or more backward passes of the current batch.
 
     Args:
-        recorder: the :class:`~gradhooks.capture.Recorder` of a :class:`~gradhooks.GradHooks`
-            (called as ``gh.ekfac_factors()``).
+        batch: ``recorder.snapshot("ekfac_factors()", sum_check=False)`` (called as
+            ``gh.ekfac_factors()``).
         modules: names of the modules wanted (default: all), as for
             :func:`gradhooks.kfac.kfac_factors`.
 
@@ -86,10 +86,9 @@ def ekfac_factors(recorder: Recorder, *, modules: Optional[Iterable[str]] = None
         The errors of :func:`gradhooks.kfac.kfac_factors` (``NoBackwardError`` ...), which
         this calls first (``kfac_approx="expand"``, dense factors).
     """
-    factors = kfac_factors(recorder, "expand", modules=modules, coverage="linear")
+    factors = kfac_factors(batch, "expand", modules=modules, coverage="linear")
     wanted = set(factors)
-    batch = recorder.snapshot("ekfac_factors()", sum_check=False, records=[
-        cap for cap in recorder.records if cap.layer.path in wanted and cap.spec is None])
+    records = [cap for cap in batch.records if cap.layer.path in wanted and cap.spec is None]
     w = 1.0 / (own_loss_scale(batch.loss_reduction, batch.size) or 1.0)
     out: Dict[str, EKFACFactors] = {}
     with no_autocast():
@@ -97,7 +96,7 @@ def ekfac_factors(recorder: Recorder, *, modules: Optional[Iterable[str]] = None
             eig_a, q_a = torch.linalg.eigh(kf.A if kf.groups > 1 else kf.A[None])
             eig_g, q_g = torch.linalg.eigh(kf.G if kf.groups > 1 else kf.G[None])
             passes: Dict[int, Tensor] = {}  # pass -> (N, groups, O, I') summed over calls
-            for cap in batch.records:
+            for cap in records:
                 if cap.layer.path != path:
                     continue
                 layer = cap.layer

@@ -34,6 +34,7 @@ from .capture import Recorder
 from .jacobians import pass_grads, trainable_params
 from .losses import LossModel
 from .passes import PassCall, check_output, run_passes
+from .records import Batch
 from .utils import compute_dtype, no_autocast
 
 __all__ = ["ggn_sqrt", "ggn_diag", "ggn_vector_product", "empirical_fisher_diag",
@@ -206,7 +207,7 @@ def ggn_vector_product(recorder: Recorder, output: Tensor, loss_fn, vector: Mapp
     return {name: out[pid] for pid, name, _ in params}
 
 
-def empirical_fisher_diag(recorder: Recorder) -> Dict[str, Tensor]:
+def empirical_fisher_diag(batch: Batch) -> Dict[str, Tensor]:
     """The diagonal of the empirical Fisher of the loss as reduced, after its backward pass::
 
         F = w sum_n grad l_n grad l_n^T,      diag F = w sum_n (grad l_n)^2
@@ -219,19 +220,23 @@ def empirical_fisher_diag(recorder: Recorder) -> Dict[str, Tensor]:
     ``SumGradSquared`` trick; Dangel et al. 2020, sec. 2.1); other layers square their
     per-sample gradients. The records are kept (other reads may follow).
 
+    Args:
+        batch: ``recorder.snapshot("empirical_fisher_diag()", sum_check=False)``.
+
     Returns:
         ``{name: (*param.shape)}`` for the hooked trainable parameters (zeros where the
-        backward did not reach).
+        backward did not reach, and for an empty batch).
 
     Raises:
         NoBackwardError, RecordsReleasedError, HigherOrderGradError: as
             :meth:`~gradhooks.GradHooks.per_sample_grads`.
     """
-    params = trainable_params(recorder)
-    batch = recorder.snapshot("empirical_fisher_diag()", sum_check=False)
+    params = trainable_params(batch)
+    if batch.size == 0:  # an empty (Poisson) batch: no sample, nothing summed
+        return {name: torch.zeros_like(p) for _, name, p in params}
     calls = [PassCall(cap.layer, cap.a, cap.grads_arg(), cap.names) for cap in batch.records]
     out: Dict[int, Tensor] = {}
-    with no_autocast(), using_pool(recorder.pool):
+    with no_autocast(), using_pool(batch.pool):
         _squares(calls, batch.batch_first, batch.scale, False, out)
     w = 1.0 / batch.divisor
     return {name: out[pid].mul_(w).to(p.dtype) if pid in out else torch.zeros_like(p)

@@ -40,6 +40,7 @@ from .capture import Recorder
 from .errors import GradHooksError
 from .jacobians import pass_grads, unit_cotangents
 from .passes import PassCall, check_output, run_passes
+from .records import Batch
 from .utils import no_autocast
 
 __all__ = ["GradientFeatures", "LinearEntry", "gradient_features", "jacobian_features", "gram",
@@ -101,12 +102,14 @@ def _features(call: PassCall, batch_first: bool, scale: Optional[float], want_a:
     return augmented(a, g, "bias" in call.names), g
 
 
-def _collect(recorder: Recorder, pass_calls: List[List[PassCall]], scale: Optional[float],
+def _collect(source, pass_calls: List[List[PassCall]], scale: Optional[float],
              size: int) -> GradientFeatures:
-    # pass_calls: per backward pass, its calls (the same layers reached in every pass). Entries
-    # in the model's order (named_modules / named_parameters), whatever order the backward took.
-    batch_first, names, order = recorder.batch_first, recorder.names, recorder.order
-    layer_rank = {layer.path: i for i, layer in enumerate(recorder.layers)}
+    # source: the Batch (gradient_features), or the recorder of the multi-pass driver
+    # (jacobian_features): its batch_first, names, order and layers. pass_calls: per backward
+    # pass, its calls (the same layers reached in every pass). Entries in the model's order
+    # (named_modules / named_parameters), whatever order the backward took.
+    batch_first, names, order = source.batch_first, source.names, source.order
+    layer_rank = {layer.path: i for i, layer in enumerate(source.layers)}
     ok = _linear_ok(pass_calls[0])
     linear_a: Dict[str, List[Tensor]] = {}
     linear_g: Dict[str, List[List[Tensor]]] = {}
@@ -125,7 +128,7 @@ def _collect(recorder: Recorder, pass_calls: List[List[PassCall]], scale: Option
             per_layer.setdefault(path, []).append(g)
         for path, gs in per_layer.items():
             linear_g.setdefault(path, []).append(torch.cat(gs, 2) if len(gs) > 1 else gs[0])
-        for pid, t in pass_grads(other, batch_first, scale).items():
+        for pid, t in (pass_grads(other, batch_first, scale) if size else _empty(other)).items():
             dense.setdefault(pid, []).append(t)
     linear = {path: LinearEntry(torch.cat(a, 2) if len(a) > 1 else a[0], torch.stack(linear_g[path]))
               for path, a in sorted(linear_a.items(), key=lambda item: layer_rank[item[0]])}
@@ -133,18 +136,24 @@ def _collect(recorder: Recorder, pass_calls: List[List[PassCall]], scale: Option
                             {names[pid]: torch.stack(dense[pid]) for pid in sorted(dense, key=order.get)})
 
 
-def gradient_features(recorder: Recorder) -> GradientFeatures:
+def _empty(calls: List[PassCall]) -> Dict[int, Tensor]:
+    """``{id(param): (0, *param.shape)}`` zeros for the parameters of an empty batch's calls
+    (the rules run on no sample, as in :func:`gradhooks.per_sample.per_sample_grads`)."""
+    return {id(p): p.new_zeros((0, *p.shape)) for call in calls
+            for p in (call.layer.params[local] for local in call.names)}
+
+
+def gradient_features(batch: Batch) -> GradientFeatures:
     """The batch's per-sample loss gradients in factored form, after its backward pass(es)
     (summed over passes, own-loss scale applied, as :meth:`~gradhooks.GradHooks.per_sample_grads`).
     The records are kept; the features hold views of them (about their memory, not ``B P``).
 
-    Raises:
-        NoBackwardError, RecordsReleasedError, HigherOrderGradError: as ``per_sample_grads``.
+    Args:
+        batch: ``recorder.snapshot("gradient_features()", sum_check=False)``.
     """
-    batch = recorder.snapshot("gradient_features()", sum_check=False)
     calls = [PassCall(cap.layer, cap.a, cap.grads_arg(), cap.names) for cap in batch.records]
-    with no_autocast(), using_pool(recorder.pool):
-        return _collect(recorder, [calls], batch.scale, batch.size)
+    with no_autocast(), using_pool(batch.pool):
+        return _collect(batch, [calls], batch.scale, batch.size)
 
 
 def jacobian_features(recorder: Recorder, output: Tensor) -> GradientFeatures:

@@ -16,7 +16,8 @@ from torch import Tensor, nn
 
 from .accumulation import Accumulation
 from .capture import Recorder
-from .clipping import clip_and_accumulate, clipped_backward, finish_step
+from .clipped_backward import clipped_backward
+from .clipping import clip_and_accumulate, finish_step
 from .errors import GradHooksError
 from .graph import warn_not_detached
 from .gram import GradientFeatures, gradient_features, gram, jacobian_features
@@ -236,14 +237,16 @@ class GradHooks:
             GradientMismatchError: if the sum check fails (see the class docstring), or an input
                 recorded in the forward was modified in place afterwards.
         """
-        return per_sample_grads(self.recorder, retain_records=retain_records)
+        return per_sample_grads(self.recorder.snapshot(
+            "per_sample_grads()", release=not retain_records, result=True))
 
     def per_sample_grad_norms(self, *, per_param: bool = False) -> Union[Tensor, Dict[str, Tensor]]:
         """``(B,)`` L2 norms of the per-sample gradients over all trainable parameters (or
         ``{name: (B,)}`` with ``per_param=True``), by the Gram form where cheaper (Li et al.
         2022, arXiv:2110.05679, sec. 4); conventions and errors:
         :func:`gradhooks.norms.per_sample_grad_norms`."""
-        return per_sample_grad_norms(self.recorder, per_param=per_param)
+        return per_sample_grad_norms(self.recorder.snapshot("per_sample_grad_norms()", result=True),
+                                     per_param=per_param)
 
     def clip_and_accumulate(self, max_norm, *, method: str = "ghost",
                             noise_multiplier: float = 0.0,
@@ -257,7 +260,11 @@ class GradHooks:
         of a larger logical batch; its clipped sum is added to :attr:`accumulation` (no noise,
         no division, ``param.grad`` set to ``None``) for :meth:`finish_step`. Arguments and
         errors: :func:`gradhooks.clipping.clip_and_accumulate`, :mod:`gradhooks.accumulation`."""
-        return clip_and_accumulate(self.recorder, max_norm, method=method,
+        materialize = method == "materialize"  # (it reads the per-sample gradients)
+        batch = self.recorder.snapshot(
+            "per_sample_grads()" if materialize else "clip_and_accumulate()", result=True,
+            release=materialize)
+        return clip_and_accumulate(batch, max_norm, method=method,
                                    noise_multiplier=noise_multiplier, generator=generator,
                                    groups=None if groups is None else [list(g) for g in groups],
                                    accumulate=accumulate, accumulation=self.accumulation)
@@ -297,7 +304,8 @@ class GradHooks:
         layer. Arguments, keys, conventions (Martens & Grosse 2015; Grosse & Martens 2016;
         Eschenhagen et al. 2023; Martens, Ba & Johnson 2018) and errors:
         :func:`gradhooks.kfac.kfac_factors`."""
-        return kfac_factors(self.recorder, kfac_approx, backward_passes=backward_passes,
+        return kfac_factors(self.recorder.snapshot("kfac_factors()", sum_check=False),
+                            kfac_approx, backward_passes=backward_passes,
                             modules=modules, max_dense=max_dense, all_reduce=all_reduce,
                             group=group, coverage=coverage)
 
@@ -308,7 +316,8 @@ class GradHooks:
         per-sample second moments ``(O, I')`` in that eigenbasis, never forming per-sample
         gradients in the parameters' basis; conventions and errors:
         :func:`gradhooks.ekfac.ekfac_factors`."""
-        return ekfac_factors(self.recorder, modules=modules)
+        return ekfac_factors(self.recorder.snapshot("ekfac_factors()", sum_check=False),
+                             modules=modules)
 
     def check_samples(self, loss_fn, inputs, targets, *, samples: int = 2,
                       generator: Optional[torch.Generator] = None) -> None:
@@ -361,14 +370,15 @@ class GradHooks:
         """Diagonal of the empirical Fisher of the loss as reduced, ``w sum_n (grad l_n)^2``
         ``{name: (*param.shape)}``, after the loss's backward pass, with no per-sample tensor
         for Linear-like layers without weight sharing: :func:`gradhooks.ggn.empirical_fisher_diag`."""
-        return empirical_fisher_diag(self.recorder)
+        return empirical_fisher_diag(self.recorder.snapshot("empirical_fisher_diag()",
+                                                            sum_check=False))
 
     def gradient_features(self) -> GradientFeatures:
         """This batch's per-sample loss gradients in factored form (the layers' ``a`` and ``g``,
         per-sample tensors only for layers without a linear form), after its backward pass:
         keep them to form :meth:`gram` against a later batch. See
         :func:`gradhooks.gram.gradient_features`."""
-        return gradient_features(self.recorder)
+        return gradient_features(self.recorder.snapshot("gradient_features()", sum_check=False))
 
     def jacobian_features(self, output: Tensor) -> GradientFeatures:
         """The per-sample Jacobians of ``output`` ``(B, C)`` in factored form (``C`` backward
@@ -381,7 +391,8 @@ class GradHooks:
         ``(B, B)``, or ``(B, B2)`` against ``other`` (:meth:`gradient_features` of another
         batch), without forming them (Gram form per layer). Conventions:
         :func:`gradhooks.gram.gram`."""
-        return gram(gradient_features(self.recorder), other)
+        return gram(gradient_features(self.recorder.snapshot("gradient_features()",
+                                                          sum_check=False)), other)
 
     def ntk(self, output: Tensor, other: Optional[GradientFeatures] = None) -> Tensor:
         """The empirical NTK ``K[n, m, c, d] = <d f_c(x_n), d f_d(x_m)>`` ``(B, B, C, C)`` of
@@ -395,18 +406,20 @@ class GradHooks:
         ``a`` and ``g`` applied before the outer product (LoGra, arXiv:2405.13954), never
         forming ``(B, P)``; reproducible from ``seed``. See
         :func:`gradhooks.projections.projected_grads`."""
-        return projected_grads(self.recorder, k_in, k_out, seed)
+        return projected_grads(self.recorder.snapshot("gradient_features()", sum_check=False),
+                               k_in, k_out, seed)
 
     def sum_grad_squared(self) -> Dict[str, Tensor]:
         """Diagonal of the empirical Fisher ``{name: (*param.shape)}``, ``sum_n g_n**2`` of the
         per-sample gradients (BackPACK's SumGradSquared); scaling convention and errors:
         :func:`gradhooks.statistics.sum_grad_squared`."""
-        return sum_grad_squared(self.recorder)
+        return sum_grad_squared(self.recorder.snapshot("per_sample_grads()", release=True,
+                                                       result=True))
 
     def variance(self) -> Dict[str, Tensor]:
         """Per-parameter gradient variance over the batch ``{name: (*param.shape)}`` (``1/B``
         normalisation, BackPACK's Variance); see :func:`gradhooks.statistics.variance`."""
-        return variance(self.recorder)
+        return variance(self.recorder.snapshot("per_sample_grads()", release=True, result=True))
 
 
 def _dropped(recorder: Recorder) -> None:

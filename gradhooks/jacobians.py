@@ -29,12 +29,14 @@ from .utils import no_autocast
 __all__ = ["per_sample_jacobians", "pass_grads", "trainable_params", "unit_cotangents"]
 
 
-def trainable_params(recorder: Recorder) -> List[Tuple[int, str, Tensor]]:
+def trainable_params(source) -> List[Tuple[int, str, Tensor]]:
     """``[(id, name, param)]`` of the hooked parameters that require grad, in
-    ``model.named_parameters()`` order (the order of the flat ``P`` axis)."""
-    found = [(pid, p) for pid, p in recorder.params.items() if p.requires_grad]
-    found.sort(key=lambda item: recorder.order[item[0]])
-    return [(pid, recorder.names[pid], p) for pid, p in found]
+    ``model.named_parameters()`` order (the order of the flat ``P`` axis). ``source``: a
+    :class:`~gradhooks.records.Batch`, or the recorder of a multi-pass driver (its ``params``,
+    ``order`` and ``names``)."""
+    found = [(pid, p) for pid, p in source.params.items() if p.requires_grad]
+    found.sort(key=lambda item: source.order[item[0]])
+    return [(pid, source.names[pid], p) for pid, p in found]
 
 
 def unit_cotangents(output: Tensor):

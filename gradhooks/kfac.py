@@ -78,7 +78,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, Optional, Sequence
 
-from .capture import Layer, Recorder
+from .records import Batch, Layer
 from .errors import GradHooksError
 from .kfac_results import DiagonalFactors, KFACFactors
 from .kfac_sums import KFACSums
@@ -106,7 +106,7 @@ def _linear_layer(layer: Layer) -> bool:
 
 
 def kfac_factors(
-    recorder: Recorder,
+    batch: Batch,
     kfac_approx: str = "expand",
     *,
     backward_passes: str = "sum",
@@ -139,8 +139,9 @@ def kfac_factors(
     Computed in the recorded dtype, at least float32 (autocast captures are promoted).
 
     Args:
-        recorder: the :class:`~gradhooks.capture.Recorder` of a :class:`~gradhooks.GradHooks`,
-            after one or more backward passes of the current batch.
+        batch: ``recorder.snapshot("kfac_factors()", sum_check=False)``, after one or more
+            backward passes of the current batch (the records of the layers not wanted are
+            left out here).
         kfac_approx: ``"expand"`` or ``"reduce"`` (Eschenhagen et al. 2023); identical for
             layers without weight sharing. (Diagonal blocks do not depend on it.)
         backward_passes: ``"sum"``: ``G`` sums ``e e^T`` over the backward passes (one pass
@@ -182,14 +183,12 @@ def kfac_factors(
             module name.
     """
     check_choice("coverage", coverage, COVERAGE)
-    wanted = check_options(recorder, kfac_approx, backward_passes, modules, max_dense,
-                           coverage)
-    batch = recorder.snapshot("kfac_factors()", sum_check=False, records=[
-        cap for cap in recorder.records if wanted(cap.layer)])
+    wanted = check_options(batch, kfac_approx, backward_passes, modules, max_dense, coverage)
+    records = [cap for cap in batch.records if wanted(cap.layer)]
     # backward passes: one grad_output per pass in single-output captures (multi_io captures
     # hold one summed grad_output per output tensor instead)
-    passes = max((len(cap.grads) for cap in recorder.records if cap.spec is None), default=1)
-    summed = [cap for cap in batch.records if cap.spec is not None]
+    passes = max((len(cap.grads) for cap in batch.records if cap.spec is None), default=1)
+    summed = [cap for cap in records if cap.spec is not None]
     if passes > 1 and summed:
         raise GradHooksError(
             f"kfac_factors(): {passes} backward passes reached the model, but module "
@@ -203,14 +202,16 @@ def kfac_factors(
             sums.add_pass(p, [
                 (cap.layer, cap.a, cap.grad_struct() if cap.spec is not None else [cap.grads[p]],
                  cap.names)
-                for cap in batch.records if cap.spec is not None or p < len(cap.grads)])
+                for cap in records if cap.spec is not None or p < len(cap.grads)])
         return sums.result(batch.order, passes, backward_passes, all_reduce, group)
 
 
-def check_options(recorder: Recorder, kfac_approx: str, backward_passes: str,
+def check_options(source, kfac_approx: str, backward_passes: str,
                   modules: Optional[Iterable[str]], max_dense: Optional[int],
                   coverage: str = "all"):
-    """Validate :func:`kfac_factors`' options; returns ``wanted(layer) -> bool``.
+    """Validate :func:`kfac_factors`' options; returns ``wanted(layer) -> bool``. ``source``:
+    the :class:`~gradhooks.records.Batch` of the reader, or the recorder of the Fisher driver
+    (:func:`gradhooks.fisher.kfac`): its hooked ``layers``.
 
     Raises:
         ValueError: for an unknown value or module name (the message lists the known ones).
@@ -223,7 +224,7 @@ def check_options(recorder: Recorder, kfac_approx: str, backward_passes: str,
     if modules is None:
         return covered
     wanted = set(modules)
-    known = {layer.path for layer in recorder.layers if covered(layer)}
+    known = {layer.path for layer in source.layers if covered(layer)}
     unknown = sorted(wanted - known)
     if unknown:
         raise ValueError(f"modules {unknown} are not hooked layers of the model"

@@ -28,28 +28,21 @@ from typing import Dict, Union
 
 from torch import Tensor
 
-from .canonical import summed
-from .capture import Recorder
-from .per_sample import per_sample_grads
-from .plan import (CLOSED, FORMS, GENERIC, GRAM, ROWS, TIED, Forms, PlannedParam, add_up, plan,
-                   result_sq_norms, squared_norms, use_gram)
-from .scatters import tied_cross, tied_linear
+from .plan import Forms, add_up, plan, result_sq_norms, squared_norms
+from .plan import use_gram  # noqa: F401  (gradhooks.norms.use_gram: its old home, users import it)
+from .records import Batch
 from .utils import compute_dtype, no_autocast
 
-__all__ = ["per_sample_grad_norms",
-           # importable from here as before: the norm plan (gradhooks.plan, gradhooks.scatters)
-           # and the records' form (gradhooks.canonical)
-           "result_sq_norms", "use_gram", "squared_norms", "plan", "Forms", "PlannedParam", "add_up", "summed",
-           "tied_linear", "tied_cross", "GRAM", "CLOSED", "FORMS", "ROWS", "TIED", "GENERIC"]
+__all__ = ["per_sample_grad_norms"]
 
 
-def per_sample_grad_norms(recorder: Recorder, *, per_param: bool = False) -> Union[Tensor, Dict[str, Tensor]]:
+def per_sample_grad_norms(batch: Batch, *, per_param: bool = False) -> Union[Tensor, Dict[str, Tensor]]:
     """L2 norms of the per-sample gradients over all trainable parameters the backward reached,
     without materialising them where a cheaper closed form exists.
 
     Args:
-        recorder: the :class:`~gradhooks.capture.Recorder` of a
-            :class:`~gradhooks.GradHooks` (called as ``gh.per_sample_grad_norms()``).
+        batch: ``recorder.snapshot("per_sample_grad_norms()", result=True)`` (called as
+            ``gh.per_sample_grad_norms()``).
         per_param: if ``True`` return the norm of each parameter's per-sample gradient instead.
 
     Returns:
@@ -72,12 +65,11 @@ def per_sample_grad_norms(recorder: Recorder, *, per_param: bool = False) -> Uni
         GradientMismatchError: if a recorded input was modified in place, or (``check=True``)
             the per-sample gradients do not sum to autograd's gradient.
     """
-    if recorder.released:  # per_sample_grads() formed the result and released the records
-        sq_of = result_sq_norms(per_sample_grads(recorder))
+    if batch.released:  # per_sample_grads() formed the result and released the records
+        sq_of = result_sq_norms(batch.result)
         if per_param:
             return {name: t.sqrt_() for name, t in sq_of.items()}
         return add_up(sq_of.values()).sqrt_()
-    batch = recorder.snapshot("per_sample_grad_norms()")
     if batch.size == 0:  # an empty (Poisson) batch
         empty = {batch.names[pid]: p.new_zeros(0, dtype=compute_dtype(p))
                  for pid, p in batch.params.items() if p.requires_grad}

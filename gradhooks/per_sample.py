@@ -9,6 +9,7 @@ is applied to whichever of input, grad_output or result is smallest, calls of on
 """
 from __future__ import annotations
 
+import functools
 from typing import Dict
 
 import torch
@@ -16,26 +17,30 @@ from torch import Tensor
 
 from ._pool import using_pool
 from .canonical import call_grads
-from .capture import Recorder
 from .checks import check_sums
 from .errors import GradHooksError
+from .records import Batch
 from .utils import no_autocast, tensors
 
 __all__ = ["per_sample_grads", "call_grads", "carries_graph"]
 
 
-def per_sample_grads(recorder: Recorder, *, retain_records: bool = False) -> Dict[str, Tensor]:
+def per_sample_grads(batch: Batch) -> Dict[str, Tensor]:
     """Per-sample gradients of every trainable parameter the backward reached (the reader
     behind :meth:`gradhooks.GradHooks.per_sample_grads`, whose docstring gives the arguments,
     the result ``{name: (B, *param.shape)}`` and the errors).
 
-    The result is cached by the recorder until the next backward pass or batch, and set as
-    ``param.grad_sample``. Unless ``retain_records``, each record is released as soon as its
-    rule has formed its part, so the read's peak memory is the result plus one layer's records.
+    Args:
+        batch: ``recorder.snapshot(read, release=..., result=True)``: a result kept by an
+            earlier read (:attr:`~gradhooks.records.Batch.result`) is returned as it is.
+
+    The result is kept by the recorder (:meth:`~gradhooks.records.Batch.keep`) until the next
+    backward pass or batch, and set as ``param.grad_sample``. When the batch is
+    :attr:`~gradhooks.records.Batch.releasing`, each record is released as soon as its rule has
+    formed its part, so the read's peak memory is the result plus one layer's records.
     """
-    if recorder.result is not None:
-        return recorder.result
-    batch = recorder.snapshot("per_sample_grads()", release=not retain_records)
+    if batch.result is not None:
+        return batch.result
     raw: Dict[int, Tensor] = {}
     low: Dict[int, torch.dtype] = {}
     if batch.size == 0:  # an empty (Poisson) batch: (0, *shape), no rule runs
@@ -44,15 +49,16 @@ def per_sample_grads(recorder: Recorder, *, retain_records: bool = False) -> Dic
                 p = cap.layer.params[local]
                 raw[id(p)] = p.new_zeros((0, *p.shape))
             if batch.releasing:
-                cap.release()
-    differentiable = recorder.differentiable and carries_graph(batch.records)
+                batch.release(cap)
+    differentiable = batch.differentiable and carries_graph(batch.records)
     with no_autocast(), using_pool(batch.pool):
         for cap in batch.records if batch.size else ():
             layer = cap.layer
             try:  # (no local holds the records: a released cap frees them during the call)
                 out = call_grads(layer.rule, layer.module, cap.a, cap.grads_arg(),
                                  batch.batch_first, cap.names, batch.scale,
-                                 cap.release if batch.releasing else None, differentiable)
+                                 functools.partial(batch.release, cap) if batch.releasing
+                                 else None, differentiable)
             except GradHooksError as e:
                 raise type(e)(f"module {layer.describe()}: {e}") from None
             for local, t in out.items():
@@ -76,7 +82,7 @@ def per_sample_grads(recorder: Recorder, *, retain_records: bool = False) -> Dic
             t = t.to(p.dtype)
         result[batch.names[pid]] = t
         p.grad_sample = t
-    return recorder.keep_result(result)
+    return batch.keep(result)
 
 
 def carries_graph(records) -> bool:

@@ -11,7 +11,7 @@ readers multiply the norms by the own-loss scale, :attr:`~gradhooks.records.Batc
 or materialised norm, closed-form clipped sum), :data:`FORMS` (factored forms, block by block),
 :data:`ROWS` (row scatters), :data:`TIED` (a weight tied between row scatters and linear forms),
 :data:`GENERIC` (materialised with the rule). The decisions depend only on the call structure and
-are kept per structure (:class:`PlanCache`).
+are kept per structure (the recorder's :class:`~gradhooks.records.Memo`).
 
 **Gram form** (Goodfellow 2015, arXiv:1510.01799, for ``S = 1``; Li et al. 2022, "Large language
 models can be strong differentially private learners", ICLR, arXiv:2110.05679, sec. 4, the
@@ -54,7 +54,7 @@ from .scatters import rows_of, rows_probed, rows_sq_norms, tied_cross, tied_line
 from .utils import compute_dtype
 
 __all__ = ["GRAM", "CLOSED", "FORMS", "ROWS", "TIED", "GENERIC", "MEMORY_BOUND", "BYTE_COST",
-           "use_gram", "add_up", "PlannedParam", "PlanCache", "plan", "Forms", "squared_norms",
+           "use_gram", "add_up", "PlannedParam", "plan", "Forms", "squared_norms",
            "result_sq_norms"]
 
 # How each parameter's per-sample norm and clipped sum are formed.
@@ -141,77 +141,31 @@ class PlannedParam:
         self.pid, self.name, self.entries, self.kind = pid, name, [], GENERIC
 
 
-class PlanCache:
-    """The plan templates (:func:`plan`) of the call structures a recorder has seen, so that a
-    batch of a known structure is planned without looking at its tensors again.
-
-    A structure is the batch size and, per record, its layer, its parameters and (for
-    single-output rules) its grad_output's shape: the plan depends on nothing else. At most
-    :attr:`LIMIT` structures are kept (they may vary without bound: the cache then starts over).
-    One instance per recorder (:meth:`of` finds it); readers ask it with :meth:`get` and never
-    write into it otherwise.
-    """
-
-    #: Structures kept before the cache starts over.
-    LIMIT = 64
-
-    def __init__(self):
-        self._templates: Dict[tuple, tuple] = {}
-
-    def get(self, batch: Batch) -> tuple:
-        """The template of ``batch``'s structure (made by :func:`_plan_template` on a miss):
-        ``([(id(param), kind, [(record index, local name)])], units)``."""
-        caps = batch.records
-        key = (batch.size, tuple((id(cap.layer), cap.names, None if cap.spec is not None
-                                  else tuple(cap.grads[0].shape)) for cap in caps))
-        template = self._templates.get(key)
-        if template is None:
-            if len(self._templates) >= self.LIMIT:
-                self._templates.clear()
-            template = self._templates[key] = _plan_template(batch)
-        return template
-
-    def clear(self) -> None:
-        """Forget every structure (the model changed)."""
-        self._templates.clear()
-
-    @staticmethod
-    def of(batch: Batch) -> "PlanCache":
-        """The recorder's cache: ``batch.cache`` itself when it is a :class:`PlanCache`, else
-        the one kept in that dict (under the key :class:`PlanCache`, made on first use)."""
-        cache = batch.cache
-        if isinstance(cache, PlanCache):
-            return cache
-        found = cache.get(PlanCache)
-        if found is None:
-            found = cache[PlanCache] = PlanCache()
-        return found
-
-
-def plan(batch: Batch, cache: Optional[PlanCache] = None
-         ) -> Tuple[Dict[int, PlannedParam], Tuple[int, ...]]:
+def plan(batch: Batch) -> Tuple[Dict[int, PlannedParam], Tuple[int, ...]]:
     """Decide per parameter how its norm and clipped sum are formed: ``{id(param):
     PlannedParam}`` in the order of ``model.named_parameters()``, for the records of ``batch``
     (which must hold every call of their parameters); and per record ``0``, or ``1`` if its rule
     has a linear form with ``G = S = 1`` (outer-product norms), ``2`` if that form is the records
     themselves (:func:`~gradhooks.canonical.identity_form`: a Linear on ``(B, in)``).
 
-    The decisions depend only on which layers were called with which parameters and on the
-    grad_output shapes, so they are kept per such structure (in ``cache``, default the
-    recorder's: :meth:`PlanCache.of`) and reused for the next batch of the same structure.
+    The decisions depend only on the batch size, on which layers were called with which
+    parameters and on the grad_output shapes, so they are kept per such structure (in the
+    recorder's :attr:`~gradhooks.records.Batch.memo`) and reused for the next batch of the same
+    structure.
 
     Raises:
         GradientMismatchError: (``check`` on) a parameter autograd reached has no record.
     """
     caps = batch.records
-    template = (cache if cache is not None else PlanCache.of(batch)).get(batch)
+    key = ("norm plan", batch.size, tuple((id(cap.layer), cap.names, None if cap.spec is not None
+                                          else tuple(cap.grads[0].shape)) for cap in caps))
+    template = batch.memo.get(key, lambda: _plan_template(batch))
     plans: Dict[int, PlannedParam] = {}
     for pid, kind, entries in template[0]:
         p = plans[pid] = PlannedParam(pid, batch.names[pid])
         p.kind, p.entries = kind, [(caps[i], local) for i, local in entries]
     batch.check_unrecorded(plans)
     return plans, template[1]
-
 
 
 def _plan_template(batch: Batch):

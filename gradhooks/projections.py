@@ -27,8 +27,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .capture import Recorder
 from .gram import GradientFeatures, gradient_features
+from .records import Batch
 from .utils import no_autocast
 
 __all__ = ["projection", "projected_grads", "project_features"]
@@ -82,14 +82,14 @@ def project_features(features: GradientFeatures, k_in: int, k_out: int, seed: in
     return out[:, 0] if features.passes == 1 else out
 
 
-def projected_grads(recorder: Recorder, k_in: int = 16, k_out: int = 16, seed: int = 0,
+def projected_grads(batch: Batch, k_in: int = 16, k_out: int = 16, seed: int = 0,
                     features: Optional[GradientFeatures] = None) -> Tensor:
     """``(B, K)`` projected per-sample loss gradients of the current batch (module docstring),
     after its backward pass; own-loss scale as :meth:`~gradhooks.GradHooks.per_sample_grads`.
     The records are kept.
 
     Args:
-        recorder: the :class:`~gradhooks.capture.Recorder`.
+        batch: ``recorder.snapshot("projected_grads()", sum_check=False)``.
         k_in, k_out: the projected sizes of each layer's input and output side (LoGra's
             default 16 x 16 gives ``K = 256`` per layer).
         seed: selects the projections (:func:`projection`).
@@ -99,4 +99,4 @@ def projected_grads(recorder: Recorder, k_in: int = 16, k_out: int = 16, seed: i
         ValueError: if ``k_in`` or ``k_out`` is below 1.
         NoBackwardError, RecordsReleasedError: as ``per_sample_grads``.
     """
-    return project_features(features or gradient_features(recorder), k_in, k_out, seed)
+    return project_features(features or gradient_features(batch), k_in, k_out, seed)

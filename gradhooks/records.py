@@ -270,17 +270,50 @@ def find_layers(model: nn.Module, strict: bool, hooked: Callable[[nn.Module], bo
     return layers
 
 
+class Memo:
+    """Decisions a recorder keeps between batches of one call structure, so that a batch of a
+    known structure is not looked at again (the norm plan's templates,
+    :func:`gradhooks.plan.plan`). A reader asks :meth:`get`; it never writes into the memo
+    otherwise. At most :attr:`LIMIT` keys are kept (structures may vary without bound: the memo
+    then starts over); the recorder clears it when the model changes."""
+
+    #: Keys kept before the memo starts over.
+    LIMIT = 64
+
+    def __init__(self):
+        self._values: Dict[object, object] = {}
+
+    def get(self, key, make: Callable[[], object]):
+        """The value made for ``key`` (hashable), made by ``make()`` on a miss."""
+        value = self._values.get(key)
+        if value is None:
+            if len(self._values) >= self.LIMIT:
+                self._values.clear()
+            value = self._values[key] = make()
+        return value
+
+    def clear(self) -> None:
+        """Forget every key (the model changed)."""
+        self._values.clear()
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
 class Batch:
     """A read-only snapshot of one batch, as :meth:`~gradhooks.capture.Recorder.snapshot` hands it
-    to a reader.
+    to a reader: the reader's only view of the recorder. Its attributes cannot be set; what a
+    reader asks of the recorder (release a record, keep a result, note a passed sum check) goes
+    through its methods.
 
     Attributes:
         records: the :class:`Record` of every call a backward pass reached (or the subset asked
-            for), in the order reached. Each holds ``a`` (the input activations; a
-            :class:`~gradhooks.forms.Call` for ``multi_io`` rules), ``grads`` (the grad_outputs:
-            one per backward pass, or per output leaf for ``multi_io`` rules), ``names`` (the
-            trainable parameters of the call), ``layer`` (:class:`Layer`) and ``low`` (the
-            grad_output dtype when below float32).
+            for), in the order reached; ``()`` for a batch whose records an earlier read
+            released (:attr:`released`: :attr:`result` answers the read). Each holds ``a`` (the
+            input activations; a :class:`~gradhooks.forms.Call` for ``multi_io`` rules),
+            ``grads`` (the grad_outputs: one per backward pass, or per output leaf for
+            ``multi_io`` rules), ``names`` (the trainable parameters of the call), ``layer``
+            (:class:`Layer`) and ``low`` (the grad_output dtype when below float32).
         size: ``B``.
         scale: what turns the records into the gradients of each sample's own loss, computed
             here, once: the own-loss scale (:func:`gradhooks.utils.own_loss_scale`: ``B`` for
@@ -290,7 +323,10 @@ class Batch:
         divisor: ``D`` (``B`` or ``1.0``): the batch loss is ``(1/D) sum_n l_n``.
         grad_scale: ``S``, the ``GradScaler``'s scale the backward used (``1.0`` without one):
             the records are ``S`` times the gradients of the loss.
-        loss_reduction, batch_first: as given to :func:`gradhooks.attach`.
+        loss_reduction, batch_first, differentiable: as given to :func:`gradhooks.attach`.
+        check: the ``check`` given to :func:`gradhooks.attach`.
+        model: the attached model (read only: readers that write ``param.grad`` find the
+            process group or mesh of its parameters, :mod:`gradhooks.distributed`).
         names: ``{id(param): name}`` of the model's parameters, in ``named_parameters()`` order.
         order: ``{id(param): position}`` in that order.
         params: ``{id(param): param}`` of the hooked parameters.
@@ -300,38 +336,58 @@ class Batch:
             (:func:`~gradhooks.checks.check_unrecorded`): ``check`` is on and the backward
             computed parameter gradients.
         check_key: the structure whose sum check this read runs, or ``None`` (not due).
-        cache: the recorder's per-structure cache for readers.
-        pool: the recorder's :class:`~gradhooks._pool.BufferPool`.
-        releasing: whether the reader releases each record once used.
+        batch_id: the recorder's number of this batch (:attr:`Recorder.batch_id`).
+        result: the per-sample gradients ``{name: (B, *param.shape)}`` an earlier read kept
+            (:meth:`keep`) for this batch, or ``None``.
+        released: whether an earlier read released the records (:attr:`records` is then
+            ``()`` and :attr:`result` holds what they gave).
+        releasing: whether this reader releases each record once used (:meth:`release`).
+        memo: the recorder's :class:`Memo` of per-structure decisions (read with ``get``).
+        pool: the recorder's :class:`~gradhooks._pool.BufferPool` (buffers a read may reuse).
     """
 
     __slots__ = ("records", "size", "scale", "divisor", "loss_reduction", "batch_first", "names",
-                 "order", "params", "layers", "totals", "checking", "check_key", "cache", "pool",
-                 "releasing", "_on_passed", "grad_scale", "factor")
+                 "order", "params", "layers", "totals", "checking", "check_key", "memo", "pool",
+                 "releasing", "grad_scale", "factor", "differentiable", "check", "model",
+                 "batch_id", "result", "released", "_recorder")
 
     def __init__(self, recorder, records: Tuple[Record, ...], check_key: Optional[tuple],
-                 checking: bool, on_passed: Callable[[tuple], None], grad_scale: float = 1.0):
-        # ``recorder``: the :class:`~gradhooks.capture.Recorder` (its public attributes).
-        self.records = records
-        self.size: int = recorder.batch_size
-        own = own_loss_scale(recorder.loss_reduction, self.size)
-        self.divisor = 1.0 if own is None else own
-        self.grad_scale = grad_scale
-        self.scale = own if grad_scale == 1.0 else self.divisor / grad_scale
-        self.factor = 1.0 if self.scale is None else self.scale
-        self.loss_reduction = recorder.loss_reduction
-        self.batch_first = recorder.batch_first
-        self.names: Mapping[int, str] = recorder.names
-        self.order: Mapping[int, int] = recorder.order
-        self.params: Mapping[int, nn.Parameter] = recorder.params
-        self.layers: List[Layer] = recorder.layers
-        self.totals: Mapping[int, GradTotal] = recorder.totals
-        self.checking = checking
-        self.check_key = check_key
-        self.cache = recorder.cache
-        self.pool = recorder.pool
-        self.releasing = recorder.released
-        self._on_passed = on_passed
+                 checking: bool, grad_scale: float = 1.0, releasing: bool = False):
+        # ``recorder``: the :class:`~gradhooks.capture.Recorder` (its public attributes; its
+        # keep_result / release_record / sum_check_passed on the reader's request).
+        put = object.__setattr__
+        put(self, "records", records)
+        size = recorder.batch_size
+        put(self, "size", size)
+        own = own_loss_scale(recorder.loss_reduction, size)
+        divisor = 1.0 if own is None else own
+        scale = own if grad_scale == 1.0 else divisor / grad_scale
+        put(self, "divisor", divisor)
+        put(self, "grad_scale", grad_scale)
+        put(self, "scale", scale)
+        put(self, "factor", 1.0 if scale is None else scale)
+        for name in ("loss_reduction", "batch_first", "differentiable", "check", "model", "names",
+                     "order", "params", "layers", "totals", "memo", "pool", "batch_id",
+                     "result", "released"):
+            put(self, name, getattr(recorder, name))
+        put(self, "checking", checking)
+        put(self, "check_key", check_key)
+        put(self, "releasing", releasing)
+        put(self, "_recorder", recorder)
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(f"a Batch is read-only (set {name!r}): ask the recorder through "
+                             f"its methods")
+
+    def release(self, record: Record) -> None:
+        """Ask the recorder to release ``record``'s tensors (a reader that :attr:`releasing`
+        does so once it has used them: the read's peak memory stays one layer's records)."""
+        self._recorder.release_record(record)
+
+    def keep(self, result: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        """Ask the recorder to keep ``result`` (the per-sample reader's) for this batch's later
+        reads (:attr:`result`); returns it."""
+        return self._recorder.keep_result(result)
 
     def check_unrecorded(self, recorded) -> None:
         """:func:`~gradhooks.checks.check_unrecorded` for the parameter ids ``recorded``, if
@@ -341,4 +397,4 @@ class Batch:
 
     def check_passed(self) -> None:
         """Tell the recorder that this read's sum check (:attr:`check_key`) passed."""
-        self._on_passed(self.check_key)
+        self._recorder.sum_check_passed(self.check_key)

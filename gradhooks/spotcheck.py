@@ -60,7 +60,7 @@ def check_samples(recorder: Recorder, loss_fn: Callable[..., Tensor], inputs: Ba
             entry): the loss or the model mixes samples, so per-sample gradients are not defined.
         The errors of :meth:`~gradhooks.GradHooks.per_sample_grads`.
     """
-    result = per_sample_grads(recorder)
+    result = per_sample_grads(recorder.snapshot("per_sample_grads()", release=True, result=True))
     batch = recorder.batch_size or 0
     if batch == 0 or samples < 1:
         return

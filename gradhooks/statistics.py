@@ -8,13 +8,13 @@ from typing import Dict
 import torch
 from torch import Tensor
 
-from .capture import Recorder
 from .per_sample import per_sample_grads
+from .records import Batch
 
 __all__ = ["sum_grad_squared", "variance"]
 
 
-def sum_grad_squared(recorder: Recorder) -> Dict[str, Tensor]:
+def sum_grad_squared(batch: Batch) -> Dict[str, Tensor]:
     """Sum over the batch of the squared per-sample gradients (BackPACK's ``SumGradSquared``).
 
     Convention: the per-sample gradients are those of :meth:`~gradhooks.GradHooks.per_sample_grads`, the
@@ -29,6 +29,10 @@ def sum_grad_squared(recorder: Recorder) -> Dict[str, Tensor]:
     diagonal of the empirical Fisher of the loss as reduced (the convention of
     :func:`gradhooks.kfac.kfac_factors`) is ``sgs / N`` for ``"mean"`` and ``sgs`` for ``"sum"``.
 
+    Args:
+        batch: ``recorder.snapshot("sum_grad_squared()", release=True, result=True)``, as
+            :func:`gradhooks.per_sample.per_sample_grads` reads it.
+
     Returns:
         ``{name: (*param.shape)}`` for the parameters of :meth:`~gradhooks.GradHooks.per_sample_grads`
         (every hooked layer type, not only Linear / Conv).
@@ -36,10 +40,10 @@ def sum_grad_squared(recorder: Recorder) -> Dict[str, Tensor]:
     Raises:
         The errors of :meth:`~gradhooks.GradHooks.per_sample_grads` (e.g. ``NoBackwardError``).
     """
-    return {name: (g * g).sum(0) for name, g in per_sample_grads(recorder).items()}
+    return {name: (g * g).sum(0) for name, g in per_sample_grads(batch).items()}
 
 
-def variance(recorder: Recorder) -> Dict[str, Tensor]:
+def variance(batch: Batch) -> Dict[str, Tensor]:
     """Per-parameter variance of the per-sample gradients over the batch (BackPACK's ``Variance``).
 
     Convention: the population variance (``1/N``, as BackPACK) of the own-loss per-sample
@@ -51,10 +55,13 @@ def variance(recorder: Recorder) -> Dict[str, Tensor]:
     ``"mean"`` (BackPACK takes the variance of the ``(1/N)``-scaled contributions). Computed
     around the mean (two passes), not as ``E[g^2] - E[g]^2``, which cancels catastrophically.
 
+    Args:
+        batch: as :func:`sum_grad_squared`'s.
+
     Returns:
-        ``{name: (*param.shape)}``; zeros for a batch of one.
+        ``{name: (*param.shape)}``; zeros for a batch of one, NaN for an empty one (no mean).
 
     Raises:
         The errors of :meth:`~gradhooks.GradHooks.per_sample_grads` (e.g. ``NoBackwardError``).
     """
-    return {name: torch.var(g, dim=0, correction=0) for name, g in per_sample_grads(recorder).items()}
+    return {name: torch.var(g, dim=0, correction=0) for name, g in per_sample_grads(batch).items()}

@@ -339,8 +339,8 @@ def test_lstm_gate_gradient_gram_is_formed_once(monkeypatch, dtype):
     """weight_ih and weight_hh of an LSTM have the same grad_output (the gate gradients): its
     Gram matrix is formed once for both, and the norms stay exact."""
     formed = []
-    gram = norms.Forms.gram
-    monkeypatch.setattr(norms.Forms, "gram",
+    gram = plan.Forms.gram
+    monkeypatch.setattr(plan.Forms, "gram",
                         lambda self, g: formed.append((g.shape, self._key(g) in self.grams))
                         or gram(self, g))
     model, x, w = _LSTMHead().to(dtype), torch.randn(3, 12, 8, dtype=dtype), torch.rand(3, dtype=dtype)

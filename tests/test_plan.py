@@ -1,5 +1,5 @@
 """The norm plan (:mod:`gradhooks.plan`): the kind chosen per parameter, the templates kept per
-call structure (:class:`~gradhooks.plan.PlanCache`), and :func:`~gradhooks.plan.squared_norms`
+call structure (the recorder's :class:`~gradhooks.records.Memo`), and :func:`~gradhooks.plan.squared_norms`
 against a loop of autograd, in float64."""
 import pytest
 import torch
@@ -7,8 +7,9 @@ from torch import nn
 
 import gradhooks
 from gradhooks import plan as plan_mod
-from gradhooks.plan import (CLOSED, FORMS, GENERIC, GRAM, ROWS, Forms, PlanCache, plan,
-                            squared_norms, use_gram)
+from gradhooks.plan import (CLOSED, FORMS, GENERIC, GRAM, ROWS, Forms, plan, squared_norms,
+                            use_gram)
+from gradhooks.records import Memo
 from conftest import loop_grads, weighted_square_loss
 
 
@@ -40,7 +41,7 @@ def test_kinds_per_parameter():
     x, w = torch.randint(0, 11, (3, 7)), torch.rand(3, dtype=torch.float64)
     with gradhooks.attach(model, loss_reduction="sum") as gh:
         batch = _batch(gh, model, x, w)
-        plans, units = plan(batch, PlanCache())
+        plans, units = plan(batch)
     kinds = {p.name: p.kind for p in plans.values()}
     # proj: S = 7 tokens, 5 -> 4: 7 * 9 > 20, materialised; head: S = 1, the product of norms
     assert not use_gram(7, 5, 4) and use_gram(1, 4, 2)
@@ -58,10 +59,11 @@ def test_gram_kind_when_cheaper(monkeypatch):
     x = torch.randn(2, 3, 64, dtype=torch.float64)  # S = 3: 3 * 128 < 64 * 64
     with gradhooks.attach(model, loss_reduction="sum") as gh:
         batch = _batch(gh, model, x, torch.rand(2, dtype=torch.float64))
-        plans, _ = plan(batch, PlanCache())
+        plans, _ = plan(batch)
         assert {p.name: p.kind for p in plans.values()} == {"0.weight": GRAM, "0.bias": CLOSED}
         monkeypatch.setattr(plan_mod, "use_gram", lambda *a, **k: False)
-        plans, _ = plan(batch, PlanCache())
+        gh.recorder.memo.clear()  # (the structure's template was kept: decide again)
+        plans, _ = plan(batch)
         assert plans[id(model[0].weight)].kind == CLOSED
 
 
@@ -70,20 +72,19 @@ def test_plan_cache_keeps_one_template_per_structure(monkeypatch):
     real = plan_mod._plan_template
     monkeypatch.setattr(plan_mod, "_plan_template", lambda batch: made.append(1) or real(batch))
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
-    cache = PlanCache()
     with gradhooks.attach(model, loss_reduction="sum") as gh:
         for b in (5, 5, 6):
             x = torch.randn(b, 3, dtype=torch.float64)
             batch = _batch(gh, model, x, torch.rand(b, dtype=torch.float64))
-            plan(batch, cache)
-            assert PlanCache.of(batch) is PlanCache.of(batch)  # the recorder's, made once
+            plan(batch)
+            assert batch.memo is gh.recorder.memo  # the recorder's, one per attachment
     assert len(made) == 2  # B = 5 twice (one template), B = 6 (another)
-    monkeypatch.setattr(PlanCache, "LIMIT", 1)
+    monkeypatch.setattr(Memo, "LIMIT", 1)
     with gradhooks.attach(model, loss_reduction="sum") as gh:
         for b in (2, 3, 2):
             batch = _batch(gh, model, torch.randn(b, 3, dtype=torch.float64),
                            torch.rand(b, dtype=torch.float64))
-            plan(batch, cache)
+            plan(batch)
     assert len(made) == 5  # LIMIT 1: every new structure starts over
 
 
