@@ -1,11 +1,11 @@
 """Two versions of gradhooks side by side in one process: the A/B check of a refactor.
 
     python benchmarks/ab_versions.py BASE_CHECKOUT NEW_CHECKOUT [--repeats 30] [--threads 2]
-        [--workloads mlp,cnn,lstm,transformer,wide_mlp] [--methods hooks,grads,norms,ghost,two_pass]
+        [--workloads mlp,cnn,lstm,transformer,wide_mlp,gpt2] [--methods hooks,grads,norms,ghost,two_pass]
 
 Each checkout's ``gradhooks/`` package is loaded under its own module name (``gh_a``, ``gh_b``;
 gradhooks imports itself only relatively), so both run in the same process on the same machine
-state. For every workload of :data:`gradhooks.workloads.BENCH_WORKLOADS` and every method, the two versions are
+state. For every workload of :data:`gradhooks.tools.workloads.BENCH_WORKLOADS` and every method, the two versions are
 timed round robin -- A, B, B, A, A, B, ... so that neither always runs first -- after 3 warm-up
 steps each, on their own copy of one seeded float32 model and the same batch. A step is what a
 training loop pays for the method: forward, backward and the read, as in ``peers.py``.
@@ -27,9 +27,37 @@ from typing import Callable, Dict, List
 
 import torch
 
-from gradhooks.workloads import BENCH_WORKLOADS as WORKLOADS
+from gradhooks.tools.workloads import BENCH_WORKLOADS, Workload
 
 METHODS = ("hooks", "grads", "norms", "ghost", "two_pass")
+
+
+def _gpt2_model():
+    # (imported here: transformers is only needed for this workload; tests/zoo_imports.py
+    # stubs the CUDA torchvision it would pull in)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "tests"))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import zoo_imports
+    import transformers as tr
+    cfg = tr.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    return zoo_imports.TokensToLogits(tr.GPT2LMHeadModel(cfg))
+
+
+def _gpt2_batch(dtype, batch: int):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50257, (batch, 129), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _token_mean(out, y):  # (B,): each sequence's mean next-token cross-entropy
+    return torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten(),
+                                             reduction="none").view(y.shape).mean(1)
+
+
+WORKLOADS = {**BENCH_WORKLOADS, "gpt2": Workload(
+    "gpt2", "GPT-2 small", "GPT-2 small (124 M, tied), B = 4, T = 128, token-mean CE", 4,
+    _gpt2_model, _gpt2_batch, lambda out, y: _token_mean(out, y).mean(), "mean", _token_mean)}
 
 
 def load_version(checkout: str, name: str):

@@ -12,7 +12,7 @@ them nothing of gradhooks should be left in torch's hook dictionaries, and the u
 should run as fast as before any attach.
 
 The unrelated models: ``Linear(128, 128)`` x 8 with ReLU between, ``(64, 128)`` input, forward
-under ``no_grad``; the seed MLP 10-32-32-10 (``gradhooks.workloads.make_mlp``) at B = 256,
+under ``no_grad``; the seed MLP 10-32-32-10 (``gradhooks.tools.workloads.make_mlp``) at B = 256,
 zero_grad + forward + sum + ``backward()``. The live attachment is on a third model
 (``Linear(3, 2)``). Each figure is the median over ``--rounds`` rounds of the mean time of
 ``--calls`` calls; "nothing attached" and "one live attachment" are alternated round by round
@@ -31,7 +31,7 @@ import torch.nn.modules.module as torch_module
 from torch import nn
 
 import gradhooks
-from gradhooks.workloads import make_mlp
+from gradhooks.tools.workloads import make_mlp
 
 
 def global_entries() -> int:

@@ -1,6 +1,6 @@
 """DP-SGD clipping side by side: plain training, gradhooks' book-keeping and two-pass ghost
 clipping, Opacus' ghost clipping and Opacus' hooks-mode clipping, on the workloads of
-``gradhooks.workloads.DP_WORKLOADS`` (see benchmarks/README.md, "DP clipping").
+``gradhooks.tools.workloads.DP_WORKLOADS`` (see benchmarks/README.md, "DP clipping").
 
     python benchmarks/dp.py [--workloads mlp,cnn,lstm,transformer,wide_mlp,resnet_gn,encoder]
         [--methods ...] [--repeats 10] [--warmup 3] [--threads T] [--no-memory]
@@ -49,7 +49,7 @@ from torch import Tensor, nn  # noqa: E402
 
 import gradhooks  # noqa: E402
 import peers  # noqa: E402
-from gradhooks.workloads import DP_WORKLOADS  # noqa: E402
+from gradhooks.tools.workloads import DP_WORKLOADS  # noqa: E402
 
 TOL = 1e-9          # float64 relative error allowed to gradhooks (rounding)
 OPACUS_TOL = 1e-4   # Opacus: its 1e-6 stabiliser in C / (||g|| + 1e-6), relative to ||g||

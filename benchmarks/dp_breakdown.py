@@ -7,7 +7,7 @@ variants alternated in one process. Run from the repository root::
 
     python benchmarks/dp_breakdown.py [--workloads mlp,cnn] [--steps 15] [--threads 1]
 
-Workloads: ``gradhooks.workloads.DP_WORKLOADS`` (those of ``benchmarks/dp.py``).
+Workloads: ``gradhooks.tools.workloads.DP_WORKLOADS`` (those of ``benchmarks/dp.py``).
 """
 import argparse
 import statistics
@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gradhooks  # noqa: E402
-from gradhooks.workloads import DP_WORKLOADS  # noqa: E402
+from gradhooks.tools.workloads import DP_WORKLOADS  # noqa: E402
 
 
 def breakdown(name: str, steps: int, warmup: int = 5) -> str:

@@ -41,7 +41,7 @@ from laplace.curvature import AsdlGGN, BackPackGGN, CurvlinopsGGN  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import gradhooks  # noqa: E402
-from gradhooks.laplace_backend import GradHooksGGN  # noqa: E402
+from gradhooks.integrations.laplace_backend import GradHooksGGN  # noqa: E402
 
 
 class MeanTokens(nn.Module):

@@ -5,7 +5,7 @@ gradient, measured on this machine against the cost models that could make it.
 
 For a Linear layer's records ``a`` ``(N, S, I)`` and ``g`` ``(N, S, O)`` (N = 32) over a grid of
 positions ``S`` and fan-in / fan-out ``I``, ``O``, times the two ways gradhooks forms the
-per-sample squared norms ``||dW_n||^2`` (``gradhooks.norms``):
+per-sample squared norms ``||dW_n||^2`` (``gradhooks.readers.norms``):
 
 * Gram: ``(a a^T) * (g g^T)`` summed, ``N S^2 (I + O)`` multiply-adds, ``2 N S^2`` values
   written;
@@ -13,7 +13,7 @@ per-sample squared norms ``||dW_n||^2`` (``gradhooks.norms``):
   ``N I O`` values written (and read back).
 
 It fits ``t = flops / F + bytes / W + c`` to each form (least squares on the grid: the rates
-behind ``gradhooks.norms.BYTE_COST``), then reports how often each rule picks the faster form
+behind ``gradhooks.readers.norms.BYTE_COST``), then reports how often each rule picks the faster form
 and what the wrong picks cost: the FLOP count alone (Li et al. 2022's ``S (I + O) < I O``) and
 gradhooks' ``use_gram`` (FLOPs plus the bytes of tensors beyond ``MEMORY_BOUND``). Medians of
 ``--repeats``.
@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from gradhooks.norms import use_gram
+from gradhooks.readers.norms import use_gram
 
 
 def gram(a, g):

@@ -51,8 +51,8 @@ from torch import Tensor, nn
 
 
 import gradhooks  # noqa: E402
-from gradhooks.workloads import BENCH_WORKLOADS as WORKLOADS  # noqa: E402
-from gradhooks.workloads import Workload  # noqa: E402
+from gradhooks.tools.workloads import BENCH_WORKLOADS as WORKLOADS  # noqa: E402
+from gradhooks.tools.workloads import Workload  # noqa: E402
 
 TOL = 1e-4          # float32 max relative error against the loop (as `gradhooks bench`)
 CLIP_NORM = 1.0     # C of the clipping methods

@@ -91,7 +91,7 @@ import gradhooks  # noqa: E402
 import dp  # noqa: E402  (Opacus' DP methods and their tolerance)
 import peers  # noqa: E402  (timing scheme, memory helpers, rel_err, table and CLI helpers)
 import zoo  # noqa: E402  (TokensToLogits; torchvision beside the CPU torch: tests/zoo_imports.py)
-from gradhooks.workloads import Workload  # noqa: E402
+from gradhooks.tools.workloads import Workload  # noqa: E402
 
 TOL = peers.TOL  # float32 against the float64 reference
 TARGETS = {"bookkeeping": 1.10, "two-pass": 1.40, "norms": 1.00, "grads": 1.15}

@@ -43,7 +43,7 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import gradhooks  # noqa: E402
-from gradhooks.workloads import VOCAB  # noqa: E402
+from gradhooks.tools.workloads import VOCAB  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=150, help="fine-tuning steps of each run")

@@ -11,8 +11,8 @@ privacy budget epsilon at the stated delta comes from Opacus' RDP accountant
 (``opacus.accountants.RDPAccountant``; Mironov et al. 2019, "Renyi differential privacy of the
 sampled Gaussian mechanism"), which assumes exactly this Poisson-subsampled Gaussian mechanism.
 
-The model is ``gradhooks.workloads.DigitsCNN`` (PyTorch's per-sample-gradients tutorial CNN) on
-scikit-learn's 1797 8x8 digits upsampled to 28x28 (``gradhooks.workloads.load_digits_batch``), split
+The model is ``gradhooks.tools.workloads.DigitsCNN`` (PyTorch's per-sample-gradients tutorial CNN) on
+scikit-learn's 1797 8x8 digits upsampled to 28x28 (``gradhooks.tools.workloads.load_digits_batch``), split
 80/20 into train and test with the seed. Training runs three times from the same seed: with
 ghost clipping by book-keeping (``gh.backward(loss)`` then ``gh.clip_and_accumulate``: norms and
 clipped sum from the recorded activations and grad_outputs, no per-sample gradient tensors; Bu
@@ -33,7 +33,7 @@ from opacus.accountants import RDPAccountant
 from tqdm import tqdm
 
 import gradhooks
-from gradhooks.workloads import DigitsCNN, load_digits_batch
+from gradhooks.tools.workloads import DigitsCNN, load_digits_batch
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--epochs", type=float, default=5.0,

@@ -2,8 +2,8 @@
 
     python examples/kfac_optimizer.py [--steps 300] [--out kfac_optimizer.png] [--sweep]
 
-Trains the CNN of PyTorch's per-sample-gradients tutorial (``gradhooks.workloads.DigitsCNN``) on
-scikit-learn's 1797 handwritten digits upsampled to 28x28 (``gradhooks.workloads.load_digits_batch``;
+Trains the CNN of PyTorch's per-sample-gradients tutorial (``gradhooks.tools.workloads.DigitsCNN``) on
+scikit-learn's 1797 handwritten digits upsampled to 28x28 (``gradhooks.tools.workloads.load_digits_batch``;
 1500 for training, 297 held out), with the same minibatches for every optimizer, and saves a PNG
 of the training loss and test accuracy against steps and against wall time (evaluation not
 counted). Needs scikit-learn, tqdm and matplotlib (``pip install 'gradhooks[examples]'``).
@@ -48,7 +48,7 @@ from tqdm import tqdm  # noqa: E402
 
 import gradhooks  # noqa: E402
 from gradhooks import DiagonalFactors  # noqa: E402
-from gradhooks.workloads import DigitsCNN, load_digits_batch  # noqa: E402
+from gradhooks.tools.workloads import DigitsCNN, load_digits_batch  # noqa: E402
 
 # chosen by --sweep (see the module docstring); smoothed training loss after 100 steps:
 # SGD   lr 0.01: 0.171, 0.03: 0.103, 0.1: diverged, 0.3: diverged

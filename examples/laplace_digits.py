@@ -33,7 +33,7 @@ sys.modules.setdefault("torchvision._meta_registrations",
 from laplace import Laplace  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
-from gradhooks.laplace_backend import GradHooksGGN  # noqa: E402
+from gradhooks.integrations.laplace_backend import GradHooksGGN  # noqa: E402
 
 
 def cnn() -> nn.Module:

@@ -1,7 +1,7 @@
-"""``python -m gradhooks``: runs :func:`gradhooks.cli.main` and exits with its return code."""
+"""``python -m gradhooks``: runs :func:`gradhooks.tools.cli.main` and exits with its return code."""
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

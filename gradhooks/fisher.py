@@ -1,5 +1,5 @@
 """The one-call KFAC driver: :func:`kfac` attaches, runs the backward passes a Fisher type
-needs (empirical, Monte-Carlo or type-2 / GGN) and reads :func:`gradhooks.kfac.kfac_factors`.
+needs (empirical, Monte-Carlo or type-2 / GGN) and reads :func:`gradhooks.readers.kfac.kfac_factors`.
 
 Conventions of the factors: :mod:`gradhooks.kfac`. Fisher types: Martens & Grosse 2015,
 arXiv:1503.05671, sec. 5; Botev et al. 2017, arXiv:1706.03662 (type-2).
@@ -12,12 +12,12 @@ from typing import Dict, Iterable, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from .errors import NoBackwardError, UnsupportedLossError
+from .base.errors import NoBackwardError, UnsupportedLossError
+from .base.utils import no_autocast, own_loss_scale
 from .hooks import attach
-from .kfac import KFAC_APPROX, DiagonalFactors, KFACFactors, KFACSums, check_choice, check_options
-from .losses import LossModel
-from .passes import run_passes
-from .utils import no_autocast, own_loss_scale
+from .readers.kfac import KFAC_APPROX, DiagonalFactors, KFACFactors, KFACSums, check_choice, check_options
+from .readers.losses import LossModel
+from .readers.passes import run_passes
 
 __all__ = ["kfac", "FISHER_TYPES"]
 

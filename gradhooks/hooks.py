@@ -1,10 +1,10 @@
 """The user facade: :func:`attach` and :class:`GradHooks`.
 
-:class:`GradHooks` owns a :class:`~gradhooks.capture.Recorder` (hooks, records, batch lifecycle)
+:class:`GradHooks` owns a :class:`~gradhooks.core.capture.Recorder` (hooks, records, batch lifecycle)
 and forwards each read to the module that computes it: per-sample gradients
-(:mod:`gradhooks.per_sample`), norms (:mod:`gradhooks.norms`), DP-SGD clipping
-(:mod:`gradhooks.clipping`), KFAC factors (:mod:`gradhooks.kfac`) and first-order statistics
-(:mod:`gradhooks.statistics`). It computes nothing itself.
+(:mod:`gradhooks.readers.per_sample`), norms (:mod:`gradhooks.readers.norms`), DP-SGD clipping
+(:mod:`gradhooks.readers.clipping`), KFAC factors (:mod:`gradhooks.kfac`) and first-order statistics
+(:mod:`gradhooks.readers.statistics`). It computes nothing itself.
 """
 from __future__ import annotations
 
@@ -14,22 +14,22 @@ from typing import Dict, Iterable, Mapping, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from .accumulation import Accumulation
-from .capture import Recorder
-from .clipped_backward import clipped_backward
-from .clipping import clip_and_accumulate, finish_step
-from .errors import GradHooksError
-from .graph import warn_not_detached
-from .gram import GradientFeatures, gradient_features, gram, jacobian_features
-from .projections import projected_grads
-from .ggn import empirical_fisher_diag, ggn_diag, ggn_sqrt, ggn_vector_product
-from .jacobians import per_sample_jacobians
-from .ekfac import EKFACFactors, ekfac_factors
-from .kfac import DiagonalFactors, KFACFactors, kfac_factors
-from .norms import per_sample_grad_norms
-from .per_sample import per_sample_grads
-from .spotcheck import check_samples
-from .statistics import sum_grad_squared, variance
+from .base.errors import GradHooksError
+from .core.capture import Recorder
+from .core.graph import warn_not_detached
+from .readers.accumulation import Accumulation
+from .readers.clipped_backward import clipped_backward
+from .readers.clipping import clip_and_accumulate, finish_step
+from .readers.ekfac import EKFACFactors, ekfac_factors
+from .readers.ggn import empirical_fisher_diag, ggn_diag, ggn_sqrt, ggn_vector_product
+from .readers.gram import GradientFeatures, gradient_features, gram, jacobian_features
+from .readers.jacobians import per_sample_jacobians
+from .readers.kfac import DiagonalFactors, KFACFactors, kfac_factors
+from .readers.norms import per_sample_grad_norms
+from .readers.per_sample import per_sample_grads
+from .readers.projections import projected_grads
+from .readers.spotcheck import check_samples
+from .readers.statistics import sum_grad_squared, variance
 
 __all__ = ["attach", "GradHooks"]
 
@@ -74,7 +74,7 @@ class GradHooks:
     (``torch.autograd.grad`` w.r.t. the input only). Its cost is a few torch calls and a read
     of ``B x 256`` values per parameter (0.5 ms per read on a 3-layer MLP, noise on real
     models); autograd's gradients are taken in the backward as
-    :class:`~gradhooks.checks.GradTotal` (large ones reduced at once, so that autograd
+    :class:`~gradhooks.core.checks.GradTotal` (large ones reduced at once, so that autograd
     still moves them into ``.grad``). With ``check=True`` (default) it runs on every read whose *structure* has not
     been checked before -- which modules were called how often, by how many backward passes,
     and which parameters autograd reached -- and on every 100th read: the failures above are
@@ -90,14 +90,14 @@ class GradHooks:
     the process, other models' included, leaves torch's hook-free fast path (measured in the
     README, "Training set-ups"). :meth:`detach` removes exactly this attachment's entries;
     a ``GradHooks`` garbage-collected while attached is detached then, with a
-    :class:`~gradhooks.errors.NotDetachedWarning` (a ``ResourceWarning``, as for an unclosed
+    :class:`~gradhooks.base.errors.NotDetachedWarning` (a ``ResourceWarning``, as for an unclosed
     file). With nothing attached, the dictionaries are as they were.
     """
 
     def __init__(self, model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
                  check=True, strict: bool = False, allow_batchnorm_train: bool = False,
                  forwards: str = "one", grad_scaler=None, differentiable: bool = False):
-        #: The :class:`~gradhooks.capture.Recorder`: hooks and records (read-only for users).
+        #: The :class:`~gradhooks.core.capture.Recorder`: hooks and records (read-only for users).
         self.recorder = Recorder(model, loss_reduction=loss_reduction, batch_first=batch_first,
                                  check=check, strict=strict,
                                  allow_batchnorm_train=allow_batchnorm_train, forwards=forwards,
@@ -106,7 +106,7 @@ class GradHooks:
         # facade; atexit off: a process that ends with an attachment removes everything.)
         weakref.finalize(self, _dropped, self.recorder).atexit = False
         #: The DP-SGD accumulator over micro-batches and its ``.grad`` watch
-        #: (:class:`~gradhooks.accumulation.Accumulation`).
+        #: (:class:`~gradhooks.readers.accumulation.Accumulation`).
         self.accumulation = Accumulation(self.recorder)
 
     @property
@@ -244,7 +244,7 @@ class GradHooks:
         """``(B,)`` L2 norms of the per-sample gradients over all trainable parameters (or
         ``{name: (B,)}`` with ``per_param=True``), by the Gram form where cheaper (Li et al.
         2022, arXiv:2110.05679, sec. 4); conventions and errors:
-        :func:`gradhooks.norms.per_sample_grad_norms`."""
+        :func:`gradhooks.readers.norms.per_sample_grad_norms`."""
         return per_sample_grad_norms(self.recorder.snapshot("per_sample_grad_norms()", result=True),
                                      per_param=per_param)
 
@@ -259,7 +259,7 @@ class GradHooks:
         (``groups``: group-wise clipping, ``(B, K)`` norms). ``accumulate=True``: a micro-batch
         of a larger logical batch; its clipped sum is added to :attr:`accumulation` (no noise,
         no division, ``param.grad`` set to ``None``) for :meth:`finish_step`. Arguments and
-        errors: :func:`gradhooks.clipping.clip_and_accumulate`, :mod:`gradhooks.accumulation`."""
+        errors: :func:`gradhooks.readers.clipping.clip_and_accumulate`, :mod:`gradhooks.readers.accumulation`."""
         materialize = method == "materialize"  # (it reads the per-sample gradients)
         batch = self.recorder.snapshot(
             "per_sample_grads()" if materialize else "clip_and_accumulate()", result=True,
@@ -277,7 +277,7 @@ class GradHooks:
         the clipped sum plus noise, keeping memory close to plain training; returns the ``(B,)``
         norms. ``accumulate=True``: add the clipped sum to :attr:`accumulation` instead, as
         :meth:`clip_and_accumulate`. Arguments and errors:
-        :func:`gradhooks.clipping.clipped_backward`."""
+        :func:`gradhooks.readers.clipping.clipped_backward`."""
         return clipped_backward(self.recorder, losses, max_norm,
                                 noise_multiplier=noise_multiplier, generator=generator,
                                 accumulate=accumulate, accumulation=self.accumulation)
@@ -289,7 +289,7 @@ class GradHooks:
         (``accumulate=True``): write ``param.grad = (sum of the clipped per-sample gradients +
         sigma C z) / D``, the noise drawn once, ``D`` the logical batch size (``"mean"``), 1
         (``"sum"``) or ``expected_batch_size`` (Poisson sampling, as Opacus); returns the
-        number of samples. Arguments and errors: :func:`gradhooks.clipping.finish_step`."""
+        number of samples. Arguments and errors: :func:`gradhooks.readers.clipping.finish_step`."""
         return finish_step(self.recorder, self.accumulation, noise_multiplier=noise_multiplier,
                            expected_batch_size=expected_batch_size, generator=generator)
 
@@ -303,7 +303,7 @@ class GradHooks:
         and ``{module: DiagonalFactors}`` (the exact diagonal of the block) for every other
         layer. Arguments, keys, conventions (Martens & Grosse 2015; Grosse & Martens 2016;
         Eschenhagen et al. 2023; Martens, Ba & Johnson 2018) and errors:
-        :func:`gradhooks.kfac.kfac_factors`."""
+        :func:`gradhooks.readers.kfac.kfac_factors`."""
         return kfac_factors(self.recorder.snapshot("kfac_factors()", sum_check=False),
                             kfac_approx, backward_passes=backward_passes,
                             modules=modules, max_dense=max_dense, all_reduce=all_reduce,
@@ -315,7 +315,7 @@ class GradHooks:
         the eigenvectors ``Q_A`` ``(I', I')``, ``Q_G`` ``(O, O)`` of the KFAC factors and the
         per-sample second moments ``(O, I')`` in that eigenbasis, never forming per-sample
         gradients in the parameters' basis; conventions and errors:
-        :func:`gradhooks.ekfac.ekfac_factors`."""
+        :func:`gradhooks.readers.ekfac.ekfac_factors`."""
         return ekfac_factors(self.recorder.snapshot("ekfac_factors()", sum_check=False),
                              modules=modules)
 
@@ -325,7 +325,7 @@ class GradHooks:
         current batch alone (``model(*inputs[n:n+1])``, ``loss_fn`` of it) and compare with their
         rows of :meth:`per_sample_grads`; raises :class:`~gradhooks.GradientMismatchError` when
         the loss or the model mixes samples (which the sum check cannot see). Arguments:
-        :func:`gradhooks.spotcheck.check_samples`."""
+        :func:`gradhooks.readers.spotcheck.check_samples`."""
         check_samples(self.recorder, loss_fn, inputs, targets, samples=samples,
                       generator=generator)
 
@@ -336,7 +336,7 @@ class GradHooks:
         the forward that made ``output`` and one backward pass per coordinate of ``S``, which
         this call runs (call it before any backward pass of that forward); differentiable with
         ``create_graph=True`` (attach with ``differentiable=True``). Conventions and errors:
-        :func:`gradhooks.jacobians.per_sample_jacobians`."""
+        :func:`gradhooks.readers.jacobians.per_sample_jacobians`."""
         return per_sample_jacobians(self.recorder, output, flat=flat, create_graph=create_graph)
 
     def ggn_sqrt(self, output: Tensor, loss_fn: nn.Module, *, mc_samples: int = 0,
@@ -345,7 +345,7 @@ class GradHooks:
         ``SqrtGGNExact``; ``SqrtGGNMC`` with ``mc_samples`` sampled labels) of
         ``loss_fn(output, y)``, from the forward that made ``output`` (call before any backward
         pass of it; it runs ``C`` or ``M``). Conventions and errors:
-        :func:`gradhooks.ggn.ggn_sqrt`."""
+        :func:`gradhooks.readers.ggn.ggn_sqrt`."""
         return ggn_sqrt(self.recorder, output, loss_fn, mc_samples=mc_samples,
                         generator=generator)
 
@@ -354,7 +354,7 @@ class GradHooks:
                  ) -> Dict[str, Tensor]:
         """The GGN's diagonal ``{name: (*param.shape)}`` (per sample: ``(B, *param.shape)``,
         the samples' shares) without the ``(C, B, *shape)`` square root; calling rules and
-        conventions: :func:`gradhooks.ggn.ggn_diag`."""
+        conventions: :func:`gradhooks.readers.ggn.ggn_diag`."""
         return ggn_diag(self.recorder, output, loss_fn, per_sample=per_sample,
                         mc_samples=mc_samples, generator=generator)
 
@@ -362,14 +362,14 @@ class GradHooks:
                            vector: Mapping[str, Tensor], *, mc_samples: int = 0,
                            generator: Optional[torch.Generator] = None) -> Dict[str, Tensor]:
         """``GGN v`` for ``vector`` ``{name: param-shaped tensor}``; calling rules and
-        conventions: :func:`gradhooks.ggn.ggn_vector_product`."""
+        conventions: :func:`gradhooks.readers.ggn.ggn_vector_product`."""
         return ggn_vector_product(self.recorder, output, loss_fn, vector, mc_samples=mc_samples,
                                   generator=generator)
 
     def empirical_fisher_diag(self) -> Dict[str, Tensor]:
         """Diagonal of the empirical Fisher of the loss as reduced, ``w sum_n (grad l_n)^2``
         ``{name: (*param.shape)}``, after the loss's backward pass, with no per-sample tensor
-        for Linear-like layers without weight sharing: :func:`gradhooks.ggn.empirical_fisher_diag`."""
+        for Linear-like layers without weight sharing: :func:`gradhooks.readers.ggn.empirical_fisher_diag`."""
         return empirical_fisher_diag(self.recorder.snapshot("empirical_fisher_diag()",
                                                             sum_check=False))
 
@@ -377,20 +377,20 @@ class GradHooks:
         """This batch's per-sample loss gradients in factored form (the layers' ``a`` and ``g``,
         per-sample tensors only for layers without a linear form), after its backward pass:
         keep them to form :meth:`gram` against a later batch. See
-        :func:`gradhooks.gram.gradient_features`."""
+        :func:`gradhooks.readers.gram.gradient_features`."""
         return gradient_features(self.recorder.snapshot("gradient_features()", sum_check=False))
 
     def jacobian_features(self, output: Tensor) -> GradientFeatures:
         """The per-sample Jacobians of ``output`` ``(B, C)`` in factored form (``C`` backward
         passes, run by this call before any other backward of the forward): keep them for
-        :meth:`ntk` against a later batch. See :func:`gradhooks.gram.jacobian_features`."""
+        :meth:`ntk` against a later batch. See :func:`gradhooks.readers.gram.jacobian_features`."""
         return jacobian_features(self.recorder, output)
 
     def gram(self, other: Optional[GradientFeatures] = None) -> Tensor:
         """The Gram matrix ``<grad l_n, grad l_m>`` of this batch's per-sample loss gradients,
         ``(B, B)``, or ``(B, B2)`` against ``other`` (:meth:`gradient_features` of another
         batch), without forming them (Gram form per layer). Conventions:
-        :func:`gradhooks.gram.gram`."""
+        :func:`gradhooks.readers.gram.gram`."""
         return gram(gradient_features(self.recorder.snapshot("gradient_features()",
                                                           sum_check=False)), other)
 
@@ -398,27 +398,27 @@ class GradHooks:
         """The empirical NTK ``K[n, m, c, d] = <d f_c(x_n), d f_d(x_m)>`` ``(B, B, C, C)`` of
         ``output`` ``(B, C)`` (or ``(B, B2, C, C)`` against ``other``,
         :meth:`jacobian_features` of another batch), without the ``(B, C, P)`` Jacobian; runs
-        ``C`` backward passes. Conventions: :func:`gradhooks.gram.gram`."""
+        ``C`` backward passes. Conventions: :func:`gradhooks.readers.gram.gram`."""
         return gram(jacobian_features(self.recorder, output), other)
 
     def projected_grads(self, k_in: int = 16, k_out: int = 16, seed: int = 0) -> Tensor:
         """``(B, K)`` per-sample loss gradients under fixed random projections of each layer's
         ``a`` and ``g`` applied before the outer product (LoGra, arXiv:2405.13954), never
         forming ``(B, P)``; reproducible from ``seed``. See
-        :func:`gradhooks.projections.projected_grads`."""
+        :func:`gradhooks.readers.projections.projected_grads`."""
         return projected_grads(self.recorder.snapshot("gradient_features()", sum_check=False),
                                k_in, k_out, seed)
 
     def sum_grad_squared(self) -> Dict[str, Tensor]:
         """Diagonal of the empirical Fisher ``{name: (*param.shape)}``, ``sum_n g_n**2`` of the
         per-sample gradients (BackPACK's SumGradSquared); scaling convention and errors:
-        :func:`gradhooks.statistics.sum_grad_squared`."""
+        :func:`gradhooks.readers.statistics.sum_grad_squared`."""
         return sum_grad_squared(self.recorder.snapshot("per_sample_grads()", release=True,
                                                        result=True))
 
     def variance(self) -> Dict[str, Tensor]:
         """Per-parameter gradient variance over the batch ``{name: (*param.shape)}`` (``1/B``
-        normalisation, BackPACK's Variance); see :func:`gradhooks.statistics.variance`."""
+        normalisation, BackPACK's Variance); see :func:`gradhooks.readers.statistics.variance`."""
         return variance(self.recorder.snapshot("per_sample_grads()", release=True, result=True))
 
 
@@ -466,7 +466,7 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
         grad_scaler: the ``torch.amp.GradScaler`` that scales the loss
             (``scaler.scale(loss).backward()``): per-sample results, norms and KFAC factors
             are those of the unscaled loss, and clipping writes ``.grad`` at the scaler's scale
-            for ``scaler.step(optimizer)`` (:func:`gradhooks.clipping.clip_and_accumulate`).
+            for ``scaler.step(optimizer)`` (:func:`gradhooks.readers.clipping.clip_and_accumulate`).
         differentiable: the records keep the autograd graphs of the layer inputs and of the
             grad_outputs of a ``backward(create_graph=True)``, so that
             :meth:`GradHooks.per_sample_grads` after such a backward and
@@ -474,7 +474,7 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
             that can be differentiated w.r.t. the parameters and the inputs (a per-sample
             gradient or Jacobian penalty; ASDL's Jacobians cannot). Layers whose rules have a
             differentiable path: Linear, transformers' ``Conv1D``, Conv, Embedding, the affine
-            norm layers (:attr:`~gradhooks.registry.LayerRule.differentiable`); a read that
+            norm layers (:attr:`~gradhooks.base.registry.LayerRule.differentiable`); a read that
             needs another raises :class:`UnsupportedModuleError`. A loss that itself contains
             derivatives through the hooked layers is then not refused by the higher-order
             check (the sum check still runs). Default ``False``: records are detached.

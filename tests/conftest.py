@@ -110,7 +110,7 @@ def grad_totals(request, monkeypatch):
     GradTotal.SUMMARISE elements), or reduced to probes and a projection at once (larger ones;
     forced here for every parameter)."""
     if request.param == "summarised":
-        from gradhooks.checks import GradTotal
+        from gradhooks.core.checks import GradTotal
         monkeypatch.setattr(GradTotal, "SUMMARISE", 1)
     return request.param
 
@@ -133,7 +133,7 @@ def _one_thread():
 @pytest.fixture(autouse=True)
 def _no_leaked_provenance():
     """Every test leaves torch's function-mode stack as it found it: gradhooks' provenance mode
-    (gradhooks.provenance) lives only inside an attached model's forward."""
+    (gradhooks.core.provenance) lives only inside an attached model's forward."""
     yield
     leaked = torch._C._len_torch_function_stack()
     while torch._C._len_torch_function_stack():

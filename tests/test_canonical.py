@@ -1,4 +1,4 @@
-"""The records -> canonical ``(a, g)`` adapter (:mod:`gradhooks.canonical`), tested directly on
+"""The records -> canonical ``(a, g)`` adapter (:mod:`gradhooks.readers.canonical`), tested directly on
 tensors (no hooks, no model): the per-sample gradients contracted from its output,
 ``einsum('ngsi,ngso->ngoi')`` and ``g.sum(2)``, must equal a loop of autograd over the samples,
 for Linear (2-D, 3-D with the batch first or second) and Conv (unfolded patches, groups), in
@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from gradhooks.canonical import (augmented, canonical, canonical_call, canonical_sizes, grad_sum,
+from gradhooks.readers.canonical import (augmented, canonical, canonical_call, canonical_sizes, grad_sum,
                                  identity_form, scaled, summed)
-from gradhooks.passes import PassCall
-from gradhooks.records import Layer
-from gradhooks.registry import find_rule
+from gradhooks.readers.passes import PassCall
+from gradhooks.core.records import Layer
+from gradhooks.base.registry import find_rule
 
 TOL = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-5)}
 

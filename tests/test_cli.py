@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from gradhooks import cli, workloads
+from gradhooks.tools import cli, workloads
 
 METHODS = ["plain batch gradient", "gradhooks", "torch.func vmap(grad)", "looped autograd"]
 PER_SAMPLE = {"gradhooks", "torch.func vmap(grad)"}

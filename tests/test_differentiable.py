@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
-from gradhooks.errors import UnsupportedModuleError
+from gradhooks.base.errors import UnsupportedModuleError
 
 
 class Tokens(nn.Module):

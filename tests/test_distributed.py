@@ -1,4 +1,4 @@
-"""gradhooks.distributed on its own: which ranks a model combines over, the global divisor, the
+"""gradhooks.readers.distributed on its own: which ranks a model combines over, the global divisor, the
 sum of per-rank tensors by placement (DDP all-reduce, FSDP2 reduce-scatter), the noise drawn
 once, and KFAC's all-reduce. One process with no group, a gloo group of one process, and two
 gloo processes on CPU (tests/two_process.py). The readers' results under DDP / FSDP2 are
@@ -12,7 +12,7 @@ from torch.distributed.fsdp import fully_shard
 
 import two_process
 from gradhooks import GradHooksError
-from gradhooks.distributed import Ranks, is_sharded, ranks_of, ranks_of_group
+from gradhooks.readers.distributed import Ranks, is_sharded, ranks_of, ranks_of_group
 
 
 def summand(rank, shape):

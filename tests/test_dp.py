@@ -1,4 +1,4 @@
-"""Per-sample gradient norms and DP-SGD clipping (gradhooks.norms, gradhooks.clipping) against looped autograd."""
+"""Per-sample gradient norms and DP-SGD clipping (gradhooks.readers.norms, gradhooks.readers.clipping) against looped autograd."""
 import pathlib
 import re
 import subprocess
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import gradhooks
-from gradhooks import clipping, ghost_sums, norms, plan
+from gradhooks.readers import clipping, ghost_sums, norms, plan
 from conftest import RTOL, loop_grads, weighted_square_loss
 
 FALLBACK_OK = pytest.mark.filterwarnings("ignore::gradhooks.FallbackWarning")
@@ -273,7 +273,7 @@ def test_norms_and_clipping_follow_the_structure_of_each_batch(dtype, grad_total
                 model.repeats = repeats
                 x = torch.randn(batch, *shape, dtype=dtype)
                 w = torch.rand(batch, dtype=dtype) + 0.5
-                with gradhooks.utils.paused():
+                with gradhooks.base.utils.paused():
                     ref = loop_grads(model, loss_fn, x, w)
                 loss_fn(model(x), w).backward()
                 _assert_close(gh.per_sample_grad_norms(), _ref_norms(ref), dtype,
@@ -359,7 +359,7 @@ def test_lstm_gate_gradient_gram_is_formed_once(monkeypatch, dtype):
 def test_gram_form_forms_no_per_sample_tensor(monkeypatch):
     """Linear without bias on (B, in): norms and ghost clipping never call a rule."""
     model = nn.Sequential(nn.Linear(30, 20, bias=False), nn.Tanh(), nn.Linear(20, 10, bias=False))
-    for module in (plan, ghost_sums):  # (clipping's weighted sums: gradhooks.ghost_sums)
+    for module in (plan, ghost_sums):  # (clipping's weighted sums: gradhooks.readers.ghost_sums)
         monkeypatch.setattr(module, "call_grads", lambda *a, **k: pytest.fail("materialised"))
     with gradhooks.attach(model) as gh:
         weighted_square_loss()(model(torch.randn(8, 30)), torch.ones(8)).backward()

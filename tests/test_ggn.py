@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import gradhooks
-from gradhooks.ggn import sqrt_cotangents
-from gradhooks.losses import LossModel
+from gradhooks.readers.ggn import sqrt_cotangents
+from gradhooks.readers.losses import LossModel
 
 from test_jacobians import TinyLM, Tied, _cnn, loop_jacobians
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import gradhooks
-from gradhooks.errors import GradHooksError
+from gradhooks.base.errors import GradHooksError
 
 from test_ggn import MODELS, close
 from test_jacobians import TinyLM, loop_jacobians
@@ -35,7 +35,7 @@ def _loss(case):
 def form(request, monkeypatch):
     """Each layer's block by the cost model, or forced into the Gram form / the per-sample
     matrices (both exact: every layer kind is checked in both)."""
-    import gradhooks.gram as gram_mod
+    import gradhooks.readers.gram as gram_mod
     if request.param != "by_cost":
         monkeypatch.setattr(gram_mod, "gram_form_cheaper",
                             lambda *a, forced=request.param == "gram_form": forced)

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import gradhooks
-from gradhooks.errors import BatchSizeError, GradHooksError, RecordsReleasedError
+from gradhooks.base.errors import BatchSizeError, GradHooksError, RecordsReleasedError
 
 RTOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 

@@ -1,4 +1,4 @@
-"""Kink decisions (gradhooks.kinks) and the two references of compare(), on forwards built to
+"""Kink decisions (gradhooks.tools.kinks) and the two references of compare(), on forwards built to
 decide differently for a batch and for one sample on every CPU (no reliance on rounding)."""
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
-from gradhooks.kinks import KinkRecorder, first_kink_difference
+from gradhooks.tools.kinks import KinkRecorder, first_kink_difference
 
 F64 = torch.float64
 

@@ -28,7 +28,7 @@ import sklearn.datasets as sklearn  # noqa: E402
 from laplace import Laplace  # noqa: E402
 from laplace.curvature import AsdlEF, AsdlGGN, CurvlinopsEF, CurvlinopsGGN  # noqa: E402
 
-from gradhooks.laplace_backend import GradHooksEF, GradHooksGGN  # noqa: E402
+from gradhooks.integrations.laplace_backend import GradHooksEF, GradHooksGGN  # noqa: E402
 
 
 def _digits(n_train=48, n_test=16):

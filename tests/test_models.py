@@ -11,7 +11,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 import gradhooks
 from conftest import assert_close_to_loop
-from gradhooks.workloads import CharLSTM
+from gradhooks.tools.workloads import CharLSTM
 
 
 class BiGRUClassifier(nn.Module):

@@ -10,7 +10,7 @@ from torch.nn.utils import parametrizations, parametrize
 
 import gradhooks
 from conftest import check_against_loop
-from gradhooks.errors import FallbackWarning
+from gradhooks.base.errors import FallbackWarning
 from gradhooks.rules.parametrize import ParametrizedRule
 
 

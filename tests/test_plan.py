@@ -1,15 +1,15 @@
-"""The norm plan (:mod:`gradhooks.plan`): the kind chosen per parameter, the templates kept per
-call structure (the recorder's :class:`~gradhooks.records.Memo`), and :func:`~gradhooks.plan.squared_norms`
+"""The norm plan (:mod:`gradhooks.readers.plan`): the kind chosen per parameter, the templates kept per
+call structure (the recorder's :class:`~gradhooks.core.records.Memo`), and :func:`~gradhooks.readers.plan.squared_norms`
 against a loop of autograd, in float64."""
 import pytest
 import torch
 from torch import nn
 
 import gradhooks
-from gradhooks import plan as plan_mod
-from gradhooks.plan import (CLOSED, FORMS, GENERIC, GRAM, ROWS, Forms, plan, squared_norms,
+from gradhooks.readers import plan as plan_mod
+from gradhooks.readers.plan import (CLOSED, FORMS, GENERIC, GRAM, ROWS, Forms, plan, squared_norms,
                             use_gram)
-from gradhooks.records import Memo
+from gradhooks.core.records import Memo
 from conftest import loop_grads, weighted_square_loss
 
 

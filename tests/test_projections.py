@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import gradhooks
-from gradhooks.projections import projection
+from gradhooks.readers.projections import projection
 
 from test_ggn import MODELS, close
 from test_gram import CASES, _loss

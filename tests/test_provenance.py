@@ -1,4 +1,4 @@
-"""Shared calls decided by where tensors came from (gradhooks.provenance), never by their sizes:
+"""Shared calls decided by where tensors came from (gradhooks.core.provenance), never by their sizes:
 layers called on inputs that are the same for every sample (a learned query, a (T, T) bias made
 from sizes, an initial state made from the batch size), whose outputs meet the batch by
 broadcasting or row by row, against a loop in float64 and float32, at batch sizes 0, 1, several
@@ -334,7 +334,7 @@ def test_sequence_first_shared_calls_match_loop(batch, length, batch_first, dtyp
                 assert {n: g.shape for n, g in ours.items()} == {
                     n: (0, *p.shape) for n, p in model.named_parameters()}
                 continue
-            with gradhooks.utils.paused():
+            with gradhooks.base.utils.paused():
                 ref = loop_grads(model, F.cross_entropy, x, y, batch_dim=0 if batch_first else 1)
             assert_close_to_loop(ours, ref, dtype)
             norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
@@ -372,7 +372,7 @@ def test_batch_dim_followed_through_ops_as_the_meta_replay_finds_it(i):
     """The batch dim's fast rules (transpose, matmul, reductions, indexing ...) agree with the
     replay on meta tensors whose batch dim has a size no other dim has, with every dim of the
     real tensors of equal size (T == B == heads)."""
-    from gradhooks.batch_dims import _on_meta, batch_dim_after
+    from gradhooks.core.batch_dims import _on_meta, batch_dim_after
     x, w = torch.randn(2, 2, 4), torch.randn(4, 4)
     func, args, kwargs = _ops(x, w)[i]
     ref = next(a for a in args if isinstance(a, torch.Tensor)) if func not in (torch.cat, torch.stack) else x
@@ -391,7 +391,7 @@ def test_batch_dim_kept_by_views_that_keep_the_dims_before_it(shape, bd, out_sha
     """A view / reshape keeps the batch dim where the product of the dims before it is kept and
     the next dim has its size; merged with the dims after it, it is kept as (dim, inner) (the
     samples the outer factor); merged with a dim before it, it is lost."""
-    from gradhooks.provenance import batch_dim_after
+    from gradhooks.core.provenance import batch_dim_after
     x = torch.zeros(shape)
     out = x.reshape(out_shape)
     assert batch_dim_after(torch.Tensor.reshape, (x, *out_shape), {}, x, bd, [(x, bd)], out) == expected
@@ -410,7 +410,7 @@ def test_sequence_first_state_from_sizes_is_planned_and_exact(batch, dtype):
             F.cross_entropy(model(x), y, reduction="sum").backward()
             ours = gh.per_sample_grads()
             if batch:
-                with gradhooks.utils.paused():
+                with gradhooks.base.utils.paused():
                     ref = loop_grads(model, F.cross_entropy, x, y, batch_dim=1)
                 assert_close_to_loop(ours, ref, dtype)
             else:
@@ -481,7 +481,7 @@ def test_batch_merged_with_heads_is_followed_back_to_its_own_dim():
     """Attention code that runs bmm over samples x heads: (B, H, T, d) -> (B*H, T, d) ->
     transpose -> (T, B*H, d) -> view (T, B, H*d); with B == T == H the sizes cannot tell, the
     flat layout can."""
-    from gradhooks.provenance import batch_dim_after
+    from gradhooks.core.provenance import batch_dim_after
     x = torch.zeros(3, 3, 3, 5)
     steps = [(torch.Tensor.reshape, lambda t: (t, 9, 3, 5)), (torch.Tensor.transpose, lambda t: (t, 0, 1)),
              (torch.Tensor.contiguous, lambda t: (t,)), (torch.Tensor.view, lambda t: (t, 3, 3, 15))]
@@ -500,7 +500,7 @@ def test_provenance_follows_the_batch_dim_not_the_sizes():
     """Directly on a Provenance (no model, no hooks): with T == B the batch dim after a transpose
     is the one the data flow moved it to, a (B * T, D) view merges it with the positions, and a
     tensor not computed from the batch is not batched whatever its sizes."""
-    from gradhooks.provenance import Provenance
+    from gradhooks.core.provenance import Provenance
 
     b = t = 4
     x = torch.randn(b, t, 3)

@@ -320,7 +320,7 @@ def test_last_layer_output_is_recorded_not_replayed(kind, layers, packed, monkey
                                                      loss_reduction, dtype):
     """The last layer's states come from the recorded output: torch's kernel replays only the
     layers below it; the results stay exact."""
-    from gradhooks.rules import recurrent
+    from gradhooks.rules import recurrent_replay as recurrent
 
     replays = []
     replay = recurrent._layer_output
@@ -345,7 +345,7 @@ def test_last_layer_output_is_recorded_not_replayed(kind, layers, packed, monkey
 def test_output_modified_in_place_is_replayed(kind, monkeypatch, loss_reduction, dtype):
     """An output modified in place after the forward is not used (its version changed): the
     rule replays the last layer too, and the results stay exact."""
-    from gradhooks.rules import recurrent
+    from gradhooks.rules import recurrent_replay as recurrent
 
     replays = []
     replay = recurrent._layer_output

@@ -100,7 +100,7 @@ def test_compare_flags_a_mismatch():
         report = gradhooks.compare(model, nn.MSELoss(), torch.randn(4, 3, dtype=F64),
                                    torch.randn(4, 2, dtype=F64))
     finally:
-        gradhooks.registry._RULES.pop(MyLinear)
+        gradhooks.base.registry._RULES.pop(MyLinear)
     assert not report.ok and "MISMATCH" in str(report)
     assert report.params[1].name == "bias" and report.params[1].max_rel_error > 1e-3
 
@@ -117,7 +117,7 @@ def test_compare_tutorial_cnn_random_inputs_float32():
     """Issue 14: the tutorial CNN, seed 0, random inputs, B=64, float32. gradhooks equals
     autograd through the same batched forward; where the (float64) loop differs by more than
     rounding, the report names the kink whose decision differs (a near-tie in max_pool2d)."""
-    from gradhooks.workloads import DigitsCNN
+    from gradhooks.tools.workloads import DigitsCNN
 
     torch.manual_seed(0)
     model = DigitsCNN()
@@ -140,7 +140,7 @@ class SplitKernelsCNN(nn.Module):
 
     def __init__(self):
         super().__init__()
-        from gradhooks.workloads import DigitsCNN
+        from gradhooks.tools.workloads import DigitsCNN
         self.net = DigitsCNN()
 
     def forward(self, x):
@@ -155,7 +155,7 @@ def test_compare_is_cpu_independent_on_tied_digits():
     Where those kernels round differently (every CPU seen so far: the float32 loop then takes
     other subgradients, 1e-3 apart, the failure of issue 14), the max-pool after conv2 is named.
     Deterministic flips, independent of rounding, are tested in test_kinks.py."""
-    from gradhooks.workloads import load_digits_batch
+    from gradhooks.tools.workloads import load_digits_batch
 
     model = SplitKernelsCNN()
     x, y = load_digits_batch(torch.float32, batch=16)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
-from gradhooks._pool import BufferPool
+from gradhooks.base._pool import BufferPool
 from conftest import assert_close_to_loop, check_against_loop, loop_grads, weighted_square_loss
 
 F64 = torch.float64
@@ -524,7 +524,7 @@ def test_structure_walk_matches_torch_pytree():
     from hypothesis import given, settings
     from torch.utils._pytree import tree_flatten
 
-    from gradhooks import utils
+    from gradhooks.base import utils
 
     @settings(max_examples=300, deadline=None)
     @given(_structures())

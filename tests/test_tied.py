@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 
 import gradhooks
-import gradhooks.plan as plan
-from gradhooks.errors import GradientMismatchError
+import gradhooks.readers.plan as plan
+from gradhooks.base.errors import GradientMismatchError
 from conftest import RTOL, loop_grads
 
 V, D, T = 13, 6, 5
@@ -140,7 +140,7 @@ def test_tied_check_refuses_a_use_outside_the_modules():
 def test_tied_cross_term_uneven_rows_per_sample():
     """``tied_cross`` with entries not grouped by sample and uneven counts (padding dropped
     some) against the dense inner product."""
-    from gradhooks.forms import Rows
+    from gradhooks.base.forms import Rows
     gen = torch.Generator().manual_seed(3)
     n, s, e = 3, 4, 7
     sample = torch.tensor([2, 0, 2, 1, 0, 2, 2])

@@ -3,7 +3,7 @@
 clipping in float64 against looped autograd (1e-10 relative to the largest entry).
 
 Default position ids, T5's relative-position buckets and BART's positions are shared calls,
-decided by provenance (gradhooks/provenance.py); ViT's and ConvNeXt's raw parameters are priced at
+decided by provenance (gradhooks/core/provenance.py); ViT's and ConvNeXt's raw parameters are priced at
 their own ops; Swin's parent reads its child Linears' weights with F.linear, and the parent's
 torch.func replay covers them.
 Needs the ``zoo`` extra (also in ``test``): a missing library fails the test.
@@ -226,7 +226,7 @@ def tv_swin(m):
 
 # Modules with parameters but no rule (their class names), per model; every other module with
 # parameters must have a rule. The raw parameters of containers are priced at their own ops
-# (gradhooks.provenance), the others replayed by the torch.func fallback.
+# (gradhooks.core.provenance), the others replayed by the torch.func fallback.
 FALLBACK = {
     "timm-vit-tiny-layerscale": {"VisionTransformer"},  # cls_token, pos_embed
     "timm-convnext-atto": {"ConvNeXtBlock"},  # gamma, applied by the block itself
@@ -341,7 +341,7 @@ def test_zoo_model_matches_loop(name, build):
 def test_zoo_length_equal_to_batch(name):
     """T == B: position ids (1, T) or (B, T) made from sizes, and T5's (T, T) relative-position
     buckets, have the batch size on their first dim by coincidence; gradhooks follows where
-    they came from (gradhooks.provenance), so they stay shared calls and the per-sample
+    they came from (gradhooks.core.provenance), so they stay shared calls and the per-sample
     gradients and norms equal the loop's (a size read as the batch dim would give the
     per-query-position split instead, with the same sum). Two batches of one signature: the
     first is tracked, the second follows its plan (BERT, GPT-2: positions handed to the

@@ -1,4 +1,8 @@
 """Built-in layer rules, one module per layer family; importing this package registers them
-(``known``: other libraries' layers by name; ``parametrize``: ``torch.nn.utils.parametrize``)."""
+(``known``: other libraries' layers by name; ``parametrize``: ``torch.nn.utils.parametrize``).
+
+A rule says how one call's records become per-sample gradients and canonical forms, nothing
+more (``linear.py`` is the template). May import: ``gradhooks.base`` and this folder.
+"""
 from . import attention, conv, conv_transpose, embedding, linear, norm, recurrent, scale  # noqa: F401
 from . import known, parametrize  # noqa: F401  (recognisers; after the rules they name)

@@ -56,8 +56,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import BatchSizeError, UnsupportedCallError
-from ..registry import Block, Call, LayerRule, register_rule
+from ..base.errors import BatchSizeError, UnsupportedCallError
+from ..base.registry import Block, Call, LayerRule, register_rule
 
 __all__ = ["MultiheadAttentionRule"]
 

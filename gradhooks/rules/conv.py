@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..forms import weight_grad
-from ..errors import BatchSizeError
-from ..registry import LayerRule, register_rule
+from ..base.errors import BatchSizeError
+from ..base.forms import weight_grad
+from ..base.registry import LayerRule, register_rule
 
 
 def padding_pairs(module: nn.Module) -> List[Tuple[int, int]]:

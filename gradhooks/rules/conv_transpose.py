@@ -20,7 +20,7 @@ arXiv:1912.06015, sec. 3)::
 
     dL_n/dW[g, i, o, k] = sum_t x[n, g, i, t] U[n, g, o, k, t]        dL_n/db[g, o] = sum_p g[n, g, o, p]
 
--- the canonical form of :mod:`gradhooks.per_sample` with ``a = U`` ``(N, G, T, C_out/G * K)`` and
+-- the canonical form of :mod:`gradhooks.readers.per_sample` with ``a = U`` ``(N, G, T, C_out/G * K)`` and
 ``g = x`` ``(N, G, T, C_in/G)``. ``output_padding`` (and ``output_size`` given to the forward)
 only adds output rows; it is read back from the output's shape, so both work.
 
@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..forms import weight_grad
-from ..registry import LayerRule, register_rule
+from ..base.forms import weight_grad
+from ..base.registry import LayerRule, register_rule
 from .conv import ConvRule, choose_method, unfold, weight_backward
 
 __all__ = ["ConvTransposeRule", "output_padding", "transposed_patches"]
@@ -106,7 +106,7 @@ def transposed_patches(module: nn.Module, x: Tensor, y_shape) -> Tensor:
     ``a[n, g, p, (i, k)] = x[n, g, i, t]`` where ``p = s t - q + d k`` (zero where no input
     position ``t`` maps there), so that ``y[n, g, :, p] = W[g] a[n, g, p] + b[g]`` with ``W[g]``
     the ``(C_out/G, C_in/G * K)`` matrix ``weight.view(G, C_in/G, C_out/G, K)`` transposed in
-    its two middle dims (:attr:`~gradhooks.registry.LayerRule.kfac_transposed`). Computed as one
+    its two middle dims (:attr:`~gradhooks.base.registry.LayerRule.kfac_transposed`). Computed as one
     depthwise transposed convolution of ``x`` whose weight is the identity over the ``K`` kernel
     offsets (groups ``C_in``, ``K`` output channels per input channel): ``O(N C_in K P)``.
 

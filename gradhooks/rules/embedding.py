@@ -30,7 +30,7 @@ step).
 
 Not per-sample: ``scale_grad_by_freq=True`` divides each row's batch gradient by the row's
 frequency in the whole batch, which is not the sum of the samples' own gradients (each would
-divide by its own frequency); such calls raise :class:`~gradhooks.errors.UnsupportedCallError`.
+divide by its own frequency); such calls raise :class:`~gradhooks.base.errors.UnsupportedCallError`.
 ``sparse=True`` is supported: the per-sample results are dense ``(B, V, D)`` either way.
 
 Both rules are ``multi_io`` (they receive the recorded call itself): the integer indices are used
@@ -46,10 +46,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..utils import compute_dtype
-from ..errors import BatchSizeError, UnsupportedCallError
-from ..forms import OneHot
-from ..registry import Call, LayerRule, Rows, register_rule
+from ..base.errors import BatchSizeError, UnsupportedCallError
+from ..base.forms import OneHot
+from ..base.registry import Call, LayerRule, Rows, register_rule
+from ..base.utils import compute_dtype
 
 __all__ = ["EmbeddingRule", "EmbeddingBagRule", "scatter_rows"]
 
@@ -128,7 +128,7 @@ class EmbeddingRule(LayerRule):
 
     def rows(self, module: nn.Module, a: Call, g: Tensor, batch_first: bool,
              names: Iterable[str]) -> Dict[str, Rows]:
-        """The per-sample gradient as row scatters (:class:`~gradhooks.forms.Rows`): one
+        """The per-sample gradient as row scatters (:class:`~gradhooks.base.forms.Rows`): one
         entry per index ``x[n, s]`` except those equal to ``padding_idx`` (whose row gets no
         gradient), ``values`` the matching rows of ``g`` (at least float32)."""
         idx = _first_input(a)
@@ -149,7 +149,7 @@ class EmbeddingRule(LayerRule):
                   ) -> Tuple[Optional[OneHot], Tensor]:
         """Kronecker-factored form: the lookup is a Linear layer without bias on one-hot inputs,
         ``y[n, s] = weight^T onehot(x[n, s])``, with the positions ``s`` as shared positions:
-        ``a`` a :class:`~gradhooks.forms.OneHot` ``(N, 1, S)`` of ``V`` (``-1`` at
+        ``a`` a :class:`~gradhooks.base.forms.OneHot` ``(N, 1, S)`` of ``V`` (``-1`` at
         ``padding_idx``: that row gets no gradient, as if its input were zero), ``g``
         ``(N, 1, S, D)`` (at least float32)."""
         if self._batch_dim(g, batch_first) == 1:

@@ -20,9 +20,9 @@ Assumptions (documented in the README):
 * Every input and output tensor that carries the batch has it on the batch dim (dim 0, or dim 1
   for inputs of 3 or more dims with ``batch_first=False``) with size ``B``; other tensor inputs
   are broadcast to every sample. An output reached by the backward without such a batch dim
-  raises :class:`~gradhooks.errors.BatchSizeError`.
+  raises :class:`~gradhooks.base.errors.BatchSizeError`.
 * The forward is deterministic (no dropout in training mode): ``torch.func.vmap`` refuses random
-  operations, which is reported as :class:`~gradhooks.errors.UnsupportedCallError`.
+  operations, which is reported as :class:`~gradhooks.base.errors.UnsupportedCallError`.
 * Only the module's own (direct) parameters are differentiated; its submodules are replayed with
   their parameters held fixed and get their per-sample gradients from their own rules.
 
@@ -39,9 +39,9 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..errors import BatchSizeError, FallbackWarning, UnsupportedCallError
-from ..registry import Call, LayerRule
-from ..utils import paused
+from ..base.errors import BatchSizeError, FallbackWarning, UnsupportedCallError
+from ..base.registry import Call, LayerRule
+from ..base.utils import paused
 
 __all__ = ["FallbackRule", "FALLBACK", "note_container"]
 
@@ -53,7 +53,7 @@ def _batch_dim(t: Tensor, batch_first: bool) -> int:
 class FallbackRule(LayerRule):
     """Any module: per-sample vjp of the module's own parameters with ``torch.func.vmap``.
 
-    ``a`` is the recorded :class:`~gradhooks.forms.Call`; ``g`` the output structure with the
+    ``a`` is the recorded :class:`~gradhooks.base.forms.Call`; ``g`` the output structure with the
     grad_output of each output tensor (``(B, ...)`` on the batch dim). Returns
     ``{name: (B, *param.shape)}`` for each of the module's own trainable parameters.
     """
@@ -75,7 +75,7 @@ class FallbackRule(LayerRule):
     def per_sample_grads(self, module: nn.Module, a: Call, g, batch_first: bool,
                          names: Iterable[str]) -> Dict[str, Tensor]:
         names = tuple(names)
-        if a.shared == "param":  # a raw parameter's own cotangents (gradhooks.provenance)
+        if a.shared == "param":  # a raw parameter's own cotangents (gradhooks.core.provenance)
             return {names[0]: g}
         _warn_container(module, names)
         in_leaves, in_spec = tree_flatten((a.args, a.kwargs))
@@ -147,10 +147,10 @@ def note_container(module: nn.Module, path: str) -> None:
 
 
 def _warn_container(module: nn.Module, names: tuple) -> None:
-    """A :class:`~gradhooks.errors.FallbackWarning` the first time a module with children is
-    replayed for its own (raw) parameters: :func:`~gradhooks.records.find_layers` names leaf
+    """A :class:`~gradhooks.base.errors.FallbackWarning` the first time a module with children is
+    replayed for its own (raw) parameters: :func:`~gradhooks.core.records.find_layers` names leaf
     modules at ``attach``, but a container's raw parameters are usually taken at their own ops
-    (:mod:`gradhooks.provenance`), so only a replay that really runs is reported."""
+    (:mod:`gradhooks.core.provenance`), so only a replay that really runs is reported."""
     names = [n for n in names if "." not in n]  # (children's weights read by the parent
     if not names or next(module.children(), None) is None or module in _WARNED:  # warned of)
         return

@@ -2,13 +2,13 @@
 
 gradhooks imports neither transformers nor timm nor torchvision, so it cannot register their
 classes by type. Instead :data:`KNOWN` maps a class *name* to the rules that may describe it,
-and :func:`recognise_known` (a recogniser, :func:`gradhooks.registry.register_recogniser`) checks,
+and :func:`recognise_known` (a recogniser, :func:`gradhooks.base.registry.register_recogniser`) checks,
 once per module at :func:`gradhooks.attach`, that the module really computes what the rule
 assumes: it runs the module's ``forward`` on a small random probe input (the rule's
 ``probe_input``; a fixed seed, the caller's random state untouched) and compares the output with
 the rule's own ``formula`` to a few units in the last place. The first rule that matches is used;
 if none does (a class that only shares the name, Gemma's ``(1 + weight)`` RMSNorm, an
-``inplace`` layer scale), a :class:`~gradhooks.errors.FallbackWarning` names the module and the
+``inplace`` layer scale), a :class:`~gradhooks.base.errors.FallbackWarning` names the module and the
 lookup goes on as for any other class (usually to the ``torch.func`` fallback, which is exact but
 costs a vmapped replay).
 
@@ -29,9 +29,9 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..errors import FallbackWarning
-from ..registry import LayerRule, find_type_rule, register_recogniser
-from ..utils import paused
+from ..base.errors import FallbackWarning
+from ..base.registry import LayerRule, find_type_rule, register_recogniser
+from ..base.utils import paused
 from .embedding import ScaledEmbeddingRule
 from .linear import TransposedLinearRule
 from .norm import BatchNormActRule, LayerNorm2dRule, RMSNormLikeRule
@@ -101,7 +101,7 @@ def probe_matches(module: nn.Module, rule: LayerRule) -> Tuple[bool, str]:
 def recognise_known(module: nn.Module, path: str) -> Optional[LayerRule]:
     """The first rule of :data:`KNOWN` / :data:`SUFFIXES` for ``type(module).__name__`` whose
     probe matches (:func:`probe_matches`), else ``None``, with a
-    :class:`~gradhooks.errors.FallbackWarning` if the name was known."""
+    :class:`~gradhooks.base.errors.FallbackWarning` if the name was known."""
     name = type(module).__name__
     rules = KNOWN.get(name)
     if rules is None:

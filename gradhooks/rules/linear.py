@@ -2,7 +2,7 @@
 
 Forward: ``y[n, s] = W a[n, s] + b`` for every position ``s`` of the extra dims. Per-sample
 gradients (Goodfellow 2015, arXiv:1510.01799, sec. 3): ``dL_n/dW = sum_s g[n,s] a[n,s]^T``,
-``dL_n/db = sum_s g[n,s]`` -- the canonical form of :mod:`gradhooks.forms` with ``G = 1``.
+``dL_n/db = sum_s g[n,s]`` -- the canonical form of :mod:`gradhooks.base.forms` with ``G = 1``.
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Dict, Iterable, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .._pool import new_empty
-from ..forms import bias_grad, weight_grad
-from ..errors import BatchSizeError
-from ..registry import LayerRule, register_rule
+from ..base._pool import new_empty
+from ..base.errors import BatchSizeError
+from ..base.forms import bias_grad, weight_grad
+from ..base.registry import LayerRule, register_rule
 
 
 def _batch_dim(x: Tensor, batch_first: bool) -> int:

@@ -33,7 +33,7 @@ layer; the variance is the biased one, ``correction=0``, everywhere)::
                   arXiv:1502.03167, alg. 2); training mode (or ``track_running_stats=False``) uses
                   the statistics of the whole batch (alg. 1), so sample ``n``'s output depends on
                   every other sample and per-sample gradients are not defined: refused at the
-                  forward with :class:`~gradhooks.errors.UnsupportedCallError` unless
+                  forward with :class:`~gradhooks.base.errors.UnsupportedCallError` unless
                   ``attach(model, allow_batchnorm_train=True)``, which returns each sample's
                   *contribution* ``sum_s g[n, s, c] x̂_batch[n, s, c]`` with the batch statistics
                   held fixed. The contributions sum to ``param.grad`` (the formula above is exact
@@ -43,13 +43,13 @@ layer; the variance is the biased one, ``correction=0``, everywhere)::
 Running statistics are read from the module when the results are computed: a layer whose running
 statistics change between the forward and :meth:`~gradhooks.GradHooks.per_sample_grads` (a
 no-grad forward in training mode in between) gets a different ``x̂``, which the sum check reports
-as :class:`~gradhooks.errors.GradientMismatchError`.
+as :class:`~gradhooks.base.errors.GradientMismatchError`.
 
 Batch dim: LayerNorm and RMSNorm follow ``batch_first`` like ``nn.Linear`` (``(T, B, ...,
 *normalized_shape)`` with ``batch_first=False``; an input with only one dim before
 ``normalized_shape`` is read as batch-first); the other layers always take the batch on dim 0 and
 the channels on dim 1 (torch's layout). Under autocast the inputs reach the rules promoted to
-float32 (:func:`gradhooks.per_sample.call_grads`), so ``x̂`` is computed in float32.
+float32 (:func:`gradhooks.readers.per_sample.call_grads`), so ``x̂`` is computed in float32.
 """
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import BatchSizeError, UnsupportedCallError
-from ..registry import LayerRule, register_rule
+from ..base.errors import BatchSizeError, UnsupportedCallError
+from ..base.registry import LayerRule, register_rule
 
 __all__ = ["LayerNormRule", "RMSNormRule", "GroupNormRule", "InstanceNormRule", "BatchNormRule"]
 

@@ -25,7 +25,7 @@ forward, so call the read before the next forward).
 The recogniser registered here claims every parametrized module whose original class has a
 rule; its parameters are the rule's own ones that are not parametrized plus the originals,
 named relative to the module (``"parametrizations.weight.original0"``), so
-:func:`gradhooks.records.find_layers` does not hook the ``ParametrizationList`` itself.
+:func:`gradhooks.core.records.find_layers` does not hook the ``ParametrizationList`` itself.
 """
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.nn.utils import parametrize as _parametrize
 
-from ..registry import LayerRule, find_type_rule, register_recogniser
-from ..utils import paused
+from ..base.registry import LayerRule, find_type_rule, register_recogniser
+from ..base.utils import paused
 
 __all__ = ["ParametrizedRule"]
 

@@ -20,8 +20,8 @@ from typing import Dict, Iterable, Optional
 import torch
 from torch import Tensor, nn
 
-from ..errors import BatchSizeError
-from ..registry import LayerRule
+from ..base.errors import BatchSizeError
+from ..base.registry import LayerRule
 
 __all__ = ["ScaleRule"]
 

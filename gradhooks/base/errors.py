@@ -1,0 +1,109 @@
+"""Every error and warning class gradhooks raises on purpose.
+
+All errors derive from :class:`GradHooksError` (a ``RuntimeError``); several also derive from the
+built-in class a caller would catch for that kind of mistake (``TypeError``, ``ValueError``).
+Messages name the module (its path in the model and its type) and say what to do.
+"""
+from __future__ import annotations
+
+__all__ = [
+    "GradHooksError",
+    "UnsupportedModuleError",
+    "BatchSizeError",
+    "UnsupportedCallError",
+    "HigherOrderGradError",
+    "NoBackwardError",
+    "RecordsReleasedError",
+    "GradientMismatchError",
+    "UnsupportedLossError",
+    "FallbackWarning",
+    "NotDetachedWarning",
+]
+
+
+class GradHooksError(RuntimeError):
+    """Base class of every error gradhooks raises on purpose."""
+
+
+class UnsupportedModuleError(GradHooksError, TypeError):
+    """A module owns trainable parameters that no rule can give per-sample gradients for.
+
+    Raised by :func:`gradhooks.attach`; the message names the module's path in the model, its
+    type, and the supported types.
+    """
+
+
+class UnsupportedCallError(GradHooksError, ValueError):
+    """A supported module was called in a way whose per-sample gradients are not defined.
+
+    Raised at the forward, naming the module: ``BatchNorm`` in training mode (batch statistics
+    mix the samples), a recurrent layer with inter-layer dropout in training mode (the dropout
+    masks cannot be replayed). The message says what to do instead.
+    """
+
+
+class HigherOrderGradError(GradHooksError):
+    """A backward pass ran with ``create_graph=True`` through a hooked layer.
+
+    The loss then contains derivatives (a gradient penalty, a Laplacian built with
+    ``torch.autograd.grad(..., create_graph=True)``), and the parameter gradient has terms that
+    grad_output-based rules do not see; per-sample results are refused rather than wrong.
+    """
+
+
+class BatchSizeError(GradHooksError, ValueError):
+    """A layer's input has no batch dimension, or layers of one forward disagree on its size."""
+
+
+class NoBackwardError(GradHooksError):
+    """Per-sample results were asked for before any backward pass reached a hooked layer."""
+
+
+class RecordsReleasedError(NoBackwardError):
+    """A read needs the activations and grad_outputs of the batch, but
+    :meth:`~gradhooks.GradHooks.per_sample_grads` released them (its default, as
+    ``loss.backward()`` frees the graph), or a backward pass reached the hooked layers after it
+    did. The message says what to do: read what needs them first, or pass
+    ``retain_records=True``."""
+
+
+class GradientMismatchError(GradHooksError):
+    """The per-sample gradients do not sum to the gradient autograd computed for a parameter.
+
+    This happens when a parameter also receives gradient outside the module that owns it (for
+    instance used functionally, ``x @ layer.weight.T``), or when the captured input was modified
+    in place after the forward. The result would be wrong, so it is refused.
+    """
+
+
+class AccumulationError(GradHooksError):
+    """A DP-SGD gradient accumulated over several backward passes would be dropped, counted
+    twice or released without its noise.
+
+    Raised by :meth:`~gradhooks.GradHooks.clip_and_accumulate`,
+    :meth:`~gradhooks.GradHooks.clipped_backward` and :meth:`~gradhooks.GradHooks.finish_step`
+    (:mod:`gradhooks.readers.accumulation`): ``param.grad`` still holds the gradient of an earlier
+    batch's ``loss.backward()`` that no clip read (clipping would overwrite it); a plain clip
+    while micro-batches are accumulated (call it with ``accumulate=True``, then
+    ``finish_step()``); a micro-batch clipped into the accumulation twice; ``finish_step()``
+    with nothing accumulated, or after a backward pass that was not clipped into it. The message
+    says which and what to do.
+    """
+
+
+class FallbackWarning(UserWarning):
+    """Issued once per :func:`gradhooks.attach`, listing the modules the torch.func fallback covers."""
+
+
+class NotDetachedWarning(ResourceWarning):
+    """A :class:`~gradhooks.GradHooks` was garbage-collected while still attached (never
+    :meth:`~gradhooks.GradHooks.detach`-ed, nor used as a context manager): its hooks are
+    removed then, as :meth:`~gradhooks.GradHooks.detach` would, and this warning says so, as an
+    unclosed file's does. A ``ResourceWarning``: hidden by Python's default filters, shown under
+    ``python -X dev``, ``-W default`` and pytest."""
+
+
+class UnsupportedLossError(GradHooksError, TypeError):
+    """:func:`gradhooks.kfac` was given a loss it cannot form the Fisher of (not ``nn.CrossEntropyLoss``,
+    ``nn.MSELoss`` or ``nn.BCEWithLogitsLoss``; an option that changes the loss's curvature or
+    reduction; or a model output of the wrong shape for the loss)."""

@@ -1,0 +1,203 @@
+"""The model's side of a recorder: which modules and parameters are hooked, kept in step with
+the model, and undone on detach.
+
+A :class:`~gradhooks.core.capture.Recorder` hooks no module itself (its global module hooks filter by
+module, :mod:`gradhooks.core.graph`); what it hooks is the map its :class:`Attachment` builds from
+the model as it is now: the hooked :class:`~gradhooks.core.records.Layer` objects, their parameters,
+each trainable parameter's gradient hook (the sum check's), and the process-wide registry of
+hooked modules that refuses a second recorder on the same layer. The map is rebuilt at the
+first forward after the model changed (a submodule or parameter replaced, a frozen parameter no
+layer covers unfrozen, a layer demoted to its parent's replay).
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from typing import Dict, List, Optional
+
+from torch import Tensor, nn
+
+from ..base.errors import FallbackWarning
+from ..rules.fallback import FALLBACK, FallbackRule
+from .records import Layer, find_layers, plain_state
+
+__all__ = ["Attachment", "is_hooked", "hooker"]
+
+# Modules currently hooked by a live recorder (to refuse a second attach to the same layer),
+# each to a weak reference to it: a strong one would keep the recorder, its model and so the key
+# alive for the rest of the process.
+_HOOKED: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+_MISSING = object()
+
+
+def hooker(module: nn.Module):
+    """The live recorder that hooks ``module``, or ``None``."""
+    ref = _HOOKED.get(module)
+    return None if ref is None else ref()
+
+
+def is_hooked(model: nn.Module) -> bool:
+    """Whether any module of ``model`` is hooked by a live recorder."""
+    return any(hooker(m) is not None for m in model.modules())
+
+
+def _param_grad(recorder: "weakref.ref", pid: int, grad: Tensor) -> None:
+    # A parameter's gradient hook (Attachment.watch): holds its recorder weakly, as the global
+    # hooks do, so that the model does not keep a dropped recorder alive.
+    live = recorder()
+    return None if live is None else live.backward_pass.on_param_grad(pid, grad)
+
+
+class Attachment:
+    """The hooked modules and parameters of one recorder, built from its model.
+
+    It keeps the recorder's layer maps (``recorder.layers``, ``names``, ``order``, ``params``
+    and the hooks' ``_layer_of``) up to date; ``recorder`` is the
+    :class:`~gradhooks.core.capture.Recorder` (duck-typed: this module sits below it).
+
+    Attributes:
+        params: ``{id(param): param}`` of the hooked parameters (the recorder's ``params``: the
+            same dict, kept in place).
+        param_handles: the parameters' gradient-hook handles (the recorder's global hooks remove
+            them too if the recorder is collected while attached).
+        raw_params: ``{id(param): (layer, name)}``: the raw parameters of containers on the
+            fallback (ViT's class token, a block's layer scale), whose replay would run the
+            children again; under provenance each is a source of its own, priced at its own
+            ops (:meth:`gradhooks.core.placement.Placement.param_source`). A leaf module keeps its
+            replay, which costs one call and checks per sample what the module computes.
+        changed: what changed in the model since the last :meth:`sync` (a message), or
+            ``None``.
+    """
+
+    def __init__(self, recorder):
+        self._recorder = recorder
+        self.params: Dict[int, nn.Parameter] = {}
+        self.param_handles: list = []
+        self.raw_params: Dict[int, tuple] = {}
+        self.changed: Optional[str] = None
+        self._hooks_were_none: List[nn.Parameter] = []  # params whose _backward_hooks we created
+        self._saved_grad_sample: Dict[int, object] = {}  # a user's own grad_sample, restored
+        self._watched: set = set()  # ids of params with a gradient hook (sum check)
+        self._module_ids: set = set()  # ids of the model's modules (registration hooks)
+        self._unhooked: List[nn.Parameter] = []  # frozen parameters no layer covers
+        self._demoted: set = set()  # paths of layers their parent reads functionally
+        self._resync = False  # a demotion: rebuild the maps at the next forward
+
+    def needs_sync(self) -> bool:
+        """Whether the model changed since :meth:`sync` (a submodule or parameter set, a layer
+        demoted, a frozen parameter no layer covers made trainable): asked at each forward."""
+        return (self.changed is not None or self._resync
+                or any(p.requires_grad for p in self._unhooked))
+
+    def sync(self) -> None:
+        """(Re)build what is hooked from the model as it is now: at attach, and at the first
+        forward after the model changed.
+
+        Raises:
+            UnsupportedModuleError: (from :func:`~gradhooks.core.records.find_layers`) for a module
+                no rule handles under ``strict``, or one another live recorder hooks.
+        """
+        self.unsync()
+        recorder = self._recorder
+        model = recorder.model
+        recorder.names = {id(p): name for name, p in model.named_parameters()}
+        recorder.order = {pid: i for i, pid in enumerate(recorder.names)}  # results in this order
+        layers = recorder.layers = find_layers(
+            model, recorder.strict, lambda m: hooker(m) not in (None, recorder), self._demoted)
+        recorder._layer_of = {id(layer.module): layer for layer in layers}
+        self.raw_params = {id(p): (layer, name) for layer in layers
+                           if isinstance(layer.rule, FallbackRule)
+                           and next(layer.module.children(), None) is not None
+                           for name, p in layer.params.items()}
+        self._module_ids = {id(m) for m in model.modules()}
+        for layer in layers:
+            _HOOKED[layer.module] = weakref.ref(recorder)
+            for p in layer.params.values():
+                if id(p) in self.params:
+                    continue  # tied: one hook per parameter
+                self.params[id(p)] = p
+                if recorder.check and p.requires_grad:
+                    self.watch(p)  # also catches a module whose forward never runs
+                value = p.__dict__.get("grad_sample", _MISSING)
+                if value is not _MISSING:
+                    self._saved_grad_sample[id(p)] = value
+                p.__getstate__ = functools.partial(plain_state, p)  # (see plain_state)
+        self._unhooked = [p for p in model.parameters() if id(p) not in self.params]
+        self.changed = None
+        self._resync = False
+
+    def unsync(self) -> None:
+        """Undo what :meth:`sync` did to the parameters (gradient hooks, ``grad_sample``,
+        ``__getstate__``) and the hooked-module registry."""
+        for h in self.param_handles:
+            h.remove()
+        self.param_handles.clear()
+        for p in self._hooks_were_none:
+            if not p._backward_hooks:
+                p._backward_hooks = None
+        self._hooks_were_none.clear()
+        self._watched.clear()
+        for pid, p in self.params.items():
+            if pid in self._saved_grad_sample:
+                p.grad_sample = self._saved_grad_sample[pid]
+            else:
+                p.__dict__.pop("grad_sample", None)
+            p.__dict__.pop("__getstate__", None)
+        self._saved_grad_sample.clear()
+        self.params.clear()
+        for layer in self._recorder.layers:
+            if hooker(layer.module) is self._recorder:
+                del _HOOKED[layer.module]
+
+    def on_registration(self, module: nn.Module, name: str, value) -> None:
+        """A parameter or submodule ``value`` is set on some ``module`` (a global hook): if it
+        is one of the model's, the maps are stale (:attr:`changed`)."""
+        if id(module) in self._module_ids and self.changed is None:
+            self.changed = f"{type(value).__name__} {name!r} set on {type(module).__name__}"
+
+    def watch(self, p: nn.Parameter) -> None:
+        """Register the sum check's gradient hook on ``p`` (once), at the first forward in
+        which it is trainable (torch refuses hooks on tensors that do not require grad)."""
+        if id(p) in self._watched:
+            return
+        self._watched.add(id(p))
+        if p._backward_hooks is None:
+            self._hooks_were_none.append(p)
+        self.param_handles.append(p.register_hook(functools.partial(
+            _param_grad, weakref.ref(self._recorder), id(p))))
+
+    def demote(self, layer: Layer) -> None:
+        """A hooked layer's parameter is read outside its forward (torchvision's Swin:
+        ``F.linear(x, self.qkv.weight)`` in the parent): from this forward on, its parent's
+        ``torch.func`` replay covers it (:func:`~gradhooks.core.records.find_layers`' ``demoted``);
+        the parent's forward hook, still to come in this forward, records it. Warns with a
+        :class:`FallbackWarning`."""
+        recorder = self._recorder
+        layer_of = recorder._layer_of
+        if (layer_of.get(id(layer.module)) is not layer or not layer.path
+                or isinstance(layer.rule, FallbackRule)):
+            return None
+        self._demoted.add(layer.path)
+        self._resync = True  # (the next forward rebuilds every layer map with the demotion)
+        parent_path = layer.path.rpartition(".")[0]
+        parent = recorder.model.get_submodule(parent_path)
+        old = layer_of.get(id(parent))
+        params = dict(old.params) if old is not None else {}
+        rel = layer.path[len(parent_path) + 1:] if parent_path else layer.path
+        params.update((f"{rel}.{n}", p) for n, p in layer.params.items())
+        new = Layer(parent_path, parent, FALLBACK, params)
+        recorder.layers = [new if x is old else x for x in recorder.layers if x is not layer]
+        if old is None:
+            recorder.layers.append(new)
+        del layer_of[id(layer.module)]
+        layer_of[id(parent)] = new
+        _HOOKED.pop(layer.module, None)
+        _HOOKED[parent] = weakref.ref(recorder)
+        warnings.warn(
+            f"module {layer.describe()} has its parameters read outside its forward (by its "
+            f"parent {new.describe()}, e.g. F.linear(x, self.{rel}.weight)); gradhooks covers "
+            f"them with the torch.func fallback's replay of the parent", FallbackWarning,
+            stacklevel=2)
+        return None

@@ -1,0 +1,208 @@
+"""What the backward pass delivers to a recorder: grad_outputs, a rule's internal gradients and
+autograd's parameter gradients; and :meth:`BackwardPass.drive`, the backward pass of
+:meth:`gradhooks.GradHooks.backward`, which asks autograd for the hooked layers' output gradients
+instead of the parameters'.
+
+Every hook here runs once per recorded call per backward pass, and writes into the recorder's
+batch state (its records, the released / stale flags, the sum check's totals).
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+import torch
+from torch import Tensor
+
+from ..base import utils
+from ..base.errors import GradHooksError
+from .checks import GradTotal
+from .graph import walk
+from .placement import relayout
+from .records import Record
+
+__all__ = ["BackwardPass"]
+
+
+class BackwardPass:
+    """The backward side of one recorder (``recorder``: the
+    :class:`~gradhooks.core.capture.Recorder`, whose batch state it fills).
+
+    Attributes:
+        captured: inside :meth:`drive`'s output-edges pass, the ``(id(record), leaf)`` whose
+            grad_outputs arrive as the pass's return values (their hooks skip them).
+        listener: told of every hook call while :meth:`drive`'s pass runs (two-pass
+            clipping), or ``None``.
+    """
+
+    def __init__(self, recorder):
+        self._recorder = recorder
+        self.captured: frozenset = frozenset()
+        self.listener = None
+
+    def on_grad_output(self, record: Record, leaf: Optional[int], grads: tuple,
+                       nr: int) -> None:
+        """Pre-hook on the autograd node of a recorded output: ``grads[nr]`` is the gradient
+        w.r.t. the output tensor (leaf ``leaf`` for ``multi_io`` rules)
+        (:func:`gradhooks.core.graph.on_grad`). Returns ``None`` (the gradient flows on unchanged)."""
+        grad = grads[nr]
+        recorder = self._recorder
+        if (utils.PAUSED or grad is None or recorder._muted or not recorder._attached
+                or (id(record), leaf) in self.captured):
+            return None
+        self.receive(record, leaf, grad)
+        return None
+
+    def receive(self, record: Record, leaf: Optional[int], grad: Tensor) -> None:
+        """Add a grad_output ``grad`` of ``record`` (of output leaf ``leaf`` for ``multi_io``
+        rules) to the batch: relaid out where the placement moved the record's batch dim, summed
+        over the meetings of a shared call within one pass.
+
+        Raises:
+            GradHooksError: if the record belongs to an earlier batch (a graph built before it).
+        """
+        if not record.names:  # (a replay whose raw parameters came from provenance)
+            return
+        recorder = self._recorder
+        if record.step != recorder._step:
+            raise GradHooksError(
+                f"a backward pass reached module {record.layer.describe()} through a graph built "
+                f"before the current batch started (an earlier forward, or one with another batch "
+                f"size); per-sample results are per batch: run the backward passes of a forward "
+                f"before the next forward, and give one loss only outputs of one batch"
+            )
+        if recorder._released:  # nothing to add the grad_output to: reads now raise
+            recorder._stale = recorder._stale or record.layer.describe()
+            recorder._backward_seen = True
+            recorder._drop_result()
+            return
+        if record.swap is not None and leaf is None:  # (T == B, (B * T, D) rows: placement)
+            grad = relayout(grad, record.swap)
+        differentiable = recorder.differentiable
+        if grad.requires_grad and recorder._higher_order is None and not differentiable:
+            recorder._higher_order = record.layer.describe()
+        if not record.hits:  # the first grad_output this call receives
+            recorder._records.append(record)
+        if grad.dtype in (torch.bfloat16, torch.float16):
+            record.low = grad.dtype
+        if not differentiable:  # (else a create_graph pass's graph stays: differentiable reads)
+            grad = grad.detach()
+        if record.shared is not None and leaf is None:
+            # A shared call's parts arrive once per place it meets the batch: one grad_output
+            # per backward pass is their sum.
+            task = torch._C._current_graph_task_id()
+            if record.grads and record.task == task:
+                record.grads[-1] = record.grads[-1] + grad
+                return
+            record.task = task
+        record.hits += 1
+        if leaf is None:
+            record.grads.append(grad)
+        else:
+            prev = record.grads[leaf]
+            record.grads[leaf] = grad if prev is None else prev + grad
+        recorder._backward_seen = True
+        if recorder._result is not None:
+            recorder._drop_result()
+        if self.listener is not None:
+            self.listener.hit(record)
+
+    def on_internal(self, record: Record, saved: dict, grad_inputs: tuple,
+                    grad_outputs: tuple) -> None:
+        """Post-hook on a node a rule asked for (:meth:`LayerRule.internal`): sums its input
+        gradients into ``saved["grad_inputs"]`` over the backward passes."""
+        recorder = self._recorder
+        if utils.PAUSED or recorder._muted or recorder._released or not recorder._attached:
+            return None
+        prev = saved.get("grad_inputs")
+        new = tuple(None if t is None else t.detach() for t in grad_inputs)
+        if prev is not None:
+            new = tuple(b if a is None else a if b is None else a + b for a, b in zip(prev, new))
+        saved["grad_inputs"] = new
+        if self.listener is not None:
+            self.listener.hit(record)
+        return None
+
+    def on_param_grad(self, pid: int, grad: Tensor) -> None:
+        """A watched parameter's gradient (:meth:`gradhooks.core.attachment.Attachment.watch`):
+        added to the batch's totals for the sum check, except in a placement's pull-back."""
+        recorder = self._recorder
+        if (utils.PAUSED or recorder._muted or not recorder._attached
+                or recorder.placement.pulling):
+            return None
+        total = recorder.totals.get(pid)
+        if total is None:
+            recorder.totals[pid] = GradTotal(grad)
+        else:
+            total.add(grad)
+        recorder._param_passes[pid] = recorder._param_passes.get(pid, 0) + 1
+        recorder._backward_seen = True  # (also when no hook ran: the next forward starts anew)
+        return None
+
+    def drive(self, loss: Tensor, gradient: Optional[Tensor], retain_graph: bool,
+              listen: Optional[Callable[[list, Dict[int, int]], object]] = None,
+              create_graph: bool = False) -> bool:
+        """The backward pass of :meth:`gradhooks.GradHooks.backward` (see its docstring): asks
+        autograd for the hooked layers' output gradients (``GradientEdge`` inputs) instead of the
+        parameters', except where the sum check is due (:meth:`SumCheck.edges_allowed`).
+
+        Args:
+            loss, gradient, retain_graph, create_graph: as for ``torch.autograd.grad``.
+            listen: ``listen(records, events)``, called before an output-edges pass with the
+                records below ``loss`` and the hook calls each will get; returns an object whose
+                ``hit(record)`` is called on each of those calls during the pass (two-pass
+                clipping forms norms as a layer's gradients come in). Not called where a shared
+                call's output or a raw parameter met the batch in the forward (their parts come
+                from hooks on the meeting operands, which the events do not count): the pass
+                still asks for the output edges, and the reader takes the records at its end.
+
+        Returns:
+            Whether the pass asked for the output edges (else for the parameters, whose
+            gradients go to the sum check of the next read).
+
+        Raises:
+            GradHooksError: if the pass must compute parameter gradients and none is trainable.
+        """
+        recorder = self._recorder
+        walked = walk(loss.grad_fn, recorder)
+        if walked is None:
+            raise GradHooksError(
+                "GradHooks.backward(loss) cannot reach the layers inside a reentrant "
+                "torch.utils.checkpoint (use_reentrant=True): their backward runs only within "
+                "loss.backward(), which torch.autograd.grad does not call into. Use "
+                "loss.backward() (exact, per-sample results as usual), or "
+                "checkpoint(..., use_reentrant=False)")
+        records, captures, events = walked
+        key = tuple((id(c.layer), c.names) for c in records)
+        # (two-pass clipping counts each record's hook calls from the tags: not those of the
+        # meetings of shared calls, whose parts come from hooks on the meeting operands)
+        edges_mode = (recorder.sum_check.edges_allowed(key) and recorder._edges_complete
+                      and bool(records) and walked is not None)
+        if recorder.placement.met:
+            listen = None
+        recorder._driven = True
+        if edges_mode:
+            recorder._sum_check = "skip"  # this batch's parameter gradients are incomplete
+            self.captured = {(id(record), leaf) for _, record, leaf in captures}
+            self.listener = None if listen is None else listen(records, events)
+            try:
+                grads = torch.autograd.grad(loss, [e for e, _, _ in captures], gradient,
+                                            retain_graph=retain_graph, allow_unused=True,
+                                            create_graph=create_graph)
+                for (_, record, leaf), grad in zip(captures, grads):
+                    if grad is not None and leaf != -1:
+                        self.receive(record, leaf, grad)
+            finally:
+                self.captured = frozenset()
+                self.listener = None
+        else:
+            params = [p for p in recorder.params.values() if p.requires_grad]
+            if not params:
+                raise GradHooksError(
+                    "GradHooks.backward: no hooked parameter requires grad; nothing to record")
+            torch.autograd.grad(loss, params, gradient, retain_graph=retain_graph,
+                                allow_unused=True, create_graph=create_graph)  # (gradient hooks
+            # hand them to the sum check)
+            if recorder.check and recorder._sum_check != "skip":
+                recorder._sum_check = "due"
+                recorder._drive_key = key if recorder._edges_complete else None
+        return edges_mode

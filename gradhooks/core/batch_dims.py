@@ -1,0 +1,340 @@
+"""Where the batch dim goes through an op: :func:`batch_dim_after`, and the tables of torch ops
+that :mod:`gradhooks.core.provenance` sorts by how they treat the batch.
+
+Provenance tags every batched tensor of a tracked forward with its batch dim, so that where a
+shared tensor meets the batch the dim it lines up with is known from the data flow, never read
+off a size (a ``(T, 1, D)`` position table added to a ``(T, B, D)`` activation with ``T == B``
+is a broadcast over dim 1, not rows of dim 0). The common ops are followed by rule (elementwise
+ops keep it right-aligned, a transpose moves it, a view keeps it where the dims before it keep
+their product, a merge with the dims after it gives ``(dim, inner)``: ``(B * T, D)`` rows); any
+other op is replayed on ``meta`` tensors whose batch dims have a size no other dim has (cached
+per shapes). Where the batch dim cannot be followed it is ``None`` (lost) and the declared
+layout stands in.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["batch_dim_after", "ROW_ALIGNED", "METADATA", "JOINS", "MATMULS", "RECURRENT"]
+
+
+def _functions(names, owners) -> frozenset:
+    found = set()
+    for owner in owners:
+        for name in names:
+            f = getattr(owner, name, None)
+            if f is not None:
+                found.add(f)
+    return frozenset(found)
+
+
+_ELEMENTWISE = (
+    "add", "add_", "sub", "sub_", "subtract", "mul", "mul_", "multiply", "div", "div_", "divide",
+    "true_divide", "floor_divide", "remainder", "fmod", "pow", "pow_", "maximum", "minimum", "fmax",
+    "fmin", "where", "masked_fill", "masked_fill_", "addcmul", "addcdiv", "lerp", "atan2",
+    "hypot", "logaddexp", "copysign", "clamp", "clip",
+    "__add__", "__radd__", "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__", "__rmul__",
+    "__imul__", "__truediv__", "__rtruediv__", "__itruediv__", "__div__", "__rdiv__", "__idiv__",
+    "__pow__", "__rpow__", "__ipow__")
+_MATMUL = ("matmul", "bmm", "__matmul__", "__rmatmul__")
+_JOIN = ("cat", "concat", "concatenate", "stack")
+
+# torch's recurrent kernels: whole layers (states (layers * directions, B, H): batch dim 1) and
+# cells (states (B, H), lined up with the input (B, in))
+RECURRENT = _functions(("lstm", "gru", "rnn_tanh", "rnn_relu"), (torch._VF,))
+_CELLS = _functions(("lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell"), (torch._VF,))
+
+#: Ops whose operands line up on the batch dim by broadcasting (elementwise, batched matmul) or
+#: row by row (``cat`` / ``stack`` along another dim, a recurrent cell's state): where a source
+#: meets the batch in one of these, its per-sample cotangents are taken
+#: (:mod:`gradhooks.core.provenance`); and a recurrent layer's initial states, on their dim 1.
+ROW_ALIGNED = (_functions(_ELEMENTWISE + _MATMUL + _JOIN, (torch, torch.Tensor))
+               | {F.scaled_dot_product_attention} | _CELLS)
+#: ``cat`` / ``stack``: row-aligned only off the batch dim.
+JOINS = _functions(_JOIN, (torch,))
+#: ``matmul`` / ``bmm``: only the dims before the last two broadcast.
+MATMULS = _functions(_MATMUL, (torch, torch.Tensor))
+
+#: Reads of metadata, the most frequent calls: provenance passes them through untouched.
+METADATA = frozenset(
+    [getattr(torch.Tensor, n) for n in ("size", "dim", "numel", "stride", "is_contiguous",
+                                         "is_floating_point", "is_complex", "__len__", "data_ptr",
+                                         "element_size", "storage_offset", "get_device")]
+    + [getattr(torch.Tensor, n).__get__ for n in ("shape", "dtype", "device", "ndim",
+                                                  "requires_grad", "is_cuda", "grad_fn", "layout",
+                                                  "_version", "is_sparse", "is_meta", "grad")
+       if hasattr(getattr(torch.Tensor, n, None), "__get__")])
+
+
+# Ops whose output keeps the batched operand's dims, right-aligned (elementwise and unary ops,
+# norms over the last dims, casts): the batch dim follows without a replay.
+_SAME = _functions(_ELEMENTWISE + (
+    "relu", "relu_", "gelu", "gelu_", "silu", "silu_", "tanh", "tanh_", "sigmoid", "sigmoid_",
+    "softmax", "log_softmax", "softmin", "dropout", "dropout_", "alpha_dropout",
+    "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d", "layer_norm", "rms_norm",
+    "group_norm", "batch_norm", "instance_norm", "normalize", "exp", "exp_", "log", "log1p",
+    "sqrt", "rsqrt", "neg", "__neg__", "abs", "square", "reciprocal", "sign", "sin", "cos",
+    "erf", "softplus", "elu", "leaky_relu", "hardtanh", "hardswish", "hardsigmoid", "mish",
+    "celu", "selu", "threshold", "relu6", "prelu", "rrelu", "hardshrink", "softsign",
+    "tanhshrink", "logsigmoid", "logit", "tril", "triu", "cumsum", "flip", "roll",
+    "masked_fill", "nan_to_num", "clone", "contiguous", "to", "type", "float", "double", "half",
+    "bfloat16", "type_as", "detach", "requires_grad_"), (torch, torch.Tensor, F))
+_RESHAPE = _functions(("view", "reshape", "view_as", "reshape_as", "expand", "expand_as",
+                       "flatten", "unflatten", "broadcast_to"), (torch, torch.Tensor))
+_TRANSPOSE = _functions(("transpose", "transpose_", "swapaxes", "swapdims"), (torch, torch.Tensor))
+_PERMUTE = _functions(("permute",), (torch, torch.Tensor))
+_UNSQUEEZE = _functions(("unsqueeze", "unsqueeze_"), (torch, torch.Tensor))
+_REDUCE = _functions(("sum", "mean", "amax", "amin", "max", "min", "std", "var", "logsumexp",
+                      "norm", "prod", "any", "all", "argmax", "argmin"), (torch, torch.Tensor))
+
+_UNBIND = _functions(("unbind",), (torch, torch.Tensor))
+# ops returning pieces along a dim: the position of their dim argument
+_PIECES = {**{f: 1 for f in _UNBIND},
+           **{f: 2 for f in _functions(("chunk", "split", "tensor_split"), (torch, torch.Tensor))}}
+_GETITEM = torch.Tensor.__getitem__
+_SPATIAL = {f: k for k in (1, 2, 3) for f in _functions(
+    (f"conv{k}d", f"conv_transpose{k}d", f"max_pool{k}d", f"avg_pool{k}d",
+     f"adaptive_avg_pool{k}d", f"adaptive_max_pool{k}d"), (torch, F))}
+
+
+def batch_dim_after(func, args, kwargs, ref: Tensor, bd, batched, out):
+    """The batch dim of ``out = func(*args, **kwargs)``, followed from its batched operands
+    (``batched``: ``[(tensor, its batch dim)]``; ``ref`` the one of most dims, batch dim
+    ``bd``), or ``None`` where the op merges it with other dims or drops it. Elementwise ops
+    keep it right-aligned, transposes / permutes / unsqueezes move it, views and reshapes keep
+    it where the dims before it keep their product; any other op is replayed on ``meta``
+    tensors whose batch dims get a size no other dim has, and the batch dim is where that size
+    comes out (so a dim whose size happens to equal ``B`` is never taken for it). A list for a
+    tuple output.
+
+    A batch merged with the dims after it (``(B, H, T, d) -> (B * H, T, d)``, attention code
+    that runs ``bmm`` over samples and heads) is kept as ``(dim, inner)``: dim ``dim`` has size
+    ``B * inner`` with the samples as its outer factor; views split it back where the flat
+    layout allows (``(T, B * H, d) -> (T, B, H * d)``).
+    """
+    if bd is None:
+        return None
+    if isinstance(bd, tuple):  # a merged batch: its dim moves as a dim does
+        d, inner = bd
+        if args and args[0] is ref and func in _RESHAPE and isinstance(out, Tensor):
+            return _flat_batch(ref.shape, d, inner, out.shape)
+        if func in _SPATIAL:
+            return None
+        got = _dim_after(func, args, kwargs, ref, d, None, out)
+        if isinstance(got, list):
+            return [None if g is None else (g, inner) for g in got]
+        return None if got is None else (got, inner)
+    return _dim_after(func, args, kwargs, ref, bd, batched, out)
+
+
+def _dim_after(func, args, kwargs, ref: Tensor, bd: int, batched, out):
+    # batch_dim_after for a batch dim of its own (``batched`` None: no meta replay)
+    if func in _SAME:
+        if isinstance(out, Tensor) and out.dim() >= ref.dim():
+            return bd + out.dim() - ref.dim()
+    elif args and args[0] is ref and isinstance(out, Tensor):
+        nd = ref.dim()
+        if func in _TRANSPOSE:
+            d0, d1 = (a % nd for a in _args(args, kwargs, (("dim0", 1), ("dim1", 2))))
+            return d1 if bd == d0 else d0 if bd == d1 else bd
+        if func in _PERMUTE:
+            dims = kwargs.get("dims", args[1:] if len(args) > 2 or not isinstance(
+                args[1], (tuple, list)) else args[1])
+            return [d % nd for d in dims].index(bd)
+        if func in _UNSQUEEZE:
+            d = _args(args, kwargs, (("dim", 1),))[0] % (nd + 1)
+            return bd + (d <= bd)
+        if func in _RESHAPE:
+            return _flat_batch(ref.shape, bd, 1, out.shape)
+        if func is F.linear:
+            return bd if bd < nd - 1 else None
+        if func in MATMULS and nd >= 2:  # (ref on the left: its rows and batch dims stay)
+            if bd == nd - 1:
+                return None  # (contracted)
+            other = args[1] if len(args) > 1 else kwargs.get("other")
+            if bd == nd - 2:
+                return out.dim() - (2 if isinstance(other, Tensor) and other.dim() >= 2 else 1)
+            return bd + out.dim() - nd
+        if func is _GETITEM:
+            got = _index_dim(nd, bd, args[1])
+            if got is not False:
+                return got
+        if func in _SPATIAL:  # (convolutions and pools: the batch on dim 0 of a batched input)
+            return 0 if bd == 0 and out.dim() == nd and nd == _SPATIAL[func] + 2 else None
+        if func is F.pad:
+            pad = args[1] if len(args) > 1 else kwargs["pad"]
+            return bd if bd < nd - len(pad) // 2 or not any(pad[2 * (nd - 1 - bd):][:2]) else None
+        if func is F.embedding:  # (indices (*), output (*, D))
+            return bd
+        if func is F.scaled_dot_product_attention:  # (the query's layout)
+            return bd + out.dim() - nd if bd < nd - 1 else None
+        if func in _REDUCE:
+            dims = kwargs.get("dim", args[1] if len(args) > 1 else None)
+            if dims is None or not isinstance(dims, (int, tuple, list)):
+                return None
+            dims = {d % nd for d in ((dims,) if isinstance(dims, int) else dims)}
+            if bd in dims or not dims:
+                return None
+            keep = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+            return bd if keep else bd - sum(d < bd for d in dims)
+    if func in _PIECES and args and args[0] is ref and isinstance(out, (tuple, list)):
+        nd = ref.dim()
+        d = kwargs.get("dim", args[_PIECES[func]] if len(args) > _PIECES[func] else 0) % nd
+        one = None if d == bd else bd - (d < bd and func in _UNBIND)
+        return [one] * len(out)
+    if func in JOINS and isinstance(out, Tensor):  # (its other operands may be made from sizes)
+        d = _args(args, kwargs, (("dim", 1),))[0] if len(args) > 1 or "dim" in kwargs else 0
+        if out.dim() == ref.dim():  # cat
+            return bd if d % out.dim() != bd else None
+        return bd + (d % out.dim() <= bd)  # stack
+    if batched is None or not (isinstance(out, Tensor) or isinstance(out, (tuple, list)) and all(
+            isinstance(o, Tensor) for o in out)):
+        return None
+    return _on_meta(func, args, kwargs, batched, out)
+
+
+def _index_dim(nd: int, bd: int, index):
+    # The batch dim after basic indexing x[index] (ints, slices, None, ...): None if an int or a
+    # partial slice takes the batch dim; False for advanced indexing (left to the meta replay).
+    index = index if isinstance(index, tuple) else (index,)
+    if any(not (i is None or i is Ellipsis or isinstance(i, slice)
+                or (isinstance(i, int) and not isinstance(i, bool))) for i in index):
+        return False
+    named = sum(1 for i in index if i is not None and i is not Ellipsis)
+    src = dst = 0
+    for i in index:
+        if i is Ellipsis:
+            skip = nd - named
+            if src <= bd < src + skip:
+                return dst + bd - src
+            src, dst = src + skip, dst + skip
+        elif i is None:
+            dst += 1
+        elif src == bd:
+            return dst if i == slice(None) else None
+        else:
+            src, dst = src + 1, dst + (isinstance(i, slice))
+    return dst + bd - src
+
+
+def _args(args, kwargs, spec):
+    return [kwargs[name] if name in kwargs else args[pos] for name, pos in spec]
+
+
+def _flat_batch(shape, bd: int, inner: int, out_shape):
+    # Where a view of ``shape`` to ``out_shape`` puts the batch (dim ``bd`` of size ``B * inner``,
+    # samples outermost): the output dim whose flat layout holds the samples at the same
+    # stride with the same dims outside them, as an int (``inner == 1`` there) or
+    # ``(dim, inner)``; None if the view mixes the samples with other dims.
+    size = shape[bd]
+    if not size or size % inner:
+        return None
+    b = size // inner
+    before = math.prod(shape[:bd])
+    stride = inner * math.prod(shape[bd + 1:])
+    if before == 0 or stride == 0:
+        return None
+    acc = 1
+    for k, n in enumerate(out_shape):
+        if acc == before and n % b == 0 and (n // b) * math.prod(out_shape[k + 1:]) == stride:
+            return k if n == b else (k, n // b)
+        acc *= n
+        if acc > before:
+            return None
+    return None
+
+
+_REPLAYS: dict = {}  # (func, the operands' shapes, dtypes and batch dims, other args) -> result
+_MAX_REPLAYS = 4096
+
+
+def _replay_key(func, args, kwargs, dims):
+    # A hashable key of the op's signature, or None (an argument that is not hashable).
+    def one(a):
+        if isinstance(a, Tensor):
+            return (tuple(a.shape), a.dtype, dims.get(id(a), -1))
+        if type(a) in (list, tuple):
+            return tuple(one(t) for t in a)
+        return a
+    try:
+        key = (func, tuple(one(a) for a in args), tuple((k, one(v)) for k, v in kwargs.items()))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _on_meta(func, args, kwargs, batched, out):
+    dims = {id(t): bd for t, bd in batched}
+    if any(not isinstance(bd, int) for bd in dims.values()):
+        return None
+    if func in RECURRENT:  # (a replay on meta steps through time in Python: seconds)
+        return _recurrent_dims(func, args, dims, out)
+    if func in _CELLS:  # (h, c) of a (B, in) input
+        return ([0] * len(out) if not isinstance(out, Tensor) else 0) if dims.get(
+            id(args[0])) == 0 and args[0].dim() == 2 else None
+    key = _replay_key(func, args, kwargs, dims)
+    if key is not None and key in _REPLAYS:
+        return _REPLAYS[key]
+    got = _replay(func, args, kwargs, dims, out)
+    if key is not None:
+        if len(_REPLAYS) >= _MAX_REPLAYS:
+            _REPLAYS.clear()
+        _REPLAYS[key] = got
+    return got
+
+
+def _recurrent_dims(func, args, dims, out):
+    # _VF.lstm(input, hx, weights, bias, layers, dropout, train, bidirectional, batch_first):
+    # the output keeps the input's layout, the states are (layers * directions, B, H)
+    x = args[0]
+    if not isinstance(args[1], (tuple, list)) or len(args) < 9 or x.dim() != 3:
+        return None  # (a PackedSequence's data)
+    bd = dims.get(id(x))
+    if bd != (0 if args[8] else 1):  # (a merged batch is not an int: None)
+        return None
+    return [bd] + [1] * (len(out) - 1)
+
+
+def _replay(func, args, kwargs, dims, out):
+    # (far above every size, so that no dim the op makes from the others meets it)
+    unique = 10007 + 3 * max((n for t in _operands(args, kwargs) for n in t.shape), default=0)
+
+    def meta(t):
+        if not isinstance(t, Tensor):
+            return t
+        shape = list(t.shape)
+        if id(t) in dims:
+            shape[dims[id(t)]] = unique
+        return torch.empty(shape, dtype=t.dtype, device="meta")
+
+    def swap(a):
+        return meta(a) if isinstance(a, Tensor) else (
+            type(a)(meta(t) for t in a) if type(a) in (list, tuple) else a)
+
+    def find(o):
+        hits = [i for i, n in enumerate(o.shape) if n == unique] if isinstance(o, Tensor) else ()
+        return hits[0] if len(hits) == 1 else None
+
+    try:
+        with torch.no_grad():
+            got = func(*(swap(a) for a in args), **{k: swap(v) for k, v in kwargs.items()})
+    except Exception:  # (an op meta tensors do not run, or that reads values: unknown)
+        return None
+    if isinstance(out, Tensor):
+        return find(got)
+    return [find(o) for o in got] if isinstance(got, (tuple, list)) else None
+
+
+def _operands(args, kwargs):
+    # The tensor operands of an op: its tensor arguments and those in list / tuple arguments.
+    for group in (args, kwargs.values()):
+        for a in group:
+            if isinstance(a, Tensor):
+                yield a
+            elif type(a) in (list, tuple):
+                yield from (t for t in a if isinstance(t, Tensor))

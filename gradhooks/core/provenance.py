@@ -1,0 +1,358 @@
+"""Where a tensor came from: the batch, a shared call, or neither, decided by data flow.
+
+Per-sample gradients need to know which tensors carry the batch. gradhooks never reads that off
+a size (a ``(T, T)`` bucket matrix with ``T == B`` would look batched); it follows the data:
+while a model's forward runs, a :class:`Provenance` mode (a ``TorchFunctionMode``) tags every
+tensor an op computes from the model's top-level inputs as *batched*. A hooked layer whose output
+is not batched is a *shared call*: the same for every sample (position ids ``(1, T)`` or
+``(T,)``, relative-position buckets ``(T, T)``, a constant mask, a learned query), and its
+output is tagged as a *source*; tensors computed from sources but not from the batch carry their
+sources along.
+
+Batched tensors carry their *batch dim* too: dim 0 of the top-level inputs (with
+``batch_first=False``, dim 1 of those of 2 dims or more, torch's ``(T, B, ...)``), followed
+through each op by :func:`~gradhooks.core.batch_dims.batch_dim_after` (a transpose moves it, a view
+keeps it where the dims before it keep their product, any other op is replayed on ``meta``
+tensors whose batch dims have a size no other dim has). So where a shared tensor meets the
+batch, the dim it lines up with is known from the data flow, not read off a size: a ``(T, 1, D)``
+position table added to a ``(T, B, D)`` activation with ``T == B`` is a broadcast over dim 1,
+never rows of dim 0. A batch merged with the dims after it (``(B * H, T, d)``, ``(B * T, D)``
+rows) is followed as the merged dim's outer factor; where an op merges it with a dim before it,
+or reads it otherwise, the batch dim is lost and the declared layout (``batch_first``) stands in.
+
+Where a tensor ``u`` carrying sources meets the batch (an op with a batched operand), its
+gradient is still the sum over the samples; the per-sample part is taken there, before the sum:
+
+* broadcast (``u``'s dims, aligned to the batched operand's on the right, have size 1 or none
+  at the batch dim): ``u`` is handed to the op expanded to the batch, ``u_b = u.expand(B, ...)``
+  (same values, same result), and a hook on ``u_b`` receives ``(B, *u.shape)``: each sample's
+  own cotangent of ``u``;
+* rows (``u`` has the batch size on the batch dim, e.g. after an add with a ``(B, 1, 1, T)``
+  mask that was built from sizes): the op is row-aligned, so sample ``n``'s cotangent of ``u`` is
+  row ``n`` of its gradient, zero elsewhere.
+
+From the cotangents of ``u`` the per-sample cotangents of each source's output follow by one
+batched vector-Jacobian product through the ops between them (``torch.autograd.grad(...,
+is_grads_batched=True)``), usually a few shape ops. Only ops whose operands are aligned on the
+batch dim in these two ways are split (:data:`ROW_ALIGNED`: elementwise arithmetic, ``where``,
+``masked_fill``, ``matmul``, ``cat`` / ``stack`` off the batch dim, ``scaled_dot_product_attention``'s
+mask); a source meeting the batch in any other op (``einsum``, an op that mixes samples) is
+refused at the read with the module, the op and the shapes, never guessed.
+
+Tracking costs a Python call per torch op of the forward (about +5% on a Transformer block's
+forward). The recorder runs it on the first forward of each input signature (the top-level
+inputs' shapes and dtypes, train/eval mode). What it finds is kept per signature: without shared
+calls, nothing more is tracked; when every shared call's output itself meets the batch only by a
+broadcast that adds the batch dim as the record's layout does (position ids), or only row by row
+(token types of B rows), later forwards follow that plan without tracking (the output handed
+downstream as B identical samples, or recorded as an ordinary call); otherwise (T5's buckets,
+permuted before they meet the batch; raw parameters) every forward is tracked.
+"""
+from __future__ import annotations
+
+from typing import Callable, List
+
+from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
+from torch.overrides import TorchFunctionMode
+
+from .batch_dims import JOINS, MATMULS, METADATA, RECURRENT, ROW_ALIGNED, batch_dim_after
+
+__all__ = ["Provenance", "ROW_ALIGNED", "shared_layout", "as_batch", "source_cotangent",
+           "batch_dim_after", "input_batch_dim"]
+
+_TAG = "_gradhooks_provenance"  # on tensors the forward computes: (token, sources, batch dim)
+
+
+def input_batch_dim(t: Tensor, batch_dim: int) -> int:
+    """The batch dim of a top-level input under the declared layout: dim 0, or with
+    ``batch_dim == 1`` (``batch_first=False``) dim 1 of one of 2 dims or more (torch's
+    ``(T, B, ...)``)."""
+    return 0 if batch_dim == 0 or t.dim() < 2 else 1
+
+
+def shared_layout(x: Tensor, output: Tensor, dim: int = 0) -> str:
+    """How a shared call's input ``x`` and output become a batch of ``B`` identical samples with
+    the samples on dim ``dim`` (``0``, or ``1`` for a layer that reads ``(T, B, ...)`` with
+    ``batch_first=False``): ``"expand"`` when both have size 1 there (it becomes the batch dim:
+    ``(1, T) -> (B, T)``), else ``"prepend"`` (a new batch dim: ``(T, T) -> (B, T, T)``); for
+    ``dim == 1`` the same with a ``1`` suffix (``(T,) -> (T, B)``, ``(T, 1, D) -> (T, B, D)``)."""
+    size1 = all(t.dim() > dim and t.shape[dim] == 1 for t in (x, output))
+    return ("expand" if size1 else "prepend") + ("1" if dim else "")
+
+
+def _layout_dim(how: str) -> int:
+    return 1 if how.endswith("1") else 0
+
+
+def as_batch(t: Tensor, b: int, how: str) -> Tensor:
+    """``t`` as ``b`` identical samples in the layout ``how`` (:func:`shared_layout`): a view."""
+    d = _layout_dim(how)
+    if how.startswith("expand"):
+        shape = list(t.shape)
+        shape[d] = b
+        return t.expand(shape)
+    shape = list(t.shape)
+    shape.insert(d, b)
+    return t.unsqueeze(d).expand(shape)
+
+
+def source_cotangent(cot: Tensor, how: str) -> Tensor:
+    """Per-sample cotangents ``(B, *output.shape)`` of a shared call's output in the layout of
+    its input (:func:`shared_layout`): the size-1 dim dropped for ``"expand"``, the samples
+    moved to dim 1 for the ``"...1"`` layouts."""
+    d = _layout_dim(how)
+    if how.startswith("expand"):
+        cot = cot.squeeze(d + 1)
+    return cot.movedim(0, d) if d else cot
+
+
+class Provenance(TorchFunctionMode):
+    """Tags the tensors of one forward by where they came from (module docstring).
+
+    Args:
+        batch_size: ``B``: the first top-level input's size on the batch dim, until the recorder
+            sets it from the first hooked call that computes from the batch.
+        batch_dim: ``0`` (``batch_first``) or ``1`` (``batch_first=False``: the batch is dim 1
+            of a meeting's batched operand of 3 or more dims, dim 0 of one of 1 or 2 dims,
+            torch's sequence layout as the Linear rule reads it).
+        inputs: the top-level input tensors that carry the batch.
+        meet: ``meet(edge, sources, how, shape, grad, dim)``, called in the backward pass with
+            the gradient ``grad`` of a source-carrying tensor ``u`` (autograd edge ``edge``,
+            shape ``shape``, carrying ``sources``: ``((record, edge of its output, its shape),
+            ...)``) where it met the batch: ``u_b``'s shape, the batch dim ``dim`` of size
+            ``B``, for ``how == "broadcast"``; ``u``'s own shape for ``"rows"`` and ``"direct"``
+            (``u`` is the shared call's output itself), its ``B`` rows on its dim ``dim`` lined
+            up with the batch's.
+        noted: ``noted(sources, how, u_b, direct, dim)``, called in the forward for each such
+            meeting with the operand handed to the op (``direct``: when the operand is the
+            shared call's output itself, the number of leading dims the op's broadcast adds to
+            it, else ``None``), and as ``noted(sources, "derived", None, None, None)`` for an op
+            that computes from sources before they meet the batch.
+        refuse: ``refuse(sources, message)``: sources met the batch in an op that cannot be
+            split per sample.
+        params: ``{id(param): (layer, name)}`` of raw parameters (owned by modules without a
+            rule): each is a source of its own, recorded at its first use in the forward by
+            ``param_source(param, info)``, which returns the record; its per-sample gradient is
+            its cotangent where it meets the batch (``x * gamma``, ``x + pos_embed``, ``cat`` of
+            an expanded class token), at the cost of those ops. And ``(layers, None)`` for the
+            parameters of hooked layers (``layers``: those that own it): one read in an op while
+            none of its layers' forwards has run (:attr:`entered`) is read functionally by
+            another module (``F.linear(x, self.qkv.weight)`` in a parent): ``param_source(param,
+            (layers, None))`` is told.
+
+    Attributes:
+        batch_size: ``B`` as the forward knows it so far (the placement sets it from each
+            batched hooked call): the size shared calls are expanded to and meetings line up with.
+        batch_dim: as given.
+        shared: whether a shared call happened (the signature needs tracking on every forward).
+        depth: nested calls of the model's forward (a model that calls itself); the tracking
+            ends when the outermost returns.
+        entered: ids of the hooked layers whose forward ran in this forward.
+        param_sources: ``{id(param): sources}`` of the raw parameters used so far.
+        signature: the input signature this forward tracks (set by the placement).
+        shared_calls: ``[(record, (id(layer), ordinal), layout)]`` of this forward's shared calls,
+            the material of its signature's plan.
+        fallback_calls: this forward's records of modules on the fallback (those that may own
+            raw parameters, whose replay drops the parameters provenance covered).
+        plain: ids of shared calls' records whose outputs meet the batch in a way no plan can
+            replay (derived first, refused, or met in two ways): the signature is tracked on
+            every forward.
+        kinds: ``{id(record): "broadcast" | "direct"}``: how each shared call's output met the
+            batch.
+        swapped: a position-wise layer's records had their batch dim moved (``T == B`` or
+            ``(B * T, D)`` rows, :meth:`gradhooks.core.placement.Placement.place`): tracked on every
+            forward.
+    """
+
+    def __init__(self, batch_size: int, batch_dim: int, inputs: List[Tensor],
+                 meet: Callable, refuse: Callable, noted: Callable, params: dict = None,
+                 param_source: Callable = None):
+        super().__init__()
+        self.batch_size, self.batch_dim = batch_size, batch_dim
+        self.inputs = {id(t): input_batch_dim(t, batch_dim) for t in inputs}
+        self._keep = inputs  # (the ids above stay theirs while the forward runs)
+        self.token = object()
+        self.meet, self.refuse, self.noted = meet, refuse, noted
+        self.shared = False
+        self.depth = 0  # nested calls of the model's forward
+        self.params = params or {}  # id(param) -> what param_source needs to record it
+        self.param_source = param_source
+        self.param_sources: dict = {}  # id(param) -> its sources tuple, made at its first use
+        self.entered: set = set()  # ids of the hooked layers whose forward ran in this forward
+        self.signature: tuple = ()
+        self.shared_calls: list = []
+        self.fallback_calls: list = []
+        self.plain: set = set()
+        self.kinds: dict = {}
+        self.swapped = False
+
+    # -------------------------------------------------------------- tags
+    def batched(self, t) -> bool:
+        """Whether tensor ``t`` was computed from the batch in this forward."""
+        return isinstance(t, Tensor) and self.look(t)[0]
+
+    def add_source(self, output: Tensor, record) -> None:
+        """Tag ``output``, the output of a shared call recorded as ``record``, as a source (with
+        the sources its input carried: a shared call on a shared tensor)."""
+        self.shared = True
+        own = ((record, get_gradient_edge(output), output.shape),)
+        _, before, _ = self.look(output)
+        setattr(output, _TAG, (self.token, own if before is None else _union(own, before), None))
+
+    def look(self, t: Tensor):
+        """``(batched, sources, batch dim)`` of tensor ``t`` in this forward: whether the batch
+        reached it, the sources it carries (``None``: none), and its batch dim (an int, a
+        ``(dim, inner)`` pair for a batch merged with the dims after it, ``None`` where
+        unknown). A raw parameter's first read here records it (``param_source``)."""
+        if id(t) in self.inputs:
+            return True, None, self.inputs[id(t)]
+        tag = getattr(t, _TAG, None)
+        if tag is None or tag[0] is not self.token:
+            info = self.params.get(id(t))
+            if info is not None and info[1] is None:  # a hooked layer's parameter
+                if not any(id(owner) in self.entered for owner in info[0]):  # read outside
+                    self.param_source(t, info)
+                return False, None, None
+            if info is not None:  # a raw parameter: a source of its own
+                src = self.param_sources.get(id(t))
+                if src is None:
+                    self.shared = True
+                    record = self.param_source(t, self.params[id(t)])
+                    src = self.param_sources[id(t)] = ((record, get_gradient_edge(t), t.shape),)
+                return False, src, None
+            return False, None, None
+        return tag[1] is None, tag[1], tag[2]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        if func in METADATA:
+            return func(*args, **kwargs)
+        ref, sources, tainted = None, None, None  # ref: the batched operand of most dims
+        batched = None  # [(tensor, its batch dim)]
+        for group in (args, kwargs.values()):
+            for a in group:
+                if isinstance(a, Tensor):
+                    items = (a,)
+                elif type(a) in (list, tuple):
+                    items = a
+                else:
+                    continue
+                for t in items:
+                    if not isinstance(t, Tensor):
+                        continue
+                    is_b, src, bd = self.look(t)
+                    if is_b:
+                        if ref is None or t.dim() > ref.dim():
+                            ref, rbd = t, bd
+                        batched = [(t, bd)] if batched is None else batched + [(t, bd)]
+                    elif src is not None:
+                        sources = src if sources is None else _union(sources, src)
+                        tainted = [t] if tainted is None else tainted + [t]
+        if ref is not None and tainted:
+            args, kwargs = self._split(func, args, kwargs, ref, rbd, tainted, sources)
+        out = func(*args, **kwargs)
+        if ref is None and tainted and not any(out is t for t in tainted):
+            self.noted(sources, "derived", None, None, None)  # (computed from before the meeting;
+            # an op that returns its input, .to() of the same dtype, computes nothing)
+        if ref is not None:
+            if isinstance(out, Tensor):
+                _set(out, (self.token, None, batch_dim_after(func, args, kwargs, ref, rbd,
+                                                             batched, out)))
+            elif type(out) in (tuple, list) or isinstance(out, tuple):
+                dims = batch_dim_after(func, args, kwargs, ref, rbd, batched, out)
+                for i, o in enumerate(out):
+                    if isinstance(o, Tensor):
+                        _set(o, (self.token, None, dims[i] if dims is not None else None))
+        elif sources is not None:
+            tag = (self.token, sources, None)
+            if isinstance(out, Tensor):
+                _set(out, tag)
+            elif type(out) in (tuple, list) or isinstance(out, tuple):
+                for o in out:
+                    if isinstance(o, Tensor):
+                        _set(o, tag)
+        return out
+
+    # -------------------------------------------------------------- where sources meet the batch
+    def _split(self, func, args, kwargs, ref, bd, tainted, sources):
+        # Hand the op each source-carrying operand in a form whose gradient is per sample
+        # (module docstring); refuse ops that are not row-aligned. ``bd``: the batch dim of
+        # ``ref``, followed from the inputs (batch_dim_after); where an op lost it, the
+        # declared layout's.
+        name = getattr(func, "__name__", repr(func))
+        nd = ref.dim()
+        if not isinstance(bd, int):  # (lost, or merged with other dims: the declared layout)
+            bd = self.batch_dim if nd >= 3 else 0
+        states = func in RECURRENT  # (initial states (layers * directions, B, H): batch dim 1)
+        if (func not in ROW_ALIGNED and not states) or nd <= bd or ref.shape[bd] != self.batch_size:
+            self.refuse(sources, f"op {name} with shapes {_shapes(args, kwargs)}")
+            return args, kwargs
+        if func in JOINS:
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+            if dim % nd == bd:
+                self.refuse(sources, f"{name} along the batch dim with shapes {_shapes(args, kwargs)}")
+                return args, kwargs
+        swap = {}
+        for u in tainted:
+            if id(u) in swap or not u.requires_grad:
+                continue
+            k = 0 if states else nd - u.dim()
+            shape = (1,) * k + tuple(u.shape)
+            ubd = 1 if states else bd  # (u's dim that lines up with the batch)
+            # (matmul: only the dims before the last two broadcast; a vector operand does not)
+            matrix = func in MATMULS and (u.dim() < 2 or bd >= nd - 2)
+            if (k < 0 or matrix or len(shape) <= ubd or shape[ubd] not in (1, self.batch_size)
+                    or states and (u.dim() != 3 or u is args[0])):
+                self.refuse(sources, f"op {name}: an operand of shape {tuple(u.shape)} does not "
+                                     f"line up with the batch of shape {tuple(ref.shape)}")
+                return args, kwargs
+            _, src, _ = self.look(u)
+            edge = get_gradient_edge(u)
+            # u is the shared call's output itself: the leading dims the op adds to it
+            direct = k if (len(src) == 1 and edge.node is src[0][1].node
+                           and edge.output_nr == src[0][1].output_nr) else None
+            if shape[ubd] == 1:
+                full = list(shape)
+                full[ubd] = self.batch_size
+                u_b, how, d = u.reshape(shape).expand(full), "broadcast", ubd
+            else:  # (direct: its B rows lined up with the batch's, on u's dim d)
+                u_b, how, d = u.view(u.shape), "rows" if direct is None else "direct", ubd - k
+            self.noted(src, how, u_b, direct, d)
+            u_b.register_hook(lambda g, e=edge, s=src, h=how, shp=tuple(u.shape), d=d:
+                              self.meet(e, s, h, shp, g, d))
+            swap[id(u)] = u_b
+        if not swap:
+            return args, kwargs
+        sub = lambda a: swap.get(id(a), a) if isinstance(a, Tensor) else (
+            type(a)(swap.get(id(t), t) if isinstance(t, Tensor) else t for t in a)
+            if type(a) in (list, tuple) else a)
+        return tuple(sub(a) for a in args), {k: sub(v) for k, v in kwargs.items()}
+
+
+def _set(t: Tensor, tag) -> None:
+    try:
+        setattr(t, _TAG, tag)
+    except (AttributeError, RuntimeError):  # (a tensor type without a __dict__)
+        pass
+
+
+def _union(a: tuple, b: tuple) -> tuple:
+    if a is b:
+        return a
+    seen = {id(s[0]) for s in a}
+    return a + tuple(s for s in b if id(s[0]) not in seen)
+
+
+def _tensors(args, kwargs):
+    for group in (args, kwargs.values()):
+        for a in group:
+            if isinstance(a, Tensor):
+                yield a
+            elif type(a) in (list, tuple):
+                yield from (t for t in a if isinstance(t, Tensor))
+
+
+def _shapes(args, kwargs) -> str:
+    return ", ".join(str(tuple(t.shape)) for t in _tensors(args, kwargs))

@@ -1,0 +1,182 @@
+"""The package's imports run one way: no module imports from a layer above its own.
+
+The layers, lowest first, are stated once, as ``LAYERS`` in ``gradhooks/__init__.py``: each is
+a folder of the package (``base``, ``rules``, ``core``, ``readers``, ``tools``,
+``integrations``) or ``api``, the modules at the package's top (the facade); the package's
+``__init__`` and ``__main__`` may import anything. Each folder's ``__init__.py`` says in words
+what lives there and what it may import; this test holds the code to it, by parsing the source
+(nothing is imported, so optional dependencies do not matter). It also fails on an import
+cycle between modules and on an import inside a function (the way a cycle is usually hidden).
+"""
+import ast
+import importlib
+import os
+from typing import Dict, List, Set, Tuple
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gradhooks")
+TOP = ("__init__", "__main__")
+
+
+def _modules() -> Dict[str, str]:
+    """``{dotted module name relative to gradhooks ('' for the package): file path}``."""
+    found = {}
+    for folder, _, files in os.walk(ROOT):
+        rel = os.path.relpath(folder, ROOT)
+        parts = [] if rel == "." else rel.split(os.sep)
+        if "__pycache__" in parts:
+            continue
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            stem = f[:-3]
+            name = ".".join(parts if stem == "__init__" else parts + [stem])
+            found[name] = os.path.join(folder, f)
+    return found
+
+
+MODULES = _modules()
+
+
+def _layers() -> Tuple[str, ...]:
+    tree = ast.parse(open(MODULES[""]).read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "LAYERS"
+                                                 for t in node.targets):
+            return tuple(ast.literal_eval(node.value))
+    raise AssertionError("gradhooks/__init__.py states no LAYERS")
+
+
+LAYERS = _layers()
+
+
+def _layer(module: str) -> str:
+    """The layer of a module: its top folder, ``api`` for the package's own modules, ``top``
+    for its ``__init__`` / ``__main__``."""
+    if module in ("", "__main__"):
+        return "top"
+    head = module.split(".")[0]
+    return head if head in LAYERS else "api"
+
+
+def _is_module(name: str) -> bool:
+    return name in MODULES
+
+
+def _imports(module: str) -> Tuple[Set[str], List[str]]:
+    """The package modules ``module`` imports at its top level, and the places where it
+    imports inside a function or class."""
+    path = MODULES[module]
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    tree = ast.parse(open(path).read())
+    out, nested = set(), []
+    top_level = {id(n) for n in tree.body}
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        targets = []
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package.split(".") if package else []
+            base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+            stem = ".".join(base + ([node.module] if node.module else []))
+            stem = stem.strip(".")
+            for alias in node.names:
+                sub = f"{stem}.{alias.name}".strip(".")
+                targets.append(sub if _is_module(sub) else stem)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gradhooks"):
+            stem = node.module[len("gradhooks"):].strip(".")
+            for alias in node.names:
+                sub = f"{stem}.{alias.name}".strip(".")
+                targets.append(sub if _is_module(sub) else stem)
+        elif isinstance(node, ast.Import):
+            targets = [a.name[len("gradhooks"):].strip(".") for a in node.names
+                       if a.name == "gradhooks" or a.name.startswith("gradhooks.")]
+        if not targets:
+            continue
+        if id(node) not in top_level and not _type_checking_only(tree, node):
+            nested.append(f"{module}:{node.lineno}")
+        out.update(t for t in targets if t in MODULES)
+    return out, nested
+
+
+def _type_checking_only(tree, node) -> bool:
+    for block in tree.body:
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.dump(block.test):
+            if any(n is node for n in ast.walk(block)):
+                return True
+    return False
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def test_every_folder_is_a_layer_and_says_what_it_may_import():
+    folders = {m.split(".")[0] for m in MODULES if "." in m or os.path.isdir(os.path.join(ROOT, m))}
+    folders.discard("")
+    assert folders <= set(LAYERS), f"folders not in LAYERS: {folders - set(LAYERS)}"
+    for layer in LAYERS:
+        if layer == "api":
+            continue
+        assert layer in MODULES, f"LAYERS names {layer!r}, which is no folder of the package"
+        doc = ast.get_docstring(ast.parse(open(MODULES[layer]).read())) or ""
+        assert "may import" in doc.lower(), f"gradhooks/{layer}/__init__.py does not say what it may import"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _layer(m) != "top"))
+def test_no_module_imports_from_a_layer_above_its_own(module):
+    own = LAYERS.index(_layer(module))
+    above = sorted(t for t in GRAPH[module][0]
+                   if _layer(t) == "top" or LAYERS.index(_layer(t)) > own)
+    assert not above, (f"gradhooks.{module} (layer {_layer(module)!r}) imports "
+                       f"{['gradhooks.' + t for t in above]} from layers above it")
+
+
+def test_no_import_inside_a_function():
+    nested = [place for m in MODULES for place in GRAPH[m][1]]
+    assert not nested, f"imports inside functions or classes: {nested}"
+
+
+def test_no_import_cycle():
+    # Package __init__ files that only gather their folder's modules import downwards; an edge
+    # from a module to the package it lives in is the cycle Python resolves half-way: forbidden.
+    state: Dict[str, int] = {}
+    cycle: List[str] = []
+
+    def visit(m: str, path: List[str]) -> bool:
+        state[m] = 1
+        for t in sorted(GRAPH[m][0]):
+            if t == m:
+                continue
+            if state.get(t) == 1:
+                cycle.extend(path[path.index(t):] + [m, t] if t in path else [m, t])
+                return True
+            if state.get(t) is None and visit(t, path + [m]):
+                return True
+        state[m] = 2
+        return False
+
+    for m in sorted(MODULES):
+        if state.get(m) is None and visit(m, []):
+            break
+    assert not cycle, f"import cycle: {' -> '.join(cycle)}"
+
+
+def test_renamed_module_paths_give_the_moved_modules():
+    """Scripts written before the folders keep working: ``import gradhooks.<old>`` (and the
+    attribute) give the module at its new path, and ``gradhooks.kfac`` stays the function.
+    (The only test here that imports the package: the others read its source.)"""
+    import zoo_imports  # noqa: F401  (laplace_backend imports laplace, which imports torchvision)
+
+    import gradhooks
+    from gradhooks.readers import kfac as kfac_module
+    assert gradhooks.RENAMED, "no renamed paths"
+    for old, new in gradhooks.RENAMED.items():
+        moved = importlib.import_module(f"gradhooks.{new}")
+        assert importlib.import_module(f"gradhooks.{old}") is moved, old
+        assert old == "kfac" or getattr(gradhooks, old) is moved, old
+    import gradhooks.kfac  # noqa: F401  (the module path, imported again)
+    assert callable(gradhooks.kfac) and gradhooks.kfac is not kfac_module
+    from gradhooks.norms import use_gram  # the old home of a name users import
+    from gradhooks.readers.plan import use_gram as moved_use_gram
+    assert use_gram is moved_use_gram
