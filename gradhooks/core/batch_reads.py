@@ -54,7 +54,7 @@ class BatchReads:
         """
         recorder = self._recorder
         if result and recorder._released and recorder.result is not None:
-            return Batch(recorder, (), None, False, self.grad_scale())
+            return Batch.of(recorder, (), None, False, self.grad_scale())
         reached = recorder._records
         # (A model that is itself a hooked layer, a cell called per time step, is a layer
         # called several times: its calls see the same samples.)
@@ -81,7 +81,7 @@ class BatchReads:
             if recorder._sum_check == "due" or recorder.sum_check.read_due(structure):
                 key = structure
         releasing = release and recorder.result is None  # (a kept result: nothing is formed)
-        batch = Batch(recorder, records, key, checking, self.grad_scale(), releasing)
+        batch = Batch.of(recorder, records, key, checking, self.grad_scale(), releasing)
         if releasing:
             recorder._released = True
         return batch

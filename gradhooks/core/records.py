@@ -9,7 +9,7 @@ it received. :class:`Batch`: what a reader gets from
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -300,11 +300,12 @@ class Memo:
         return len(self._values)
 
 
-class Batch:
+class Batch(NamedTuple):
     """A read-only snapshot of one batch, as :meth:`~gradhooks.core.capture.Recorder.snapshot` hands it
-    to a reader: the reader's only view of the recorder. Its attributes cannot be set; what a
-    reader asks of the recorder (release a record, keep a result, note a passed sum check) goes
-    through its methods.
+    to a reader: the reader's only view of the recorder. It is a named tuple (its fields cannot
+    be set, and it is made in one step: a snapshot is taken per read, several per two-pass
+    clip); what a reader asks of the recorder (release a record, keep a result, note a passed
+    sum check) goes through :meth:`release`, :meth:`keep` and :meth:`check_passed`.
 
     Attributes:
         records: the :class:`Record` of every call a backward pass reached (or the subset asked
@@ -344,50 +345,61 @@ class Batch:
         releasing: whether this reader releases each record once used (:meth:`release`).
         memo: the recorder's :class:`Memo` of per-structure decisions (read with ``get``).
         pool: the recorder's :class:`~gradhooks.base._pool.BufferPool` (buffers a read may reuse).
+        asks: the recorder, for the three requests of :meth:`release`, :meth:`keep` and
+            :meth:`check_passed` (readers call those, not it).
     """
 
-    __slots__ = ("records", "size", "scale", "divisor", "loss_reduction", "batch_first", "names",
-                 "order", "params", "layers", "totals", "checking", "check_key", "memo", "pool",
-                 "releasing", "grad_scale", "factor", "differentiable", "check", "model",
-                 "batch_id", "result", "released", "_recorder")
+    records: Tuple[Record, ...]
+    size: int
+    scale: Optional[float]
+    factor: float
+    divisor: float
+    grad_scale: float
+    loss_reduction: str
+    batch_first: bool
+    differentiable: bool
+    check: object
+    model: nn.Module
+    names: Dict[int, str]
+    order: Dict[int, int]
+    params: Dict[int, nn.Parameter]
+    layers: List[Layer]
+    totals: Dict[int, object]
+    checking: bool
+    check_key: Optional[tuple]
+    batch_id: int
+    result: Optional[Dict[str, Tensor]]
+    released: bool
+    releasing: bool
+    memo: Memo
+    pool: object
+    asks: object  # the recorder's release_record / keep_result / sum_check_passed
 
-    def __init__(self, recorder, records: Tuple[Record, ...], check_key: Optional[tuple],
-                 checking: bool, grad_scale: float = 1.0, releasing: bool = False):
-        # ``recorder``: the :class:`~gradhooks.core.capture.Recorder` (its public attributes; its
-        # keep_result / release_record / sum_check_passed on the reader's request).
-        put = object.__setattr__
-        put(self, "records", records)
+    @classmethod
+    def of(cls, recorder, records: Tuple[Record, ...], check_key: Optional[tuple],
+           checking: bool, grad_scale: float = 1.0, releasing: bool = False) -> "Batch":
+        """The snapshot of ``recorder`` (the :class:`~gradhooks.core.capture.Recorder`: its
+        public attributes) with ``records``; the scales are computed here, once."""
         size = recorder.batch_size
-        put(self, "size", size)
         own = own_loss_scale(recorder.loss_reduction, size)
         divisor = 1.0 if own is None else own
         scale = own if grad_scale == 1.0 else divisor / grad_scale
-        put(self, "divisor", divisor)
-        put(self, "grad_scale", grad_scale)
-        put(self, "scale", scale)
-        put(self, "factor", 1.0 if scale is None else scale)
-        for name in ("loss_reduction", "batch_first", "differentiable", "check", "model", "names",
-                     "order", "params", "layers", "totals", "memo", "pool", "batch_id",
-                     "result", "released"):
-            put(self, name, getattr(recorder, name))
-        put(self, "checking", checking)
-        put(self, "check_key", check_key)
-        put(self, "releasing", releasing)
-        put(self, "_recorder", recorder)
-
-    def __setattr__(self, name: str, value) -> None:
-        raise AttributeError(f"a Batch is read-only (set {name!r}): ask the recorder through "
-                             f"its methods")
+        return cls(records, size, scale, 1.0 if scale is None else scale, divisor, grad_scale,
+                   recorder.loss_reduction, recorder.batch_first, recorder.differentiable,
+                   recorder.check, recorder.model, recorder.names, recorder.order,
+                   recorder.params, recorder.layers, recorder.totals, checking, check_key,
+                   recorder.batch_id, recorder.result, recorder.released, releasing,
+                   recorder.memo, recorder.pool, recorder)
 
     def release(self, record: Record) -> None:
         """Ask the recorder to release ``record``'s tensors (a reader that :attr:`releasing`
         does so once it has used them: the read's peak memory stays one layer's records)."""
-        self._recorder.release_record(record)
+        self.asks.release_record(record)
 
     def keep(self, result: Dict[str, Tensor]) -> Dict[str, Tensor]:
         """Ask the recorder to keep ``result`` (the per-sample reader's) for this batch's later
         reads (:attr:`result`); returns it."""
-        return self._recorder.keep_result(result)
+        return self.asks.keep_result(result)
 
     def check_unrecorded(self, recorded) -> None:
         """:func:`~gradhooks.core.checks.check_unrecorded` for the parameter ids ``recorded``, if
@@ -397,4 +409,4 @@ class Batch:
 
     def check_passed(self) -> None:
         """Tell the recorder that this read's sum check (:attr:`check_key`) passed."""
-        self._recorder.sum_check_passed(self.check_key)
+        self.asks.sum_check_passed(self.check_key)
