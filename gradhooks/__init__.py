@@ -28,12 +28,15 @@ from .base.errors import (
     AccumulationError,
     BatchSizeError,
     FallbackWarning,
+    FrozenModelWarning,
     GradHooksError,
     GradientMismatchError,
     HigherOrderGradError,
+    LossScaleWarning,
     NoBackwardError,
     NotDetachedWarning,
     RecordsReleasedError,
+    SampleMixingError,
     UnsupportedCallError,
     UnsupportedLossError,
     UnsupportedModuleError,
@@ -45,6 +48,7 @@ from .hooks import GradHooks, attach
 from .readers.ekfac import EKFACFactors
 from .readers.kfac import DiagonalFactors, KFACFactors
 from .base.registry import LayerRule, register_rule, supported_types
+from .tools.token_losses import per_sample_token_loss
 from .fisher import kfac  # noqa: E402  (after .kfac: the name gradhooks.kfac is this function)
 from .tools.reference import (
     Comparison,
@@ -134,6 +138,7 @@ __all__ = [
     "attach",
     "GradHooks",
     "micro_batches",
+    "per_sample_token_loss",
     "kfac",
     "KFACFactors",
     "DiagonalFactors",
@@ -163,4 +168,7 @@ __all__ = [
     "HigherOrderGradError",
     "FallbackWarning",
     "NotDetachedWarning",
+    "SampleMixingError",
+    "LossScaleWarning",
+    "FrozenModelWarning",
 ]

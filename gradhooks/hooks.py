@@ -25,6 +25,7 @@ from .readers.ggn import empirical_fisher_diag, ggn_diag, ggn_sqrt, ggn_vector_p
 from .readers.gram import GradientFeatures, gradient_features, gram, jacobian_features
 from .readers.jacobians import per_sample_jacobians
 from .readers.kfac import DiagonalFactors, KFACFactors, kfac_factors
+from .readers.loss_reduction import check_batch_loss, check_per_sample_losses
 from .readers.norms import per_sample_grad_norms
 from .readers.per_sample import per_sample_grads
 from .readers.projections import projected_grads
@@ -96,12 +97,14 @@ class GradHooks:
 
     def __init__(self, model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
                  check=True, strict: bool = False, allow_batchnorm_train: bool = False,
-                 forwards: str = "one", grad_scaler=None, differentiable: bool = False):
+                 forwards: str = "one", grad_scaler=None, differentiable: bool = False,
+                 allow_sample_mixing: bool = False):
         #: The :class:`~gradhooks.core.capture.Recorder`: hooks and records (read-only for users).
         self.recorder = Recorder(model, loss_reduction=loss_reduction, batch_first=batch_first,
                                  check=check, strict=strict,
                                  allow_batchnorm_train=allow_batchnorm_train, forwards=forwards,
-                                 grad_scaler=grad_scaler, differentiable=differentiable)
+                                 grad_scaler=grad_scaler, differentiable=differentiable,
+                                 allow_sample_mixing=allow_sample_mixing)
         # Dropped while attached: detached, with a warning. (It holds the recorder, not this
         # facade; atexit off: a process that ends with an attachment removes everything.)
         weakref.finalize(self, _dropped, self.recorder).atexit = False
@@ -195,6 +198,10 @@ class GradHooks:
 
         Raises:
             GradHooksError: if ``loss`` does not require grad, or nothing trainable is hooked.
+            UnsupportedLossError: if the loss's graph shows a token-level mean over samples with
+                unequal valid-token counts, or a reduction over the batch that contradicts
+                ``loss_reduction`` (:mod:`gradhooks.readers.loss_reduction`; use
+                :func:`gradhooks.per_sample_token_loss`).
             RuntimeError: from autograd, e.g. a non-scalar ``loss`` without ``gradient``, or a
                 graph already freed by an earlier backward.
         """
@@ -202,6 +209,7 @@ class GradHooks:
             raise GradHooksError(
                 "GradHooks.backward(loss): loss must be a tensor that requires grad (the output of "
                 "a forward of the hooked model, not under torch.no_grad())")
+        check_batch_loss(loss, self.recorder.batch_size, self.recorder.loss_reduction, gradient)
         self.recorder.drive(loss, gradient, retain_graph)
 
     def per_sample_grads(self, *, retain_records: bool = False) -> Dict[str, Tensor]:
@@ -278,6 +286,7 @@ class GradHooks:
         norms. ``accumulate=True``: add the clipped sum to :attr:`accumulation` instead, as
         :meth:`clip_and_accumulate`. Arguments and errors:
         :func:`gradhooks.readers.clipping.clipped_backward`."""
+        check_per_sample_losses(losses, self.recorder.batch_size)
         return clipped_backward(self.recorder, losses, max_norm,
                                 noise_multiplier=noise_multiplier, generator=generator,
                                 accumulate=accumulate, accumulation=self.accumulation)
@@ -431,7 +440,8 @@ def _dropped(recorder: Recorder) -> None:
 
 def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
            check=True, strict: bool = False, allow_batchnorm_train: bool = False,
-           forwards: str = "one", grad_scaler=None, differentiable: bool = False) -> GradHooks:
+           forwards: str = "one", grad_scaler=None, differentiable: bool = False,
+           allow_sample_mixing: bool = False) -> GradHooks:
     """Attach per-sample-gradient hooks to every supported layer of an existing model.
 
     Registers a forward hook on each module that has a rule (``nn.Linear``, ``nn.Conv1d/2d/3d``;
@@ -440,7 +450,10 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
     layers work as they are.
 
     Args:
-        model: the ``nn.Module``.
+        model: the ``nn.Module``. For ``torch.compile(model)`` (an ``OptimizedModule``) the
+            module it wraps is hooked (``gh.model`` is that module), and calls of the compiled
+            module are recorded, provided it is first called after attach (compiled code sees
+            the hooks that exist when it is compiled; otherwise ``torch._dynamo.reset()``).
         loss_reduction: ``"mean"`` or ``"sum"``: how the batch loss was reduced over samples.
             With ``"mean"`` per-sample gradients are multiplied by ``B`` (gradient of each
             sample's own loss).
@@ -457,6 +470,15 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
             then each sample's *contribution* to the batch gradient with the batch statistics
             held fixed (they sum to ``param.grad``), not gradients of each sample's own loss;
             the layers before the BatchNorm then also get such contributions.
+        allow_sample_mixing: accept a forward that mixes the samples through the parameters (an
+            op that reduces or normalises over the batch dim between a hooked layer and the
+            loss: ``h - h.mean(0)``, ``h / h.std(0)``, a softmax or sort over the batch, batch
+            statistics; :mod:`gradhooks.core.mixing`), which reads otherwise refuse with
+            :class:`SampleMixingError`. Sample ``n``'s result is then its activations times the
+            gradient of the *whole batch loss* with respect to its own outputs of the layer:
+            its contribution to the batch gradient (they still sum to ``param.grad``, with the
+            ``loss_reduction`` scale), not the gradient of its own loss; layers after the last
+            mixing op still get exact own-loss gradients.
 
         forwards: ``"one"`` (default): one forward of the model per backward; the records of
             several top-level forwards reached by one backward are refused at the read (their
@@ -486,8 +508,17 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
         ValueError: if ``loss_reduction`` is not ``"mean"`` or ``"sum"``.
         UnsupportedModuleError: with ``strict=True``, if a module owns trainable parameters and
             has no rule; the message names each such module's path and type.
-        GradHooksError: if a layer is already hooked by another live :class:`GradHooks`.
+        UnsupportedModuleError: for a TorchScript module (``torch.jit.script`` / ``trace``) with
+            trainable parameters in the model: its forward runs no Python hooks.
+        GradHooksError: if a layer is already hooked by another live :class:`GradHooks`, or
+            the model has no parameters. A model none of whose parameters is trainable gets a
+            :class:`~gradhooks.base.errors.FrozenModelWarning`.
+
+    Warns:
+        LossScaleWarning: once, at the first read after a float16 (autocast) forward when no
+            ``grad_scaler`` was given: a ``scaler.scale(loss)`` would scale every result.
     """
     return GradHooks(model, loss_reduction=loss_reduction, batch_first=batch_first, check=check,
                      strict=strict, allow_batchnorm_train=allow_batchnorm_train,
-                     forwards=forwards, grad_scaler=grad_scaler, differentiable=differentiable)
+                     forwards=forwards, grad_scaler=grad_scaler, differentiable=differentiable,
+                     allow_sample_mixing=allow_sample_mixing)

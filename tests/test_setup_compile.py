@@ -1,5 +1,6 @@
 """torch.compile: attaching before or after compiling stays exact; a model compiled and run
 before attach gets an error that names torch.compile."""
+import functools
 import gc
 import subprocess
 import sys
@@ -88,3 +89,21 @@ def test_model_compiled_and_run_before_attach_names_compile():
     assert "REFUSED:" in run.stdout and "torch.compile" in run.stdout
     assert "_dynamo.reset" in run.stdout
     assert float(run.stdout.split("ERROR:")[1]) < 1e-5
+
+
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+def test_attach_to_the_compiled_module_hooks_the_module_it_wraps(loss_reduction):
+    """gradhooks.attach(torch.compile(model)) (an OptimizedModule, which dynamo failed to trace
+    the hooks of: "already tracked for mutation") hooks ``_orig_mod``; the compiled module's
+    calls are recorded, exact against the loop."""
+    f64 = torch.float64
+    model = _mlp(f64)
+    x, y = torch.randn(5, 4, dtype=f64), torch.randint(0, 3, (5,))
+    loss_fn = functools.partial(F.cross_entropy, reduction=loss_reduction)
+    ref = loop_grads(model, loss_fn, x, y)
+    compiled = torch.compile(model, backend="aot_eager")
+    with gradhooks.attach(compiled, loss_reduction=loss_reduction) as gh:
+        assert gh.model is model
+        for _ in range(2):
+            loss_fn(compiled(x), y).backward()
+            assert_close_to_loop(gh.per_sample_grads(), ref, f64)

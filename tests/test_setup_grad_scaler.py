@@ -1,6 +1,8 @@
 """float16 autocast with torch.amp.GradScaler: per-sample results, norms and clipping of the
 *unscaled* loss; .grad written at the scaler's scale for scaler.step(); overflowed steps
 skipped as GradScaler skips them. Against a float32 loop, within float16's rounding."""
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -44,7 +46,9 @@ def test_per_sample_grads_and_norms_are_of_the_unscaled_loss():
         _close(gh.per_sample_grads(retain_records=True), ref)
     with gradhooks.attach(model) as gh:  # without the scaler: S times the gradients
         _scaled_step(model, gh, scaler, x, y)
-        assert float(gh.per_sample_grad_norms()[0] / norms[0]) == pytest.approx(2.0 ** 16, rel=1e-2)
+        with pytest.warns(gradhooks.LossScaleWarning):  # (the next test)
+            scaled = gh.per_sample_grad_norms()
+        assert float(scaled[0] / norms[0]) == pytest.approx(2.0 ** 16, rel=1e-2)
 
 
 @pytest.mark.parametrize("method", ["ghost", "materialize", "two_pass"])
@@ -88,3 +92,39 @@ def test_overflow_step_is_skipped_and_the_scale_lowered():
     assert float(scaler.get_scale()) < 2.0 ** 40
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), before[n]), n
+
+
+def _autocast_read(dtype, grad_scaler=None, reads=2):
+    model, x, y = _setup(3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    with gradhooks.attach(model, grad_scaler=grad_scaler) as gh:
+        for _ in range(reads):
+            with torch.autocast("cpu", dtype=dtype):
+                loss = F.cross_entropy(model(x), y)
+            (scaler.scale(loss) if dtype == torch.float16 else loss).backward()
+            gh.per_sample_grad_norms()
+
+
+def test_undeclared_scaler_under_float16_autocast_is_warned_once():
+    """Without attach(grad_scaler=...) the results of scaler.scale(loss).backward() are S times
+    too large; gradhooks cannot tell a scaled loss from a plain one, so a float16 forward with
+    no scaler declared is warned once per attachment."""
+    with pytest.warns(gradhooks.LossScaleWarning,
+                      match=r"float16 \(module '\d' \(Linear\).*grad_scaler=scaler") as caught:
+        _autocast_read(torch.float16)
+    assert sum(issubclass(w.category, gradhooks.LossScaleWarning) for w in caught) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32],
+                         ids=["float16-declared", "bfloat16", "float32"])
+def test_no_loss_scale_warning_when_declared_or_not_float16(dtype):
+    scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gradhooks.LossScaleWarning)
+        if dtype == torch.float32:
+            model, x, y = _setup(3)
+            with gradhooks.attach(model) as gh:
+                F.cross_entropy(model(x), y).backward()
+                gh.per_sample_grads()
+        else:
+            _autocast_read(dtype, grad_scaler=scaler)

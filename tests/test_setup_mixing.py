@@ -1,6 +1,7 @@
 """A loss or a model that mixes the samples of a batch has no per-sample gradients, and the sum
-check cannot see it (the rows still add up to the batch gradient): gh.check_samples() recomputes
-a few samples alone and refuses."""
+check cannot see it (the rows still add up to the batch gradient). A mixing op the forward shows
+is refused at the read (tests/test_mixing.py); for what it cannot show (a loss that mixes, an
+accepted mixing op) gh.check_samples() recomputes a few samples alone and refuses."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,11 +29,24 @@ def _info_nce(z, _):
     return F.cross_entropy(logits, torch.arange(z.shape[0]))
 
 
-def test_model_that_mixes_samples_is_caught_by_the_spot_check():
+def test_model_that_mixes_samples_is_refused_at_the_read():
+    # the forward shows the mixing op (h.mean(0) met the batch again): refused, by name
     torch.manual_seed(0)
     model = Centered().double()
     x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
     with gradhooks.attach(model) as gh:
+        F.cross_entropy(model(x), y).backward()
+        with pytest.raises(gradhooks.SampleMixingError, match=r"mean over the batch dim.*'a'"):
+            gh.per_sample_grads()
+        with pytest.raises(gradhooks.SampleMixingError):
+            gh.check_samples(F.cross_entropy, x, y, samples=2)
+
+
+def test_accepted_mixing_is_still_caught_by_the_spot_check():
+    torch.manual_seed(0)
+    model = Centered().double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    with gradhooks.attach(model, allow_sample_mixing=True) as gh:
         F.cross_entropy(model(x), y).backward()
         gh.per_sample_grads()  # the sum check passes: the rows add up
         with pytest.raises(gradhooks.GradientMismatchError, match="mixes the samples"):

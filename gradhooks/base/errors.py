@@ -18,6 +18,9 @@ __all__ = [
     "UnsupportedLossError",
     "FallbackWarning",
     "NotDetachedWarning",
+    "SampleMixingError",
+    "LossScaleWarning",
+    "FrozenModelWarning",
 ]
 
 
@@ -91,8 +94,35 @@ class AccumulationError(GradHooksError):
     """
 
 
+class SampleMixingError(GradHooksError):
+    """The model's forward mixes the samples of the batch through the parameters: an op that
+    reduces or normalises over the batch dim (``h - h.mean(0)``, ``h / h.std(0)``, a softmax or
+    sort over the batch, batch statistics) between a hooked layer and the loss.
+
+    Each sample's output then depends on the other samples, and what the hooks record is each
+    sample's contribution to the batch gradient, not the gradient of its own loss; the sum check
+    cannot see it. Raised at the read (:mod:`gradhooks.core.mixing`); the message names the op,
+    the module upstream of it and the line of the forward, and says what to do (compute the
+    statistic outside the forward, ``.detach()`` it, or ``attach(..., allow_sample_mixing=True)``
+    to accept the contributions).
+    """
+
+
 class FallbackWarning(UserWarning):
     """Issued once per :func:`gradhooks.attach`, listing the modules the torch.func fallback covers."""
+
+
+class LossScaleWarning(UserWarning):
+    """Issued once per :func:`gradhooks.attach` at the first read of a batch whose forward ran
+    in float16 (autocast) when no ``grad_scaler`` was declared: if the loss was scaled
+    (``scaler.scale(loss).backward()``), every result is that many times too large. Pass
+    ``attach(..., grad_scaler=scaler)``."""
+
+
+class FrozenModelWarning(UserWarning):
+    """Issued by :func:`gradhooks.attach` for a model none of whose parameters requires grad:
+    nothing is recorded until some are made trainable (``requires_grad_(True)``), which the
+    hooks then follow."""
 
 
 class NotDetachedWarning(ResourceWarning):
@@ -104,6 +134,11 @@ class NotDetachedWarning(ResourceWarning):
 
 
 class UnsupportedLossError(GradHooksError, TypeError):
-    """:func:`gradhooks.kfac` was given a loss it cannot form the Fisher of (not ``nn.CrossEntropyLoss``,
-    ``nn.MSELoss`` or ``nn.BCEWithLogitsLoss``; an option that changes the loss's curvature or
-    reduction; or a model output of the wrong shape for the loss)."""
+    """A loss gradhooks cannot use as given: :func:`gradhooks.kfac` was given a loss it cannot
+    form the Fisher of (not ``nn.CrossEntropyLoss``, ``nn.MSELoss`` or ``nn.BCEWithLogitsLoss``;
+    an option that changes the loss's curvature or reduction; or a model output of the wrong
+    shape for the loss); or the loss handed to :meth:`~gradhooks.GradHooks.backward` /
+    :meth:`~gradhooks.GradHooks.clipped_backward` is not a mean (or sum) over samples as
+    ``loss_reduction`` declares: a token mean over a padded batch, a contradicting reduction,
+    one batch loss broadcast to ``B`` "per-sample" losses
+    (:mod:`gradhooks.readers.loss_reduction`)."""

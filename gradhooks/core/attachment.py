@@ -16,13 +16,16 @@ import warnings
 import weakref
 from typing import Dict, List, Optional
 
+import torch
 from torch import Tensor, nn
+from torch._dynamo.eval_frame import OptimizedModule
 
-from ..base.errors import FallbackWarning
+from ..base import utils
+from ..base.errors import FallbackWarning, FrozenModelWarning, GradHooksError, UnsupportedModuleError
 from ..rules.fallback import FALLBACK, FallbackRule
 from .records import Layer, find_layers, plain_state
 
-__all__ = ["Attachment", "is_hooked", "hooker"]
+__all__ = ["Attachment", "is_hooked", "hooker", "unwrap_compiled"]
 
 # Modules currently hooked by a live recorder (to refuse a second attach to the same layer),
 # each to a weak reference to it: a strong one would keep the recorder, its model and so the key
@@ -41,6 +44,37 @@ def hooker(module: nn.Module):
 def is_hooked(model: nn.Module) -> bool:
     """Whether any module of ``model`` is hooked by a live recorder."""
     return any(hooker(m) is not None for m in model.modules())
+
+
+def unwrap_compiled(model):
+    """The module ``torch.compile(model)`` wraps (``OptimizedModule._orig_mod``), else ``model``.
+
+    Compiled code calls the global module hooks of the module it wraps (as long as it is
+    compiled after they exist: before its first call, or after ``torch._dynamo.reset()``), so
+    hooking the original module and calling the compiled one is exact; hooking the wrapper
+    itself makes dynamo trace the hooks and fail."""
+    while isinstance(model, OptimizedModule):
+        model = model._orig_mod
+    return model
+
+
+def _script_modules(model: nn.Module) -> List[str]:
+    # TorchScript modules with trainable parameters: their compiled forward runs no hooks.
+    if isinstance(model, torch.jit.ScriptModule):
+        found = [("", model)]
+    else:
+        found = []
+        for path, m in model.named_modules():
+            if isinstance(m, torch.jit.ScriptModule):
+                found.append((path, m))
+    return [f"{path or '<root>'!r} ({getattr(m, 'original_name', type(m).__name__)})"
+            for path, m in found if any(p.requires_grad for p in m.parameters())]
+
+
+def _hook_names(p: nn.Parameter) -> str:
+    # The gradient hooks a user registered on ``p`` (``p.register_hook(fn)``), for messages.
+    hooks = p._backward_hooks or {}
+    return ", ".join(getattr(fn, "__qualname__", type(fn).__name__) for fn in hooks.values())
 
 
 def _param_grad(recorder: "weakref.ref", pid: int, grad: Tensor) -> None:
@@ -84,6 +118,15 @@ class Attachment:
         self._unhooked: List[nn.Parameter] = []  # frozen parameters no layer covers
         self._demoted: set = set()  # paths of layers their parent reads functionally
         self._resync = False  # a demotion: rebuild the maps at the next forward
+        self._synced = False  # whether sync() ran once (the checks of attach)
+        # {id(param): names} of user gradient hooks registered before ours: they run first, so
+        # autograd's gradient the sum check sees is the one they changed (messages name them).
+        self.hooks_ahead: Dict[int, str] = {}
+        # A hooked parameter as its module holds it (module, name, param): a forward in which the
+        # module holds another tensor ran under torch.func.functional_call (note_forward).
+        self._witness: Optional[tuple] = None
+        #: the module whose parameters the model's last forward replaced, or None.
+        self.swapped: Optional[str] = None
 
     def needs_sync(self) -> bool:
         """Whether the model changed since :meth:`sync` (a submodule or parameter set, a layer
@@ -102,6 +145,17 @@ class Attachment:
         self.unsync()
         recorder = self._recorder
         model = recorder.model
+        scripted = _script_modules(model)
+        if scripted:
+            raise UnsupportedModuleError(
+                f"module {', '.join(scripted)} is a TorchScript module (torch.jit.script / "
+                f"torch.jit.trace) with trainable parameters: its compiled forward runs no Python "
+                f"hooks, so gradhooks would record none of its calls. Attach to the eager module "
+                f"(script the model after gradhooks is done with it), or script only submodules "
+                f"without trainable parameters")
+        if not self._synced:
+            self._synced = True
+            self._check_trainable(model)
         recorder.names = {id(p): name for name, p in model.named_parameters()}
         recorder.order = {pid: i for i, pid in enumerate(recorder.names)}  # results in this order
         layers = recorder.layers = find_layers(
@@ -125,6 +179,9 @@ class Attachment:
                     self._saved_grad_sample[id(p)] = value
                 p.__getstate__ = functools.partial(plain_state, p)  # (see plain_state)
         self._unhooked = [p for p in model.parameters() if id(p) not in self.params]
+        self._witness = next(((layer.module, name, p) for layer in layers
+                              for name, p in layer.params.items()
+                              if layer.module._parameters.get(name) is p), None)
         self.changed = None
         self._resync = False
 
@@ -139,6 +196,7 @@ class Attachment:
                 p._backward_hooks = None
         self._hooks_were_none.clear()
         self._watched.clear()
+        self.hooks_ahead.clear()
         for pid, p in self.params.items():
             if pid in self._saved_grad_sample:
                 p.grad_sample = self._saved_grad_sample[pid]
@@ -150,6 +208,39 @@ class Attachment:
         for layer in self._recorder.layers:
             if hooker(layer.module) is self._recorder:
                 del _HOOKED[layer.module]
+
+    def _check_trainable(self, model: nn.Module) -> None:
+        # At attach: a model without parameters has nothing to hook (refused); a frozen one
+        # records nothing until a parameter is made trainable (warned).
+        params = list(model.parameters())
+        if not params:
+            raise GradHooksError(
+                f"attach: the model ({type(model).__name__}) has no parameters, so there is "
+                f"nothing to hook and no per-sample gradient to compute. Attach the model whose "
+                f"parameters are trained (for gradients w.r.t. inputs use torch.autograd.grad or "
+                f"torch.func.vmap(torch.func.grad(...)))")
+        if not any(p.requires_grad for p in params):
+            warnings.warn(
+                f"attach: no parameter of the model ({type(model).__name__}) requires grad "
+                f"(requires_grad_(False) on all of them), so nothing is recorded and reads will "
+                f"find no backward pass; make the parameters to train trainable "
+                f"(requires_grad_(True)), before or after attach", FrozenModelWarning,
+                stacklevel=5)
+
+    def note_forward(self) -> None:
+        """At each top-level forward of the model: note in :attr:`swapped` whether a hooked
+        module holds other tensors than its parameters (``torch.func.functional_call(model,
+        params, x)`` swaps them in for the call); autograd then computes the gradients of those
+        tensors, not of the parameters the sum check watches. One lookup per forward."""
+        witness = self._witness
+        if witness is None or utils.PAUSED:
+            return
+        module, name, p = witness
+        held = module._parameters.get(name)
+        self.swapped = None if held is p else (
+            f"{next(layer.describe() for layer in self._recorder.layers if layer.module is module)}"
+            f" held {'a tensor' if held is not None else 'nothing'} other than its parameter "
+            f"{name!r}")
 
     def on_registration(self, module: nn.Module, name: str, value) -> None:
         """A parameter or submodule ``value`` is set on some ``module`` (a global hook): if it
@@ -163,6 +254,8 @@ class Attachment:
         if id(p) in self._watched:
             return
         self._watched.add(id(p))
+        if p._backward_hooks:
+            self.hooks_ahead[id(p)] = _hook_names(p)
         if p._backward_hooks is None:
             self._hooks_were_none.append(p)
         self.param_handles.append(p.register_hook(functools.partial(

@@ -131,7 +131,10 @@ class BackwardPass:
             return None
         total = recorder.totals.get(pid)
         if total is None:
-            recorder.totals[pid] = GradTotal(grad)
+            total = recorder.totals[pid] = GradTotal(grad)
+            ahead = recorder.attachment.hooks_ahead
+            if ahead:  # (user hooks that changed this gradient first: named by the sum check)
+                total.hooks = ahead.get(pid)
         else:
             total.add(grad)
         recorder._param_passes[pid] = recorder._param_passes.get(pid, 0) + 1

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["batch_dim_after", "ROW_ALIGNED", "METADATA", "JOINS", "MATMULS", "RECURRENT"]
+__all__ = ["batch_dim_after", "operands", "ROW_ALIGNED", "METADATA", "JOINS", "MATMULS",
+           "RECURRENT"]
 
 
 def _functions(names, owners) -> frozenset:
@@ -302,7 +303,7 @@ def _recurrent_dims(func, args, dims, out):
 
 def _replay(func, args, kwargs, dims, out):
     # (far above every size, so that no dim the op makes from the others meets it)
-    unique = 10007 + 3 * max((n for t in _operands(args, kwargs) for n in t.shape), default=0)
+    unique = 10007 + 3 * max((n for t in operands(args, kwargs) for n in t.shape), default=0)
 
     def meta(t):
         if not isinstance(t, Tensor):
@@ -330,8 +331,9 @@ def _replay(func, args, kwargs, dims, out):
     return [find(o) for o in got] if isinstance(got, (tuple, list)) else None
 
 
-def _operands(args, kwargs):
-    # The tensor operands of an op: its tensor arguments and those in list / tuple arguments.
+def operands(args, kwargs):
+    """The tensor operands of an op: its tensor arguments and those in list / tuple arguments
+    (also :mod:`gradhooks.core.provenance`'s, for its messages)."""
     for group in (args, kwargs.values()):
         for a in group:
             if isinstance(a, Tensor):

@@ -8,8 +8,12 @@ the forward, a shared call refused by the placement, an input modified in place.
 """
 from __future__ import annotations
 
+import warnings
 from typing import List, Optional
 
+import torch
+
+from ..base.errors import GradientMismatchError, LossScaleWarning
 from .checks import refusal
 from .records import Batch, Record
 
@@ -23,6 +27,7 @@ class BatchReads:
 
     def __init__(self, recorder):
         self._recorder = recorder
+        self._scale_warned = False  # LossScaleWarning: once per attachment
 
     def snapshot(self, read: str, records: Optional[List[Record]] = None,
                  release: bool = False, sum_check: bool = True, result: bool = False) -> Batch:
@@ -71,6 +76,18 @@ class BatchReads:
         error = recorder.placement.refusal(read)
         if error is not None:
             raise error
+        swapped = recorder.attachment.swapped
+        if swapped is not None:
+            raise GradientMismatchError(
+                f"{read}: the model's forward ran with other tensors in place of its parameters "
+                f"(module {swapped}): torch.func.functional_call(model, params, x) (or "
+                f"torch.nn.utils.stateless) swaps them in, so autograd's gradients are those of "
+                f"the tensors passed in, not of the parameters gradhooks hooks. Call the model "
+                f"itself (load other values with model.load_state_dict(params) or "
+                f"param.copy_() under torch.no_grad()), or compute per-sample gradients of "
+                f"functional_call with torch.func.vmap(torch.func.grad(...))")
+        if not self._scale_warned and recorder.grad_scaler is None:
+            self._warn_scale(reached)
         records = tuple(reached if records is None else records)
         for record in records:
             record.check_unmodified(read)
@@ -85,6 +102,20 @@ class BatchReads:
         if releasing:
             recorder._released = True
         return batch
+
+    def _warn_scale(self, reached: List[Record]) -> None:
+        # A float16 forward (autocast) is usually trained with a GradScaler; undeclared, its
+        # scale S multiplies every result (the grad_outputs are S times the loss's).
+        first = next((r for r in reached if r.low == torch.float16), None)
+        if first is None:
+            return
+        self._scale_warned = True
+        warnings.warn(
+            f"the forward ran in float16 (module {first.layer.describe()} had float16 "
+            f"grad_outputs, autocast) and attach() was given no grad_scaler: if the loss was "
+            f"scaled (scaler.scale(loss).backward() with a torch.amp.GradScaler), every per-sample "
+            f"result is scaled by the loss scale (65536 by default). Pass "
+            f"gradhooks.attach(model, ..., grad_scaler=scaler)", LossScaleWarning, stacklevel=5)
 
     def grad_scale(self) -> float:
         """The loss scale ``S`` of the recorder's ``grad_scaler`` (its current ``get_scale()``,

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from ..base._pool import BufferPool
 from ..base.utils import check_loss_reduction
-from .attachment import Attachment, is_hooked
+from .attachment import Attachment, is_hooked, unwrap_compiled
 from .backward_pass import BackwardPass
 from .batch_reads import BatchReads
 from .checks import GradTotal, SumCheck
@@ -86,7 +86,8 @@ class Recorder:
 
     def __init__(self, model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
                  check=True, strict: bool = False, allow_batchnorm_train: bool = False,
-                 forwards: str = "one", grad_scaler=None, differentiable: bool = False):
+                 forwards: str = "one", grad_scaler=None, differentiable: bool = False,
+                 allow_sample_mixing: bool = False):
         check_loss_reduction(loss_reduction)
         if forwards not in FORWARDS:
             raise ValueError(f"forwards must be one of {FORWARDS}, got {forwards!r}")
@@ -98,6 +99,7 @@ class Recorder:
         self.differentiable = bool(differentiable)
         if not isinstance(model, nn.Module):
             raise TypeError(f"attach expects an nn.Module, got {type(model).__name__}")
+        model = unwrap_compiled(model)  # (torch.compile(model): hook the module it wraps)
         self.model = model
         self.loss_reduction = loss_reduction
         self.batch_first = bool(batch_first)
@@ -105,6 +107,7 @@ class Recorder:
         self.check = check  # (read on every forward: a plain attribute)
         self.strict = bool(strict)
         self._options = {"allow_batchnorm_train": bool(allow_batchnorm_train)}
+        self.allow_sample_mixing = bool(allow_sample_mixing)  # (read by placement.mixing)
         self.layers: List[Layer] = []
         self.names: Dict[int, str] = {}  # id(param) -> name in model.named_parameters()
         self.order: Dict[int, int] = {}
@@ -131,6 +134,7 @@ class Recorder:
         # tracing it and recompiling for every record; the filters above stay traceable.
         self._record = torch.compiler.disable(self.forward_pass.record_call)
         self._model_forward = torch.compiler.disable(self.forward_pass.model_forward)
+        self._note_forward = torch.compiler.disable(self.attachment.note_forward)
         self.reset_batch()
         self._attach()
 
@@ -260,6 +264,7 @@ class Recorder:
         # provenance the hooked layers whose forward runs are noted.
         if module is self.model:
             self._model_forward(module, args, call_kwargs())
+            self._note_forward()  # (after: a forward that follows a model change syncs first)
         elif self.placement.provenance is not None:
             layer = self._layer_of.get(id(module))
             if layer is not None:

@@ -74,11 +74,13 @@ class GradTotal:
     #: elements from which the gradient is summarised instead of kept.
     SUMMARISE = 1 << 16
 
-    __slots__ = ("full", "shape", "device", "probes", "proj", "norm")
+    __slots__ = ("full", "shape", "device", "probes", "proj", "norm", "hooks")
 
     def __init__(self, grad: Tensor):
         self.shape, self.device = grad.shape, grad.device
         self.full: Optional[Tensor] = None
+        #: the user's gradient hooks that ran on the parameter before ours (names), or None
+        self.hooks: Optional[str] = None
         if grad.numel() < self.SUMMARISE or grad.layout != torch.strided:
             self.full = grad
             return
@@ -152,14 +154,12 @@ def check_sums(items: Sequence[Tuple], scale: Optional[float]) -> None:
             gradients but no autograd gradient (e.g. ``torch.autograd.grad`` w.r.t. the input).
     """
     groups: Dict[torch.device, list] = {}
+    hooks: Dict[str, str] = {}
     for name, t, total, *tol_dtype in items:
         if total is None:
-            raise GradientMismatchError(
-                f"grad_outputs were recorded for the module owning {name!r}, but autograd "
-                f"computed no gradient for {name!r} in those backward passes (e.g. "
-                f"torch.autograd.grad with respect to the input only); per-sample gradients of "
-                f"the parameters are not defined for such a pass"
-            )
+            raise no_total(name)
+        if isinstance(total, GradTotal) and total.hooks:
+            hooks[name] = total.hooks
         flat = t.reshape(t.shape[0], -1)
         if isinstance(total, GradTotal):
             idx, ref = total.probe_index(), total.probe_values()
@@ -188,6 +188,15 @@ def check_sums(items: Sequence[Tuple], scale: Optional[float]) -> None:
                 k += size
                 if first < k:
                     break
+            if name in hooks:
+                raise GradientMismatchError(
+                    f"the per-sample gradients of {name!r} do not sum to the gradient autograd "
+                    f"computed for it (largest difference {err.max().item():.3g}): {name!r} has "
+                    f"gradient hooks registered before attach ({hooks[name]}, from "
+                    f"{name}.register_hook(...)) that changed the gradient autograd accumulates, "
+                    f"which per-sample gradients of the loss do not see. Register such hooks after "
+                    f"gradhooks.attach (they then change .grad only, after the check), or apply "
+                    f"the change to the per-sample results")
             raise GradientMismatchError(
                 f"the per-sample gradients of {name!r} do not sum to the gradient autograd "
                 f"computed for it (largest difference {err.max().item():.3g}). The parameter "
@@ -201,8 +210,9 @@ def no_total(name: str) -> GradientMismatchError:
     return GradientMismatchError(
         f"grad_outputs were recorded for the module owning {name!r}, but autograd computed no "
         f"gradient for {name!r} in those backward passes (e.g. torch.autograd.grad with respect "
-        f"to the input only); per-sample gradients of the parameters are not defined for such a "
-        f"pass"
+        f"to the input only, or torch.func.functional_call(model, params, x), whose forward "
+        f"uses the tensors passed in instead of the parameters); per-sample gradients of the "
+        f"parameters are not defined for such a pass"
     )
 
 
@@ -427,10 +437,14 @@ def refusal(read: str, *, attached: bool, changed: Optional[str], stale: Optiona
     if forwards > 1:
         return GradHooksError(
             f"{read}: the backward reached the records of {forwards} forwards of the model, "
-            f"whose rows would be added sample by sample (row n = sample n of every forward). Run "
-            f"one forward per backward (concatenate the inputs), or, if every forward saw the "
-            f"same samples in the same order (two views of one batch), declare it: "
-            f"attach(model, forwards='same_samples')")
+            f"whose rows would be added sample by sample (row n = sample n of every forward). "
+            f"This is what a contrastive or two-view loss does (SimCLR / InfoNCE over "
+            f"model(view1) and model(view2), a siamese or triplet loss). If every forward saw "
+            f"the same samples in the same order (two views or augmentations of one batch, sample "
+            f"n's own loss depending on both), declare it: attach(model, forwards='same_samples'), "
+            f"and the per-sample results sum over the forwards. Otherwise (different samples in "
+            f"each forward, or negatives drawn from other samples) run one forward per backward: "
+            f"concatenate the inputs, model(torch.cat([x1, x2])), and split the output")
     if higher_order is not None:
         return HigherOrderGradError(
             f"a backward pass with create_graph=True reached module {higher_order}: the loss "

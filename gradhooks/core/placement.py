@@ -42,7 +42,9 @@ from ..base.forms import Call
 from ..base.utils import detached, flatten, is_functorch_wrapped, tensors
 from ..rules.fallback import FallbackRule
 from .graph import mark
-from .provenance import Provenance, as_batch, input_batch_dim, shared_layout, source_cotangent
+from .mixing import Mixing
+from .provenance import (Provenance, as_batch, input_batch_dim, meeting_cotangent, shared_layout,
+                         source_cotangent)
 from .records import Layer, Record
 
 __all__ = ["Placement", "Placed", "BATCHED", "SHARED", "PLANNED", "relayout", "reads_batch_at",
@@ -190,26 +192,6 @@ def recomputed_error(layer: Layer) -> BatchSizeError:
         f"learned queries outside torch.utils.checkpoint")
 
 
-def meeting_cotangent(grad: Tensor, how: str, shape: tuple, dim: int) -> Tensor:
-    """Each sample's cotangent of a source-carrying tensor ``u`` of ``shape`` that met the batch
-    on dim ``dim``, from the gradient ``grad`` where it met: ``(B, *shape)``.
-
-    ``"broadcast"``: ``grad`` is ``u_b``'s, ``(..., B, ...)`` with ``B`` on ``dim``, and each
-    sample's slice is its own cotangent. ``"rows"`` (and ``"direct"``): ``u``'s ``B`` rows on dim
-    ``dim`` lined up with the batch's, so sample ``n``'s cotangent is row ``n`` of ``grad``,
-    zero elsewhere."""
-    if how == "broadcast":
-        grad = grad.movedim(dim, 0)
-        return grad.reshape(grad.shape[0], *shape)
-    size = shape[dim]
-    cotangent = grad.new_zeros((size, *shape))
-    idx = torch.arange(size, device=grad.device)
-    if size:
-        rows = cotangent.movedim(dim + 1, 1)  # (sample, row, ...): a view
-        rows[idx, idx] = grad.reshape(shape).movedim(dim, 0)
-    return cotangent
-
-
 class Placement:
     """The batch placement of one recorder: owns the provenance of the forward running now,
     what each input signature's tracked forward found, and the shared calls of the batch.
@@ -256,6 +238,8 @@ class Placement:
             where they cannot be split per sample (the batch's reads raise, :meth:`refusal`).
         pulling: a per-sample pull-back to shared sources is running (:meth:`on_meeting`): the
             parameters' gradient hooks see a pass that is not the user's.
+        mixing: the :class:`~gradhooks.core.mixing.Mixing` verdicts: ops of a signature's
+            forward that mix the samples (refused at the read, :meth:`refusal`).
     """
 
     def __init__(self, recorder, demote: Callable[[Layer], None]):
@@ -267,6 +251,7 @@ class Placement:
         self.plan_size = 0
         self.ordinals: Dict[int, int] = {}
         self.pulling = False
+        self.mixing = Mixing(recorder)  # (per signature and per batch: ops that mix samples)
         self.reset_batch()
 
     def reset_batch(self) -> None:
@@ -274,6 +259,7 @@ class Placement:
         self.shared_layers: set = set()
         self.met = False
         self.refused: Dict[int, Tuple[Record, str]] = {}
+        self.mixing.reset_batch()
 
     # ------------------------------------------------------------------ forward lifecycle
     def start(self, inputs: List[Tensor], training: bool) -> None:
@@ -294,6 +280,7 @@ class Placement:
         known = self.signatures.get(key)
         if isinstance(known, dict):  # (empty: no shared calls)
             self.plan, self.plan_size = known or None, first.shape[batch_dim]
+            self.mixing.key = key  # (its mixing ops join the batch when it returns)
             return
         # The top-level inputs are the batch (all of them: EmbeddingBag's offsets too); its size
         # is the first hooked call's on them (the first input's batch dim until then).
@@ -334,6 +321,7 @@ class Placement:
         prov = self.provenance
         if prov is None:
             self.plan = None
+            self.mixing.untracked_end(completed)
             return
         prov.depth -= 1
         if prov.depth:
@@ -358,6 +346,7 @@ class Placement:
         """Drop every signature's plan: the model changed (a resync), so the layers the plans
         name may be others."""
         self.signatures.clear()
+        self.mixing.signatures.clear()
 
     def _learn(self, prov: Provenance) -> None:
         # What a tracked forward that returned tells about its signature (see signatures): a
@@ -372,6 +361,7 @@ class Placement:
         before = self.signatures.get(prov.signature)
         self.signatures[prov.signature] = (plan if before is None or before == plan
                                            else "mode")
+        self.mixing.learned(prov.signature, prov.mixing)
 
     def _settle_params(self, prov: Provenance) -> None:
         # At the end of a tracked forward: a raw parameter (ViT's class token, a layer scale)
@@ -541,8 +531,10 @@ class Placement:
             self.refused.setdefault(id(record), (record, message))
             self.provenance.plain.add(id(record))
 
-    def refusal(self, read: str) -> Optional[BatchSizeError]:
-        """The error a read of this batch raises for a refused shared call, or ``None``."""
+    def refusal(self, read: str) -> Optional[GradHooksError]:
+        """The error a read of this batch raises for a refused shared call (a
+        :class:`BatchSizeError`) or a mixing op (:meth:`~gradhooks.core.mixing.Mixing.refusal`), or
+        ``None``."""
         for record, where in self.refused.values():
             return BatchSizeError(
                 f"module {record.layer.describe()} is called on inputs that do not come from the "
@@ -550,7 +542,7 @@ class Placement:
                 f"batch in {where}, which gradhooks cannot split per sample; {read} would be "
                 f"wrong. Make the shared tensor meet the batch by broadcasting (+, *, where, "
                 f"matmul, cat off the batch dim), or pass the module's inputs batched (B, ...)")
-        return None
+        return self.mixing.refusal(read)
 
     def on_meeting(self, edge, sources: tuple, how: str, shape: tuple, grad: Tensor,
                    dim: int) -> None:

@@ -39,6 +39,11 @@ batch dim in these two ways are split (:data:`ROW_ALIGNED`: elementwise arithmet
 mask); a source meeting the batch in any other op (``einsum``, an op that mixes samples) is
 refused at the read with the module, the op and the shapes, never guessed.
 
+The same data flow shows ops that mix the samples through the parameters (an op along the batch
+dim: a softmax or sort over it, batch statistics; or a reduction over it whose result meets the
+batch again: ``h - h.mean(0)``): :mod:`gradhooks.core.mixing` says which, and the batch's reads
+refuse them (:attr:`Provenance.mixing`, kept per signature by the placement).
+
 Tracking costs a Python call per torch op of the forward (about +5% on a Transformer block's
 forward). The recorder runs it on the first forward of each input signature (the top-level
 inputs' shapes and dtypes, train/eval mode). What it finds is kept per signature: without shared
@@ -52,16 +57,20 @@ from __future__ import annotations
 
 from typing import Callable, List
 
+import torch
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
-from .batch_dims import JOINS, MATMULS, METADATA, RECURRENT, ROW_ALIGNED, batch_dim_after
+from .batch_dims import (JOINS, MATMULS, METADATA, RECURRENT, ROW_ALIGNED, batch_dim_after,
+                         operands)
+from .mixing import MIXES, MIXING_OPS, STAT, mixing_op, upstream_of, user_line
 
 __all__ = ["Provenance", "ROW_ALIGNED", "shared_layout", "as_batch", "source_cotangent",
-           "batch_dim_after", "input_batch_dim"]
+           "batch_dim_after", "input_batch_dim", "meeting_cotangent"]
 
 _TAG = "_gradhooks_provenance"  # on tensors the forward computes: (token, sources, batch dim)
+_STAT = "_gradhooks_statistic"  # on statistics of the batch: (token, (kind, what))
 
 
 def input_batch_dim(t: Tensor, batch_dim: int) -> int:
@@ -105,6 +114,26 @@ def source_cotangent(cot: Tensor, how: str) -> Tensor:
     if how.startswith("expand"):
         cot = cot.squeeze(d + 1)
     return cot.movedim(0, d) if d else cot
+
+
+def meeting_cotangent(grad: Tensor, how: str, shape: tuple, dim: int) -> Tensor:
+    """Each sample's cotangent of a source-carrying tensor ``u`` of ``shape`` that met the batch
+    on dim ``dim``, from the gradient ``grad`` where it met: ``(B, *shape)``.
+
+    ``"broadcast"``: ``grad`` is ``u_b``'s, ``(..., B, ...)`` with ``B`` on ``dim``, and each
+    sample's slice is its own cotangent. ``"rows"`` (and ``"direct"``): ``u``'s ``B`` rows on dim
+    ``dim`` lined up with the batch's, so sample ``n``'s cotangent is row ``n`` of ``grad``,
+    zero elsewhere."""
+    if how == "broadcast":
+        grad = grad.movedim(dim, 0)
+        return grad.reshape(grad.shape[0], *shape)
+    size = shape[dim]
+    cotangent = grad.new_zeros((size, *shape))
+    idx = torch.arange(size, device=grad.device)
+    if size:
+        rows = cotangent.movedim(dim + 1, 1)  # (sample, row, ...): a view
+        rows[idx, idx] = grad.reshape(shape).movedim(dim, 0)
+    return cotangent
 
 
 class Provenance(TorchFunctionMode):
@@ -163,6 +192,11 @@ class Provenance(TorchFunctionMode):
         swapped: a position-wise layer's records had their batch dim moved (``T == B`` or
             ``(B * T, D)`` rows, :meth:`gradhooks.core.placement.Placement.place`): tracked on every
             forward.
+        mixing: ``[(kind, what)]``: the ops of this forward that mix the samples through the
+            parameters (:mod:`gradhooks.core.mixing`: an op along the batch dim, batch
+            statistics, or a statistic of the batch that met the batch again), ``what`` naming
+            the op, the module upstream and the line of the forward.
+        stats: how many statistics of the batch (reductions over it) this forward made.
     """
 
     def __init__(self, batch_size: int, batch_dim: int, inputs: List[Tensor],
@@ -186,6 +220,8 @@ class Provenance(TorchFunctionMode):
         self.plain: set = set()
         self.kinds: dict = {}
         self.swapped = False
+        self.mixing: list = []  # [(kind, what)]: ops of this forward that mix the samples
+        self.stats = 0  # statistics of the batch made so far (gradhooks.core.mixing)
 
     # -------------------------------------------------------------- tags
     def batched(self, t) -> bool:
@@ -257,6 +293,10 @@ class Provenance(TorchFunctionMode):
             self.noted(sources, "derived", None, None, None)  # (computed from before the meeting;
             # an op that returns its input, .to() of the same dtype, computes nothing)
         if ref is not None:
+            if func in MIXING_OPS:
+                self._mixing(func, args, kwargs, ref, rbd, out)
+            if self.stats:
+                self._statistics(func, batched, out)
             if isinstance(out, Tensor):
                 _set(out, (self.token, None, batch_dim_after(func, args, kwargs, ref, rbd,
                                                              batched, out)))
@@ -274,6 +314,52 @@ class Provenance(TorchFunctionMode):
                     if isinstance(o, Tensor):
                         _set(o, tag)
         return out
+
+    # -------------------------------------------------------------- ops that mix the samples
+    def _mixing(self, func, args, kwargs, ref, bd, out) -> None:
+        # An op on the batch that mixes the samples (gradhooks.core.mixing): noted, or its
+        # output marked as a statistic of the batch, where it requires grad through a
+        # recorded parameter.
+        found = mixing_op(func, args, kwargs, ref, bd)
+        if found is None:
+            return
+        outs = [o for o in ((out,) if isinstance(out, Tensor) else out)
+                if isinstance(o, Tensor) and o.requires_grad]
+        if not outs:
+            return  # (detached, under no_grad, or integer: no gradient flows back)
+        upstream = upstream_of(ref, self.params)
+        if upstream is None:
+            return  # (computed from the inputs alone: each sample's loss is still its own)
+        kind, what = found
+        what = f"{what} of a tensor computed from {upstream}{user_line()}"
+        if kind != STAT:
+            self.mixing.append((kind, what))
+            return
+        self.stats += 1
+        for o in outs:
+            _set_stat(o, (self.token, (MIXES, what)))
+
+    def _statistics(self, func, batched, out) -> None:
+        # A statistic of the batch in this op: one that meets a tensor carrying the batch is
+        # broadcast back to the samples (mixing); ops on statistics alone give statistics.
+        stat, carried = None, False
+        for t, bd in batched:
+            if bd is None:
+                tag = getattr(t, _STAT, None)
+                if tag is not None and tag[0] is self.token and stat is None:
+                    stat = tag[1]
+            else:
+                carried = True
+        if stat is None:
+            return
+        if carried:
+            name = getattr(func, "__name__", repr(func))
+            self.mixing.append((stat[0], f"{stat[1]}, whose result meets the batch again in "
+                                         f"{name}"))
+            return
+        for o in ((out,) if isinstance(out, Tensor) else out):
+            if isinstance(o, Tensor) and o.requires_grad:
+                _set_stat(o, (self.token, stat))
 
     # -------------------------------------------------------------- where sources meet the batch
     def _split(self, func, args, kwargs, ref, bd, tainted, sources):
@@ -338,6 +424,13 @@ def _set(t: Tensor, tag) -> None:
         pass
 
 
+def _set_stat(t: Tensor, tag) -> None:
+    try:
+        setattr(t, _STAT, tag)
+    except (AttributeError, RuntimeError):
+        pass
+
+
 def _union(a: tuple, b: tuple) -> tuple:
     if a is b:
         return a
@@ -345,14 +438,5 @@ def _union(a: tuple, b: tuple) -> tuple:
     return a + tuple(s for s in b if id(s[0]) not in seen)
 
 
-def _tensors(args, kwargs):
-    for group in (args, kwargs.values()):
-        for a in group:
-            if isinstance(a, Tensor):
-                yield a
-            elif type(a) in (list, tuple):
-                yield from (t for t in a if isinstance(t, Tensor))
-
-
 def _shapes(args, kwargs) -> str:
-    return ", ".join(str(tuple(t.shape)) for t in _tensors(args, kwargs))
+    return ", ".join(str(tuple(t.shape)) for t in operands(args, kwargs))

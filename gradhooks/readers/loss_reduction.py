@@ -1,0 +1,269 @@
+"""Whether a loss handed to gradhooks is the reduction over samples it is declared to be.
+
+``gh.backward(loss)`` and ``gh.clipped_backward(losses, C)`` see the loss tensor, so its
+autograd graph can be read before the backward runs: :func:`check_batch_loss` and
+:func:`check_per_sample_losses` follow it from ``loss.grad_fn`` down through constant scalings
+(``* c``, ``/ c``, dtype casts, copies; :data:`_PASS`) to the first reduction node, at most
+:data:`_CAP` nodes, and never into the model. Where the loss cannot be seen
+(``loss.backward()``) nothing is checked.
+
+Index conventions: ``n`` sample (``B`` of the batch), ``t`` a token of a sample, ``N_n`` the valid
+(not ``ignore_index``) tokens of sample ``n``, ``N = sum_n N_n``.
+
+Refused (:class:`~gradhooks.base.errors.UnsupportedLossError`), the rest is said nothing about:
+
+(a) a token-level mean: ``nll_loss`` / ``cross_entropy`` with ``reduction="mean"`` over ``B T``
+    rows (``(B, T, V)`` logits flattened, as transformers' causal-LM and seq2seq losses do) whose
+    target holds ``ignore_index`` entries with unequal counts ``N_n``. The loss is
+    ``(1/N) sum_n N_n mean_n``, so the per-sample results would be ``B N_n / N`` times the
+    gradient of each sample's own token mean. Equal counts (no padding) give exactly
+    ``(1/B) sum_n mean_n`` and are allowed.
+(b) a reduction contradicting the declared ``loss_reduction``: ``"mean"`` declared and a sum over
+    the batch not scaled (a loss function's ``reduction="sum"`` over ``B`` leading rows, or
+    ``.sum()`` of its ``(B,)`` ``reduction="none"`` losses), or ``"sum"`` declared and such a
+    mean not scaled (the results would be ``B`` times, or ``1/B`` times, the own-loss
+    gradients). A scaled one (``loss_sum / B``) is not judged, nor ``.sum()`` / ``.mean()`` of
+    anything else (``model(x).sum()``, a pseudo-loss of many tests and probes).
+(c) per-sample losses (``clipped_backward``) that are one batch loss broadcast to ``(B,)``: each
+    entry then depends on every sample and clipping bounds nothing per sample.
+
+Not recognised (nothing said): sums of loss terms (``loss + aux``), scalings by a tensor that
+lives on an accelerator (its value would need a device sync) or that requires grad, class
+weights (``weight=``), label smoothing, reductions over dimensions, any other node on the way.
+The walk reads only node attributes (and, for (a), the saved target once); it keeps no
+reference to the graph or its tensors.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..base.errors import UnsupportedLossError
+
+__all__ = ["check_batch_loss", "check_per_sample_losses"]
+
+#: Nodes followed when at most this many lie above the reduction.
+_CAP = 16
+#: Nodes with one input that keep the loss a constant multiple of it.
+_PASS = frozenset({"ToCopyBackward0", "CloneBackward0", "AliasBackward0", "ViewBackward0",
+                   "ReshapeAliasBackward0", "UnsafeViewBackward0", "SqueezeBackward0",
+                   "SqueezeBackward1", "UnsqueezeBackward0", "PosBackward0"})
+#: Constant scalings: ``loss * c``, ``c * loss``, ``loss / c`` (``c`` one number).
+_SCALE = frozenset({"MulBackward0", "DivBackward0"})
+#: Broadcasts of a scalar to ``(B,)`` (only looked through for per-sample losses).
+_BROADCAST = frozenset({"ExpandBackward0", "RepeatBackward0"})
+_NLL = frozenset({"NllLossBackward0", "NllLoss2DBackward0"})
+#: Losses with a ``reduction`` argument (1 mean, 2 sum) and the input saved as ``self``.
+_REDUCING = frozenset({"MseLossBackward0", "L1LossBackward0", "SmoothL1LossBackward0",
+                       "HuberLossBackward0", "BinaryCrossEntropyBackward0",
+                       "BinaryCrossEntropyWithLogitsBackward0", "SoftMarginLossBackward0"})
+_FULL = {"MeanBackward0": 1, "SumBackward0": 2}
+_MEAN, _SUM = 1, 2
+#: The "flatten (B, T, V) to rows" nodes whose saved sizes give the rows' layout.
+_FLATTEN = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+_ROW_OPS = frozenset({"LogSoftmaxBackward0", "ToCopyBackward0", "CloneBackward0"})
+
+
+def check_batch_loss(loss: Tensor, batch_size: Optional[int], loss_reduction: str,
+                     gradient: Optional[Tensor] = None) -> None:
+    """Refuse a scalar batch loss that is not the declared reduction over samples (cases (a)
+    and (b) of the module docstring); say nothing about any loss not recognised.
+
+    Args:
+        loss: the tensor handed to :meth:`gradhooks.GradHooks.backward`.
+        batch_size: ``B`` of the recorded forward (``None``: nothing recorded, no check).
+        loss_reduction: ``"mean"`` or ``"sum"``, as given to :func:`gradhooks.attach`.
+        gradient: the ``gradient`` argument (given: the scale is unknown, no check).
+
+    Raises:
+        UnsupportedLossError: a token-level mean over unequal valid-token counts, or a
+            reduction over the batch that contradicts ``loss_reduction``.
+    """
+    if gradient is not None or not batch_size or batch_size < 2 or loss.dim() != 0:
+        return
+    found = _read(loss, batch_size, broadcast=False)
+    if found is None:
+        return
+    node, factor, kind, counts = found
+    if counts is not None:
+        raise UnsupportedLossError(_token_mean_message(counts, loss_reduction))
+    if factor != 1.0:
+        return
+    if loss_reduction == "mean" and kind == _SUM:
+        raise UnsupportedLossError(
+            f"gh.backward(loss): loss_reduction='mean' was declared, but the loss is a sum over "
+            f"the batch ({type(node).__name__}, B = {batch_size}): every per-sample result would "
+            f"be {batch_size} (B) times the gradient of the sample's own loss. Divide the loss "
+            f"by B (e.g. reduction='mean', or per-sample losses and losses.mean()), or attach "
+            f"with loss_reduction='sum'.")
+    if loss_reduction == "sum" and kind == _MEAN:
+        raise UnsupportedLossError(
+            f"gh.backward(loss): loss_reduction='sum' was declared, but the loss is a mean over "
+            f"the batch ({type(node).__name__}, B = {batch_size}): every per-sample result would "
+            f"be 1/{batch_size} (1/B) times the gradient of the sample's own loss. Sum the "
+            f"losses (reduction='sum', or per-sample losses and losses.sum()), or attach with "
+            f"loss_reduction='mean'.")
+
+
+def check_per_sample_losses(losses: Tensor, batch_size: Optional[int]) -> None:
+    """Refuse ``(B,)`` per-sample losses that are one batch loss broadcast to ``B`` entries
+    (case (c) of the module docstring); say nothing about anything else.
+
+    Raises:
+        UnsupportedLossError: ``losses`` is a scalar reduction over the batch, expanded.
+    """
+    if not isinstance(losses, Tensor) or not batch_size or losses.dim() != 1:
+        return
+    found = _read(losses, batch_size, broadcast=True)
+    if found is not None:
+        raise UnsupportedLossError(
+            f"clipped_backward(losses, ...): the losses are one loss reduced over the whole "
+            f"batch ({type(found[0]).__name__}) and broadcast to {batch_size} entries, so each "
+            f"entry depends on every sample and clipping bounds no sample's contribution. Pass "
+            f"per-sample losses: F.cross_entropy(out, y, reduction='none'), or "
+            f"gradhooks.per_sample_token_loss(logits, labels) for token losses.")
+
+
+def _read(loss: Tensor, batch_size: int, broadcast: bool):
+    """``(node, factor, kind, counts)`` of the reduction over the batch below ``loss``
+    (:func:`_reduction`, :func:`_kind`; ``counts``: the unequal valid-token counts of a
+    token-level mean, else ``None``), or ``None`` if none is recognised or the graph's saved
+    tensors were freed (autograd's own backward then says so)."""
+    try:
+        found = _reduction(loss.grad_fn, broadcast)
+        if found is None:
+            return None
+        node, factor = found
+        kind, rows = _kind(node, batch_size)
+        if kind is None:
+            return None
+        counts = (_unequal_counts(node, rows, batch_size) if kind == _MEAN and rows is not None
+                  else None)
+    except RuntimeError:  # saved tensors already freed by an earlier backward
+        return None
+    return node, factor, kind, counts
+
+
+def _reduction(node, broadcast: bool) -> Optional[Tuple[object, Optional[float]]]:
+    """The first reduction node below ``node`` through constant scalings, and the product of
+    the scalings (``None`` where one is not known without a device sync); ``None`` if another
+    node comes first or the walk passes :data:`_CAP` nodes."""
+    factor: Optional[float] = 1.0
+    for _ in range(_CAP):
+        if node is None:
+            return None
+        name = type(node).__name__
+        if name in _NLL or name in _REDUCING or name in _FULL:
+            return node, factor
+        nexts = [n for n, _ in node.next_functions if n is not None]
+        if len(nexts) != 1:
+            return None
+        if name in _SCALE:
+            c = _constant(node, name)
+            if c is False:
+                return None
+            factor = None if c is None or factor is None else factor * c
+        elif name not in _PASS and not (broadcast and name in _BROADCAST):
+            return None
+        node = nexts[0]
+    return None
+
+
+def _constant(node, name: str):
+    """The constant ``c`` of a scaling node as a factor (``c``, or ``1/c`` for a division);
+    ``None`` if not known without a device sync, ``False`` if the node is no constant scaling."""
+    first, second = (n for n, _ in node.next_functions)
+    if name == "DivBackward0":
+        if second is not None:
+            return False
+        c = node._saved_other
+    else:
+        c = node._saved_other if second is None else node._saved_self
+    if not isinstance(c, Tensor) or c.numel() != 1 or c.requires_grad:
+        return False
+    if c.device.type != "cpu":
+        return None
+    v = float(c.item())
+    if name == "DivBackward0":
+        return 1.0 / v if v != 0 else False
+    return v
+
+
+def _kind(node, batch_size: int) -> Tuple[Optional[int], Optional[int]]:
+    """(mean or sum, rows per sample for an ``nll_loss`` over flattened ``(B, T, V)`` logits,
+    else ``None``) of a reduction node over the batch; ``(None, None)`` if it is not one."""
+    name = type(node).__name__
+    if name in _FULL:  # judged only over (B,) losses of a loss function (reduction='none')
+        below = node.next_functions[0][0]
+        ok = (tuple(node._saved_self_sym_sizes) == (batch_size,) and below is not None
+              and (type(below).__name__ in _NLL or type(below).__name__ in _REDUCING)
+              and below._saved_reduction == 0)
+        return (_FULL[name], None) if ok else (None, None)
+    reduction = node._saved_reduction
+    if reduction not in (_MEAN, _SUM):
+        return None, None
+    if name in _REDUCING:
+        x = getattr(node, "_saved_self", None)
+        ok = isinstance(x, Tensor) and x.dim() and x.shape[0] == batch_size
+        return (reduction, None) if ok else (None, None)
+    if node._saved_weight is not None:  # class weights: a weighted mean, not judged
+        return None, None
+    target = node._saved_target
+    if target.dim() >= 2 or name != "NllLossBackward0":
+        return ((reduction, target[0].numel()) if target.shape[0] == batch_size
+                else (None, None))
+    rows = target.numel()
+    if rows == batch_size:
+        return reduction, 1
+    if rows % batch_size or not _batch_first_rows(node, rows, batch_size):
+        return None, None
+    return reduction, rows // batch_size
+
+
+def _batch_first_rows(node, rows: int, batch_size: int) -> bool:
+    """Whether the input rows of an ``nll_loss`` node are ``(B, T, V)`` logits flattened batch
+    first: the first flattening node below it (through ``log_softmax``, casts and copies) saved
+    the sizes ``(B, T, V)``."""
+    node = node.next_functions[0][0]
+    for _ in range(4):
+        if node is None:
+            return False
+        name = type(node).__name__
+        if name in _FLATTEN:
+            sizes = tuple(node._saved_self_sym_sizes)
+            return len(sizes) == 3 and sizes[0] == batch_size and sizes[0] * sizes[1] == rows
+        if name not in _ROW_OPS:
+            return False
+        node = node.next_functions[0][0]
+    return False
+
+
+def _unequal_counts(node, rows: int, batch_size: int) -> Optional[list]:
+    """The valid-token counts ``N_n`` of an ``nll_loss`` node's target, if they differ between
+    samples (one comparison: on an accelerator, one sync); ``None`` if they are all equal."""
+    ignore = int(node._saved_ignore_index)
+    if ignore >= 2 ** 63:  # (saved as an unsigned 64-bit integer)
+        ignore -= 2 ** 64
+    with torch.no_grad():
+        counts = (node._saved_target.reshape(batch_size, rows) != ignore).sum(1)
+        if bool((counts == counts[0]).all()):
+            return None
+        return counts.tolist()
+
+
+def _token_mean_message(counts: list, loss_reduction: str) -> str:
+    b, n = len(counts), sum(counts)
+    shown = ", ".join(str(c) for c in counts[:8]) + (", ..." if b > 8 else "")
+    scales = ", ".join(f"{b * c / n:.3g}" for c in counts[:8]) + (", ..." if b > 8 else "")
+    reduce = "losses.mean()" if loss_reduction == "mean" else "losses.sum()"
+    return (
+        f"gh.backward(loss): the loss is a mean over all valid tokens of the batch (nll_loss / "
+        f"cross_entropy with reduction='mean' and ignore_index), and the samples have different "
+        f"numbers of valid tokens N_n = [{shown}] (N = {n}, B = {b}). Per-sample results from it "
+        f"would be B N_n / N = [{scales}] times the gradient of each sample's own token-mean "
+        f"loss, not that gradient. Pass per-sample losses instead: losses = "
+        f"gradhooks.per_sample_token_loss(logits, labels) (shift=False for seq2seq labels) and "
+        f"gh.backward({reduce}) (loss_reduction={loss_reduction!r}), or "
+        f"gh.clipped_backward(losses, max_norm).")
