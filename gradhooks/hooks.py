@@ -25,7 +25,7 @@ from .readers.ggn import empirical_fisher_diag, ggn_diag, ggn_sqrt, ggn_vector_p
 from .readers.gram import GradientFeatures, gradient_features, gram, jacobian_features
 from .readers.jacobians import per_sample_jacobians
 from .readers.kfac import DiagonalFactors, KFACFactors, kfac_factors
-from .readers.loss_reduction import check_batch_loss, check_per_sample_losses
+from .readers.loss_reduction import check_batch_loss, check_per_sample_losses, loss_scale_of
 from .readers.norms import per_sample_grad_norms
 from .readers.per_sample import per_sample_grads
 from .readers.projections import projected_grads
@@ -189,6 +189,9 @@ class GradHooks:
         (``torch.autograd.grad(loss, params)``, handed to the check and dropped, ``.grad``
         untouched), and the next read runs the check. On the other steps reads skip it.
 
+        A ``loss`` that is ``scaler.scale(x)`` (a ``torch.amp.GradScaler``) is read as with
+        ``attach(..., grad_scaler=scaler)``: results of ``x``, ``.grad`` written at the scale.
+
         Args:
             loss: the tensor to differentiate, usually the scalar batch loss reduced as the
                 ``loss_reduction`` given to :func:`attach` says.
@@ -210,6 +213,7 @@ class GradHooks:
                 "GradHooks.backward(loss): loss must be a tensor that requires grad (the output of "
                 "a forward of the hooked model, not under torch.no_grad())")
         check_batch_loss(loss, self.recorder.batch_size, self.recorder.loss_reduction, gradient)
+        self.recorder.reads.see_scale(loss_scale_of(loss))
         self.recorder.drive(loss, gradient, retain_graph)
 
     def per_sample_grads(self, *, retain_records: bool = False) -> Dict[str, Tensor]:
@@ -287,6 +291,7 @@ class GradHooks:
         :meth:`clip_and_accumulate`. Arguments and errors:
         :func:`gradhooks.readers.clipping.clipped_backward`."""
         check_per_sample_losses(losses, self.recorder.batch_size)
+        self.recorder.reads.see_scale(loss_scale_of(losses))
         return clipped_backward(self.recorder, losses, max_norm,
                                 noise_multiplier=noise_multiplier, generator=generator,
                                 accumulate=accumulate, accumulation=self.accumulation)

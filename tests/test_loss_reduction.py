@@ -106,13 +106,16 @@ def test_padding_with_equal_counts_or_one_sample_allowed(valid):
         assert gh.per_sample_grads()
 
 
-def test_loss_backward_unchanged():
-    """Where the loss cannot be seen (plain loss.backward()), nothing is checked."""
+def test_loss_backward_of_an_in_forward_token_mean_is_refused_at_the_read():
+    """With a plain loss.backward() the loss is not handed to gradhooks, but transformers
+    computes it inside the forward, where provenance sees it (gradhooks.core.token_means):
+    the read refuses it (tests/test_token_mean_in_forward.py has the other cases)."""
     model = gpt2()
     ids, labels = padded()
     with gradhooks.attach(model, loss_reduction="mean") as gh:
         model(ids, labels=labels).loss.backward()
-        assert gh.per_sample_grads()
+        with pytest.raises(gradhooks.UnsupportedLossError, match=r"N_n = \[7, 4, 2\]"):
+            gh.per_sample_grads()
 
 
 def test_per_sample_rows_mean_with_ignored_samples_refused():
@@ -173,6 +176,28 @@ def test_weighted_loss_allowed(declared):
         gh.backward(loss_fn(model(x), w))
         ours = gh.per_sample_grads()
     assert_close_to_loop(ours, loop_grads(model, loss_fn, x, w), torch.float64)
+
+
+@pytest.mark.parametrize("declared,losses,wrong", [
+    ("mean", SUM_LOSSES, "sum over the batch"), ("sum", MEAN_LOSSES, "mean over the batch")],
+    ids=["mean-declared", "sum-declared"])
+def test_loss_scaled_by_a_grad_scaler_judged_below_the_scale(declared, losses, wrong):
+    """scaler.scale(loss) (case (d)): its scale is the GradScaler's, read by the recorder, so the
+    loss below it is judged as an unscaled one: contradicting refused, matching exact."""
+    model = mlp()
+    x, y = data()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    right = MEAN_LOSSES if declared == "mean" else SUM_LOSSES
+    with gradhooks.attach(model, loss_reduction=declared) as gh:
+        for name, fn in losses.items():
+            if name == "sum-over-B":  # scaled by 1/B: not judged
+                continue
+            with pytest.raises(gradhooks.UnsupportedLossError, match=wrong):
+                gh.backward(scaler.scale(fn(model(x), y)))
+        for name, fn in right.items():
+            gh.backward(scaler.scale(fn(model(x), y)))
+            assert_close_to_loop(gh.per_sample_grads(), loop_grads(model, fn, x, y),
+                                 torch.float64)
 
 
 def test_not_recognised_says_nothing():

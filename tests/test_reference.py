@@ -166,3 +166,28 @@ def test_compare_is_cpu_independent_on_tied_digits():
         assert report.kink is not None, str(report)
         assert report.kink.record.where() == (
             "max_pool2d_with_indices after 'net.conv2' in 'net' (DigitsCNN)")
+
+
+@pytest.mark.parametrize("reference", ["looped", "batched", "compare"])
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+def test_a_loss_module_whose_reduction_contradicts_loss_reduction_is_refused(reference,
+                                                                           loss_reduction):
+    """nn.CrossEntropyLoss(reduction="sum") with loss_reduction="mean" (and the reverse): refused
+    before any forward, naming both and what to pass; reduction="none": it must be reduced."""
+    lin = nn.Linear(3, 4).double()
+    x, y = torch.randn(5, 3, dtype=F64), torch.randint(0, 4, (5,))
+    run = {"looped": gradhooks.looped_per_sample_grads,
+           "batched": gradhooks.batched_forward_per_sample_grads,
+           "compare": gradhooks.compare}[reference]
+    other = "sum" if loss_reduction == "mean" else "mean"
+    with pytest.raises(ValueError, match=rf"CrossEntropyLoss\(reduction='{other}'\).*"
+                                         rf"loss_reduction='{loss_reduction}' was given: pass "
+                                         rf"loss_reduction='{other}'"):
+        run(lin, nn.CrossEntropyLoss(reduction=other), x, y, loss_reduction=loss_reduction)
+    with pytest.raises(ValueError, match=r"MSELoss\(reduction='none'\): it returns per-sample "
+                                         r"losses, which must be reduced over the samples"):
+        run(lin, nn.MSELoss(reduction="none"), x, torch.randn(5, 4, dtype=F64),
+            loss_reduction=loss_reduction)
+    ok = run(lin, nn.CrossEntropyLoss(reduction=loss_reduction), x, y,
+             loss_reduction=loss_reduction)
+    assert ok is not None

@@ -128,3 +128,84 @@ def test_no_loss_scale_warning_when_declared_or_not_float16(dtype):
                 gh.per_sample_grads()
         else:
             _autocast_read(dtype, grad_scaler=scaler)
+
+
+# ---------------------------------------------------------------- a scale seen on the loss
+def _seen_run(grad_scaler, method, scaler):
+    """One float16 step handing the scaled loss to gh.backward / gh.clipped_backward."""
+    model, x, y = _setup(4)
+    with gradhooks.attach(model, grad_scaler=grad_scaler) as gh:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        if method == "two_pass":
+            losses = F.cross_entropy(out.float(), y, reduction="none")
+            norms = gh.clipped_backward(scaler.scale(losses) if grad_scaler is None else losses,
+                                        0.5)
+            return norms, None, {n: p.grad.clone() for n, p in model.named_parameters()}
+        gh.backward(scaler.scale(F.cross_entropy(out.float(), y)))
+        grads = gh.per_sample_grads(retain_records=True)
+        norms = gh.clip_and_accumulate(0.5, method=method)
+        return norms, grads, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("method", ["ghost", "materialize", "two_pass"])
+def test_scale_seen_on_the_loss_reads_as_a_declared_grad_scaler(method):
+    """gh.backward(scaler.scale(loss)) / gh.clipped_backward(scaler.scale(losses), C) with no
+    grad_scaler declared: the results are those of attach(grad_scaler=scaler) (of the unscaled
+    loss, against the float32 loop), .grad written at the scale; the scale is recognised by its
+    form, so a LossScaleWarning says so once (none with the scaler declared)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    model, x, y = _setup(4)
+    ref = loop_grads(model, F.cross_entropy, x, y)
+    with pytest.warns(gradhooks.LossScaleWarning, match="read a loss scale of 4096"):
+        norms, grads, written = _seen_run(None, method, scaler)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gradhooks.LossScaleWarning)
+        declared_norms, declared_grads, declared_written = _seen_run(scaler, method, scaler)
+    torch.testing.assert_close(norms, declared_norms)
+    for n, g in declared_written.items():
+        torch.testing.assert_close(written[n], g)
+    assert float(written["0.weight"].abs().max()) > 100  # written at the scale
+    if grads is not None:
+        _close(grads, ref)
+        for n, g in declared_grads.items():
+            torch.testing.assert_close(grads[n], g)
+
+
+@pytest.mark.filterwarnings("ignore::gradhooks.LossScaleWarning")
+def test_scale_seen_lasts_one_batch_and_a_plain_scaling_is_no_loss_scale():
+    model, x, y = _setup(5)
+    ref = loop_grads(model, F.cross_entropy, x, y)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    with gradhooks.attach(model) as gh:
+        gh.backward(scaler.scale(F.cross_entropy(model(x), y)))
+        _close(gh.per_sample_grads(), ref)
+        gh.backward(F.cross_entropy(model(x), y))  # the next batch: unscaled, read unscaled
+        _close(gh.per_sample_grads(), ref)
+        gh.backward(F.cross_entropy(model(x), y) * torch.tensor(3.0))  # not a power of two
+        _close(gh.per_sample_grads(), {n: 3 * g for n, g in ref.items()})
+
+
+@pytest.mark.filterwarnings("ignore::gradhooks.LossScaleWarning")
+@pytest.mark.parametrize("two_pass", [False, True], ids=["ghost", "two_pass"])
+def test_scale_seen_on_micro_batches_reaches_finish_step(two_pass):
+    """Micro-batches handed scaled (accumulate=True): finish_step writes .grad at the scale, as
+    with attach(grad_scaler=scaler)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    written = []
+    for declared in (None, scaler):
+        model, x, y = _setup(6)
+        with gradhooks.attach(model, grad_scaler=declared) as gh:
+            for part in (slice(0, 4), slice(4, 8)):
+                if two_pass:
+                    losses = F.cross_entropy(model(x[part]), y[part], reduction="none")
+                    gh.clipped_backward(losses if declared else scaler.scale(losses), 0.5,
+                                        accumulate=True)
+                else:
+                    gh.backward(scaler.scale(F.cross_entropy(model(x[part]), y[part])))
+                    gh.clip_and_accumulate(0.5, accumulate=True)
+            gh.finish_step()
+            written.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for n, g in written[1].items():
+        torch.testing.assert_close(written[0][n], g)
+    assert float(written[0]["0.weight"].abs().max()) > 1  # at the scale

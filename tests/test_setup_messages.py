@@ -57,6 +57,28 @@ def test_gradient_hook_that_changes_the_gradient_is_named():
             gh.per_sample_grads()
 
 
+@pytest.mark.parametrize("read", ["per_sample_grad_norms", "clip_and_accumulate"])
+@pytest.mark.parametrize("param", ["0.weight", "0.bias"], ids=["weight-projection", "bias-probes"])
+def test_gradient_hook_is_named_by_the_norms_and_clipping_checks(read, param):
+    """The norms' and ghost clipping's sum check (the random projection of a Gram-form or
+    rank-one weight, the probes of a bias) names the user's hook as per_sample_grads' does."""
+    model = _mlp()
+    x, y = _data()
+
+    def double_it(g):
+        return 2 * g
+
+    model.get_parameter(param).register_hook(double_it)
+    with gradhooks.attach(model) as gh:
+        F.cross_entropy(model(x), y).backward()
+        with pytest.raises(gradhooks.GradientMismatchError,
+                           match=rf"{param!r} has gradient hooks.*double_it.*register_hook"):
+            if read == "per_sample_grad_norms":
+                gh.per_sample_grad_norms()
+            else:
+                gh.clip_and_accumulate(1.0)
+
+
 def test_gradient_hook_registered_after_attach_changes_grad_only():
     model = _mlp()
     x, y = _data()

@@ -8,16 +8,25 @@ the forward, a shared call refused by the placement, an input modified in place.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import List, Optional
 
 import torch
+from torch import Tensor
 
 from ..base.errors import GradientMismatchError, LossScaleWarning
 from .checks import refusal
 from .records import Batch, Record
 
-__all__ = ["BatchReads"]
+__all__ = ["BatchReads", "is_loss_scale"]
+
+
+def is_loss_scale(value: float) -> bool:
+    """Whether ``value`` can be a ``torch.amp.GradScaler``'s scale as gradhooks reads one seen on
+    a loss: a power of two of at least 2 (its ``init_scale`` times powers of its growth and
+    backoff factors, 2 and 1/2 by default)."""
+    return math.isfinite(value) and value >= 2.0 and math.frexp(value)[0] == 0.5
 
 
 class BatchReads:
@@ -28,6 +37,9 @@ class BatchReads:
     def __init__(self, recorder):
         self._recorder = recorder
         self._scale_warned = False  # LossScaleWarning: once per attachment
+        self._seen_warned = False  # the same, for a scale read from the loss
+        #: The loss scale seen on this batch's loss (:meth:`see_scale`), or ``None``.
+        self.seen: Optional[Tensor] = None
 
     def snapshot(self, read: str, records: Optional[List[Record]] = None,
                  release: bool = False, sum_check: bool = True, result: bool = False) -> Batch:
@@ -86,7 +98,8 @@ class BatchReads:
                 f"itself (load other values with model.load_state_dict(params) or "
                 f"param.copy_() under torch.no_grad()), or compute per-sample gradients of "
                 f"functional_call with torch.func.vmap(torch.func.grad(...))")
-        if not self._scale_warned and recorder.grad_scaler is None:
+        scale = self.grad_scale()  # (read once: a scale seen on an accelerator syncs)
+        if not self._scale_warned and recorder.grad_scaler is None and scale == 1.0:
             self._warn_scale(reached)
         records = tuple(reached if records is None else records)
         for record in records:
@@ -98,7 +111,7 @@ class BatchReads:
             if recorder._sum_check == "due" or recorder.sum_check.read_due(structure):
                 key = structure
         releasing = release and recorder.result is None  # (a kept result: nothing is formed)
-        batch = Batch.of(recorder, records, key, checking, self.grad_scale(), releasing)
+        batch = Batch.of(recorder, records, key, checking, scale, releasing)
         if releasing:
             recorder._released = True
         return batch
@@ -115,16 +128,43 @@ class BatchReads:
             f"grad_outputs, autocast) and attach() was given no grad_scaler: if the loss was "
             f"scaled (scaler.scale(loss).backward() with a torch.amp.GradScaler), every per-sample "
             f"result is scaled by the loss scale (65536 by default). Pass "
-            f"gradhooks.attach(model, ..., grad_scaler=scaler)", LossScaleWarning, stacklevel=5)
+            f"gradhooks.attach(model, ..., grad_scaler=scaler), or call "
+            f"gh.backward(scaler.scale(loss)), which reads the scale from the loss",
+            LossScaleWarning, stacklevel=5)
+
+    def see_scale(self, scale: Optional[Tensor]) -> None:
+        """Note the scale tensor of a ``scaler.scale(loss)`` handed to ``gh.backward`` or
+        ``gh.clipped_backward`` (:func:`gradhooks.readers.loss_reduction.loss_scale_of`; ``None``:
+        none seen, an earlier one stays). A copy is kept (``scaler.update()`` changes the
+        scaler's in place) and read only by :meth:`grad_scale` (on an accelerator, the read
+        syncs as ``scaler.get_scale()`` does). Dropped with the batch."""
+        if scale is not None:
+            self.seen = scale.detach().clone()
 
     def grad_scale(self) -> float:
         """The loss scale ``S`` of the recorder's ``grad_scaler`` (its current ``get_scale()``,
-        the one the last ``scaler.scale(loss).backward()`` used), or ``1.0``: the recorded
-        grad_outputs are ``S`` times those of the loss."""
+        the one the last ``scaler.scale(loss).backward()`` used); without one, the scale seen on
+        this batch's loss (:meth:`see_scale`) where :func:`is_loss_scale`; else ``1.0``: the
+        recorded grad_outputs are ``S`` times those of the loss."""
         scaler = self._recorder.grad_scaler
-        if scaler is None or not scaler.is_enabled():
+        if scaler is not None:
+            return float(scaler.get_scale()) if scaler.is_enabled() else 1.0
+        if self.seen is None:
             return 1.0
-        return float(scaler.get_scale())
+        value = float(self.seen)
+        if not is_loss_scale(value):
+            return 1.0
+        if not self._seen_warned:  # (the scale is recognised by its form: say so, once)
+            self._seen_warned = True
+            warnings.warn(
+                f"gradhooks read a loss scale of {value:g} from the loss handed to gh.backward / "
+                f"gh.clipped_backward (loss * a 0-dim float32 tensor holding a power of two: "
+                f"GradScaler.scale's form), and reports the unscaled loss's results. If that "
+                f"factor is part of your loss, not a GradScaler's, multiply by a Python number "
+                f"instead; to declare the scaler (and silence this), pass "
+                f"gradhooks.attach(model, ..., grad_scaler=scaler)", LossScaleWarning,
+                stacklevel=5)
+        return value
 
     def check_passed(self, key: tuple) -> None:
         """A read's sum check of structure ``key`` passed (:meth:`Batch.check_passed`): the

@@ -235,6 +235,7 @@ class Recorder:
         self._param_passes: Dict[int, int] = {}
         self._calls = 0  # hooked-layer calls recorded in this batch
         self.placement.reset_batch()
+        self.reads.seen = None  # (the loss scale seen on this batch's loss)
         self._drop_result()
 
     def _drop_result(self) -> None:
@@ -263,6 +264,8 @@ class Recorder:
         # Global forward pre-hook: only the model's own forward starts anything; under
         # provenance the hooked layers whose forward runs are noted.
         if module is self.model:
+            if self._batch_size is None:  # (a new batch: no scale seen on its loss yet)
+                self.reads.seen = None
             self._model_forward(module, args, call_kwargs())
             self._note_forward()  # (after: a forward that follows a model change syncs first)
         elif self.placement.provenance is not None:
@@ -342,8 +345,9 @@ class Recorder:
         return self.reads.snapshot(read, records, release, sum_check, result)
 
     def grad_scale(self) -> float:
-        """The loss scale ``S`` of the ``grad_scaler`` given to :func:`gradhooks.attach`, or
-        ``1.0`` (:meth:`gradhooks.core.batch_reads.BatchReads.grad_scale`)."""
+        """The loss scale ``S`` of the ``grad_scaler`` given to :func:`gradhooks.attach`, else the
+        one seen on this batch's loss, or ``1.0``
+        (:meth:`gradhooks.core.batch_reads.BatchReads.grad_scale`)."""
         return self.reads.grad_scale()
 
     @contextlib.contextmanager

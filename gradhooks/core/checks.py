@@ -29,7 +29,7 @@ from ..base.errors import (GradHooksError, GradientMismatchError, HigherOrderGra
 
 __all__ = ["GradTotal", "bilinear_directions", "check_sums", "projection_terms",
            "check_projections", "probed", "no_total", "check_unrecorded", "SumCheck",
-           "SUM_CHECK_RTOL", "SUM_CHECK_PROBES", "refusal"]
+           "SUM_CHECK_RTOL", "SUM_CHECK_PROBES", "refusal", "user_hooks"]
 
 # Relative tolerance of check_sums per dtype: the sum of B per-sample values may differ from
 # autograd's batch value by rounding, relative to sum_n |value_n| (B * eps in the worst case).
@@ -130,7 +130,35 @@ class GradTotal:
         return torch.dot(v, w @ u), torch.linalg.vector_norm(w)
 
 
-def check_sums(items: Sequence[Tuple], scale: Optional[float]) -> None:
+def user_hooks(names: Mapping[int, str], totals: Mapping[int, "GradTotal"]) -> Dict[str, str]:
+    """``{name: hooks}`` of the parameters whose gradient the user's hooks registered before
+    attach changed (:attr:`GradTotal.hooks`), for the messages of :func:`check_sums` and
+    :func:`check_projections` on items that carry no :class:`GradTotal`."""
+    return {names[pid]: total.hooks for pid, total in totals.items()
+            if total.hooks and pid in names}
+
+
+def _mismatch(name: str, difference: str, hooks: Mapping[str, str], results: str
+              ) -> GradientMismatchError:
+    # The sum check's failure for parameter ``name``: the user's gradient hooks registered
+    # before attach where there are some (the likelier cause), else a use outside its module.
+    head = (f"the per-sample gradients of {name!r} do not sum to the gradient autograd "
+            f"computed for it ({difference})")
+    if name in hooks:
+        return GradientMismatchError(
+            f"{head}: {name!r} has gradient hooks registered before attach ({hooks[name]}, from "
+            f"{name}.register_hook(...)) that changed the gradient autograd accumulates, which "
+            f"per-sample gradients of the loss do not see. Register such hooks after "
+            f"gradhooks.attach (they then change .grad only, after the check), or apply the "
+            f"change to the per-sample results")
+    return GradientMismatchError(
+        f"{head}. The parameter receives gradient outside the module that owns it (a functional "
+        f"use such as x @ layer.weight.T, or a module gradhooks does not hook); per-sample "
+        f"{results} would be wrong. Use the parameter only through its module.")
+
+
+def check_sums(items: Sequence[Tuple], scale: Optional[float],
+               hooks: Optional[Mapping[str, str]] = None) -> None:
     """Check that per-sample gradients sum to the batch gradient autograd computed.
 
     ``sum_n grad_n == scale * batch_grad`` must hold for every parameter (linearity of the
@@ -148,13 +176,15 @@ def check_sums(items: Sequence[Tuple], scale: Optional[float]) -> None:
             ``tol_dtype`` (default: ``per_sample.dtype``) selects the tolerance, e.g. bfloat16
             when the grad_outputs were bfloat16 (autocast).
         scale: the own-loss scale (:func:`gradhooks.base.utils.own_loss_scale`) already applied to ``per_sample``.
+        hooks: the user's gradient hooks of items whose ``batch_grad`` is no :class:`GradTotal`
+            (:func:`user_hooks`), named as the cause where their check fails.
 
     Raises:
         GradientMismatchError: naming the first parameter that fails, or that has per-sample
             gradients but no autograd gradient (e.g. ``torch.autograd.grad`` w.r.t. the input).
     """
     groups: Dict[torch.device, list] = {}
-    hooks: Dict[str, str] = {}
+    hooks = dict(hooks or {})
     for name, t, total, *tol_dtype in items:
         if total is None:
             raise no_total(name)
@@ -188,22 +218,9 @@ def check_sums(items: Sequence[Tuple], scale: Optional[float]) -> None:
                 k += size
                 if first < k:
                     break
-            if name in hooks:
-                raise GradientMismatchError(
-                    f"the per-sample gradients of {name!r} do not sum to the gradient autograd "
-                    f"computed for it (largest difference {err.max().item():.3g}): {name!r} has "
-                    f"gradient hooks registered before attach ({hooks[name]}, from "
-                    f"{name}.register_hook(...)) that changed the gradient autograd accumulates, "
-                    f"which per-sample gradients of the loss do not see. Register such hooks after "
-                    f"gradhooks.attach (they then change .grad only, after the check), or apply "
-                    f"the change to the per-sample results")
-            raise GradientMismatchError(
-                f"the per-sample gradients of {name!r} do not sum to the gradient autograd "
-                f"computed for it (largest difference {err.max().item():.3g}). The parameter "
-                f"receives gradient outside the module that owns it (a functional use such as "
-                f"x @ layer.weight.T, or a module gradhooks does not hook); per-sample gradients "
-                f"would be wrong. Use the parameter only through its module."
-            )
+            raise _mismatch(name, f"largest difference {err.max().item():.3g}", hooks,
+                            "gradients")
+
 
 def no_total(name: str) -> GradientMismatchError:
     """The error for a parameter with per-sample results but no autograd gradient."""
@@ -251,8 +268,10 @@ def projection_terms(name: str, a: Tensor, g: Tensor, total: Optional[GradTotal]
     return torch.stack([prod.sum(), ref, prod.abs().sum() + norm * uv])
 
 
-def check_projections(items: List[Tuple[str, Tensor, torch.dtype]]) -> None:
-    """Compare the :func:`projection_terms` of every Gram-form weight at once.
+def check_projections(items: List[Tuple[str, Tensor, torch.dtype]],
+                      hooks: Optional[Mapping[str, str]] = None) -> None:
+    """Compare the :func:`projection_terms` of every Gram-form weight at once (``hooks``: the
+    user's gradient hooks, :func:`user_hooks`, named as the cause where they ran).
 
     Raises:
         GradientMismatchError: naming the first parameter whose projection differs by more than
@@ -275,13 +294,8 @@ def check_projections(items: List[Tuple[str, Tensor, torch.dtype]]) -> None:
         if bool(bad.any()):
             k = int(bad.nonzero()[0, 0])
             got, ref = terms[k, 0].item(), terms[k, 1].item()
-            raise GradientMismatchError(
-                f"the per-sample gradients of {group[k][0]!r} do not sum to the gradient autograd "
-                f"computed for it (on a random projection: {got:.6g} vs {ref:.6g}). The parameter "
-                f"receives gradient outside the module that owns it (a functional use such as "
-                f"x @ layer.weight.T, or a module gradhooks does not hook); per-sample norms "
-                f"would be wrong. Use the parameter only through its module."
-            )
+            raise _mismatch(group[k][0], f"on a random projection: {got:.6g} vs {ref:.6g}",
+                            hooks or {}, "norms")
 
 
 def probed(name: str, t: Tensor, total: Optional[GradTotal], tol_dtype: torch.dtype,

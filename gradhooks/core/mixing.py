@@ -47,7 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..base.errors import SampleMixingError
+from ..base.errors import GradHooksError, SampleMixingError
+from .token_means import ForwardLosses, TokenMeans
 
 __all__ = ["MIXING_OPS", "mixing_op", "upstream_of", "user_line", "Mixing", "MIXES", "STAT",
            "BATCH_NORM"]
@@ -191,10 +192,13 @@ class Mixing:
             forward.
         batch: ``[(kind, what)]`` of this batch's forwards.
         key: the signature of the untracked forward running now, or ``None``.
+        tokens: the :class:`~gradhooks.core.token_means.TokenMeans` verdicts: token-level mean
+            losses over the batch computed in the forward (refused first, :meth:`refusal`).
     """
 
     def __init__(self, recorder):
         self._recorder = recorder
+        self.tokens = TokenMeans(recorder)
         self.signatures: Dict[tuple, tuple] = {}
         self.key: Optional[tuple] = None
         self.reset_batch()
@@ -202,11 +206,20 @@ class Mixing:
     def reset_batch(self) -> None:
         """A new batch: none of its forwards has mixed the samples yet."""
         self.batch: List[Tuple[str, str]] = []
+        self.tokens.batch = []
 
-    def learned(self, signature: tuple, found) -> None:
-        """A tracked forward of ``signature`` returned having found the mixing ops ``found``."""
+    def learned(self, signature: tuple, found, losses: Optional[ForwardLosses] = None) -> None:
+        """A tracked forward of ``signature`` returned having found the mixing ops ``found``
+        (and the token-level ``losses``)."""
         self.signatures[signature] = tuple(found)
         self._note(found)
+        if losses is not None:
+            self.tokens.learned(signature, losses)
+
+    def untracked_start(self, signature: tuple, size: int) -> None:
+        """An untracked forward of ``signature`` (batch size ``size``) starts."""
+        self.key = signature
+        self.tokens.untracked_start(signature, size)
 
     def untracked_end(self, completed: bool) -> None:
         """An untracked forward ended (``completed``: it returned): its signature's verdict
@@ -214,16 +227,32 @@ class Mixing:
         if completed and self.key is not None:
             self._note(self.signatures.get(self.key, ()))
         self.key = None
+        self.tokens.untracked_end(completed)
+
+    def stop(self) -> None:
+        """A forward was interrupted (detach, suspended): end its watch."""
+        self.tokens.stop()
+
+    def forget(self) -> None:
+        """Drop every signature's verdicts (the model changed)."""
+        self.signatures.clear()
+        self.tokens.signatures.clear()
 
     def _note(self, found) -> None:
         for item in found:
             if item not in self.batch:
                 self.batch.append(item)
 
-    def refusal(self, read: str) -> Optional[SampleMixingError]:
+    def refusal(self, read: str) -> Optional[GradHooksError]:
         """The error a read (``read``, e.g. ``"per_sample_grads()"``) of this batch raises when
-        a forward mixed the samples, or ``None``: none did, or the attachment accepts it
-        (``allow_sample_mixing=True``; batch statistics also ``allow_batchnorm_train=True``)."""
+        a forward computed a token-level mean loss that weighs the samples unequally
+        (:class:`~gradhooks.base.errors.UnsupportedLossError`) or mixed the samples
+        (:class:`SampleMixingError`), or ``None``: none did, or the attachment accepts the
+        mixing (``allow_sample_mixing=True``; batch statistics also
+        ``allow_batchnorm_train=True``)."""
+        error = self.tokens.refusal(read)
+        if error is not None:
+            return error
         recorder = self._recorder
         if not self.batch or getattr(recorder, "allow_sample_mixing", False):
             return None

@@ -280,7 +280,7 @@ class Placement:
         known = self.signatures.get(key)
         if isinstance(known, dict):  # (empty: no shared calls)
             self.plan, self.plan_size = known or None, first.shape[batch_dim]
-            self.mixing.key = key  # (its mixing ops join the batch when it returns)
+            self.mixing.untracked_start(key, self.plan_size)  # (joins the batch at its end)
             return
         # The top-level inputs are the batch (all of them: EmbeddingBag's offsets too); its size
         # is the first hooked call's on them (the first input's batch dim until then).
@@ -339,6 +339,7 @@ class Placement:
         :meth:`~gradhooks.core.capture.Recorder.suspended` interrupted (the mode must not outlive
         the hooks)."""
         prov, self.provenance = self.provenance, None
+        self.mixing.stop()
         if prov is not None:
             prov.__exit__(None, None, None)
 
@@ -346,7 +347,7 @@ class Placement:
         """Drop every signature's plan: the model changed (a resync), so the layers the plans
         name may be others."""
         self.signatures.clear()
-        self.mixing.signatures.clear()
+        self.mixing.forget()
 
     def _learn(self, prov: Provenance) -> None:
         # What a tracked forward that returned tells about its signature (see signatures): a
@@ -361,7 +362,7 @@ class Placement:
         before = self.signatures.get(prov.signature)
         self.signatures[prov.signature] = (plan if before is None or before == plan
                                            else "mode")
-        self.mixing.learned(prov.signature, prov.mixing)
+        self.mixing.learned(prov.signature, prov.mixing, prov.token_losses)
 
     def _settle_params(self, prov: Provenance) -> None:
         # At the end of a tracked forward: a raw parameter (ViT's class token, a layer scale)

@@ -65,6 +65,7 @@ from torch.overrides import TorchFunctionMode
 from .batch_dims import (JOINS, MATMULS, METADATA, RECURRENT, ROW_ALIGNED, batch_dim_after,
                          operands)
 from .mixing import MIXES, MIXING_OPS, STAT, mixing_op, upstream_of, user_line
+from .token_means import TOKEN_OPS, ForwardLosses
 
 __all__ = ["Provenance", "ROW_ALIGNED", "shared_layout", "as_batch", "source_cotangent",
            "batch_dim_after", "input_batch_dim", "meeting_cotangent"]
@@ -197,6 +198,8 @@ class Provenance(TorchFunctionMode):
             statistics, or a statistic of the batch that met the batch again), ``what`` naming
             the op, the module upstream and the line of the forward.
         stats: how many statistics of the batch (reductions over it) this forward made.
+        token_losses: the token-level losses over the batch of this forward
+            (:class:`~gradhooks.core.token_means.ForwardLosses`).
     """
 
     def __init__(self, batch_size: int, batch_dim: int, inputs: List[Tensor],
@@ -222,6 +225,7 @@ class Provenance(TorchFunctionMode):
         self.swapped = False
         self.mixing: list = []  # [(kind, what)]: ops of this forward that mix the samples
         self.stats = 0  # statistics of the batch made so far (gradhooks.core.mixing)
+        self.token_losses = ForwardLosses()
 
     # -------------------------------------------------------------- tags
     def batched(self, t) -> bool:
@@ -297,6 +301,9 @@ class Provenance(TorchFunctionMode):
                 self._mixing(func, args, kwargs, ref, rbd, out)
             if self.stats:
                 self._statistics(func, batched, out)
+            if func in TOKEN_OPS:
+                self.token_losses.observe(func, args, kwargs, out, self.batch_size,
+                                          lambda t: self.look(t)[2])
             if isinstance(out, Tensor):
                 _set(out, (self.token, None, batch_dim_after(func, args, kwargs, ref, rbd,
                                                              batched, out)))

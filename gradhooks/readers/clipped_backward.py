@@ -169,7 +169,10 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *,
     With ``attach(..., grad_scaler=scaler)`` both passes backpropagate ``S`` times the losses
     (``S = scaler.get_scale()``): pass the unscaled losses; ``param.grad`` is then ``S`` times
     the clipped, noised sum, for ``scaler.step(optimizer)``, as in
-    :func:`~gradhooks.readers.clipping.clip_and_accumulate`.
+    :func:`~gradhooks.readers.clipping.clip_and_accumulate`. Without a ``grad_scaler``, losses
+    that are ``scaler.scale(losses)`` are read at the scale seen on them
+    (:func:`gradhooks.readers.loss_reduction.loss_scale_of`): the norms are of the unscaled
+    losses, ``param.grad`` is ``S`` times the clipped sum likewise.
 
     Returns:
         ``(B,)``: the per-sample gradient norms ``||g_n||`` before clipping.
@@ -203,6 +206,7 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *,
     scaler = recorder.grad_scaler if recorder.grad_scale() != 1.0 else None
     total = losses.sum() if scaler is None else scaler.scale(losses.sum())
     scale = recorder.grad_scale()  # S: both passes backpropagate S times the losses
+    seen = recorder.reads.seen  # (scaler.scale(losses) given: kept past the records, finish_step)
     if batch == 0 and ranks is None:  # an empty (Poisson) batch: the sum is 0, the noise is not
         recorder.reset_batch()
         for _, p in trainable:
@@ -220,6 +224,7 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *,
     norms = sq.sqrt_().div_(scale)
     factors = (max_norm / norms).clamp_(max=1.0)
     recorder.reset_batch()  # records consumed; the second pass records nothing
+    recorder.reads.seen = seen
     for _, p in trainable:
         p.grad = None
     if ranks is not None and not accumulate:
@@ -232,7 +237,7 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *,
         # .grad: S times the clipped sum (under DDP the ranks' mean: finish_step's all-reduce
         # sums the ranks' accumulators)
         accumulation.add(trainable, 1.0 / scale, batch, bound=max_norm, key=key, batch=None,
-                         overflow=overflowed(recorder.grad_scale(), norms))
+                         overflow=overflowed(scale, norms))
         return norms
     if ranks is None:
         add_noise(trainable, {id(p) for _, p in trainable if p.grad is not None},
@@ -240,7 +245,7 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *,
     else:  # DDP / FSDP summed the clipped sums; the same noise on every rank, drawn once
         _same_noise(trainable, ranks, noise_multiplier * max_norm * scale / (divisor * ranks.size),
                     generator)
-    skip_if_not_finite(recorder.grad_scale(), trainable, norms)
+    skip_if_not_finite(scale, trainable, norms)
     if accumulation is not None:
         accumulation.consumed(trainable)
     return norms

@@ -27,6 +27,11 @@ Refused (:class:`~gradhooks.base.errors.UnsupportedLossError`), the rest is said
 (c) per-sample losses (``clipped_backward``) that are one batch loss broadcast to ``(B,)``: each
     entry then depends on every sample and clipping bounds nothing per sample.
 
+(d) a loss scaled by a ``torch.amp.GradScaler`` (``scaler.scale(loss)``: ``loss * scaler._scale``,
+    a float32 0-dim tensor): :func:`loss_scale_of` hands its scale tensor to the recorder, which
+    reads this batch at it where no ``grad_scaler`` was given to ``attach``
+    (:meth:`gradhooks.core.batch_reads.BatchReads.see_scale`); (a) and (b) judge the loss below it.
+
 Not recognised (nothing said): sums of loss terms (``loss + aux``), scalings by a tensor that
 lives on an accelerator (its value would need a device sync) or that requires grad, class
 weights (``weight=``), label smoothing, reductions over dimensions, any other node on the way.
@@ -41,8 +46,9 @@ import torch
 from torch import Tensor
 
 from ..base.errors import UnsupportedLossError
+from ..core.batch_reads import is_loss_scale
 
-__all__ = ["check_batch_loss", "check_per_sample_losses"]
+__all__ = ["check_batch_loss", "check_per_sample_losses", "loss_scale_of"]
 
 #: Nodes followed when at most this many lie above the reduction.
 _CAP = 16
@@ -89,6 +95,10 @@ def check_batch_loss(loss: Tensor, batch_size: Optional[int], loss_reduction: st
     node, factor, kind, counts = found
     if counts is not None:
         raise UnsupportedLossError(_token_mean_message(counts, loss_reduction))
+    scale = loss_scale_of(loss)
+    if scale is not None and factor is not None and scale.device.type == "cpu":
+        seen = float(scale)  # (the GradScaler's scale: the reads divide by it)
+        factor = factor / seen if is_loss_scale(seen) else factor
     if factor != 1.0:
         return
     if loss_reduction == "mean" and kind == _SUM:
@@ -124,6 +134,28 @@ def check_per_sample_losses(losses: Tensor, batch_size: Optional[int]) -> None:
             f"entry depends on every sample and clipping bounds no sample's contribution. Pass "
             f"per-sample losses: F.cross_entropy(out, y, reduction='none'), or "
             f"gradhooks.per_sample_token_loss(logits, labels) for token losses.")
+
+
+def loss_scale_of(loss: Tensor) -> Optional[Tensor]:
+    """The scale tensor of a ``torch.amp.GradScaler`` that scaled ``loss`` (``scaler.scale(loss)``
+    is ``loss * scaler._scale``: the graph's top node a ``MulBackward0`` whose second operand is
+    a float32 0-dim leaf that requires no grad, on the loss's device), or ``None``. Its value
+    is not read here (no device sync); :func:`gradhooks.core.batch_reads.is_loss_scale` judges
+    it when a read needs it."""
+    node = loss.grad_fn if isinstance(loss, Tensor) else None
+    if node is None or type(node).__name__ != "MulBackward0":
+        return None
+    first, second = (n for n, _ in node.next_functions)
+    if first is None or second is not None:
+        return None
+    try:
+        c = node._saved_other
+    except RuntimeError:  # saved tensors already freed by an earlier backward
+        return None
+    if (not isinstance(c, Tensor) or c.dim() != 0 or c.dtype != torch.float32 or c.requires_grad
+            or not c.is_leaf or c.device != loss.device):
+        return None
+    return c
 
 
 def _read(loss: Tensor, batch_size: int, broadcast: bool):

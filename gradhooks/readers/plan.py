@@ -47,7 +47,7 @@ from torch import Tensor
 
 from ..base.forms import Block, Rows, from_blocks, gram_sq_norms, sq_norms, weight_grad
 from ..base.utils import compute_dtype
-from ..core.checks import check_projections, check_sums, probed, projection_terms
+from ..core.checks import check_projections, check_sums, probed, projection_terms, user_hooks
 from ..core.records import Batch, Record
 from .canonical import (call_grads, canonical, canonical_call, canonical_sizes, identity_form,
                         summed)
@@ -427,10 +427,11 @@ def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[int
         sq[pid] = gram_sq_norms(a, g)
         if check:
             project(pid, a, g, [cap for cap, _ in p.entries])
+    hooks = user_hooks(batch.names, batch.totals) if check else {}  # (named in the messages)
     if probes:
-        check_sums(probes, None)
+        check_sums(probes, None, hooks)
     if projections:
-        check_projections(projections)
+        check_projections(projections, hooks)
     if check:
         batch.check_passed()
     return sq

@@ -51,10 +51,36 @@ def _batch_size(inputs: Tuple[Tensor, ...]) -> int:
     return b
 
 
-def _prepare(model: nn.Module, inputs: Batch, targets: Batch, loss_reduction: str):
+def _check_loss_module(loss_fn, loss_reduction: str) -> None:
+    """Refuse an ``nn.Module`` loss whose ``reduction`` attribute contradicts ``loss_reduction``
+    (``nn.CrossEntropyLoss(reduction="sum")`` with ``"mean"``, and the reverse) or does not
+    reduce (``"none"``): the batch loss would not be the declared reduction of the per-sample
+    losses. Other reductions (``"batchmean"``) and plain functions are judged by value
+    (:func:`_check_reduction`).
+
+    Raises:
+        ValueError: as above, naming both and what to pass.
+    """
+    reduction = getattr(loss_fn, "reduction", None) if isinstance(loss_fn, nn.Module) else None
+    name = type(loss_fn).__name__
+    if reduction == "none":
+        raise ValueError(
+            f"loss_fn is {name}(reduction='none'): it returns per-sample losses, which must be "
+            f"reduced over the samples (one batch loss). Pass {name}(reduction="
+            f"{loss_reduction!r}) (loss_reduction={loss_reduction!r}), or reduce it yourself: "
+            f"lambda out, y: loss_fn(out, y).{loss_reduction}()")
+    if reduction in ("mean", "sum") and reduction != loss_reduction:
+        raise ValueError(
+            f"loss_fn is {name}(reduction={reduction!r}), which matches "
+            f"loss_reduction={reduction!r}, but loss_reduction={loss_reduction!r} was given: "
+            f"pass loss_reduction={reduction!r} (or {name}(reduction={loss_reduction!r}))")
+
+
+def _prepare(model: nn.Module, loss_fn, inputs: Batch, targets: Batch, loss_reduction: str):
     # The checks both references start with: (inputs, targets as tuples, B, trainable
     # (name, param) pairs, their params).
     check_loss_reduction(loss_reduction)
+    _check_loss_module(loss_fn, loss_reduction)
     xs, ys = _as_tuple(inputs), _as_tuple(targets)
     b = _batch_size(xs)
     if _batch_size(ys) != b:
@@ -93,9 +119,11 @@ def looped_per_sample_grads(
 
     Raises:
         ValueError: if ``loss_reduction`` is not ``"mean"``/``"sum"``, the batch sizes of
-            ``inputs`` and ``targets`` differ, or ``loss_fn`` does not reduce as declared.
+            ``inputs`` and ``targets`` differ, or ``loss_fn`` does not reduce as declared (an
+            ``nn.Module`` loss whose ``reduction`` is another one, or ``"none"``, is refused
+            before any forward).
     """
-    xs, ys, b, named, params = _prepare(model, inputs, targets, loss_reduction)
+    xs, ys, b, named, params = _prepare(model, loss_fn, inputs, targets, loss_reduction)
     per: List[List[Optional[Tensor]]] = [[None] * b for _ in named]
     losses = []
     with paused():
@@ -171,7 +199,7 @@ def batched_forward_per_sample_grads(
             an output is not batched on dim 0, or ``loss_fn`` does not reduce as declared (the
             batch loss must be the mean, or sum, of the ``B`` per-sample losses).
     """
-    xs, ys, b, named, params = _prepare(model, inputs, targets, loss_reduction)
+    xs, ys, b, named, params = _prepare(model, loss_fn, inputs, targets, loss_reduction)
     per: List[List[Optional[Tensor]]] = [[None] * b for _ in named]
     losses = []
     with paused():
@@ -388,6 +416,8 @@ def compare(
     """
     if is_hooked(model):
         raise GradHooksError("compare() attaches its own hooks: detach the model's GradHooks first")
+    check_loss_reduction(loss_reduction)
+    _check_loss_module(loss_fn, loss_reduction)
     xs = _as_tuple(inputs)
     params = [p for p in model.parameters() if p.requires_grad]
     saved = [p.grad for p in params]

@@ -1,0 +1,216 @@
+"""A token-level mean loss over the batch, computed inside the forward: what the reads refuse.
+
+transformers' causal-LM loss (``model(ids, labels=labels).loss``: ``ForCausalLMLoss``) is one
+``cross_entropy(logits.view(-1, V), labels.view(-1), ignore_index=-100)`` over the ``B * T``
+token rows of the batch: a mean over all ``N = sum_n N_n`` valid tokens (``N_n``: sample ``n``'s
+targets that are not ``ignore_index``), or, given ``num_items_in_batch``, a sum divided by that
+count. Sample ``n``'s part of it is ``N_n / N`` times its own token-mean loss, so with
+``loss_reduction="mean"`` (results multiplied by ``B``) its per-sample gradient is ``B N_n / N``
+times that of its own token-mean loss (``N_n / N`` with ``"sum"``): silently rescaled whenever
+the counts differ (padding). With equal counts the batch loss is the mean of the samples' token
+means: exact, allowed. ``gh.backward(loss)`` sees such a loss in its graph
+(:mod:`gradhooks.readers.loss_reduction`); a plain ``loss.backward()`` does not, so the forward
+is watched instead.
+
+What counts as such a loss: ``cross_entropy`` / ``nll_loss`` whose input requires grad and
+whose target carries the batch (provenance follows it through the label shift: ``F.pad``,
+slicing, ``view``; rows ``(B * T,)`` or ``(B, T)``) with ``reduction="mean"``, or
+``reduction="sum"`` then divided by something other than ``B`` (``num_items_in_batch``). Each
+sample's valid-token count is the target reshaped to ``(B, -1)`` compared with
+``ignore_index``; the counts stay on the device (no sync in the forward) and are compared at the
+read (:meth:`TokenMeans.refusal`).
+
+Cost: the first (tracked) forward of an input signature finds the loss by provenance at no
+extra cost beyond one count per loss call. A signature whose tracked forward had such a loss is
+watched on its untracked forwards (the padding changes from batch to batch while the shapes do
+not) by a light ``TorchFunctionMode`` (:class:`Watch`): one Python call and a set lookup per
+torch function of the forward (about 1 us each; a few hundred per GPT-2 forward), plus the
+count (one compare and one sum over the ``B * T`` targets) per loss call. Signatures without
+such a loss pay nothing.
+
+Not seen: a loss computed outside the forward (``gh.backward`` checks that one), ``weight=``
+(a weighted mean also divides by a batch-wide total), losses other than these two.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from ..base.errors import UnsupportedLossError
+
+__all__ = ["TOKEN_OPS", "ForwardLosses", "Watch", "TokenMeans"]
+
+_LOSSES = {F.cross_entropy: "cross_entropy", F.nll_loss: "nll_loss"}
+_DIVS = {torch.div, torch.true_divide, Tensor.div, Tensor.true_divide, Tensor.__truediv__}
+#: The ops :class:`ForwardLosses` looks at (provenance and :class:`Watch` ask only for these).
+TOKEN_OPS = frozenset(_LOSSES) | frozenset(_DIVS)
+
+
+def _option(args, kwargs, name: str, pos: int, default):
+    return kwargs.get(name, args[pos] if len(args) > pos else default)
+
+
+class ForwardLosses:
+    """The token-level losses of one forward.
+
+    Args:
+        dims: the target batch dims the signature's tracked forward found, one per loss call
+            (``None``: not a token loss); ``None`` for a tracked forward (provenance tells).
+
+    Attributes:
+        found: ``[[what, counts (B,) tensor, reduction, divisor or None, used]]``, ``used``
+            set by a hook on the loss when a backward reaches it (a loss the user computes but
+            does not differentiate, beside per-sample losses of the logits, is not refused).
+        dims: the target batch dim of each loss call of this forward (``None``: not one).
+    """
+
+    def __init__(self, dims: Optional[tuple] = None):
+        self._known = dims
+        self.dims: list = []
+        self.found: list = []
+        self._sums: list = []  # [(output, index in found)] of reduction="sum" losses
+
+    def observe(self, func, args, kwargs, out, size: int, dim_of: Optional[Callable]) -> None:
+        """``out = func(*args, **kwargs)`` ran in the forward; ``size``: ``B``; ``dim_of``: the
+        batch dim of a tensor (an int, a merged ``(dim, inner)``, ``None``), or ``None`` to take
+        the signature's (:attr:`dims`)."""
+        if func in _DIVS:
+            for o, i in self._sums:
+                if len(args) > 1 and args[0] is o and self.found[i][3] is None:
+                    self.found[i][3] = args[1]
+            return
+        name = _LOSSES[func]
+        target = _option(args, kwargs, "target", 1, None)
+        x = args[0] if args else kwargs.get("input")
+        if dim_of is not None:
+            d = dim_of(target) if isinstance(target, Tensor) else None
+            d = d if isinstance(d, int) else (d[0] if d is not None and d[0] == 0 else None)
+        else:
+            k = len(self.dims)
+            d = self._known[k] if k < len(self._known) else None
+        self.dims.append(d)
+        reduction = _option(args, kwargs, "reduction", 6, "mean")
+        if (d is None or not isinstance(x, Tensor) or not x.requires_grad or size <= 0
+                or reduction not in ("mean", "sum") or target.dim() <= d
+                or target.numel() % size or target.is_floating_point()):
+            return
+        ignore = _option(args, kwargs, "ignore_index", 4, -100)
+        with torch.no_grad():
+            counts = (target.movedim(d, 0).reshape(size, -1) != ignore).sum(1)
+        finding = [f"{name}(reduction={reduction!r}, ignore_index={ignore}) over the "
+                   f"{tuple(target.shape)} targets of the batch", counts, reduction, None, False]
+        self.found.append(finding)
+        if isinstance(out, Tensor) and out.requires_grad:  # (used: a backward reaches it)
+            out.register_hook(lambda g, f=finding: f.__setitem__(4, True))
+        if reduction == "sum" and isinstance(out, Tensor):
+            self._sums.append((out, len(self.found) - 1))
+
+
+class Watch(TorchFunctionMode):
+    """The light mode over an untracked forward of a signature with a token loss: only the
+    loss calls and divisions are looked at (:class:`ForwardLosses` with the signature's dims)."""
+
+    def __init__(self, losses: ForwardLosses, size: int):
+        super().__init__()
+        self.losses, self.size = losses, size
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in TOKEN_OPS:
+            self.losses.observe(func, args, kwargs, out, self.size, None)
+        return out
+
+
+class TokenMeans:
+    """Which input signatures compute a token-level loss in their forward, and this batch's
+    losses, which the reads refuse when the samples' valid-token counts differ.
+
+    Args:
+        recorder: the recorder (duck-typed): its ``loss_reduction`` words the message.
+
+    Attributes:
+        signatures: ``{signature: dims}``: the target batch dim of each loss call of a
+            signature whose tracked forward had a token loss.
+        batch: ``[[what, counts, reduction, divisor, used]]`` of this batch's forwards.
+    """
+
+    def __init__(self, recorder):
+        self._recorder = recorder
+        self.signatures: Dict[tuple, tuple] = {}
+        self._watch: Optional[Watch] = None
+        self._depth = 0
+        self.batch: List[list] = []
+
+    def learned(self, signature: tuple, losses: ForwardLosses) -> None:
+        """A tracked forward of ``signature`` returned with ``losses``."""
+        if losses.found:
+            self.signatures[signature] = tuple(losses.dims)
+        else:
+            self.signatures.pop(signature, None)
+        self.batch.extend(losses.found)
+
+    def untracked_start(self, signature: tuple, size: int) -> None:
+        """An untracked forward of ``signature`` (batch size ``size``) starts: watched if the
+        signature's tracked forward had a token loss."""
+        if self._watch is not None:
+            self._depth += 1
+            return
+        dims = self.signatures.get(signature)
+        if dims is not None:
+            self._watch, self._depth = Watch(ForwardLosses(dims), size), 1
+            self._watch.__enter__()
+
+    def untracked_end(self, completed: bool) -> None:
+        """An untracked forward ended (``completed``: it returned): its losses join the batch."""
+        watch = self._watch
+        if watch is None:
+            return
+        self._depth -= 1
+        if self._depth > 0:
+            return
+        self.stop()
+        if completed:
+            self.batch.extend(watch.losses.found)
+
+    def stop(self) -> None:
+        """End a watch (its forward ended, or was interrupted by a detach)."""
+        watch, self._watch, self._depth = self._watch, None, 0
+        if watch is not None:
+            watch.__exit__(None, None, None)
+
+    def refusal(self, read: str) -> Optional[UnsupportedLossError]:
+        """The error a read (``read``) of this batch raises when a token-level loss of its
+        forward weighs the samples unequally (module docstring), or ``None``."""
+        for what, counts, reduction, divisor, used in self.batch:
+            if not used:
+                continue  # (no backward reached this loss: it is not what the results are of)
+            b = counts.numel()
+            n = counts.tolist()
+            if len(set(n)) <= 1:
+                continue  # (equal counts: the mean of the samples' token means, exact)
+            d = float(sum(n))
+            if reduction == "sum":
+                if divisor is None:
+                    continue  # (each sample's own loss is its token sum)
+                d = float(divisor.item() if isinstance(divisor, Tensor) else divisor)
+                if d == b:
+                    continue  # (the mean of the samples' token sums)
+            scale = b if getattr(self._recorder, "loss_reduction", "mean") == "mean" else 1
+            factors = ", ".join(f"{scale * k / d:.4g}" for k in n)
+            how = ("the mean over all N" if reduction == "mean"
+                   else f"a sum divided by {d:g}, not by B = {b}, over the")
+            return UnsupportedLossError(
+                f"the loss computed in the model's forward, {what}, is {how} valid tokens of "
+                f"the batch, and the samples have different numbers of valid tokens "
+                f"(N_n = {n}, N = {sum(n)}): {read} would be each sample's own token-mean "
+                f"gradient times {'B ' if scale > 1 else ''}N_n / "
+                f"{'N' if reduction == 'mean' else f'{d:g}'} = ({factors}), not the gradient "
+                f"of its own loss. Compute one loss per sample and hand it to gradhooks: "
+                f"losses = gradhooks.per_sample_token_loss(out.logits, labels); then "
+                f"gh.backward(losses.mean()) or gh.clipped_backward(losses, C)")
+        return None
