@@ -19,25 +19,16 @@ V, T = 50, 8
 
 
 def gpt2():
-    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=V, n_positions=16,
-                                  bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0)
-    return transformers.GPT2LMHeadModel(cfg).double()
+    return zoo_imports.tiny_gpt2(V)
 
 
 def t5():
-    cfg = transformers.T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2,
-                                num_heads=4, decoder_start_token_id=0, dropout_rate=0.0)
-    return transformers.T5ForConditionalGeneration(cfg).double()
+    return zoo_imports.tiny_t5(V)
 
 
 def batch(valid):
     """ids (B, T) and labels with -100 after each sample's first ``valid[n]`` labels."""
-    ids = torch.randint(1, V, (len(valid), T))
-    labels = ids.clone()
-    for n, k in enumerate(valid):
-        labels[n, k:] = -100
-    return ids, labels
+    return zoo_imports.padded_batch(valid, V, T)
 
 
 def logits_of(model, seq2seq, ids, labels):

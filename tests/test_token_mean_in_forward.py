@@ -21,10 +21,7 @@ VALID = (7, 4, 2)  # predicted tokens per sample (GPT-2: labels[n, :VALID[n] + 1
 
 def gpt2():
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=V, n_positions=32,
-                                  bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0)
-    return transformers.GPT2LMHeadModel(cfg).double()
+    return zoo_imports.tiny_gpt2(V, positions=32)
 
 
 def bart():
@@ -39,12 +36,9 @@ def bart():
 
 
 def batch(keep):
-    """ids (B, T) and labels with -100 after each sample's first ``keep[n]`` labels."""
-    ids = torch.randint(3, V, (len(keep), T))
-    labels = ids.clone()
-    for n, k in enumerate(keep):
-        labels[n, k:] = -100
-    return ids, labels
+    """ids (B, T) and labels with -100 after each sample's first ``keep[n]`` labels (ids from 3:
+    BART's 0-2 are special tokens)."""
+    return zoo_imports.padded_batch(keep, V, T, low=3)
 
 
 GPT2_PADDED = tuple(k + 1 for k in VALID)  # (the shift drops each sample's first label)

@@ -47,3 +47,32 @@ class TokensToLogits(nn.Module):
         if self.decoder:
             kwargs["decoder_input_ids"] = ids.flip(1)
         return self.model(input_ids=ids, **kwargs).logits
+
+
+def tiny_gpt2(vocab: int, positions: int = 16) -> nn.Module:
+    """A 2-layer GPT-2 language model from a tiny config (width 32, no dropout), float64: the
+    padded-token tests' model (tests/test_token_losses.py, test_loss_reduction.py,
+    test_token_mean_in_forward.py)."""
+    import transformers
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=vocab,
+                                  n_positions=positions, bos_token_id=0, eos_token_id=0,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg).double()
+
+
+def tiny_t5(vocab: int) -> nn.Module:
+    """A 2-layer T5 from a tiny config (width 32, no dropout), float64 (as :func:`tiny_gpt2`)."""
+    import transformers
+    cfg = transformers.T5Config(vocab_size=vocab, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                num_heads=4, decoder_start_token_id=0, dropout_rate=0.0)
+    return transformers.T5ForConditionalGeneration(cfg).double()
+
+
+def padded_batch(valid, vocab: int, length: int, low: int = 1):
+    """Token ids ``(B, length)`` drawn from ``[low, vocab)`` and their labels, ``-100`` after
+    each sample's first ``valid[n]`` (transformers' ``ignore_index``)."""
+    ids = torch.randint(low, vocab, (len(valid), length))
+    labels = ids.clone()
+    for n, k in enumerate(valid):
+        labels[n, k:] = -100
+    return ids, labels
