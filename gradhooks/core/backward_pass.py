@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ..base import utils
 from ..base.errors import GradHooksError
+from .backward_losses import backward_roots, token_mean_rows, valid_rows
 from .checks import GradTotal
 from .graph import walk
 from .placement import relayout
@@ -38,6 +39,8 @@ class BackwardPass:
         self._recorder = recorder
         self.captured: frozenset = frozenset()
         self.listener = None
+        self._task = None  # the backward pass (graph task id) whose roots were looked at
+        self._token_rows = None  # its token-level mean loss, until its logits' gradient came
 
     def on_grad_output(self, record: Record, leaf: Optional[int], grads: tuple,
                        nr: int) -> None:
@@ -49,8 +52,28 @@ class BackwardPass:
         if (utils.PAUSED or grad is None or recorder._muted or not recorder._attached
                 or (id(record), leaf) in self.captured):
             return None
+        self._see_loss(grad)
         self.receive(record, leaf, grad)
         return None
+
+    def _see_loss(self, grad: Tensor) -> None:
+        """The first hooked grad_output of a backward pass looks at its roots for a token-level
+        mean loss computed after the forward; the logits' grad_output gives its valid-token
+        counts (:mod:`gradhooks.core.backward_losses`), refused at the read when they differ."""
+        task = torch._C._current_graph_task_id()
+        recorder = self._recorder
+        if task != self._task:
+            self._task, self._token_rows = task, None
+            size = recorder.batch_size
+            roots = backward_roots() if size and size > 1 else None
+            self._token_rows = None if roots is None else token_mean_rows(roots, size)
+        found = self._token_rows
+        if found is None:
+            return
+        counts = valid_rows(grad, recorder.batch_size, found[0], found[1])
+        if counts is not None:
+            self._token_rows = None
+            recorder.placement.mixing.tokens.seen_after_forward(found[3], counts)
 
     def receive(self, record: Record, leaf: Optional[int], grad: Tensor) -> None:
         """Add a grad_output ``grad`` of ``record`` (of output leaf ``leaf`` for ``multi_io``

@@ -28,7 +28,9 @@ torch function of the forward (about 1 us each; a few hundred per GPT-2 forward)
 count (one compare and one sum over the ``B * T`` targets) per loss call. Signatures without
 such a loss pay nothing.
 
-Not seen: a loss computed outside the forward (``gh.backward`` checks that one), ``weight=``
+Not seen here: a loss computed outside the forward (``gh.backward`` refuses one from its
+graph; :mod:`gradhooks.core.backward_losses` finds one that ``loss.backward()`` differentiates,
+refused at the read through :meth:`TokenMeans.seen_after_forward`), ``weight=``
 (a weighted mean also divides by a batch-wide total), losses other than these two.
 """
 from __future__ import annotations
@@ -101,8 +103,9 @@ class ForwardLosses:
         ignore = _option(args, kwargs, "ignore_index", 4, -100)
         with torch.no_grad():
             counts = (target.movedim(d, 0).reshape(size, -1) != ignore).sum(1)
-        finding = [f"{name}(reduction={reduction!r}, ignore_index={ignore}) over the "
-                   f"{tuple(target.shape)} targets of the batch", counts, reduction, None, False]
+        finding = [f"computed in the model's forward, {name}(reduction={reduction!r}, "
+                   f"ignore_index={ignore}) over the {tuple(target.shape)} targets of the batch,",
+                   counts, reduction, None, False]
         self.found.append(finding)
         if isinstance(out, Tensor) and out.requires_grad:  # (used: a backward reaches it)
             out.register_hook(lambda g, f=finding: f.__setitem__(4, True))
@@ -183,6 +186,12 @@ class TokenMeans:
         if watch is not None:
             watch.__exit__(None, None, None)
 
+    def seen_after_forward(self, what: str, counts: Tensor) -> None:
+        """A token-level mean loss computed after the forward, found by its backward pass
+        (:mod:`gradhooks.core.backward_losses`): ``counts`` ``(B,)`` its valid tokens per
+        sample; refused at the read like one of the forward's."""
+        self.batch.append([what, counts, "mean", None, True])
+
     def refusal(self, read: str) -> Optional[UnsupportedLossError]:
         """The error a read (``read``) of this batch raises when a token-level loss of its
         forward weighs the samples unequally (module docstring), or ``None``."""
@@ -205,7 +214,7 @@ class TokenMeans:
             how = ("the mean over all N" if reduction == "mean"
                    else f"a sum divided by {d:g}, not by B = {b}, over the")
             return UnsupportedLossError(
-                f"the loss computed in the model's forward, {what}, is {how} valid tokens of "
+                f"the loss {what} is {how} valid tokens of "
                 f"the batch, and the samples have different numbers of valid tokens "
                 f"(N_n = {n}, N = {sum(n)}): {read} would be each sample's own token-mean "
                 f"gradient times {'B ' if scale > 1 else ''}N_n / "
