@@ -126,7 +126,8 @@ def kfac(
         if fisher == "empirical":
             loss.check_targets(targets)
             params = [p for p in model.parameters() if p.requires_grad]
-            torch.autograd.grad(loss_fn(out, targets), params, allow_unused=True)
+            with gh.recorder.backward_pass.judged():  # (the loss of the Fisher's definition)
+                torch.autograd.grad(loss_fn(out, targets), params, allow_unused=True)
             return gh.kfac_factors(kfac_approx, modules=modules, max_dense=max_dense,
                                    all_reduce=all_reduce, group=group)
         # Several passes: each read on its own (run_passes), so that the layers whose records

@@ -433,7 +433,8 @@ def test_backward_passes_accumulate(approx):
     G (or their mean with backward_passes='mean'); A is unchanged."""
     model, x, y, _ = _build("linear-called-twice", 3, torch.float64)
     w = torch.rand(3, dtype=torch.float64)
-    losses = [lambda out: F.cross_entropy(out, y), lambda out: (w[:, None] * out ** 2).sum()]
+    losses = [lambda out: F.cross_entropy(out, y, reduction="sum"),  # (loss_reduction="sum")
+              lambda out: (w[:, None] * out ** 2).sum()]
     single = []
     for loss in losses:
         with gradhooks.attach(model, loss_reduction="sum") as gh:

@@ -158,6 +158,52 @@ def test_matching_reduction_allowed_and_exact(declared, losses):
             assert_close_to_loop(gh.per_sample_grads(), ref, torch.float64)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("declared,losses,wrong,factor", [
+    ("mean", SUM_LOSSES, "sum over the batch", "4 (B) times"),
+    ("sum", MEAN_LOSSES, "mean over the batch", "1/4 (1/B) times")],
+    ids=["mean-declared", "sum-declared"])
+def test_contradicting_reduction_refused_after_plain_backward(declared, losses, wrong, factor,
+                                                              dtype):
+    """loss.backward() (gradhooks.core.backward_losses): the pass's root shows the reduction,
+    the read refuses, every read."""
+    model = mlp().to(dtype)
+    x, y = data()
+    x = x.to(dtype)
+    with gradhooks.attach(model, loss_reduction=declared) as gh:
+        for name, fn in losses.items():
+            if name == "sum-over-B":  # scaled by 1/B: not judged
+                continue
+            model.zero_grad()
+            fn(model(x), y).backward()
+            for read in (gh.per_sample_grads, gh.per_sample_grad_norms,
+                         lambda: gh.clip_and_accumulate(1.0)):
+                with pytest.raises(gradhooks.UnsupportedLossError, match=wrong) as info:
+                    read()
+                assert factor in str(info.value) and f"loss_reduction={declared!r}" in str(
+                    info.value)
+
+
+@pytest.mark.parametrize("b", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("declared,losses", [("mean", MEAN_LOSSES), ("sum", SUM_LOSSES)],
+                         ids=["mean", "sum"])
+def test_matching_reduction_exact_after_plain_backward(declared, losses, dtype, b):
+    """The matching losses (and any with B = 1, where a sum is a mean): no refusal, exact."""
+    model = mlp().to(dtype)
+    x, y = data(b)
+    x = x.to(dtype)
+    wrong = SUM_LOSSES if declared == "mean" else MEAN_LOSSES
+    for name, fn in list(losses.items()) + (list(wrong.items()) if b == 1 else []):
+        if b == 1 and name == "mse-mean":  # (a mean over the 4 outputs, not over samples)
+            continue
+        ref = loop_grads(model, fn, x, y)  # each sample alone: its own loss
+        with gradhooks.attach(model, loss_reduction=declared) as gh:
+            model.zero_grad()
+            fn(model(x), y).backward()
+            assert_close_to_loop(gh.per_sample_grads(), ref, dtype)
+
+
 @pytest.mark.parametrize("declared", ["mean", "sum"])
 def test_weighted_loss_allowed(declared):
     model = mlp()

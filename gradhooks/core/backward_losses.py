@@ -47,12 +47,12 @@ loss terms, a 2-D ``(B, V, T)`` loss input, an output layer that is not hooked.
 from __future__ import annotations
 
 import sys
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["backward_roots", "token_mean_rows", "valid_rows"]
+__all__ = ["Finding", "backward_roots", "loss_of", "valid_rows"]
 
 #: The function whose frame holds a backward pass's root tensors (argument ``t_outputs``).
 ENGINE_FRAME = "_engine_run_backward"
@@ -62,6 +62,20 @@ _CAP = 16
 _PASS = frozenset({"ToCopyBackward0", "CloneBackward0", "AliasBackward0", "ViewBackward0",
                    "UnsafeViewBackward0", "SqueezeBackward0", "SqueezeBackward1",
                    "UnsqueezeBackward0", "PosBackward0", "MulBackward0", "DivBackward0"})
+#: Constant scalings (one input: the other operand is a constant), whose factor is freed.
+_SCALE = frozenset({"MulBackward0", "DivBackward0"})
+#: Loss functions with a ``reduction`` argument (0 none, 1 mean, 2 sum).
+_LOSS_FUNCTIONS = frozenset({"NllLossBackward0", "MseLossBackward0", "L1LossBackward0",
+                             "SmoothL1LossBackward0", "HuberLossBackward0",
+                             "BinaryCrossEntropyBackward0",
+                             "BinaryCrossEntropyWithLogitsBackward0", "SoftMarginLossBackward0"})
+_FULL = {"SumBackward0": "sum", "MeanBackward0": "mean"}
+#: The functions behind the loss nodes, for messages.
+_CALLS = {"NllLossBackward0": "cross_entropy / nll_loss", "MseLossBackward0": "mse_loss",
+          "L1LossBackward0": "l1_loss", "SmoothL1LossBackward0": "smooth_l1_loss",
+          "HuberLossBackward0": "huber_loss", "BinaryCrossEntropyBackward0": "binary_cross_entropy",
+          "BinaryCrossEntropyWithLogitsBackward0": "binary_cross_entropy_with_logits",
+          "SoftMarginLossBackward0": "soft_margin_loss"}
 #: Between ``nll_loss`` and the flattening of the logits.
 _ROW_OPS = frozenset({"LogSoftmaxBackward0", "ToCopyBackward0", "CloneBackward0"})
 _FLATTEN = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
@@ -94,31 +108,85 @@ def _roots_of(frame) -> Optional[tuple]:
     return None
 
 
-def token_mean_rows(roots: tuple, batch_size: int) -> Optional[Tuple[int, int, int, str]]:
-    """``(T', V, ignore_index, what)`` when the one 0-dim root is a token-level mean
-    ``nll_loss`` over ``(B, T', V)`` logits flattened batch first (module docstring, step 2),
+class Finding(NamedTuple):
+    """What :func:`loss_of` saw below a backward pass's root.
+
+    Attributes:
+        kind: ``"tokens"`` (a token-level mean over ``(B, T', V)`` logits: ``tokens`` ``T'``,
+            ``classes`` ``V``), or ``"sum"`` / ``"mean"`` (a reduction over the batch's rows).
+        what: the loss, in words (for the message).
+        node: for ``"sum"`` / ``"mean"`` of a loss function on a tensor of unknown rows: the
+            autograd node of that tensor, established as ``B`` rows when it is a hooked output
+            whose grad_output has ``B`` leading rows; ``None`` where the rows are known.
+    """
+    kind: str
+    what: str
+    tokens: int = 0
+    classes: int = 0
+    node: object = None
+
+
+def loss_of(roots: tuple, batch_size: int) -> Optional[Finding]:
+    """What a backward pass's one 0-dim root is, if recognised (module docstring, step 2):
+
+    * a token-level mean ``nll_loss`` over ``(B, T', V)`` logits flattened batch first, through
+      casts, copies and constant scalings (:class:`Finding` ``"tokens"``);
+    * a reduction over the batch with nothing but casts and copies above it (constant scalings
+      are freed, so their factor is unknown): ``.sum()`` / ``.mean()`` of ``(B,)`` losses of a
+      loss function with ``reduction="none"``, or a loss function's ``reduction="sum"`` /
+      ``"mean"`` itself (its input's rows then established by the hooked output it reads,
+      :attr:`Finding.node`);
+
     else ``None``. Reads only what autograd keeps of nodes that have run."""
     if len(roots) != 1 or roots[0].dim() != 0 or batch_size < 2:
         return None
-    node = roots[0].grad_fn
+    node, scaled = roots[0].grad_fn, False
     try:
         for _ in range(_CAP):
             if node is None:
                 return None
             name = type(node).__name__
-            if name == "NllLossBackward0":
-                return _rows(node, batch_size)
+            if name == "NllLossBackward0" and node._saved_reduction == 1:
+                found = _rows(node, batch_size)
+                if found is not None:
+                    return found
+            if name in _LOSS_FUNCTIONS or name in _FULL:
+                return None if scaled else _reduction(node, name, batch_size)
             nexts = [n for n, _ in node.next_functions if n is not None]
             if name not in _PASS or len(nexts) != 1:
                 return None
+            scaled = scaled or name in _SCALE
             node = nexts[0]
     except (RuntimeError, AttributeError):  # (an attribute autograd freed or never had)
         return None
     return None
 
 
-def _rows(node, batch_size: int) -> Optional[Tuple[int, int, int, str]]:
-    if node._saved_reduction != 1 or node._saved_weight is not None:
+def _reduction(node, name: str, batch_size: int) -> Optional[Finding]:
+    if name in _FULL:  # .sum() / .mean() of (B,) losses of reduction="none"
+        below = node.next_functions[0][0]
+        if (tuple(node._saved_self_sym_sizes) != (batch_size,) or below is None
+                or type(below).__name__ not in _LOSS_FUNCTIONS or below._saved_reduction != 0):
+            return None
+        return Finding(_FULL[name], f"{name[:-len('Backward0')].lower()}() of the (B,) = "
+                                    f"({batch_size},) per-sample losses of "
+                                    f"{_CALLS[type(below).__name__]}(reduction='none')")
+    reduction = {1: "mean", 2: "sum"}.get(node._saved_reduction)
+    if reduction is None or getattr(node, "_saved_weight", None) is not None:
+        return None
+    below = node.next_functions[0][0]
+    for _ in range(4):  # (cross_entropy: nll_loss of log_softmax; casts)
+        if below is None or type(below).__name__ not in _ROW_OPS:
+            break
+        below = below.next_functions[0][0]
+    if below is None:
+        return None
+    return Finding(reduction, f"{_CALLS[name]}(reduction={reduction!r}) over the batch's rows",
+                   node=below)
+
+
+def _rows(node, batch_size: int) -> Optional[Finding]:
+    if node._saved_weight is not None:
         return None
     ignore = int(node._saved_ignore_index)
     if ignore >= 2 ** 63:  # (saved as an unsigned 64-bit integer)
@@ -135,7 +203,7 @@ def _rows(node, batch_size: int) -> Optional[Tuple[int, int, int, str]]:
             what = (f"cross_entropy / nll_loss(reduction='mean', ignore_index={ignore}) over "
                     f"the {sizes} logits flattened to token rows, computed after the model's "
                     f"forward,")
-            return int(sizes[1]), int(sizes[2]), ignore, what
+            return Finding("tokens", what, int(sizes[1]), int(sizes[2]))
         if name not in _ROW_OPS:
             return None
         below = below.next_functions[0][0]

@@ -8,6 +8,7 @@ batch state (its records, the released / stale flags, the sum check's totals).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Dict, Optional
 
 import torch
@@ -15,7 +16,7 @@ from torch import Tensor
 
 from ..base import utils
 from ..base.errors import GradHooksError
-from .backward_losses import backward_roots, token_mean_rows, valid_rows
+from .backward_losses import backward_roots, loss_of, valid_rows
 from .checks import GradTotal
 from .graph import walk
 from .placement import relayout
@@ -40,7 +41,8 @@ class BackwardPass:
         self.captured: frozenset = frozenset()
         self.listener = None
         self._task = None  # the backward pass (graph task id) whose roots were looked at
-        self._token_rows = None  # its token-level mean loss, until its logits' gradient came
+        self._loss = None  # what its root is (backward_losses.Finding), until judged
+        self._judged = 0  # > 0: inside passes on a loss gradhooks judged itself (judged())
 
     def on_grad_output(self, record: Record, leaf: Optional[int], grads: tuple,
                        nr: int) -> None:
@@ -56,24 +58,46 @@ class BackwardPass:
         self.receive(record, leaf, grad)
         return None
 
+    @contextlib.contextmanager
+    def judged(self):
+        """The backward passes inside run on a loss gradhooks checked or built itself
+        (``gh.backward``, ``clipped_backward``, the Fisher and multi-pass drivers): their roots
+        are not looked at (:meth:`_see_loss`)."""
+        self._judged += 1
+        try:
+            yield
+        finally:
+            self._judged -= 1
+
     def _see_loss(self, grad: Tensor) -> None:
-        """The first hooked grad_output of a backward pass looks at its roots for a token-level
-        mean loss computed after the forward; the logits' grad_output gives its valid-token
-        counts (:mod:`gradhooks.core.backward_losses`), refused at the read when they differ."""
+        """The first hooked grad_output of a backward pass looks at its roots for a loss that is
+        not the declared mean (or sum) over samples (:mod:`gradhooks.core.backward_losses`): a
+        token-level mean, whose valid-token counts the logits' grad_output gives, or a reduction
+        over the batch that contradicts ``loss_reduction``; refused at the read."""
+        if self._judged:
+            return
         task = torch._C._current_graph_task_id()
         recorder = self._recorder
         if task != self._task:
-            self._task, self._token_rows = task, None
+            self._task, self._loss = task, None
             size = recorder.batch_size
             roots = backward_roots() if size and size > 1 else None
-            self._token_rows = None if roots is None else token_mean_rows(roots, size)
-        found = self._token_rows
+            self._loss = None if roots is None else loss_of(roots, size)
+        found = self._loss
         if found is None:
             return
-        counts = valid_rows(grad, recorder.batch_size, found[0], found[1])
-        if counts is not None:
-            self._token_rows = None
-            recorder.placement.mixing.tokens.seen_after_forward(found[3], counts)
+        size, tokens = recorder.batch_size, recorder.placement.mixing.tokens
+        if found.kind == "tokens":
+            counts = valid_rows(grad, size, found.tokens, found.classes)
+            if counts is not None:
+                self._loss = None
+                tokens.seen_after_forward(found.what, counts)
+            return
+        if found.node is not None and (torch._C._current_autograd_node() is not found.node
+                                       or grad.dim() == 0 or grad.shape[0] != size):
+            return  # (the loss's rows are not yet known to be the batch's)
+        self._loss = None
+        tokens.contradicts(found.what, found.kind, size)
 
     def receive(self, record: Record, leaf: Optional[int], grad: Tensor) -> None:
         """Add a grad_output ``grad`` of ``record`` (of output leaf ``leaf`` for ``multi_io``
@@ -188,6 +212,10 @@ class BackwardPass:
         Raises:
             GradHooksError: if the pass must compute parameter gradients and none is trainable.
         """
+        with self.judged():
+            return self._drive(loss, gradient, retain_graph, listen, create_graph)
+
+    def _drive(self, loss, gradient, retain_graph, listen, create_graph) -> bool:
         recorder = self._recorder
         walked = walk(loss.grad_fn, recorder)
         if walked is None:

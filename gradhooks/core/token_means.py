@@ -35,7 +35,7 @@ refused at the read through :meth:`TokenMeans.seen_after_forward`), ``weight=``
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +113,12 @@ class ForwardLosses:
             self._sums.append((out, len(self.found) - 1))
 
 
+class _Contradiction(NamedTuple):
+    """A batch loss whose reduction over the batch is not the declared one (its message,
+    ``{read}`` to fill in)."""
+    message: str
+
+
 class Watch(TorchFunctionMode):
     """The light mode over an untracked forward of a signature with a token loss: only the
     loss calls and divisions are looked at (:class:`ForwardLosses` with the signature's dims)."""
@@ -139,7 +145,8 @@ class TokenMeans:
     Attributes:
         signatures: ``{signature: dims}``: the target batch dim of each loss call of a
             signature whose tracked forward had a token loss.
-        batch: ``[[what, counts, reduction, divisor, used]]`` of this batch's forwards.
+        batch: ``[[what, counts, reduction, divisor, used]]`` of this batch's forwards, and
+            the contradictions of its backward passes (:meth:`contradicts`).
     """
 
     def __init__(self, recorder):
@@ -192,10 +199,29 @@ class TokenMeans:
         sample; refused at the read like one of the forward's."""
         self.batch.append([what, counts, "mean", None, True])
 
+    def contradicts(self, what: str, reduction: str, size: int) -> None:
+        """A backward pass's loss is ``what``, a ``reduction`` (``"sum"`` / ``"mean"``) over the
+        batch's ``size`` rows (:mod:`gradhooks.core.backward_losses`): refused at the read when
+        it is not the recorder's ``loss_reduction``."""
+        declared = getattr(self._recorder, "loss_reduction", "mean")
+        if reduction == declared:
+            return
+        factor, fix = ((f"{size} (B) times", "divide it by B (reduction='mean', or losses.mean())")
+                       if declared == "mean" else
+                       (f"1/{size} (1/B) times", "sum it (reduction='sum', or losses.sum())"))
+        self.batch.append(_Contradiction(
+            f"loss_reduction={declared!r} was declared, but the loss differentiated by this "
+            f"batch's backward is {what}, a {reduction} over the batch (B = {size}): {{read}} "
+            f"would be {factor} the gradient of each sample's own loss. Make the loss the "
+            f"declared reduction ({fix}) or attach with loss_reduction={reduction!r}"))
+
     def refusal(self, read: str) -> Optional[UnsupportedLossError]:
         """The error a read (``read``) of this batch raises when a token-level loss of its
         forward weighs the samples unequally (module docstring), or ``None``."""
-        for what, counts, reduction, divisor, used in self.batch:
+        for entry in self.batch:
+            if isinstance(entry, _Contradiction):
+                return UnsupportedLossError(entry.message.replace("{read}", read))
+            what, counts, reduction, divisor, used = entry
             if not used:
                 continue  # (no backward reached this loss: it is not what the results are of)
             b = counts.numel()

@@ -273,8 +273,9 @@ def _first_pass(recorder: Recorder, ranks: Optional[Ranks], total: Tensor, train
         # layer for this pass too, but reduce-scatters nothing (autograd.grad fills no
         # .grad). A rank with an empty local batch takes both passes all the same: the other
         # ranks' all-gathers and reduce-scatters wait for its own.
-        torch.autograd.grad(total, _graph_leaves(total.grad_fn), retain_graph=True,
-                            allow_unused=True)
+        with recorder.backward_pass.judged():
+            torch.autograd.grad(total, _graph_leaves(total.grad_fn), retain_graph=True,
+                                allow_unused=True)
         if batch:
             return _kept_records_norms(recorder)
         return empty_norms(trainable)

@@ -4,8 +4,10 @@
 autograd graph can be read before the backward runs: :func:`check_batch_loss` and
 :func:`check_per_sample_losses` follow it from ``loss.grad_fn`` down through constant scalings
 (``* c``, ``/ c``, dtype casts, copies; :data:`_PASS`) to the first reduction node, at most
-:data:`_CAP` nodes, and never into the model. Where the loss cannot be seen
-(``loss.backward()``) nothing is checked.
+:data:`_CAP` nodes, and never into the model. A plain ``loss.backward()`` shows gradhooks
+the loss only from inside its pass, after the loss's nodes ran and freed their saved tensors:
+:mod:`gradhooks.core.backward_losses` judges what is left there (cases (a) and (b) without
+constant scalings), and the reads refuse.
 
 Index conventions: ``n`` sample (``B`` of the batch), ``t`` a token of a sample, ``N_n`` the valid
 (not ``ignore_index``) tokens of sample ``n``, ``N = sum_n N_n``.
