@@ -324,21 +324,29 @@ class PegasusScaledWordEmbedding(nn.Embedding):
     """transformers' ``*ScaledWordEmbedding`` (BART, M2M100, Pegasus ...): a lookup times a
     constant."""
 
-    def __init__(self, num, dim, padding_idx=None, embed_scale=1.0, plus=0.0):
+    def __init__(self, num, dim, padding_idx=None, embed_scale=1.0, plus=0.0, buffer=False):
         super().__init__(num, dim, padding_idx=padding_idx)
-        self.embed_scale, self.plus = embed_scale, plus
+        self.plus, self.buffer = plus, buffer
+        if buffer:  # Gemma's GemmaTextScaledWordEmbedding: a float32 0-dim buffer
+            self.register_buffer("embed_scale", torch.tensor(embed_scale), persistent=False)
+        else:
+            self.embed_scale = embed_scale
 
     def forward(self, ids):
-        return super().forward(ids) * self.embed_scale + self.plus
+        scale = self.embed_scale.to(self.weight.dtype) if self.buffer else self.embed_scale
+        return super().forward(ids) * scale + self.plus
 
 
+@pytest.mark.parametrize("buffer", [False, True], ids=["number", "0-dim-buffer"])
 @pytest.mark.parametrize("batch", [0, 1, 3], ids=["B0", "B1", "B3"])
 @pytest.mark.parametrize("padding", [None, 2], ids=["no-pad", "pad"])
-def test_scaled_word_embedding_matches_loop(batch, padding, dtype):
+def test_scaled_word_embedding_matches_loop(batch, padding, buffer, dtype):
     """Recognised by the probe (no fallback): per-sample gradients, norms and clipping from the
-    scaled row scatters, against the loop."""
+    scaled row scatters, against the loop; the scale a number (BART) or a 0-dim float32 buffer
+    cast to the table's dtype (Gemma; sqrt(32) is not exact in float32)."""
     torch.manual_seed(0)
-    emb = PegasusScaledWordEmbedding(7, 4, padding_idx=padding, embed_scale=2.5).to(dtype)
+    emb = PegasusScaledWordEmbedding(7, 4, padding_idx=padding, embed_scale=32 ** 0.5,
+                                     buffer=buffer).to(dtype)
     model = nn.Sequential(emb, nn.Tanh(), nn.Flatten(), nn.Linear(12, 2)).to(dtype)
     x, y = torch.randint(0, 7, (batch, 3)), torch.randint(0, 2, (batch,))
     with warnings.catch_warnings():

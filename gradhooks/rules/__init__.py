@@ -5,4 +5,5 @@ A rule says how one call's records become per-sample gradients and canonical for
 more (``linear.py`` is the template). May import: ``gradhooks.base`` and this folder.
 """
 from . import attention, conv, conv_transpose, embedding, linear, norm, recurrent, scale  # noqa: F401
+from . import mamba, mamba2, norm_variants  # noqa: F401  (named by known, not registered by type)
 from . import known, parametrize  # noqa: F401  (recognisers; after the rules they name)

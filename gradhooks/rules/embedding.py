@@ -178,7 +178,9 @@ class EmbeddingRule(LayerRule):
 class ScaledEmbeddingRule(EmbeddingRule):
     """An ``nn.Embedding`` subclass whose forward multiplies the lookup by a constant:
     ``y = embedding(x) * embed_scale`` (transformers' ``BartScaledWordEmbedding``,
-    ``M2M100ScaledWordEmbedding`` ... the ``sqrt(d_model)`` scaling of Vaswani et al. 2017).
+    ``M2M100ScaledWordEmbedding`` ... the ``sqrt(d_model)`` scaling of Vaswani et al. 2017;
+    Gemma's ``GemmaTextScaledWordEmbedding`` keeps it as a 0-dim buffer, multiplied in the
+    table's dtype: ``embed_scale.to(weight.dtype)``).
 
     Not registered by type: :mod:`gradhooks.rules.known` recognises the class by name and checks
     :meth:`formula` against the module on a probe input. Per-sample gradients as
@@ -189,18 +191,27 @@ class ScaledEmbeddingRule(EmbeddingRule):
     def rows(self, module: nn.Module, a: Call, g: Tensor, batch_first: bool,
              names: Iterable[str]) -> Dict[str, Rows]:
         r = super().rows(module, a, g, batch_first, names)["weight"]
-        return {"weight": Rows(r.sample, r.row, r.values * float(module.embed_scale))}
+        return {"weight": Rows(r.sample, r.row, r.values * _embed_scale(module))}
 
     def formula(self, module: nn.Module, x: Tensor) -> Tensor:
         """What the rule assumes the module computes: ``F.embedding(x, weight) * embed_scale``."""
-        return F.embedding(x, module.weight, module.padding_idx) * module.embed_scale
+        return F.embedding(x, module.weight, module.padding_idx) * _embed_scale(module)
 
     def probe_input(self, module: nn.Module) -> Optional[Tensor]:
-        """``(2, 3)`` indices into the table, or ``None`` without a numeric ``embed_scale``."""
-        if not isinstance(getattr(module, "embed_scale", None), (int, float)) \
+        """``(2, 3)`` indices into the table, or ``None`` without a numeric or 0-dim tensor
+        ``embed_scale``."""
+        scale = getattr(module, "embed_scale", None)
+        if not (isinstance(scale, (int, float)) or (isinstance(scale, Tensor) and scale.dim() == 0
+                                                    and scale.is_floating_point())) \
                 or not isinstance(module, nn.Embedding):
             return None
         return torch.randint(0, module.num_embeddings, (2, 3), device=module.weight.device)
+
+
+def _embed_scale(module: nn.Module):
+    """``embed_scale`` as a number, or a 0-dim tensor buffer in the table's dtype."""
+    scale = module.embed_scale
+    return scale.to(module.weight.dtype) if isinstance(scale, Tensor) else float(scale)
 
 
 _BAG_ARGS = ("input", "offsets", "per_sample_weights")

@@ -7,10 +7,10 @@ once per module at :func:`gradhooks.attach`, that the module really computes wha
 assumes: it runs the module's ``forward`` on a small random probe input (the rule's
 ``probe_input``; a fixed seed, the caller's random state untouched) and compares the output with
 the rule's own ``formula`` to a few units in the last place. The first rule that matches is used;
-if none does (a class that only shares the name, Gemma's ``(1 + weight)`` RMSNorm, an
-``inplace`` layer scale), a :class:`~gradhooks.base.errors.FallbackWarning` names the module and the
-lookup goes on as for any other class (usually to the ``torch.func`` fallback, which is exact but
-costs a vmapped replay).
+if none does (a class that only shares the name, an ``inplace`` layer scale), a
+:class:`~gradhooks.base.errors.FallbackWarning` names the module and the lookup goes on as
+for any other class (usually to the ``torch.func`` fallback, which is exact but costs a
+vmapped replay).
 
 Names (and where the classes live): ``Conv1D`` (``transformers.pytorch_utils``, GPT/GPT-2);
 ``*RMSNorm`` and ``T5LayerNorm`` (transformers' Llama, Qwen2, Mistral ... and T5 models),
@@ -18,8 +18,11 @@ Names (and where the classes live): ``Conv1D`` (``transformers.pytorch_utils``, 
 ``torchvision.models.convnext``); ``LayerNorm`` (``timm.layers``, an ``nn.LayerNorm`` subclass
 with its own forward); ``BatchNormAct2d`` (``timm.layers``); ``LayerScale``, ``LayerScale2d``
 (``timm.layers``, ``timm.models.vision_transformer``); ``*ScaledWordEmbedding`` (transformers'
-BART, M2M100, NLLB ...: a lookup times ``embed_scale``). A probe costs one forward of a
-``(2, 3, D)`` or ``(2, C, 3, 2)`` tensor per module.
+BART, M2M100, NLLB ...: a lookup times ``embed_scale``); ``*RMSNormGated`` (transformers'
+Mamba-2 ``MambaRMSNormGated``); ``MambaMixer``, ``Mamba2Mixer`` (transformers' Mamba, Mamba-2). The ``*RMSNorm``
+names include Gemma's ``(1 + weight)`` and OLMo-2's scale-before-cast variants
+(:class:`~gradhooks.rules.norm.RMSNormLikeRule`'s ``scale``). A probe costs one forward of a
+``(2, 3, D)`` or ``(2, C, 3, 2)`` tensor per module and rule tried.
 """
 from __future__ import annotations
 
@@ -34,12 +37,20 @@ from ..base.registry import LayerRule, find_type_rule, register_recogniser
 from ..base.utils import paused
 from .embedding import ScaledEmbeddingRule
 from .linear import TransposedLinearRule
+from .mamba import MambaMixerRule
+from .mamba2 import Mamba2MixerRule
 from .norm import BatchNormActRule, LayerNorm2dRule, RMSNormLikeRule
+from .norm_variants import GatedRMSNormRule
 from .scale import ScaleRule
 
 __all__ = ["KNOWN", "SUFFIXES", "recognise_known", "probe_matches"]
 
-_RMS = (RMSNormLikeRule("float32"), RMSNormLikeRule("float32-variance"), RMSNormLikeRule("input"))
+#: The RMSNorm variants, the most common first (each costs a probe until one matches):
+#: Llama's (and Mamba's, OLMoE's), T5's, timm's; OLMo-2's weight before the cast back; Gemma's
+#: ``(1 + weight)`` (Gemma, Gemma-2, Gemma-3).
+_RMS = (RMSNormLikeRule("float32"), RMSNormLikeRule("float32-variance"), RMSNormLikeRule("input"),
+        RMSNormLikeRule("float32", "weight-float32"),
+        RMSNormLikeRule("float32", "one-plus-weight-float32"))
 
 #: Class name -> the rules that may describe it, tried in order.
 KNOWN: Dict[str, Tuple[LayerRule, ...]] = {
@@ -51,16 +62,20 @@ KNOWN: Dict[str, Tuple[LayerRule, ...]] = {
     "BatchNormAct2d": (BatchNormActRule(),),
     "LayerScale": (ScaleRule(-1),),
     "LayerScale2d": (ScaleRule(1),),
+    "MambaMixer": (MambaMixerRule(),),
+    "Mamba2Mixer": (Mamba2MixerRule(),),
 }
 
 #: Class-name endings -> rules, for families copied under many model names
 #: (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``MistralRMSNorm`` ...).
 SUFFIXES: Dict[str, Tuple[LayerRule, ...]] = {"RMSNorm": _RMS,
+                                               "RMSNormGated": (GatedRMSNormRule(),),
                                                "ScaledWordEmbedding": (ScaledEmbeddingRule(),)}
 
 
 def probe_matches(module: nn.Module, rule: LayerRule) -> Tuple[bool, str]:
-    """Whether ``module`` computes ``rule.formula`` on ``rule.probe_input(module)``.
+    """Whether ``module`` computes ``rule.formula`` on ``rule.probe_input(module)`` (a tensor,
+    or a tuple of the forward's positional inputs: a gated norm's input and gate).
 
     The module runs in eval mode (restored after, per submodule) without autograd and with
     every gradhooks hook paused; the random input comes from a fixed seed inside a forked
@@ -74,11 +89,12 @@ def probe_matches(module: nn.Module, rule: LayerRule) -> Tuple[bool, str]:
             x = rule.probe_input(module)
             if x is None:
                 return False, "its parameters are not the rule's"
+            xs = x if isinstance(x, tuple) else (x,)  # (several inputs: a gated norm's gate)
             module.train(False)
-            want = rule.formula(module, x)
-            given = x.clone()
-            got = module.forward(given)
-            if isinstance(got, Tensor) and got.data_ptr() == given.data_ptr():
+            want = rule.formula(module, *xs)
+            given = tuple(t.clone() for t in xs)
+            got = module.forward(*given)
+            if isinstance(got, Tensor) and got.data_ptr() == given[0].data_ptr():
                 return False, ("it writes its output into its input (inplace), which destroys "
                                "the recorded input")
     except Exception as e:  # a probe the module cannot take is a mismatch, not an error

@@ -336,7 +336,8 @@ def _eps_of(module: nn.Module) -> float:
 
 class RMSNormLikeRule(_TrailingNormRule):
     """An RMSNorm written in the model's own code: transformers' ``LlamaRMSNorm``,
-    ``Qwen2RMSNorm``, ``MistralRMSNorm`` ..., ``T5LayerNorm``; timm's ``RmsNorm``.
+    ``Qwen2RMSNorm``, ``MistralRMSNorm`` ..., ``T5LayerNorm``, ``GemmaRMSNorm`` (``1 + weight``),
+    ``Olmo2RMSNorm``; timm's ``RmsNorm``.
 
     ``y = weight * x̂``, ``x̂ = x / sqrt(mean(x^2) + eps)`` over the last ``weight.dim()`` dims
     (Zhang & Sennrich 2019, eq. 4), with ``eps`` the module's ``variance_epsilon`` or ``eps``.
@@ -350,6 +351,22 @@ class RMSNormLikeRule(_TrailingNormRule):
     * ``"float32-variance"``: only ``mean(x^2)`` in float32, the product in the input's dtype
       (``T5LayerNorm``).
 
+    and, with ``precision="float32"``, three ``scale`` variants, which say how the weight scales
+    ``x̂``:
+
+    * ``"weight"``: ``y = weight * x̂.to(input dtype)`` (``LlamaRMSNorm``, ``MambaRMSNorm``,
+      ``Mamba2RMSNorm``, ``OlmoeRMSNorm``; every ``precision``);
+    * ``"weight-float32"``: ``y = (weight * x̂).to(input dtype)``, the product taken before the
+      cast back (``Olmo2RMSNorm``);
+    * ``"one-plus-weight-float32"``: ``y = (x̂ * (1 + weight.float())).to(input dtype)``
+      (``GemmaRMSNorm``, ``Gemma2RMSNorm``, ``Gemma3RMSNorm``: a zero weight is the identity
+      scale, transformers PR 29402).
+
+    In every variant ``y`` is ``x̂`` times an affine function of ``weight`` with slope 1, so the
+    per-sample gradient is ``dL_n/dweight = sum_s g[n, s] x̂[n, s]`` (the variants differ only in
+    rounding, float32's where they compute in float32, which the float64 probe tells apart;
+    with a float64 weight OLMo-2's product is Llama's, and the probe picks ``"weight"``).
+
     Input ``(B, *, D)`` (``batch_first`` as ``nn.Linear``); returns ``weight``: ``(B, D)``.
 
     Raises:
@@ -358,10 +375,16 @@ class RMSNormLikeRule(_TrailingNormRule):
 
     param_names = ("weight",)
 
-    def __init__(self, precision: str = "input"):
+    #: The ``scale`` variants (see the class docstring).
+    SCALES = ("weight", "weight-float32", "one-plus-weight-float32")
+
+    def __init__(self, precision: str = "input", scale: str = "weight"):
         if precision not in ("input", "float32", "float32-variance"):
             raise ValueError(f"unknown precision {precision!r}")
-        self.precision = precision
+        if scale not in self.SCALES or (scale != "weight" and precision != "float32"):
+            raise ValueError(f"unknown scale {scale!r} (with precision {precision!r}); one of "
+                             f"{self.SCALES}, the last two with precision 'float32'")
+        self.precision, self.scale = precision, scale
 
     @staticmethod
     def normalized_shape(module: nn.Module) -> Tuple[int, ...]:
@@ -378,8 +401,14 @@ class RMSNormLikeRule(_TrailingNormRule):
         return a * inv  # (float64 * float32 -> float64, as T5LayerNorm)
 
     def formula(self, module: nn.Module, x: Tensor) -> Tensor:
-        """``weight * x̂`` as the module is assumed to compute it."""
-        return module.weight * self.normalised(module, x)
+        """``y`` as the module is assumed to compute it (``precision`` and ``scale``)."""
+        if self.scale == "weight":
+            return module.weight * self.normalised(module, x)
+        x32 = x.to(torch.float32)
+        xhat = x32 * torch.rsqrt(x32.pow(2).mean(self._norm_dims(module), keepdim=True) + _eps_of(module))
+        if self.scale == "weight-float32":
+            return (module.weight * xhat).to(x.dtype)
+        return (xhat * (1.0 + module.weight.float())).to(x.dtype)
 
     def probe_input(self, module: nn.Module) -> Optional[Tensor]:
         """``(2, 3, *weight.shape)`` in float64 (where the variants differ), or ``None`` if the
