@@ -73,9 +73,12 @@ class RecordsReleasedError(NoBackwardError):
 class GradientMismatchError(GradHooksError):
     """The per-sample gradients do not sum to the gradient autograd computed for a parameter.
 
-    This happens when a parameter also receives gradient outside the module that owns it (for
-    instance used functionally, ``x @ layer.weight.T``), or when the captured input was modified
-    in place after the forward. The result would be wrong, so it is refused.
+    The message gives the difference, the tolerance and the dtype it was judged at (the
+    precision autograd formed the gradient in: :func:`gradhooks.core.checks.formed_in`), and a
+    cause only where one is established (gradient hooks registered before attach); a
+    difference far above rounding is what a parameter that also receives gradient outside the
+    module that owns it (``x @ layer.weight.T``), a module that mixes the samples, or a captured
+    input modified in place after the forward give. The result would be wrong, so it is refused.
     """
 
 

@@ -2,9 +2,12 @@
 :class:`~gradhooks.core.records.Batch` snapshot (records, ``B``, the own-loss scale, the
 ``GradScaler``'s scale, whether the sum check is due).
 
-The validation is the recorder's side of every read: records released by an earlier read, stale
-(a backward after the release), none reached, a ``create_graph`` pass, a model changed since
-the forward, a shared call refused by the placement, an input modified in place.
+The validation is the recorder's side of every read (:func:`refusal`, then the placement's and
+the records' own): records released by an earlier read, stale (a backward after the release),
+none reached, a ``create_graph`` pass, a model changed since the forward, a shared call refused
+by the placement, an input modified in place. Where the sum check is due, the snapshot also
+reads the precision each module computes in off its parameters' gradients
+(:func:`~gradhooks.core.checks.module_precision`), for the check's tolerance.
 """
 from __future__ import annotations
 
@@ -15,11 +18,12 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from ..base.errors import GradientMismatchError, LossScaleWarning
-from .checks import refusal
+from ..base.errors import (GradHooksError, GradientMismatchError, HigherOrderGradError,
+                           LossScaleWarning, NoBackwardError, RecordsReleasedError)
+from .checks import module_precision
 from .records import Batch, Record
 
-__all__ = ["BatchReads", "is_loss_scale"]
+__all__ = ["BatchReads", "is_loss_scale", "refusal"]
 
 
 def is_loss_scale(value: float) -> bool:
@@ -27,6 +31,87 @@ def is_loss_scale(value: float) -> bool:
     a loss: a power of two of at least 2 (its ``init_scale`` times powers of its growth and
     backoff factors, 2 and 1/2 by default)."""
     return math.isfinite(value) and value >= 2.0 and math.frexp(value)[0] == 0.5
+
+
+def refusal(read: str, *, attached: bool, changed: Optional[str], stale: Optional[str],
+            released: bool, reached: int, calls: int, backward_reached_params: bool,
+            forwards: int, higher_order: Optional[str]) -> Optional[GradHooksError]:
+    """The error a read of the current batch must raise, or ``None`` if it may go on.
+
+    Args:
+        read: the reading call, e.g. ``"per_sample_grad_norms()"``, named in the messages.
+        attached: whether the hooks are attached.
+        changed: what changed in the model since its forward (a parameter or submodule set on
+            it), or ``None``.
+        stale: the module a backward pass reached after a read released the records, or
+            ``None``.
+        released: whether a read released the records.
+        reached: how many calls a backward pass reached.
+        calls: how many hooked-layer calls the forwards of this batch recorded.
+        backward_reached_params: whether autograd computed parameter gradients in this batch.
+        forwards: how many top-level forwards the reached calls came from (counted as 1 when
+            ``attach(forwards="same_samples")`` or when the model is itself a hooked layer).
+        higher_order: the module a ``create_graph=True`` backward reached, or ``None``.
+    """
+    if not attached:
+        return GradHooksError(
+            f"{read}: this GradHooks was detached from the model, which dropped its records "
+            f"(also at the end of a `with gradhooks.attach(model) as gh:` block): read inside "
+            f"the block / before detach(), or attach again and rerun the forward and backward")
+    if changed is not None:
+        return GradHooksError(
+            f"{read}: the model changed after its forward ({changed}), so the records do not "
+            f"describe its parameters any more: run the forward and backward again (gradhooks "
+            f"follows the change at the next forward)")
+    if stale is not None:
+        return RecordsReleasedError(
+            f"a backward pass reached module {stale} after per_sample_grads() released this "
+            f"batch's records (activations and grad_outputs), so its grad_outputs were not "
+            f"recorded: to read per-sample results over several backward passes of one forward, "
+            f"call per_sample_grads(retain_records=True) before the later passes, or run a new "
+            f"forward")
+    if released:
+        if read == "per_sample_grads()":
+            return RecordsReleasedError(
+                "per_sample_grads() released this batch's records as it read them and did not "
+                "finish (it raised an error): run the forward and backward again, with "
+                "per_sample_grads(retain_records=True) to keep the records through a failed read")
+        return RecordsReleasedError(
+            f"per_sample_grads() released this batch's records (activations and grad_outputs) "
+            f"as it read them, and {read} needs them: call {read} before per_sample_grads(), or "
+            f"per_sample_grads(retain_records=True) to keep them")
+    if not reached:
+        if calls == 0 and backward_reached_params:
+            return NoBackwardError(
+                f"{read}: autograd computed parameter gradients, but no hooked layer's forward "
+                f"hook ran: the forward went through code compiled by torch.compile before "
+                f"attach (compiled code does not see hooks added later). Attach before "
+                f"compiling, or call torch._dynamo.reset() after attach so that it recompiles")
+        return NoBackwardError(
+            f"no backward pass has reached a hooked layer since the last forward: call "
+            f"loss.backward() (or gh.backward(loss)) before {read} (forwards under "
+            f"torch.no_grad() or inference_mode() record nothing; a model compiled with "
+            f"torch.compile before attach runs without the hooks: attach first)")
+    if forwards > 1:
+        return GradHooksError(
+            f"{read}: the backward reached the records of {forwards} forwards of the model, "
+            f"whose rows would be added sample by sample (row n = sample n of every forward). "
+            f"This is what a contrastive or two-view loss does (SimCLR / InfoNCE over "
+            f"model(view1) and model(view2), a siamese or triplet loss). If every forward saw "
+            f"the same samples in the same order (two views or augmentations of one batch, sample "
+            f"n's own loss depending on both), declare it: attach(model, forwards='same_samples'), "
+            f"and the per-sample results sum over the forwards. Otherwise (different samples in "
+            f"each forward, or negatives drawn from other samples) run one forward per backward: "
+            f"concatenate the inputs, model(torch.cat([x1, x2])), and split the output")
+    if higher_order is not None:
+        return HigherOrderGradError(
+            f"a backward pass with create_graph=True reached module {higher_order}: the loss "
+            f"contains derivatives (a gradient penalty or a Laplacian built with "
+            f"torch.autograd.grad(..., create_graph=True)), so each parameter's gradient has "
+            f"terms through the derivative graph that grad_output-based rules do not see; "
+            f"{read} would be wrong. Compute such per-sample quantities with torch.func (vmap "
+            f"over grad of the per-sample loss), or detach the derivative term")
+    return None
 
 
 class BatchReads:
@@ -110,11 +195,24 @@ class BatchReads:
             structure = self._structure()
             if recorder._sum_check == "due" or recorder.sum_check.read_due(structure):
                 key = structure
+                self._precision(reached)
         releasing = release and recorder.result is None  # (a kept result: nothing is formed)
         batch = Batch.of(recorder, records, key, checking, scale, releasing)
         if releasing:
             recorder._released = True
         return batch
+
+    def _precision(self, reached: List[Record]) -> None:
+        # The sum check is due: the precision each reached module computes in, from its
+        # parameters' gradients (checks.module_precision), for the tolerance of its parameters.
+        totals, seen = self._recorder.totals, set()
+        modules = []
+        for record in reached:
+            layer = record.layer
+            if id(layer) not in seen:
+                seen.add(id(layer))
+                modules.append([totals.get(id(p)) for p in layer.params.values()])
+        module_precision(modules)
 
     def _warn_scale(self, reached: List[Record]) -> None:
         # A float16 forward (autocast) is usually trained with a GradScaler; undeclared, its

@@ -11,10 +11,13 @@ the fallback, or when a backward computed no parameter gradient. This module hol
   a fixed random rank-one projection ``sum_g v_g^T (sum_n dW_n[g]) u_g``, computed from the
   records as ``sum_{n,g,s} (a[n,g,s] . u_g)(g[n,g,s] . v_g)`` (cost ``N G S (I + O)``);
 * :func:`check_unrecorded`: parameters autograd reached whose module the hooks never saw;
+* :func:`formed_in` / :meth:`GradTotal.formed` / :func:`module_precision`: the precision autograd
+  formed a gradient in, as its values (or those of another parameter of its module) establish
+  it, which selects the tolerance (:data:`SUM_CHECK_RTOL`);
 * :class:`SumCheck`: *when* the check runs (each new call structure, every 100th read, or
-  always), so that a training loop pays for it once per structure;
-* :func:`refusal`: the other validity checks of a read, in one place (records released or stale,
-  the model changed, several forwards, ``create_graph``, no backward, hooks that never ran).
+  always), so that a training loop pays for it once per structure.
+
+The other validity checks of a read are :func:`gradhooks.core.batch_reads.refusal`.
 """
 from __future__ import annotations
 
@@ -24,17 +27,62 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..base.errors import (GradHooksError, GradientMismatchError, HigherOrderGradError, NoBackwardError,
-                     RecordsReleasedError)
+from ..base.errors import GradientMismatchError
 
 __all__ = ["GradTotal", "bilinear_directions", "check_sums", "projection_terms",
            "check_projections", "probed", "no_total", "check_unrecorded", "SumCheck",
-           "SUM_CHECK_RTOL", "SUM_CHECK_PROBES", "refusal", "user_hooks"]
+           "SUM_CHECK_RTOL", "SUM_CHECK_PROBES", "user_hooks", "formed_in", "module_precision"]
 
 # Relative tolerance of check_sums per dtype: the sum of B per-sample values may differ from
 # autograd's batch value by rounding, relative to sum_n |value_n| (B * eps in the worst case).
+# Each parameter is judged at the precision its gradient was formed in (check_sums).
 SUM_CHECK_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 SUM_CHECK_PROBES = 256
+
+# Why a parameter is judged at its dtype, for the messages (keys of the check items).
+_WHY = {
+    "results": "the dtype of its per-sample gradients and of autograd's gradient",
+    "grad_outputs": "the dtype of its module's recorded grad_outputs (autocast)",
+    "param": "the dtype of the parameter and of autograd's gradient of it",
+    "formed": ("the precision autograd formed its gradient in: its values, or those of another "
+               "parameter of its module, are all float32 values, as when the module computes "
+               "with its parameters cast down (self.weight.float())"),
+}
+
+
+def _rtol(dtype: torch.dtype) -> float:
+    return SUM_CHECK_RTOL.get(dtype, 1e-4)
+
+
+def _looser(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    # The dtype of the two with the larger tolerance (``a`` on a tie).
+    return b if _rtol(b) > _rtol(a) else a
+
+
+def _float32_columns(values: Tensor) -> Tuple[Tensor, Tensor]:
+    # Per float64 value: whether it is exactly a float32 value, and whether it needs more
+    # significant bits than float16 / bfloat16 hold (11): a value of float32's precision, not a
+    # small integer or a power of two, which every float is.
+    exact = values.to(torch.float32).to(torch.float64) == values
+    wide = exact & (torch.frexp(values).mantissa * 2048).frac().ne(0)
+    return exact, wide
+
+
+def formed_in(values: Tensor) -> Tensor:
+    """Whether autograd's gradient ``values`` (float64, e.g. a parameter's at the probe
+    coordinates) were formed in float32: a 0-dim bool tensor, true when every value is exactly a
+    float32 value and some value needs more than the 11 significant bits of float16 / bfloat16.
+
+    A float64 value computed in float64 is a float32 value with probability ``2**-29``; autograd
+    casts a gradient it formed in float32 up to the parameter's dtype (the backward of
+    ``self.weight.float()``): every value is then a float32 value. So a parameter a float64
+    model uses in float32 (Gemma's RMSNorm ``1 + self.weight.float()``, Mamba's
+    ``self.D.float()``) is judged at float32's tolerance, established from what autograd
+    computed, and only such a parameter."""
+    if values.dtype != torch.float64 or not values.numel():
+        return torch.zeros((), dtype=torch.bool, device=values.device)
+    exact, wide = _float32_columns(values)
+    return exact.all() & wide.any()
 
 
 @functools.lru_cache(maxsize=256)
@@ -69,18 +117,27 @@ class GradTotal:
     directions of :func:`bilinear_directions` (``W`` = the gradient viewed as ``(dim 0, rest)``):
     holding the gradient itself would make autograd copy it into ``param.grad`` instead of
     moving it there, one parameter-sized allocation per step (CNN: 4.8 MB, wide MLP: 2.5 MB).
+
+    It also keeps what the gradient's values show of the precision autograd formed it in
+    (:meth:`formed`), per backward pass: a sum over passes is no float32 value any more.
     """
 
     #: elements from which the gradient is summarised instead of kept.
     SUMMARISE = 1 << 16
 
-    __slots__ = ("full", "shape", "device", "probes", "proj", "norm", "hooks")
+    __slots__ = ("full", "shape", "device", "dtype", "probes", "proj", "norm", "hooks", "lower",
+                 "module")
 
     def __init__(self, grad: Tensor):
-        self.shape, self.device = grad.shape, grad.device
+        self.shape, self.device, self.dtype = grad.shape, grad.device, grad.dtype
         self.full: Optional[Tensor] = None
         #: the user's gradient hooks that ran on the parameter before ours (names), or None
         self.hooks: Optional[str] = None
+        #: a float64 gradient: whether a backward pass's gradient was formed in float32
+        #: (:func:`formed_in`, a 0-dim bool tensor); None until read (:meth:`read_lower`)
+        self.lower: Optional[Tensor] = None
+        #: whether the parameter's module computes in float32 (:func:`module_precision`)
+        self.module = False
         if grad.numel() < self.SUMMARISE or grad.layout != torch.strided:
             self.full = grad
             return
@@ -88,6 +145,10 @@ class GradTotal:
 
     def add(self, grad: Tensor) -> None:
         """Add the gradient of another backward pass."""
+        if self.dtype == torch.float64:  # (each pass's precision: their sum no longer shows it)
+            dense = grad.layout == torch.strided
+            self.lower = self.read_lower() | (dense and formed_in(
+                grad.reshape(-1).index_select(0, self.probe_index())))
         if self.full is not None:
             self.full = self.full + grad
             return
@@ -95,6 +156,27 @@ class GradTotal:
         self.probes = self.probes + probes
         self.proj = None if proj is None else self.proj + proj
         self.norm = None if norm is None else self.norm + norm  # an upper bound of ||sum||
+
+    def formed(self) -> torch.dtype:
+        """The precision autograd formed this gradient in, as far as the values establish it:
+        float32 for a float64 gradient of which some backward pass's values are all float32
+        values (:func:`formed_in`), or whose module computes in float32 (:attr:`module`); else
+        the gradient's dtype."""
+        if self.dtype != torch.float64:
+            return self.dtype
+        return torch.float32 if self.module or bool(self.read_lower()) else self.dtype
+
+    def formed_rtol(self) -> Tensor:
+        """:data:`SUM_CHECK_RTOL` of :meth:`formed`, a 0-dim tensor (read without a sync)."""
+        if self.dtype != torch.float64 or self.module:
+            return torch.tensor(_rtol(self.formed()))
+        return torch.where(self.read_lower(), _rtol(torch.float32), _rtol(self.dtype))
+
+    def read_lower(self) -> Tensor:
+        """:attr:`lower` of a float64 gradient, read from its values if not yet."""
+        if self.lower is None:
+            self.lower = formed_in(self.probe_values())
+        return self.lower
 
     def _summary(self, grad: Tensor):
         flat = grad.reshape(-1)
@@ -130,6 +212,36 @@ class GradTotal:
         return torch.dot(v, w @ u), torch.linalg.vector_norm(w)
 
 
+def module_precision(modules: Iterable[Sequence[Optional["GradTotal"]]]) -> None:
+    """The precision a module computes in, from its parameters' gradients: where autograd
+    formed the float64 gradient of one parameter of a module in float32 (:func:`formed_in`: the
+    module casts it down, ``self.D.float()``), the module computes in float32, and its other
+    float64 parameters are judged at float32 too (:attr:`GradTotal.module`): their gradients are
+    float64 sums of values formed in float32, which a rule that recomputes the module per sample
+    (the ``torch.func`` fallback) rounds otherwise than the batched forward (the Mamba mixer's
+    ``conv1d.bias``, next to ``A_log.float()`` and ``D.float()``).
+
+    Args:
+        modules: per module, the :class:`GradTotal` of each of its parameters (``None``: no
+            gradient). One sync per device.
+    """
+    groups = [[t for t in totals if t is not None and t.dtype == torch.float64]
+              for totals in modules]
+    groups = [g for g in groups if len(g) > 1]
+    by_device: Dict[torch.device, list] = {}
+    for g in groups:
+        for t in g:
+            by_device.setdefault(t.device, []).append(t)
+    lowered = set()
+    for totals in by_device.values():
+        flags = torch.stack([t.read_lower() for t in totals]).tolist()
+        lowered.update(id(t) for t, flag in zip(totals, flags) if flag)
+    for g in groups:
+        if any(id(t) in lowered for t in g):
+            for t in g:
+                t.module = True
+
+
 def user_hooks(names: Mapping[int, str], totals: Mapping[int, "GradTotal"]) -> Dict[str, str]:
     """``{name: hooks}`` of the parameters whose gradient the user's hooks registered before
     attach changed (:attr:`GradTotal.hooks`), for the messages of :func:`check_sums` and
@@ -138,23 +250,44 @@ def user_hooks(names: Mapping[int, str], totals: Mapping[int, "GradTotal"]) -> D
             if total.hooks and pid in names}
 
 
-def _mismatch(name: str, difference: str, hooks: Mapping[str, str], results: str
-              ) -> GradientMismatchError:
-    # The sum check's failure for parameter ``name``: the user's gradient hooks registered
-    # before attach where there are some (the likelier cause), else a use outside its module.
+def _mismatch(name: str, difference: str, tol: float, of: str, dtype: torch.dtype, why: str,
+              relative: float, hooks: Mapping[str, str], results: str) -> GradientMismatchError:
+    # The sum check's failure for parameter ``name``: what differs (``difference``), the
+    # tolerance ``tol`` (rtol of ``dtype`` times ``of``) and why that dtype, then a cause only
+    # where one is established: the user's gradient hooks registered before attach (seen), else
+    # what the size of the difference (``relative`` to the magnitude) shows.
+    tolerance = "" if tol != tol else f", {tol:.3g}"
     head = (f"the per-sample gradients of {name!r} do not sum to the gradient autograd "
-            f"computed for it ({difference})")
+            f"computed for it: {difference}, above the tolerance for {_name(dtype)}{tolerance} "
+            f"(rtol {_rtol(dtype):g} of {of}; {_name(dtype)} is {why})")
     if name in hooks:
         return GradientMismatchError(
-            f"{head}: {name!r} has gradient hooks registered before attach ({hooks[name]}, from "
+            f"{head}. {name!r} has gradient hooks registered before attach ({hooks[name]}, from "
             f"{name}.register_hook(...)) that changed the gradient autograd accumulates, which "
             f"per-sample gradients of the loss do not see. Register such hooks after "
             f"gradhooks.attach (they then change .grad only, after the check), or apply the "
             f"change to the per-sample results")
+    size = f"The difference is {relative:.2g} relative to the per-sample gradients' magnitude"
+    rounding = next((d for d in (torch.float32, torch.bfloat16)
+                     if _rtol(dtype) < _rtol(d) and relative <= _rtol(d)), None)
+    if rounding is not None:
+        return GradientMismatchError(
+            f"{head}. {size}, within {_name(rounding)}'s tolerance: the size of rounding, not of "
+            f"a missing gradient term. The module may compute in a lower precision than "
+            f"{_name(dtype)} in a way autograd's gradient does not show (gradhooks reads the "
+            f"precision off its values); if so, attach(..., check=False) skips the check, and "
+            f"the per-sample {results} carry that rounding")
     return GradientMismatchError(
-        f"{head}. The parameter receives gradient outside the module that owns it (a functional "
-        f"use such as x @ layer.weight.T, or a module gradhooks does not hook); per-sample "
-        f"{results} would be wrong. Use the parameter only through its module.")
+        f"{head}. {size}, far above rounding: autograd's gradient holds a part that the "
+        f"recorded calls of the module owning {name!r} do not account for: gradient the "
+        f"parameter receives outside the module that owns it (a functional use such as "
+        f"x @ layer.weight.T, or a module gradhooks does not hook), or a module that mixes the "
+        f"samples. Per-sample {results} would be wrong; use the parameter only through its "
+        f"module.")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def check_sums(items: Sequence[Tuple], scale: Optional[float],
@@ -164,62 +297,113 @@ def check_sums(items: Sequence[Tuple], scale: Optional[float],
     ``sum_n grad_n == scale * batch_grad`` must hold for every parameter (linearity of the
     gradient in the loss); it fails when a parameter also receives gradient outside the module
     whose hooks produced ``grad_n``. Checked on :data:`SUM_CHECK_PROBES` evenly spaced
-    coordinates per parameter (:meth:`GradTotal.probe_index`), all parameters of a device in one vectorised comparison, within
-    :data:`SUM_CHECK_RTOL` relative to ``sum_n |grad_n|`` per coordinate (floored at 1% of the
-    largest such bound, so that rounding in coordinates that cancel within a sample passes).
+    coordinates per parameter (:meth:`GradTotal.probe_index`), all parameters of a device in one
+    vectorised comparison, each within the :data:`SUM_CHECK_RTOL` of the precision its gradient
+    was formed in, relative to ``sum_n |grad_n|`` per coordinate (floored at 1% of the largest
+    such sum of the device's parameters, so that rounding in coordinates that cancel within a
+    sample passes). The precision is the loosest of the per-sample gradients' dtype,
+    ``tol_dtype``, autograd's gradient's dtype (the parameter's) and the precision autograd's
+    values show (:meth:`GradTotal.formed`, :func:`formed_in`: float32 inside a float64 model);
+    one parameter's precision never loosens another's.
 
     Args:
-        items: ``(name, per_sample (B, *shape), batch_grad[, tol_dtype])`` per parameter;
-            ``batch_grad`` is what autograd computed in the same backward passes: a
+        items: ``(name, per_sample (B, *shape), batch_grad[, tol_dtype[, why]])`` per
+            parameter; ``batch_grad`` is what autograd computed in the same backward passes: a
             :class:`GradTotal`, a tensor already reduced to the probe coordinates of
             ``per_sample`` (``(K,)`` with ``per_sample`` ``(B, K)``), or ``None``;
             ``tol_dtype`` (default: ``per_sample.dtype``) selects the tolerance, e.g. bfloat16
-            when the grad_outputs were bfloat16 (autocast).
+            when the grad_outputs were bfloat16 (autocast); ``why`` (from :func:`probed`): the
+            reason ``tol_dtype`` was chosen, for the message.
         scale: the own-loss scale (:func:`gradhooks.base.utils.own_loss_scale`) already applied to ``per_sample``.
         hooks: the user's gradient hooks of items whose ``batch_grad`` is no :class:`GradTotal`
             (:func:`user_hooks`), named as the cause where their check fails.
 
     Raises:
-        GradientMismatchError: naming the first parameter that fails, or that has per-sample
-            gradients but no autograd gradient (e.g. ``torch.autograd.grad`` w.r.t. the input).
+        GradientMismatchError: naming the first parameter that fails, the difference, the
+            tolerance and the dtype it was judged at; or one that has per-sample gradients but
+            no autograd gradient (e.g. ``torch.autograd.grad`` w.r.t. the input).
     """
     groups: Dict[torch.device, list] = {}
     hooks = dict(hooks or {})
-    for name, t, total, *tol_dtype in items:
+    for name, t, total, *rest in items:
         if total is None:
             raise no_total(name)
-        if isinstance(total, GradTotal) and total.hooks:
-            hooks[name] = total.hooks
+        dtype = rest[0] if rest and rest[0] is not None else t.dtype
+        why = rest[1] if len(rest) > 1 and rest[1] else (
+            "results" if dtype == t.dtype else "grad_outputs")
         flat = t.reshape(t.shape[0], -1)
+        known = False  # whether the precision autograd's values show is read already
         if isinstance(total, GradTotal):
+            if total.hooks:
+                hooks[name] = total.hooks
             idx, ref = total.probe_index(), total.probe_values()
             if idx.numel() < flat.shape[1]:
                 flat = flat.index_select(1, idx)
+            formed, known = total.formed(), True
+            if formed != total.dtype and _looser(dtype, formed) != dtype:
+                dtype, why = formed, "formed"
         else:
             ref = total.reshape(-1)
-        groups.setdefault(t.device, []).append((name, flat, ref, SUM_CHECK_RTOL.get(tol_dtype[0] if tol_dtype else t.dtype, 1e-4)))
+        if _looser(dtype, ref.dtype) != dtype:
+            dtype, why = ref.dtype, "param"
+        groups.setdefault(t.device, []).append([name, flat, ref, dtype, why, known])
     for device, entries in groups.items():
-        acc = torch.float64 if any(e[1].dtype == torch.float64 for e in entries) else torch.float32
-        per = torch.cat([e[1].to(acc) for e in entries], 1)  # (B, K)
-        ref = torch.cat([e[2].to(acc) for e in entries])
-        rtol = max(e[3] for e in entries)  # the loosest dtype of the group
-        err = per.sum(0).sub_(ref, alpha=1.0 if scale is None else scale).abs_()
-        # per coordinate: rtol * sum_n |grad_n|, floored at 1% of that for the largest coordinate
-        # (rounding of a coordinate whose per-sample values cancel within each sample)
-        tol = per.abs().sum(0).mul_(rtol)
-        # NaN-safe: a NaN per-sample value where autograd's gradient is finite is a mismatch
-        floor = float(torch.nan_to_num(tol, nan=0.0, posinf=0.0).max()) * 1e-2 + torch.finfo(acc).tiny
-        bad = ~(err <= tol.clamp_(min=floor)) & ref.isfinite()
-        if bool(bad.any()):
-            sizes = [e[1].shape[1] for e in entries]
-            first = int(bad.nonzero()[0, 0])
-            k = 0
-            for (name, *_), size in zip(entries, sizes):
-                k += size
-                if first < k:
-                    break
-            raise _mismatch(name, f"largest difference {err.max().item():.3g}", hooks,
-                            "gradients")
+        _judge(entries, scale, hooks)
+
+
+def _judge(entries: list, scale: Optional[float], hooks: Mapping[str, str]) -> None:
+    # check_sums on one device: ``entries`` [name, (B, K) per-sample, (K,) autograd's, dtype,
+    # why, known], the precision autograd's float64 values show read here for those not known.
+    acc = torch.float64 if any(e[1].dtype == torch.float64 for e in entries) else torch.float32
+    sizes = [e[1].shape[1] for e in entries]
+    device = entries[0][1].device
+
+    def segments(ks):  # the entry (0..len(ks)-1) of each column, formed on the CPU
+        return torch.repeat_interleave(torch.arange(len(ks)), torch.tensor([sizes[k] for k in ks]))
+
+    unread = [k for k, e in enumerate(entries)
+              if not e[5] and e[3] == torch.float64 and e[2].dtype == torch.float64 and sizes[k]]
+    if unread:  # (one vectorised reading, one sync)
+        vals = torch.cat([entries[k][2] for k in unread])
+        exact, wide = _float32_columns(vals)
+        at = segments(unread).to(device, non_blocking=True)
+        ones = vals.new_ones(len(unread))
+        all_exact = ones.scatter_reduce(0, at, exact.to(vals.dtype), "amin")
+        any_wide = torch.zeros_like(ones).scatter_reduce(0, at, wide.to(vals.dtype), "amax")
+        for k, lower in zip(unread, ((all_exact > 0) & (any_wide > 0)).tolist()):
+            if lower:
+                entries[k][3], entries[k][4] = torch.float32, "formed"
+    per = torch.cat([e[1].to(acc) for e in entries], 1)  # (B, K)
+    if not per.shape[1]:
+        return
+    ref = torch.cat([e[2].to(acc) for e in entries])
+    seg = segments(range(len(entries)))
+    rtol = torch.tensor([_rtol(e[3]) for e in entries], dtype=acc)[seg].to(device)  # (K,)
+    err = per.sum(0).sub_(ref, alpha=1.0 if scale is None else scale).abs_()
+    # per coordinate: its parameter's rtol times sum_n |grad_n|, floored at the same rtol times
+    # 1% of the largest such sum (rounding of a coordinate whose per-sample values cancel within
+    # each sample); NaN-safe: a NaN per-sample value where autograd's gradient is finite is a
+    # mismatch
+    mag = per.abs().sum(0)
+    top = torch.nan_to_num(mag, nan=0.0, posinf=0.0).max() * 1e-2
+    tol = torch.maximum(mag * rtol, rtol * top + torch.finfo(acc).tiny)
+    bad = ~(err <= tol) & ref.isfinite()
+    if not bool(bad.any()):
+        return
+    k = int(seg[int(bad.nonzero()[0, 0])])
+    name, _, _, dtype, why, _ = entries[k]
+    mine = (seg == k).to(device) & bad
+    ratio = torch.where(mine, torch.nan_to_num(err / tol, nan=float("inf")), -1.0)
+    j = int(ratio.argmax())
+    e, t = float(err[j]), float(tol[j])
+    if e != e:
+        difference = "a per-sample value is not a number where autograd's gradient is finite"
+        relative = float("inf")
+    else:
+        difference = f"they differ by {e:.3g}"
+        relative = e * float(rtol[j]) / t
+    raise _mismatch(name, difference, t, "the per-sample gradients' summed magnitude",
+                    dtype, _WHY[why], relative, hooks, "gradients")
 
 
 def no_total(name: str) -> GradientMismatchError:
@@ -236,11 +420,13 @@ def no_total(name: str) -> GradientMismatchError:
 def projection_terms(name: str, a: Tensor, g: Tensor, total: Optional[GradTotal],
                       rows: Optional[slice] = None, transposed: bool = False) -> Tensor:
     """Sum check of a Gram-form weight on a random rank-one projection (module docstring):
-    ``(got, ref, bound)``, with ``got = sum_{n,g,s} (a . u)(g . v_g)`` from the records,
+    ``(got, ref, bound, rtol)``, with ``got = sum_{n,g,s} (a . u)(g . v_g)`` from the records,
     ``ref = v^T W u`` from autograd's gradient ``W`` (viewed as ``(dim 0, rest)``,
     :meth:`GradTotal.projection`) and ``bound`` the scale of the rounding
-    errors of both (``sum |a . u||g . v| + ||W|| ||u|| ||v||``). ``a`` ``(N, G, S, I)``, ``g``
-    ``(N, G, S, O)``: the canonical form, or one row block ``rows`` of ``W`` (``G = 1``); then
+    errors of both (``sum |a . u||g . v| + ||W|| ||u|| ||v||``), and ``rtol``, the tolerance of
+    the precision autograd formed ``W`` in (:meth:`GradTotal.formed`), which
+    :func:`check_projections` takes where it is looser than the item's. ``a`` ``(N, G, S, I)``,
+    ``g`` ``(N, G, S, O)``: the canonical form, or one row block ``rows`` of ``W`` (``G = 1``); then
     ``ref`` and the bound's second term count only for the first block (``rows.start == 0``):
     the blocks' ``got`` add up to the whole projection. ``transposed``: the weight is stored as
     ``W^T`` ``(I, O)`` (:attr:`~gradhooks.base.registry.LayerRule.weight_transposed`), so ``u`` runs
@@ -263,9 +449,10 @@ def projection_terms(name: str, a: Tensor, g: Tensor, total: Optional[GradTotal]
     else:
         prod = (a @ u).mul_((g * v.view(grp, 1, o)).sum(-1))  # (N, G, S)
     ref, norm = total.projection(a.dtype)
-    if rows is not None and rows.start != 0:
-        ref, norm = torch.zeros_like(ref), torch.zeros_like(norm)
-    return torch.stack([prod.sum(), ref, prod.abs().sum() + norm * uv])
+    formed = total.formed_rtol().to(ref)
+    if rows is not None and rows.start != 0:  # (the blocks' terms add up: counted once)
+        ref, norm, formed = torch.zeros_like(ref), torch.zeros_like(norm), torch.zeros_like(formed)
+    return torch.stack([prod.sum(), ref, prod.abs().sum() + norm * uv, formed])
 
 
 def check_projections(items: List[Tuple[str, Tensor, torch.dtype]],
@@ -273,9 +460,12 @@ def check_projections(items: List[Tuple[str, Tensor, torch.dtype]],
     """Compare the :func:`projection_terms` of every Gram-form weight at once (``hooks``: the
     user's gradient hooks, :func:`user_hooks`, named as the cause where they ran).
 
+    Each weight is judged at its own precision: the loosest of ``dtype`` (the item's) and the
+    one autograd formed its gradient in (:meth:`GradTotal.formed`, the terms' last entry).
+
     Raises:
         GradientMismatchError: naming the first parameter whose projection differs by more than
-            ``SUM_CHECK_RTOL[dtype] * bound``.
+            ``SUM_CHECK_RTOL[dtype] * bound``, the difference, the tolerance and the dtype.
     """
     summed: Dict[str, list] = {}  # a parameter's row blocks add up
     for name, terms, dt in items:
@@ -288,21 +478,34 @@ def check_projections(items: List[Tuple[str, Tensor, torch.dtype]],
         by_device.setdefault(item[1].device, []).append(item)
     for group in by_device.values():
         dt = torch.float64 if any(t.dtype == torch.float64 for _, t, _ in group) else torch.float32
-        terms = torch.stack([t.to(dt) for _, t, _ in group])  # (P, 3)
-        rtol = terms.new_tensor([SUM_CHECK_RTOL.get(dt, 1e-4) for _, _, dt in group])
-        bad = (terms[:, 0] - terms[:, 1]).abs() > rtol * terms[:, 2] + torch.finfo(terms.dtype).tiny
+        terms = torch.stack([t.to(dt) for _, t, _ in group])  # (P, 4)
+        given = terms.new_tensor([_rtol(d) for _, _, d in group])
+        rtol = torch.maximum(given, terms[:, 3])
+        diff = (terms[:, 0] - terms[:, 1]).abs()
+        bad = diff > rtol * terms[:, 2] + torch.finfo(terms.dtype).tiny
         if bool(bad.any()):
             k = int(bad.nonzero()[0, 0])
-            got, ref = terms[k, 0].item(), terms[k, 1].item()
-            raise _mismatch(group[k][0], f"on a random projection: {got:.6g} vs {ref:.6g}",
-                            hooks or {}, "norms")
+            name, _, dtype = group[k]
+            got, ref, bound, formed = terms[k].tolist()
+            why = "grad_outputs" if dtype in (torch.bfloat16, torch.float16) else "results"
+            if formed > _rtol(dtype):
+                dtype = next(d for d in (torch.float32, torch.bfloat16, torch.float16)
+                             if _rtol(d) == formed)
+                why = "formed"
+            d = abs(got - ref)
+            raise _mismatch(name, f"on a random projection, {got:.6g} vs autograd's {ref:.6g}, "
+                            f"they differ by {d:.3g}", _rtol(dtype) * bound,
+                            "the projection's rounding bound", dtype, _WHY[why],
+                            d / bound if bound > 0 else float("inf"), hooks or {}, "norms")
 
 
 def probed(name: str, t: Tensor, total: Optional[GradTotal], tol_dtype: torch.dtype,
             rows: Optional[slice] = None) -> Optional[tuple]:
     """A :func:`check_sums` item reduced to the probe coordinates, so that
     ``t`` need not be kept: ``t`` ``(N, *shape)`` is the per-sample gradient of the parameter,
-    or of its rows ``rows`` (dim 0); ``None`` if no probe falls in those rows."""
+    or of its rows ``rows`` (dim 0); ``None`` if no probe falls in those rows. Its tolerance
+    dtype is ``tol_dtype``, or the precision autograd formed the gradient in where that is
+    lower (:meth:`GradTotal.formed`)."""
     if total is None:
         raise no_total(name)
     idx, ref = total.probe_index(), total.probe_values()
@@ -315,6 +518,9 @@ def probed(name: str, t: Tensor, total: Optional[GradTotal], tol_dtype: torch.dt
             return None
     if idx.numel() < flat.shape[1]:
         flat = flat.index_select(1, idx)
+    formed = total.formed()  # (the passes' precision: the probes' sum no longer shows it)
+    if formed != total.dtype and _looser(tol_dtype, formed) != tol_dtype:
+        return name, flat, ref, formed, "formed"
     return name, flat, ref, tol_dtype
 
 
@@ -387,84 +593,3 @@ class SumCheck:
         self._passed.add(structure)
         if drive_key is not None:
             self._drive_passed.add(drive_key)
-
-
-def refusal(read: str, *, attached: bool, changed: Optional[str], stale: Optional[str],
-            released: bool, reached: int, calls: int, backward_reached_params: bool,
-            forwards: int, higher_order: Optional[str]) -> Optional[GradHooksError]:
-    """The error a read of the current batch must raise, or ``None`` if it may go on.
-
-    Args:
-        read: the reading call, e.g. ``"per_sample_grad_norms()"``, named in the messages.
-        attached: whether the hooks are attached.
-        changed: what changed in the model since its forward (a parameter or submodule set on
-            it), or ``None``.
-        stale: the module a backward pass reached after a read released the records, or
-            ``None``.
-        released: whether a read released the records.
-        reached: how many calls a backward pass reached.
-        calls: how many hooked-layer calls the forwards of this batch recorded.
-        backward_reached_params: whether autograd computed parameter gradients in this batch.
-        forwards: how many top-level forwards the reached calls came from (counted as 1 when
-            ``attach(forwards="same_samples")`` or when the model is itself a hooked layer).
-        higher_order: the module a ``create_graph=True`` backward reached, or ``None``.
-    """
-    if not attached:
-        return GradHooksError(
-            f"{read}: this GradHooks was detached from the model, which dropped its records "
-            f"(also at the end of a `with gradhooks.attach(model) as gh:` block): read inside "
-            f"the block / before detach(), or attach again and rerun the forward and backward")
-    if changed is not None:
-        return GradHooksError(
-            f"{read}: the model changed after its forward ({changed}), so the records do not "
-            f"describe its parameters any more: run the forward and backward again (gradhooks "
-            f"follows the change at the next forward)")
-    if stale is not None:
-        return RecordsReleasedError(
-            f"a backward pass reached module {stale} after per_sample_grads() released this "
-            f"batch's records (activations and grad_outputs), so its grad_outputs were not "
-            f"recorded: to read per-sample results over several backward passes of one forward, "
-            f"call per_sample_grads(retain_records=True) before the later passes, or run a new "
-            f"forward")
-    if released:
-        if read == "per_sample_grads()":
-            return RecordsReleasedError(
-                "per_sample_grads() released this batch's records as it read them and did not "
-                "finish (it raised an error): run the forward and backward again, with "
-                "per_sample_grads(retain_records=True) to keep the records through a failed read")
-        return RecordsReleasedError(
-            f"per_sample_grads() released this batch's records (activations and grad_outputs) "
-            f"as it read them, and {read} needs them: call {read} before per_sample_grads(), or "
-            f"per_sample_grads(retain_records=True) to keep them")
-    if not reached:
-        if calls == 0 and backward_reached_params:
-            return NoBackwardError(
-                f"{read}: autograd computed parameter gradients, but no hooked layer's forward "
-                f"hook ran: the forward went through code compiled by torch.compile before "
-                f"attach (compiled code does not see hooks added later). Attach before "
-                f"compiling, or call torch._dynamo.reset() after attach so that it recompiles")
-        return NoBackwardError(
-            f"no backward pass has reached a hooked layer since the last forward: call "
-            f"loss.backward() (or gh.backward(loss)) before {read} (forwards under "
-            f"torch.no_grad() or inference_mode() record nothing; a model compiled with "
-            f"torch.compile before attach runs without the hooks: attach first)")
-    if forwards > 1:
-        return GradHooksError(
-            f"{read}: the backward reached the records of {forwards} forwards of the model, "
-            f"whose rows would be added sample by sample (row n = sample n of every forward). "
-            f"This is what a contrastive or two-view loss does (SimCLR / InfoNCE over "
-            f"model(view1) and model(view2), a siamese or triplet loss). If every forward saw "
-            f"the same samples in the same order (two views or augmentations of one batch, sample "
-            f"n's own loss depending on both), declare it: attach(model, forwards='same_samples'), "
-            f"and the per-sample results sum over the forwards. Otherwise (different samples in "
-            f"each forward, or negatives drawn from other samples) run one forward per backward: "
-            f"concatenate the inputs, model(torch.cat([x1, x2])), and split the output")
-    if higher_order is not None:
-        return HigherOrderGradError(
-            f"a backward pass with create_graph=True reached module {higher_order}: the loss "
-            f"contains derivatives (a gradient penalty or a Laplacian built with "
-            f"torch.autograd.grad(..., create_graph=True)), so each parameter's gradient has "
-            f"terms through the derivative graph that grad_output-based rules do not see; "
-            f"{read} would be wrong. Compute such per-sample quantities with torch.func (vmap "
-            f"over grad of the per-sample loss), or detach the derivative term")
-    return None
