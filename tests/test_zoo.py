@@ -162,6 +162,24 @@ def llama():
     return TokensToLogits(tr.LlamaForCausalLM(cfg)), "tokens"
 
 
+def gemma():
+    """Gemma: ``(1 + weight)`` RMSNorms and a scaled embedding, computed in float32 inside."""
+    tr = transformers_lib()
+    cfg = tr.GemmaConfig(vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         max_position_embeddings=T)
+    return TokensToLogits(tr.GemmaForCausalLM(cfg)), "tokens"
+
+
+def mamba():
+    """Mamba: the selective scan and its norms in float32 inside (use_cache=False: a call with
+    a cache is generation, refused)."""
+    tr = transformers_lib()
+    cfg = tr.MambaConfig(vocab_size=V, hidden_size=H, state_size=8, num_hidden_layers=2,
+                         expand=2, conv_kernel=4, use_cache=False)
+    return TokensToLogits(tr.MambaForCausalLM(cfg)), "tokens"
+
+
 def lora(make, targets):
     def build():
         import peft
@@ -335,6 +353,37 @@ def test_zoo_model_matches_loop(name, build):
         assert_close(gh.per_sample_grads(), ref)
     finally:
         gh.detach()
+
+
+# Models that compute parts in float32 inside a float64 model (norms, Mamba's scan): exact to
+# float32's precision, with the default attach (its sum check judges those parameters at the
+# precision autograd formed their gradients in: gradhooks/core/checks.py).
+FLOAT32_INSIDE = {"gemma": gemma, "mamba": mamba}
+
+
+@pytest.mark.parametrize("t", [T, B], ids=["T8", "T=B"])
+@pytest.mark.parametrize("name", list(FLOAT32_INSIDE))
+def test_zoo_float32_inside_matches_loop(name, t):
+    """Per-sample gradients, norms and clipping against the loop, each gradient within 1e-5 of
+    its largest entry (the float32 floor the models compute at); every module by a rule."""
+    model, kind = FLOAT32_INSIDE[name]()
+    model = model.double().eval()
+    x, y = inputs(kind, torch.Generator().manual_seed(1), t=t)
+    ref = loop_grads(model, token_loss, x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gradhooks.FallbackWarning)
+        gh = gradhooks.attach(model)
+    try:
+        token_loss(model(x), y).backward()
+        ref_norms = torch.cat([g.reshape(B, -1) for g in ref.values()], 1).norm(dim=1)
+        torch.testing.assert_close(gh.per_sample_grad_norms(), ref_norms, rtol=1e-5, atol=0)
+        ours = gh.per_sample_grads()
+    finally:
+        gh.detach()
+    assert list(ours) == list(ref)
+    for n in ref:
+        diff, scale = (ours[n] - ref[n]).abs().max(), ref[n].abs().max()
+        assert diff <= 1e-5 * scale, f"{n}: max diff {diff:.3e} vs max |ref| {scale:.3e}"
 
 
 @pytest.mark.parametrize("name", ["bert", "gpt2", "t5", "bart", "llama-gqa", "opt", "fsmt"])
