@@ -6,7 +6,9 @@ shared tensor meets the batch the dim it lines up with is known from the data fl
 off a size (a ``(T, 1, D)`` position table added to a ``(T, B, D)`` activation with ``T == B``
 is a broadcast over dim 1, not rows of dim 0). The common ops are followed by rule (elementwise
 ops keep it right-aligned, a transpose moves it, a view keeps it where the dims before it keep
-their product, a merge with the dims after it gives ``(dim, inner)``: ``(B * T, D)`` rows); any
+their product, a merge with the dims after it gives ``(dim, inner)``: ``(B * T, D)`` rows; rows
+gathered from such a merge by an index, or joined along the batch dim, give :class:`Routed`: each
+row's sample); any
 other op is replayed on ``meta`` tensors whose batch dims have a size no other dim has (cached
 per shapes). Where the batch dim cannot be followed it is ``None`` (lost) and the declared
 layout stands in.
@@ -20,7 +22,19 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["batch_dim_after", "operands", "ROW_ALIGNED", "METADATA", "JOINS", "MATMULS",
-           "RECURRENT"]
+           "RECURRENT", "Routed"]
+
+
+class Routed:
+    """The batch dim of rows gathered from a batch by a data-dependent index (a mixture of
+    experts' ``hidden[token_idx]``, ``weights[token_idx, slot]``): dim 0, row ``r`` of sample
+    ``samples[r]``. ``key`` is the index tensor the rows were gathered by: two operands are
+    lined up row by row only when they were gathered by the same one."""
+
+    __slots__ = ("samples", "key")
+
+    def __init__(self, samples: Tensor, key: Tensor):
+        self.samples, self.key = samples, key
 
 
 def _functions(names, owners) -> frozenset:
@@ -93,6 +107,8 @@ _REDUCE = _functions(("sum", "mean", "amax", "amin", "max", "min", "std", "var",
                       "norm", "prod", "any", "all", "argmax", "argmin"), (torch, torch.Tensor))
 
 _UNBIND = _functions(("unbind",), (torch, torch.Tensor))
+_TOPK = _functions(("topk", "sort"), (torch, torch.Tensor))
+_TOPK_K = _functions(("topk",), (torch, torch.Tensor))  # (topk(x, k, dim), sort(x, dim))
 # ops returning pieces along a dim: the position of their dim argument
 _PIECES = {**{f: 1 for f in _UNBIND},
            **{f: 2 for f in _functions(("chunk", "split", "tensor_split"), (torch, torch.Tensor))}}
@@ -119,6 +135,16 @@ def batch_dim_after(func, args, kwargs, ref: Tensor, bd, batched, out):
     """
     if bd is None:
         return None
+    if func is _GETITEM and args and args[0] is ref and not isinstance(bd, Routed):
+        routed = _gathered(ref, bd, args[1], out)
+        if routed is not None:
+            return routed
+    if func in JOINS and batched is not None:
+        joined = _joined(args, kwargs, batched, out)
+        if joined is not None:
+            return joined
+    if isinstance(bd, Routed):
+        return _routed_after(func, args, kwargs, ref, bd, batched, out)
     if isinstance(bd, tuple):  # a merged batch: its dim moves as a dim does
         d, inner = bd
         if args and args[0] is ref and func in _RESHAPE and isinstance(out, Tensor):
@@ -182,6 +208,10 @@ def _dim_after(func, args, kwargs, ref: Tensor, bd: int, batched, out):
                 return None
             keep = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
             return bd if keep else bd - sum(d < bd for d in dims)
+    if func in _TOPK and args and args[0] is ref and isinstance(out, (tuple, list)):
+        dim = kwargs.get("dim", args[2 if func in _TOPK_K else 1] if len(args) > (
+            2 if func in _TOPK_K else 1) else -1) % ref.dim()
+        return [None if dim == bd else bd] * len(out)
     if func in _PIECES and args and args[0] is ref and isinstance(out, (tuple, list)):
         nd = ref.dim()
         d = kwargs.get("dim", args[_PIECES[func]] if len(args) > _PIECES[func] else 0) % nd
@@ -196,6 +226,68 @@ def _dim_after(func, args, kwargs, ref: Tensor, bd: int, batched, out):
             isinstance(o, Tensor) for o in out)):
         return None
     return _on_meta(func, args, kwargs, batched, out)
+
+
+def _gathered(ref: Tensor, bd, index, out) -> "Routed | None":
+    # x[idx] / x[idx, slot, None] on a batch merged with the dims after it on dim 0 (``B *
+    # inner`` rows, a mixture of experts' token rows): the output's dim 0 holds the rows idx
+    # picks, each of the sample ``idx // inner``. (A gather from B rows, and one of integers
+    # (targets), are left to the replay.)
+    inner = bd[1] if isinstance(bd, tuple) and bd[0] == 0 and ref.is_floating_point() else None
+    index = index if isinstance(index, tuple) else (index,)
+    first = index[0] if index else None
+    if (inner is None or not isinstance(first, Tensor) or first.dim() != 1
+            or first.dtype not in (torch.int64, torch.int32) or not isinstance(out, Tensor)
+            or out.dim() == 0 or out.shape[0] != first.shape[0]):
+        return None
+    tensors_at = [i for i, t in enumerate(index) if isinstance(t, Tensor)]
+    if tensors_at != list(range(len(tensors_at))) or any(
+            index[i].shape != first.shape for i in tensors_at):
+        return None  # (advanced indices not all at the front, or broadcast among themselves)
+    return Routed(first // inner, first)
+
+
+def _joined(args, kwargs, batched, out) -> "Routed | None":
+    # cat along dim 0 of batches on dim 0 (B rows, or B * inner merged rows; a mixture of
+    # experts' load-balancing loss joins every layer's router logits): rows of known samples.
+    d = _args(args, kwargs, (("dim", 1),))[0] if len(args) > 1 or "dim" in kwargs else 0
+    parts = args[0] if args else kwargs.get("tensors")
+    if (d != 0 or not isinstance(out, Tensor) or not out.is_floating_point() or out.dim() < 1
+            or not isinstance(parts, (list, tuple)) or len(batched) != len(parts)
+            or out.dim() != parts[0].dim()):
+        return None
+    dims = {id(t): bd for t, bd in batched}
+    samples = []
+    for t in parts:
+        bd = dims.get(id(t))
+        inner = bd[1] if isinstance(bd, tuple) and bd[0] == 0 else 1 if bd == 0 else None
+        if inner is None:
+            return None
+        samples.append(torch.arange(t.shape[0], device=t.device) // inner)
+    return Routed(torch.cat(samples), out)
+
+
+def _routed_after(func, args, kwargs, ref: Tensor, bd: Routed, batched, out):
+    # Rows gathered by an index stay rows of the same samples through ops that keep dim 0:
+    # elementwise ops among rows gathered by the same index, F.linear, pieces along other dims,
+    # basic indexing that keeps dim 0 whole; any other op loses them (None).
+    if batched is not None and any(not isinstance(d, Routed) or d.key is not bd.key
+                                   for _, d in batched):
+        return None
+    nd = ref.dim()
+    if isinstance(out, Tensor):
+        if out.dim() == 0 or out.shape[0] != ref.shape[0]:
+            return None
+        if func in _SAME and out.dim() == nd:
+            return bd
+        if args and args[0] is ref and (func is F.linear and nd >= 2 or func is _GETITEM
+                                        and _index_dim(nd, 0, args[1]) == 0):
+            return bd
+        return None
+    if func in _PIECES and args and args[0] is ref and isinstance(out, (tuple, list)):
+        d = kwargs.get("dim", args[_PIECES[func]] if len(args) > _PIECES[func] else 0) % nd
+        return [bd if d != 0 and func not in _UNBIND else None] * len(out)
+    return None
 
 
 def _index_dim(nd: int, bd: int, index):

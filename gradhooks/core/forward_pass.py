@@ -20,7 +20,8 @@ from ..base.errors import BatchSizeError, GradHooksError
 from ..base.forms import Call
 from ..base.utils import detached, flatten, is_functorch_wrapped, tensors
 from .graph import in_backward, mark, on_grad
-from .placement import BATCHED, SHARED, partial_batch_hint, recomputed_error, relayout
+from .placement import (BATCHED, MERGED, SHARED, partial_batch_hint, recomputed_error,
+                        relayout)
 from .records import Layer, Record, expand_call, shared_lookup
 
 __all__ = ["ForwardPass"]
@@ -117,6 +118,9 @@ class ForwardPass:
                     reached = [0]
         elif placed.kind is SHARED:
             placement.record_shared(layer, args, kwargs, output, names, x, placed.ordinal)
+            return None
+        elif placed.kind is MERGED:  # (a fallback on (B * n, ...) rows: its parameters' ops)
+            placement.merged_call(layer, names)
             return None
         elif placed.kind is BATCHED:
             shared = False

@@ -103,7 +103,7 @@ def mixing_op(func, args, kwargs, ref: Tensor, bd) -> Optional[Tuple[str, str]]:
     else ``None``."""
     if bd is None or not args or args[0] is not ref:
         return None
-    d = bd[0] if isinstance(bd, tuple) else bd
+    d = bd[0] if isinstance(bd, tuple) else bd if isinstance(bd, int) else 0  # (Routed: 0)
     nd = ref.dim()
     if func in _BATCH_NORMS:
         training = kwargs.get("training", args[5] if len(args) > 5 else False)

@@ -23,6 +23,15 @@ about where the batch is and only the data flow tells:
 * DP LSTM zero states (Opacus' ``DPLSTM`` builds its initial state from sizes and runs its cells
   on fewer samples at later steps): such calls cover part of the batch, and the refusal names
   the fix (:func:`partial_batch_hint`).
+* ``(B * nW, N, C)`` windows (timm's Swin): a module without a rule called on them
+  (``WindowAttention``, which owns the relative position bias table) is not recorded
+  (:data:`MERGED`); its table is priced at its own ops, and the reads refuse if any of its
+  parameters is left (the fallback's replay cannot take one sample's windows). A mixture of
+  experts' router and experts on ``(B * T, D)`` token rows the same way, their weights split at
+  their ``F.linear`` (:mod:`gradhooks.core.rows`).
+* shared calls with no tensor input (BEiT's and Swin's relative position bias, called on a window
+  size; a learned query or prompt returned by its module): the module's own parameters become
+  sources (:meth:`Placement.record_shared`).
 * raw parameters of containers (ViT's class token, a block's layer scale) and a hooked layer's
   parameter read functionally by its parent (Swin's ``F.linear(x, self.qkv.weight)``): sources
   of their own (:meth:`Placement.param_source`).
@@ -33,23 +42,23 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
-import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from ..base import utils
 from ..base.errors import BatchSizeError, GradHooksError
 from ..base.forms import Call
 from ..base.utils import detached, flatten, is_functorch_wrapped, tensors
 from ..rules.fallback import FallbackRule
-from .graph import mark
+from .batch_dims import Routed
+from .layouts import (layout_swap, partial_batch_hint, reads_batch_at, recomputed_error, relayout,
+                      shared_call_layout)
+from .meetings import note_meeting, pull_back
 from .mixing import Mixing
-from .provenance import (Provenance, as_batch, input_batch_dim, meeting_cotangent, shared_layout,
-                         source_cotangent)
+from .provenance import Provenance, as_batch, input_batch_dim, meeting_cotangent
 from .records import Layer, Record
 
-__all__ = ["Placement", "Placed", "BATCHED", "SHARED", "PLANNED", "relayout", "reads_batch_at",
-           "partial_batch_hint", "layout_swap", "shared_call_layout", "recomputed_error",
-           "meeting_cotangent"]
+__all__ = ["Placement", "Placed", "BATCHED", "SHARED", "PLANNED", "MERGED", "relayout",
+           "reads_batch_at", "partial_batch_hint", "layout_swap", "shared_call_layout",
+           "recomputed_error", "meeting_cotangent"]
 
 #: :attr:`Placed.kind` of a call whose inputs carry the batch (under tracking).
 BATCHED = "batched"
@@ -58,6 +67,11 @@ BATCHED = "batched"
 SHARED = "shared"
 #: :attr:`Placed.kind` of a shared call an untracked forward follows from its signature's plan.
 PLANNED = "planned"
+#: :attr:`Placed.kind` of a call of a module without a rule on a batch merged with the dims after
+#: it (timm Swin's ``WindowAttention`` on ``(B * nW, N, C)`` windows): not recorded; its raw
+#: parameters are taken at their own ops, and any left makes the batch's reads raise
+#: (:meth:`Placement.merged_call`).
+MERGED = "merged"
 
 
 class Placed(NamedTuple):
@@ -83,113 +97,6 @@ class Placed(NamedTuple):
     swap: Optional[tuple]
     ordinal: int
     layout: Optional[str]
-
-
-def relayout(t: Tensor, how: tuple) -> Tensor:
-    """A position-wise layer's input or grad_output in the layout its rule reads the batch from
-    (:attr:`Placed.swap`): ``("swap", d0, d1)`` transposes two dims (a ``(T, B, D)`` activation
-    in a batch-first model), ``("split", d, B, inner)`` unflattens a dim of ``B * inner`` rows
-    into ``(B, inner)`` (``(B * T, D)`` rows). A view of ``t``."""
-    if how[0] == "swap":
-        return t.transpose(how[1], how[2])
-    return t.unflatten(how[1], how[2:])
-
-
-def reads_batch_at(layer: Layer, shape, dtype, dim: int, batch_first: bool = False) -> bool:
-    """Whether ``layer``'s rule reads the batch of an input of ``shape`` from dim ``dim``.
-
-    Asked on a ``meta`` tensor whose dim ``dim`` has a size no other dim has, so that a size
-    that happens to equal ``B`` never decides (``T == B``). A rule that refuses the shape
-    (:class:`GradHooksError`) reads it from nowhere: ``False``."""
-    shape = list(shape)
-    shape[dim] = max(shape) + 1
-    try:
-        return layer.rule.batch_size(layer.module, torch.empty(shape, dtype=dtype, device="meta"),
-                                     batch_first) == shape[dim]
-    except GradHooksError:
-        return False
-
-
-def partial_batch_hint(module: nn.Module, default: str) -> str:
-    """What to do about a call that does not see the whole batch: for Opacus' DP RNN cells
-    (``RNNLinear``: a DP LSTM's zero initial state made from sizes, and fewer samples at later
-    steps of a ``PackedSequence``), use torch's recurrent layers; for any other module,
-    ``default``."""
-    if type(module).__module__.startswith("opacus."):
-        return ("Opacus' DPLSTM / DPGRU / DPRNN run their cells on fewer samples at later time "
-                "steps of a PackedSequence, and on an initial state made from sizes, so these "
-                "calls cover only part of the batch: use torch's nn.LSTM / nn.GRU / nn.RNN "
-                "(gradhooks' recurrent rule takes PackedSequence), or padded inputs.")
-    return default
-
-
-def layout_swap(prov: Provenance, layer: Layer, x: Tensor, batch_first: bool) -> Optional[tuple]:
-    """How to lay out the records of a position-wise layer's call on ``x`` so that its rule
-    reads the batch (:func:`relayout`'s ``how``), or ``None`` (as they are).
-
-    For a layer (Linear, LayerNorm ...) whose input carries the batch on another dim than the
-    one its rule reads under the declared layout (a batch-first model that transposes to
-    ``(T, B, D)`` inside, as FSMT does), or merged into rows (OPT's ``(B * T, D)`` before its
-    feed-forward). Decided by the batch dim ``prov`` followed from the inputs; with ``T == B``
-    the declared layout would silently read the positions as samples. Marks ``prov.swapped``
-    (such a signature is tracked on every forward: no plan)."""
-    _, _, batch_dim = prov.look(x)
-    if isinstance(batch_dim, tuple):  # samples merged with the dims after them: rows
-        dim, inner = batch_dim
-        if dim != 0 or not batch_first or x.shape[0] % inner:
-            return None
-        swap = ("split", 0, x.shape[0] // inner, inner)
-        if not reads_batch_at(layer, relayout(x, swap).shape, x.dtype, 0, batch_first):
-            return None
-        prov.swapped = True
-        return swap
-    want = 0 if batch_first or x.dim() < 3 else 1  # (the Linear rule's convention)
-    if batch_dim is None or batch_dim == want or x.dim() < 3:  # (the common case: no probe)
-        return None
-    if (reads_batch_at(layer, x.shape, x.dtype, batch_dim, batch_first)
-            or not reads_batch_at(layer, x.shape, x.dtype, want, batch_first)):
-        return None
-    prov.swapped = True  # (its signature is tracked on every forward: no plan)
-    return ("swap", batch_dim, want)
-
-
-def shared_call_layout(layer: Layer, x: Tensor, output: Tensor, args, kwargs,
-                       batch_first: bool) -> str:
-    """Where a shared call's samples go (:func:`~gradhooks.core.provenance.shared_layout`):
-    dim 0; with ``batch_first=False`` the dim the layer's rule reads the batch from, found by
-    asking the rule on a shape whose candidate dim has a size no other dim has (never by a
-    size that happens to equal ``B``: ``T == B``). The fallback's replay takes the samples
-    on dim 0.
-
-    Raises:
-        BatchSizeError: if the rule reads the batch from neither dim 0 nor dim 1.
-    """
-    if batch_first or isinstance(layer.rule, FallbackRule):
-        return shared_layout(x, output)
-    for dim in (1, 0):
-        how = shared_layout(x, output, dim)
-        shape = as_batch(torch.empty(x.shape, dtype=x.dtype, device="meta"), 1, how).shape
-        if reads_batch_at(layer, shape, x.dtype, dim):
-            return how
-    shapes = ", ".join(str(tuple(t.shape)) for t in tensors((args, kwargs)))
-    raise BatchSizeError(
-        f"module {layer.describe()} is called on inputs that do not come from the batch "
-        f"(shapes {shapes}), and its rule reads no batch dim gradhooks can add to them "
-        f"(batch_first=False). " + partial_batch_hint(
-            layer.module, "Pass the inputs batched (e.g. position ids expanded to (T, B)), "
-                          "or keep the module frozen."))
-
-
-def recomputed_error(layer: Layer) -> BatchSizeError:
-    """The error for a layer recomputed in the backward (a checkpointed region) after a
-    shared call in its forward: a recomputation does not replay the meetings the shared
-    call's per-sample part is taken from."""
-    return BatchSizeError(
-        f"module {layer.describe()} is recomputed in the backward pass (a checkpointed "
-        f"region) after a call on shared inputs in its forward; gradhooks takes a shared "
-        f"call's per-sample part where it meets the batch in the forward, which a "
-        f"recomputation does not replay. Leave the layers that make position biases / "
-        f"learned queries outside torch.utils.checkpoint")
 
 
 class Placement:
@@ -259,6 +166,7 @@ class Placement:
         self.shared_layers: set = set()
         self.met = False
         self.refused: Dict[int, Tuple[Record, str]] = {}
+        self.unsplit: List[Tuple[int, str]] = []  # (forward, message): merged_call's refusals
         self.mixing.reset_batch()
 
     # ------------------------------------------------------------------ forward lifecycle
@@ -330,6 +238,7 @@ class Placement:
         prov.__exit__(None, None, None)
         if not completed:
             self.refused = {k: v for k, v in self.refused.items() if v[0].forward != forward_id}
+            self.unsplit = [u for u in self.unsplit if u[0] != forward_id]
         else:
             self._settle_params(prov)
             self._learn(prov)
@@ -373,12 +282,25 @@ class Placement:
         for sources in prov.param_sources.values():
             record = sources[0][0]
             name = record.names[0]
+            if id(record) in prov.own_params:  # (a shared call's own: no replay covers it)
+                continue
             if self.refused.pop(id(record), None) is not None:
                 record.names = ()
                 continue
             for call in prov.fallback_calls:
                 if call.layer.module is record.layer.module:  # (the Layer may be a demotion's)
                     call.names = tuple(n for n in call.names if n != name)
+        for layer, names in prov.merged:
+            covered = {s[0][0].names[0] for s in prov.param_sources.values()
+                       if s[0][0].names and s[0][0].layer.module is layer.module}
+            left = [n for n in names if n not in covered]
+            if left:
+                self.unsplit.append((self._recorder._forward_id, (
+                    f"module {layer.describe()} has no rule and is called on a batch merged with "
+                    f"the dims after it ((B * n, ...) rows, as windows are), where its torch.func "
+                    f"replay cannot take one sample's rows; its parameter(s) {', '.join(left)} "
+                    f"meet the batch in ops gradhooks does not split per sample (a linear map "
+                    f"of the rows, F.linear: give the module a rule, or use nn.Linear)")))
 
     # ------------------------------------------------------------------ per call
     def place(self, layer: Layer, x: Tensor, output, leaves: Optional[list],
@@ -404,10 +326,20 @@ class Placement:
         rule = layer.rule
         if not any(prov.batched(t) for t in (leaves if rule.multi_io else (output,))):
             return Placed(SHARED, None, None, ordinal, None)
+        if (isinstance(rule, FallbackRule) and args and args[0] is x
+                and isinstance(prov.look(x)[2], (tuple, Routed))):
+            return Placed(MERGED, None, None, ordinal, None)
         swap = None
         if rule.position_wise and x.dim() >= 2 and args and args[0] is x:
             swap = layout_swap(prov, layer, x, self._recorder.batch_first)
         return Placed(BATCHED, None, swap, ordinal, None)
+
+    def merged_call(self, layer: Layer, names: tuple) -> None:
+        """A :data:`MERGED` call: recorded nothing; at the end of the forward, the parameters of
+        ``names`` that provenance did not take at their own ops make the reads raise
+        (:meth:`_settle_params`). Its signature is tracked on every forward."""
+        self.provenance.merged.append((layer, names))
+        self.provenance.swapped = True
 
     def batched_call(self, size: int) -> None:
         """A batched call under tracking set ``B`` to ``size``: the size later shared calls are
@@ -422,17 +354,33 @@ class Placement:
             self.provenance.fallback_calls.append(record)
 
     def record_shared(self, layer: Layer, args, kwargs, output, names: tuple, x,
-                      ordinal: int) -> Record:
+                      ordinal: int) -> Optional[Record]:
         """Record a :data:`SHARED` call: its input as a batch of ``B`` identical samples
         (:func:`~gradhooks.core.provenance.as_batch`, in the layout :func:`shared_call_layout`
         finds), its output tagged as a source; its per-sample grad_outputs come from where it
         meets the batch (:meth:`on_meeting`). Returns the record.
 
+        A call of a module without a rule (the fallback) on no tensor input, or with several
+        outputs (BEiT's and Swin's relative position bias tables, called on a window size; a
+        learned query or prompt returned by its module): the module's own parameters become
+        sources of their own (:meth:`~gradhooks.core.provenance.Provenance.param_sources_of`), as
+        raw parameters are, and its outputs carry them: each parameter's per-sample gradient is
+        pulled back from where the outputs meet the batch through the module's own ops. Returns
+        ``None`` then.
+
         Raises:
             BatchSizeError: if the call has more than one tensor input or output (or its rule
-                reads no batch dim gradhooks can add, :func:`shared_call_layout`).
+                reads no batch dim gradhooks can add, :func:`shared_call_layout`), for a module
+                with a rule.
         """
         if not isinstance(output, Tensor) or not isinstance(x, Tensor):
+            if isinstance(layer.rule, FallbackRule):
+                prov = self.provenance
+                sources = prov.param_sources_of([((layer, n), layer.params[n]) for n in names])
+                prov.add_sources([t for t in flatten(output)[0] if isinstance(t, Tensor)
+                                  and t.requires_grad], sources)
+                self.shared_layers.add(id(layer))
+                return None
             raise BatchSizeError(
                 f"module {layer.describe()} is called on inputs that do not come from the batch "
                 f"(shapes {[tuple(t.shape) for t in tensors((args, kwargs))]}), and gradhooks "
@@ -485,45 +433,8 @@ class Placement:
     def on_noted(self, sources: tuple, how: str, u_b: Optional[Tensor],
                  direct: Optional[int], dim: Optional[int]) -> None:
         """Provenance's ``noted``: in the forward, where a shared call's output meets the batch
-        (as ``u_b``).
-
-        The output-edges pass of ``gh.backward`` asks for the gradient below ``u_b``, so that
-        autograd runs its hook. A call on ``B`` rows whose output meets the batch only row by
-        row, itself (a learned initial state, or one made from the batch size), is recorded as
-        an ordinary call on its ``B`` rows (``"rows"``: no ``B x B`` expansion); any other
-        meeting makes it ``B`` identical samples again. Only a call whose output itself meets
-        the batch, always by broadcasts that add the batch dim as its record's layout does, or
-        always row by row, can be planned (else it is added to ``plain``)."""
-        prov, recorder = self.provenance, self._recorder
-        kinds = prov.kinds
-        for source in sources:
-            record = source[0]
-            fits = (how == "direct" or how == "broadcast" and recorder.batch_first
-                    and direct == {"expand": 0, "prepend": 1}.get(record.shared))
-            if direct is None or not fits or kinds.setdefault(id(record), how) != how:
-                prov.plain.add(id(record))
-        if u_b is None:
-            return
-        self.met = True
-        if recorder._driven:
-            recorder._edges_complete &= mark(recorder, sources[0][0], [], u_b.grad_fn)
-        for record, _, _ in sources:
-            if record.spec is not None:
-                continue
-            layout = record.shared
-            if how == "direct" and layout.startswith("prepend") and not record.met:
-                # (its input has B rows, lined up with the batch where its output meets it)
-                rows_dim = 1 if layout == "prepend1" else 0
-                one = record.a.select(rows_dim, 0) if record.a.shape[rows_dim] else None
-                if (one is not None and one.dim() > dim
-                        and one.shape[dim] == record.a.shape[rows_dim]
-                        and reads_batch_at(record.layer, one.shape, one.dtype, dim,
-                                           recorder.batch_first)):
-                    record.a, record.shared, record.rows = one, "rows", layout
-            elif how != "direct" and record.shared == "rows":
-                record.a = as_batch(record.a, record.a.shape[0], record.rows)
-                record.shared = record.rows
-            record.met = True
+        (as ``u_b``): :func:`~gradhooks.core.meetings.note_meeting`."""
+        note_meeting(self, sources, how, u_b, direct, dim)
 
     def refuse_shared(self, sources: tuple, message: str) -> None:
         """Provenance's ``refuse``: sources met the batch in an op that is not split per sample
@@ -536,6 +447,8 @@ class Placement:
         """The error a read of this batch raises for a refused shared call (a
         :class:`BatchSizeError`) or a mixing op (:meth:`~gradhooks.core.mixing.Mixing.refusal`), or
         ``None``."""
+        for _, message in self.unsplit:
+            return BatchSizeError(f"{message}; {read} would be wrong")
         for record, where in self.refused.values():
             return BatchSizeError(
                 f"module {record.layer.describe()} is called on inputs that do not come from the "
@@ -546,47 +459,8 @@ class Placement:
         return self.mixing.refusal(read)
 
     def on_meeting(self, edge, sources: tuple, how: str, shape: tuple, grad: Tensor,
-                   dim: int) -> None:
+                   dim) -> None:
         """Provenance's ``meet`` (a tensor hook in the backward): the gradient ``grad`` of a
-        source-carrying tensor of ``shape`` where it met the batch (on dim ``dim``); its
-        per-sample part, pulled back to each source's output and handed to the recorder.
-
-        The per-sample cotangents are :func:`meeting_cotangent`'s; ``"direct"`` for a call
-        recorded on its rows (learned initial states): ``grad`` is its ordinary grad_output."""
-        recorder = self._recorder
-        if utils.PAUSED or recorder._muted or not recorder._attached:
-            return None
-        first = sources[0][0]
-        if how == "direct" and first.shared == "rows":
-            if first.step == recorder._step:
-                recorder.backward_pass.receive(first, None, grad)
-            return None
-        cotangent = meeting_cotangent(grad, how, shape, dim)
-        size = cotangent.shape[0]
-        live = [s for s in sources if s[0].step == recorder._step]
-        if not live:
-            return None
-        # (u itself is a source: its cotangent as it is; autograd would hand back the batched
-        # grad_output unwrapped from its vmap)
-        same = [e.node is edge.node and e.output_nr == edge.output_nr for _, e, _ in live]
-        pulled = [cotangent if s else None for s in same]
-        rest = [i for i, s in enumerate(same) if not s]
-        if rest and size == 0:  # (autograd's batched grad needs a sample)
-            for i in rest:
-                pulled[i] = cotangent.new_zeros((0, *live[i][2]))
-        elif rest:
-            self.pulling = True  # (a raw parameter's gradient hooks see this pass: not theirs)
-            try:
-                got = torch.autograd.grad([edge], [live[i][1] for i in rest], [cotangent],
-                                          retain_graph=True, allow_unused=True,
-                                          is_grads_batched=True)
-            finally:
-                self.pulling = False
-            for i, g in zip(rest, got):
-                pulled[i] = g
-        receive = recorder.backward_pass.receive
-        for (record, _, _), g in zip(live, pulled):
-            if g is not None:
-                receive(record, 0 if record.spec is not None else None,
-                        source_cotangent(g, record.shared))
-        return None
+        source-carrying tensor of ``shape`` where it met the batch, its per-sample part pulled
+        back to the sources: :func:`~gradhooks.core.meetings.pull_back`."""
+        pull_back(self, edge, sources, how, shape, grad, dim)

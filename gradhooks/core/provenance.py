@@ -17,8 +17,11 @@ tensors whose batch dims have a size no other dim has). So where a shared tensor
 batch, the dim it lines up with is known from the data flow, not read off a size: a ``(T, 1, D)``
 position table added to a ``(T, B, D)`` activation with ``T == B`` is a broadcast over dim 1,
 never rows of dim 0. A batch merged with the dims after it (``(B * H, T, d)``, ``(B * T, D)``
-rows) is followed as the merged dim's outer factor; where an op merges it with a dim before it,
-or reads it otherwise, the batch dim is lost and the declared layout (``batch_first``) stands in.
+rows, Swin's ``(B * nW, N, C)`` windows) is followed as the merged dim's outer factor; rows
+gathered from it by a data-dependent index (a mixture of experts' ``hidden[token_idx]``) or joined
+along it (``cat`` of every layer's router logits) carry their rows' samples
+(:class:`~gradhooks.core.batch_dims.Routed`); where an op merges it with a dim before it, or reads
+it otherwise, the batch dim is lost and the declared layout (``batch_first``) stands in.
 
 Where a tensor ``u`` carrying sources meets the batch (an op with a batched operand), its
 gradient is still the sum over the samples; the per-sample part is taken there, before the sum:
@@ -30,6 +33,16 @@ gradient is still the sum over the samples; the per-sample part is taken there, 
 * rows (``u`` has the batch size on the batch dim, e.g. after an add with a ``(B, 1, 1, T)``
   mask that was built from sizes): the op is row-aligned, so sample ``n``'s cotangent of ``u`` is
   row ``n`` of its gradient, zero elsewhere.
+
+On a batch merged with the dims after it (``B * inner`` rows), a broadcast ``u`` gets each
+sample's cotangent summed over its ``inner`` rows, and a row-aligned one its own ``inner`` rows.
+``F.linear(x, W)`` with ``x`` merged or routed rows and ``W`` a source (a mixture of experts'
+router weight, an expert's slice ``w[e]`` of a 3-D parameter: a parameter of a module without a
+rule read there is made a source of its own, :func:`~gradhooks.core.rows.own_weights`) is split
+by the linear form instead: sample ``n``'s cotangent of ``W`` is ``sum_r g[r] x[r]^T`` over its
+own rows (:mod:`gradhooks.core.rows`). A module without a rule whose output comes only from its
+own parameters (called on no tensor: BEiT's relative position bias; a learned query) makes its
+parameters sources the same way (:meth:`Provenance.param_sources_of`).
 
 From the cotangents of ``u`` the per-sample cotangents of each source's output follow by one
 batched vector-Jacobian product through the ops between them (``torch.autograd.grad(...,
@@ -62,14 +75,18 @@ from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
-from .batch_dims import (JOINS, MATMULS, METADATA, RECURRENT, ROW_ALIGNED, batch_dim_after,
-                         operands)
+import torch.nn.functional as F
+
+from .batch_dims import (JOINS, MATMULS, METADATA, RECURRENT, ROW_ALIGNED, Routed,
+                         batch_dim_after, operands)
 from .mixing import MIXES, MIXING_OPS, STAT, mixing_op, upstream_of, user_line
+from .rows import linear_meeting, own_weights
 from .token_means import TOKEN_OPS, ForwardLosses
 
 __all__ = ["Provenance", "ROW_ALIGNED", "shared_layout", "as_batch", "source_cotangent",
            "batch_dim_after", "input_batch_dim", "meeting_cotangent"]
 
+_GETITEM = torch.Tensor.__getitem__
 _TAG = "_gradhooks_provenance"  # on tensors the forward computes: (token, sources, batch dim)
 _STAT = "_gradhooks_statistic"  # on statistics of the batch: (token, (kind, what))
 
@@ -124,16 +141,21 @@ def meeting_cotangent(grad: Tensor, how: str, shape: tuple, dim: int) -> Tensor:
     ``"broadcast"``: ``grad`` is ``u_b``'s, ``(..., B, ...)`` with ``B`` on ``dim``, and each
     sample's slice is its own cotangent. ``"rows"`` (and ``"direct"``): ``u``'s ``B`` rows on dim
     ``dim`` lined up with the batch's, so sample ``n``'s cotangent is row ``n`` of ``grad``,
-    zero elsewhere."""
+    zero elsewhere; with ``dim == (d, inner)``, ``u``'s ``B * inner`` rows on dim ``d`` lined up
+    with a batch merged with the dims after it (``(B * nW, N, C)`` windows), sample ``n``'s
+    its ``inner`` rows ``n * inner ...``."""
+    if how == "given":  # (F.linear's weight: computed per sample where it met, rows.py)
+        return grad
     if how == "broadcast":
         grad = grad.movedim(dim, 0)
         return grad.reshape(grad.shape[0], *shape)
-    size = shape[dim]
+    dim, inner = dim if isinstance(dim, tuple) else (dim, 1)
+    size = shape[dim] // inner
     cotangent = grad.new_zeros((size, *shape))
     idx = torch.arange(size, device=grad.device)
-    if size:
-        rows = cotangent.movedim(dim + 1, 1)  # (sample, row, ...): a view
-        rows[idx, idx] = grad.reshape(shape).movedim(dim, 0)
+    if size:  # (sample, its rows, ...): a view
+        rows = cotangent.unflatten(dim + 1, (size, inner)).movedim(dim + 1, 1)
+        rows[idx, idx] = grad.reshape(shape).unflatten(dim, (size, inner)).movedim(dim, 0)
     return cotangent
 
 
@@ -179,7 +201,12 @@ class Provenance(TorchFunctionMode):
         depth: nested calls of the model's forward (a model that calls itself); the tracking
             ends when the outermost returns.
         entered: ids of the hooked layers whose forward ran in this forward.
-        param_sources: ``{id(param): sources}`` of the raw parameters used so far.
+        param_sources: ``{id(param): sources}`` of the raw parameters used so far (and of the
+            parameters of shared calls of modules without a rule, :meth:`param_sources_of`).
+        own_params: ids of the records of the latter (no replay covers them: a refused meeting
+            stays refused).
+        merged: ``[(layer, names)]``: calls of modules without a rule on a batch merged with the
+            dims after it, not recorded (:meth:`gradhooks.core.placement.Placement.merged_call`).
         signature: the input signature this forward tracks (set by the placement).
         shared_calls: ``[(record, (id(layer), ordinal), layout)]`` of this forward's shared calls,
             the material of its signature's plan.
@@ -216,6 +243,9 @@ class Provenance(TorchFunctionMode):
         self.params = params or {}  # id(param) -> what param_source needs to record it
         self.param_source = param_source
         self.param_sources: dict = {}  # id(param) -> its sources tuple, made at its first use
+        self.own_params: set = set()  # ids of the records of shared calls' own parameters
+        self.merged: list = []  # [(layer, names)]: calls of modules without a rule on merged rows
+        self.slice_buffers: dict = {}  # (id(param), backward pass) -> its (B, E, O, I) part
         self.entered: set = set()  # ids of the hooked layers whose forward ran in this forward
         self.signature: tuple = ()
         self.shared_calls: list = []
@@ -239,6 +269,29 @@ class Provenance(TorchFunctionMode):
         own = ((record, get_gradient_edge(output), output.shape),)
         _, before, _ = self.look(output)
         setattr(output, _TAG, (self.token, own if before is None else _union(own, before), None))
+
+    def param_sources_of(self, params) -> tuple:
+        """The sources of ``params`` (``[((layer, name), param)]``: a module's own parameters):
+        each parameter a source of its own, recorded by ``param_source`` at its first use in this
+        forward (as a raw parameter is), so that several calls of one module share them."""
+        sources = ()
+        for info, param in params:
+            src = self.param_sources.get(id(param))
+            if src is None:
+                self.shared = True
+                record = self.param_source(param, info)
+                src = self.param_sources[id(param)] = ((record, get_gradient_edge(param),
+                                                        param.shape),)
+                self.own_params.add(id(record))
+            sources = _union(sources, src)
+        return sources
+
+    def add_sources(self, outputs, sources: tuple) -> None:
+        """Tag ``outputs`` (tensors a shared call computed from its module's own parameters)
+        with ``sources`` (:meth:`param_sources_of`), and with the sources they carried."""
+        for t in outputs:
+            _, before, _ = self.look(t)
+            _set(t, (self.token, sources if before is None else _union(sources, before), None))
 
     def look(self, t: Tensor):
         """``(batched, sources, batch dim)`` of tensor ``t`` in this forward: whether the batch
@@ -283,6 +336,10 @@ class Provenance(TorchFunctionMode):
                     if not isinstance(t, Tensor):
                         continue
                     is_b, src, bd = self.look(t)
+                    if is_b and bd is None and func is _GETITEM and a is not args[0] and not (
+                            t.is_floating_point() or t.is_complex()):
+                        is_b = False  # (an index computed from the batch with no batch dim: the
+                        # experts a batch's tokens chose; it picks rows, it is not a sample's)
                     if is_b:
                         if ref is None or t.dim() > ref.dim():
                             ref, rbd = t, bd
@@ -290,9 +347,17 @@ class Provenance(TorchFunctionMode):
                     elif src is not None:
                         sources = src if sources is None else _union(sources, src)
                         tainted = [t] if tainted is None else tainted + [t]
-        if ref is not None and tainted:
+        linear = None
+        if ref is not None and func is F.linear and isinstance(rbd, (tuple, Routed)):
+            if not tainted:  # (a weight of a module without a rule, on merged / routed rows)
+                tainted, sources = own_weights(self, args, kwargs)
+            if tainted:
+                linear = linear_meeting(self, args, kwargs, ref, rbd, tainted)
+        if ref is not None and tainted and linear is None:
             args, kwargs = self._split(func, args, kwargs, ref, rbd, tainted, sources)
         out = func(*args, **kwargs)
+        if linear is not None:
+            linear(out)
         if ref is None and tainted and not any(out is t for t in tainted):
             self.noted(sources, "derived", None, None, None)  # (computed from before the meeting;
             # an op that returns its input, .to() of the same dtype, computes nothing)
@@ -349,12 +414,16 @@ class Provenance(TorchFunctionMode):
     def _statistics(self, func, batched, out) -> None:
         # A statistic of the batch in this op: one that meets a tensor carrying the batch is
         # broadcast back to the samples (mixing); ops on statistics alone give statistics.
+        # (A constant computed from the batch whose batch dim was lost -- a mixture of experts'
+        # fraction of tokens per expert, a mean over one_hot(top-k) -- counts as carrying it.)
         stat, carried = None, False
         for t, bd in batched:
             if bd is None:
                 tag = getattr(t, _STAT, None)
-                if tag is not None and tag[0] is self.token and stat is None:
-                    stat = tag[1]
+                if tag is not None and tag[0] is self.token:
+                    stat = tag[1] if stat is None else stat
+                elif t.dim() and not t.requires_grad:
+                    carried = True
             else:
                 carried = True
         if stat is None:
@@ -376,10 +445,14 @@ class Provenance(TorchFunctionMode):
         # declared layout's.
         name = getattr(func, "__name__", repr(func))
         nd = ref.dim()
-        if not isinstance(bd, int):  # (lost, or merged with other dims: the declared layout)
+        inner = 1  # (a batch merged with the dims after it: B * inner rows, samples outermost)
+        if isinstance(bd, tuple) and bd[0] < nd:
+            bd, inner = bd
+        elif not isinstance(bd, int):  # (lost: the declared layout)
             bd = self.batch_dim if nd >= 3 else 0
-        states = func in RECURRENT  # (initial states (layers * directions, B, H): batch dim 1)
-        if (func not in ROW_ALIGNED and not states) or nd <= bd or ref.shape[bd] != self.batch_size:
+        states = func in RECURRENT and inner == 1  # (initial states (layers * dirs, B, H): dim 1)
+        rows = self.batch_size * inner
+        if (func not in ROW_ALIGNED and not states) or nd <= bd or ref.shape[bd] != rows:
             self.refuse(sources, f"op {name} with shapes {_shapes(args, kwargs)}")
             return args, kwargs
         if func in JOINS:
@@ -396,7 +469,7 @@ class Provenance(TorchFunctionMode):
             ubd = 1 if states else bd  # (u's dim that lines up with the batch)
             # (matmul: only the dims before the last two broadcast; a vector operand does not)
             matrix = func in MATMULS and (u.dim() < 2 or bd >= nd - 2)
-            if (k < 0 or matrix or len(shape) <= ubd or shape[ubd] not in (1, self.batch_size)
+            if (k < 0 or matrix or len(shape) <= ubd or shape[ubd] not in (1, rows)
                     or states and (u.dim() != 3 or u is args[0])):
                 self.refuse(sources, f"op {name}: an operand of shape {tuple(u.shape)} does not "
                                      f"line up with the batch of shape {tuple(ref.shape)}")
@@ -404,17 +477,21 @@ class Provenance(TorchFunctionMode):
             _, src, _ = self.look(u)
             edge = get_gradient_edge(u)
             # u is the shared call's output itself: the leading dims the op adds to it
-            direct = k if (len(src) == 1 and edge.node is src[0][1].node
+            direct = k if (len(src) == 1 and edge.node is src[0][1].node and inner == 1
                            and edge.output_nr == src[0][1].output_nr) else None
-            if shape[ubd] == 1:
+            if shape[ubd] == 1:  # (a merged batch: each sample's part summed over its rows)
                 full = list(shape)
-                full[ubd] = self.batch_size
+                full[ubd] = rows
                 u_b, how, d = u.reshape(shape).expand(full), "broadcast", ubd
+                fold = None if inner == 1 else (ubd, self.batch_size, inner)
             else:  # (direct: its B rows lined up with the batch's, on u's dim d)
                 u_b, how, d = u.view(u.shape), "rows" if direct is None else "direct", ubd - k
+                fold = None
             self.noted(src, how, u_b, direct, d)
-            u_b.register_hook(lambda g, e=edge, s=src, h=how, shp=tuple(u.shape), d=d:
-                              self.meet(e, s, h, shp, g, d))
+            u_b.register_hook(lambda g, e=edge, s=src, h=how, shp=tuple(u.shape),
+                              d=d if inner == 1 or fold else (d, inner), f=fold:
+                              self.meet(e, s, h, shp, g if f is None else
+                                        g.unflatten(f[0], f[1:]).sum(f[0] + 1), d))
             swap[id(u)] = u_b
         if not swap:
             return args, kwargs
