@@ -92,6 +92,29 @@ def test_embedding_into_linear_sequence_first(loss_reduction, dtype):
           3, dtype, loss_reduction, batch_first=False)
 
 
+class TransposedIds(nn.Module):
+    """A batch-first model that looks its ids up sequence first, as XLNet does: ``(B, T)`` ids
+    transposed to ``(T, B)`` before the embedding, the result back to ``(B, T, D)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = randomised(nn.Embedding(V, D)), nn.Linear(D, 2)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids.t()).transpose(0, 1))
+
+
+@pytest.mark.parametrize("tokens", [4, 3], ids=["T4", "T=B"])
+def test_embedding_of_transposed_ids_in_a_batch_first_model(tokens, loss_reduction, dtype):
+    """Provenance finds the batch on dim 1 of the (T, B) ids; the records are relaid out to
+    (B, T) (the embedding is position-wise), exact with T == B too (core/layouts.py)."""
+    model = TransposedIds().to(dtype)
+    x, w = torch.randint(0, V, (3, tokens)), torch.rand(3, dtype=dtype) + 0.5
+    loss_fn = weighted_square_loss(loss_reduction, 0)
+    check(model, lambda: loss_fn(model(x), w), lambda i: loss_fn(model(x[i:i + 1]), w[i:i + 1]),
+          3, dtype, loss_reduction, batch_first=True)
+
+
 # --------------------------------------------------------------------------- nn.EmbeddingBag
 class BagNet(nn.Module):
     def __init__(self, **kwargs):

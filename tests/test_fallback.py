@@ -179,3 +179,62 @@ def test_random_forward_is_refused_with_advice():
     model.eval()
     check_against_loop(model, torch.randn(4, 3), torch.rand(4), loss_reduction="sum",
                        dtype=torch.float64)
+
+
+class SequenceFirstInside(nn.Module):
+    """A module without a rule that works on ``(T, B, D)`` inside a batch-first model (as
+    XLNet's relative attention does), with a positions tensor made from sizes and expanded to
+    the batch (not from the batch: sample n's call reads its own copy)."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, d) / 2)
+        self.pos = nn.Parameter(torch.randn(d) / 2)
+
+    def forward(self, h, r):
+        return torch.einsum("tbi,ij->tbj", torch.tanh(h), self.w) + r * self.pos
+
+
+class SeqFirstModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.out = SequenceFirstInside(), nn.Linear(4, 2)
+
+    def forward(self, x):  # x: (B, T, 4)
+        h = x.transpose(0, 1)
+        r = torch.arange(h.shape[0], dtype=x.dtype)[:, None, None].expand(-1, h.shape[1], 4)
+        return self.out(self.inner(h, r).transpose(0, 1))
+
+
+@pytest.mark.parametrize("tokens", [5, 3], ids=["T5", "T=B"])
+@pytest.mark.parametrize("batch", [1, 3], ids=["B1", "B3"])
+def test_fallback_replays_on_the_batch_dim_provenance_followed(tokens, batch, loss_reduction,
+                                                               dtype):
+    """The replay slices every input and grad_output on the dim provenance followed the batch
+    to (dim 1 here), not the declared layout's (Call.dims): exact with T == B too."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gradhooks.FallbackWarning)
+        check_against_loop(SeqFirstModel(), torch.randn(batch, tokens, 4), torch.rand(batch),
+                           loss_reduction=loss_reduction, dtype=dtype)
+
+
+class UnusedRaw(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.scale = nn.Parameter(torch.rand(2) + 0.5)
+        self.unused = nn.Parameter(torch.randn(4))  # (XLNet's mask_emb without a perm mask)
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+@pytest.mark.parametrize("batch", [1, 3], ids=["B1", "B3"])
+def test_raw_parameter_never_read_gets_no_gradient(batch, loss_reduction, dtype):
+    """A container's raw parameter the forward never read gets no gradient, as in autograd (no
+    entry, no sum check on it), instead of a GradientMismatchError about a pass it was not in."""
+    torch.manual_seed(0)
+    ours = check_against_loop(UnusedRaw(), torch.randn(batch, 3), torch.rand(batch),
+                              loss_reduction=loss_reduction, dtype=dtype)
+    assert "unused" not in ours and set(ours) == {"fc.weight", "fc.bias", "scale"}

@@ -162,6 +162,16 @@ def llama():
     return TokensToLogits(tr.LlamaForCausalLM(cfg)), "tokens"
 
 
+def xlnet():
+    """XLNet: transposes its ids to (T, B) before the embedding and computes in (T, B, D); its
+    relative attention (raw q/k/v/o/r weights in einsums) is replayed per sample by the
+    fallback on the batch dim provenance followed (dim 1)."""
+    tr = transformers_lib()
+    cfg = tr.XLNetConfig(vocab_size=V, d_model=H, n_layer=2, n_head=4, d_inner=2 * H,
+                         dropout=0.0, num_labels=3)
+    return TokensToLogits(tr.XLNetForSequenceClassification(cfg)), "label"
+
+
 def gemma():
     """Gemma: ``(1 + weight)`` RMSNorms and a scaled embedding, computed in float32 inside."""
     tr = transformers_lib()
@@ -259,6 +269,9 @@ FALLBACK = {
     "opt": {"OPTLearnedPositionalEmbedding"},  # (an Embedding subclass with its own forward)
     "fsmt": {"SinusoidalPositionalEmbedding"},  # (the same)
     "whisper": {"WhisperPositionalEmbedding"},  # (its decoder's: an Embedding subclass)
+    # The relative attention's raw weights meet the batch in einsums; the model's mask_emb is
+    # never read without a permutation mask (no gradient, as in autograd).
+    "xlnet": {"XLNetRelativeAttention", "XLNetModel"},
 }
 
 # id: (builder, marks)
@@ -290,6 +303,7 @@ ZOO = {
     "qwen2": (qwen2, None),
     "bert-lora": (lora(bert, ["query", "value"]), None),
     "whisper": (whisper, None),
+    "xlnet": (xlnet, None),
     "hf-vit": (hf_vit, None),
     "tv-vit": (vision(lambda m: m.VisionTransformer(image_size=32, patch_size=8, num_layers=2,
                                                     num_heads=2, hidden_dim=H, mlp_dim=2 * H,
@@ -386,7 +400,8 @@ def test_zoo_float32_inside_matches_loop(name, t):
         assert diff <= 1e-5 * scale, f"{n}: max diff {diff:.3e} vs max |ref| {scale:.3e}"
 
 
-@pytest.mark.parametrize("name", ["bert", "gpt2", "t5", "bart", "llama-gqa", "opt", "fsmt"])
+@pytest.mark.parametrize("name", ["bert", "gpt2", "t5", "bart", "llama-gqa", "opt", "fsmt",
+                                  "xlnet"])
 def test_zoo_length_equal_to_batch(name):
     """T == B: position ids (1, T) or (B, T) made from sizes, and T5's (T, T) relative-position
     buckets, have the batch size on their first dim by coincidence; gradhooks follows where
@@ -416,7 +431,7 @@ def test_zoo_length_equal_to_batch(name):
         plan = gh.recorder.placement.signatures[((((4, 4), torch.int64),), False)]
         # (OPT, FSMT: records laid out per call, relayout: tracked every forward)
         assert plan == {"t5": "mode", "bart": "mode", "llama-gqa": {}, "opt": "mode",
-                        "fsmt": "mode"}.get(name) or (
+                        "fsmt": "mode", "xlnet": "mode"}.get(name) or (
             name in ("bert", "gpt2") and isinstance(plan, dict) and plan), plan
     finally:
         gh.detach()

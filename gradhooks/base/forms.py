@@ -47,13 +47,17 @@ class Call(NamedTuple):
     :mod:`gradhooks.core.provenance`), how its first input was made a batch of ``B`` identical samples:
     ``"expand"`` (its leading dim of size 1 expanded) or ``"prepend"`` (a new leading dim);
     ``"param"``: no call, a raw parameter whose per-sample gradients are its cotangents where it
-    meets the batch; ``None`` for an ordinary call.
+    meets the batch; ``None`` for an ordinary call. ``dims``: for a call whose tensors carry the
+    batch elsewhere than the declared layout says (XLNet's ``(T, B, D)`` inside a batch-first
+    model), the batch dim of each tensor leaf of ``(args, kwargs)`` and of the output, as
+    provenance followed it (``None``: not batched); ``None``: the declared layout.
     """
 
     args: Tuple[Any, ...]
     kwargs: Dict[str, Any]
     internal: Optional[Dict[str, Any]] = None
     shared: Optional[str] = None
+    dims: Optional[Tuple[Tuple[Optional[int], ...], Tuple[Optional[int], ...]]] = None
 
 
 class Block(NamedTuple):

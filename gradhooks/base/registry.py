@@ -128,9 +128,14 @@ class LayerRule:
     weight_transposed: bool = False
 
     #: ``True`` if the layer acts on each position of its input alike, over the trailing
-    #: feature dims (Linear, LayerNorm, RMSNorm): its records may then have two leading dims
-    #: swapped, input and grad_output alike, to put the batch where the rule reads it.
+    #: feature dims (Linear, LayerNorm, RMSNorm, Embedding): its records may then have two
+    #: leading dims swapped, input and grad_output alike, to put the batch where the rule reads
+    #: it.
     position_wise: bool = False
+
+    #: With :attr:`position_wise`: how many trailing dims of the input are features, not
+    #: positions (1: Linear, the norms over the last dim; 0: Embedding's indices).
+    feature_dims: int = 1
 
     #: ``True`` if :meth:`per_sample_grads` is differentiable in its inputs ``a`` and ``g``
     #: (ops with autograd formulas, no ``out=``, nothing detached), so that reads of

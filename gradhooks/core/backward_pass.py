@@ -122,7 +122,7 @@ class BackwardPass:
             recorder._backward_seen = True
             recorder._drop_result()
             return
-        if record.swap is not None and leaf is None:  # (T == B, (B * T, D) rows: placement)
+        if record.swap is not None:  # (T == B, (B * T, D) rows, (T, B) ids: placement)
             grad = relayout(grad, record.swap)
         differentiable = recorder.differentiable
         if grad.requires_grad and recorder._higher_order is None and not differentiable:

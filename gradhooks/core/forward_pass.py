@@ -14,6 +14,7 @@ import functools
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 
 from ..base import utils
 from ..base.errors import BatchSizeError, GradHooksError
@@ -82,10 +83,14 @@ class ForwardPass:
                 rule.check_call(module, args, kwargs, recorder._options)
             if not names:
                 return
-            placed = placement.place(layer, x, output, leaves, args)
-            swap = None
+            placed = placement.place(layer, x, output, leaves, args, kwargs)
+            swap = dims = None
             if placed is None:
                 b = rule.call_batch_size(module, args, kwargs, recorder.batch_first)
+            elif placed.kind is BATCHED and placed.swap is not None and placed.swap[0] == "dims":
+                dims = placed.swap[1:]  # (a fallback call: its replay takes the batch there)
+                b = next(t.shape[d] for t, d in zip(tree_flatten((args, kwargs))[0], dims[0])
+                         if d is not None)
             elif placed.kind is BATCHED:
                 swap = placed.swap
                 if swap is not None:  # (recorded with the batch where the rule reads it)
@@ -147,9 +152,9 @@ class ForwardPass:
             found = rule.internal(module, args, kwargs, output)
             node = None if found is None else found[0]
             record = Record(layer, Call(detached(tuple(args)), detached(dict(kwargs)),
-                                        None if found is None else found[1]),
+                                        None if found is None else found[1], dims=dims),
                             names, recorder._step, spec, fill)
-            record.forward = recorder._forward_id
+            record.forward, record.swap = recorder._forward_id, swap  # (an Embedding's ids)
             if tracked:
                 placement.batched_record(record)
             if node is not None:

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 
 from ..base.errors import BatchSizeError, GradHooksError
 from ..base.utils import tensors
@@ -67,9 +68,10 @@ def layout_swap(prov: Provenance, layer: Layer, x: Tensor, batch_first: bool) ->
     """How to lay out the records of a position-wise layer's call on ``x`` so that its rule
     reads the batch (:func:`relayout`'s ``how``), or ``None`` (as they are).
 
-    For a layer (Linear, LayerNorm ...) whose input carries the batch on another dim than the
-    one its rule reads under the declared layout (a batch-first model that transposes to
-    ``(T, B, D)`` inside, as FSMT does), or merged into rows (OPT's ``(B * T, D)`` before its
+    For a layer (Linear, LayerNorm, Embedding ...) whose input carries the batch on another dim
+    than the one its rule reads under the declared layout (a batch-first model that transposes
+    to ``(T, B, D)`` inside, as FSMT does, or its ids to ``(T, B)``, as XLNet does), or merged
+    into rows (OPT's ``(B * T, D)`` before its
     feed-forward). Decided by the batch dim ``prov`` followed from the inputs; with ``T == B``
     the declared layout would silently read the positions as samples. Marks ``prov.swapped``
     (such a signature is tracked on every forward: no plan)."""
@@ -83,8 +85,9 @@ def layout_swap(prov: Provenance, layer: Layer, x: Tensor, batch_first: bool) ->
             return None
         prov.swapped = True
         return swap
-    want = 0 if batch_first or x.dim() < 3 else 1  # (the Linear rule's convention)
-    if not isinstance(batch_dim, int) or batch_dim == want or x.dim() < 3:  # (no probe;
+    positions = x.dim() - layer.rule.feature_dims  # (batch and positions: 2 for (T, B, D))
+    want = 0 if batch_first or positions < 2 else 1  # (the Linear rule's convention)
+    if not isinstance(batch_dim, int) or batch_dim == want or positions < 2:  # (no probe;
         # None: lost; Routed rows: a call on them reads its own batch size and is refused)
         return None
     if (reads_batch_at(layer, x.shape, x.dtype, batch_dim, batch_first)
@@ -92,6 +95,33 @@ def layout_swap(prov: Provenance, layer: Layer, x: Tensor, batch_first: bool) ->
         return None
     prov.swapped = True  # (its signature is tracked on every forward: no plan)
     return ("swap", batch_dim, want)
+
+
+def fallback_dims(prov: Provenance, args: tuple, kwargs: dict, leaves: list,
+                  batch_first: bool) -> Optional[tuple]:
+    """``("dims", inputs, outputs)`` for a torch.func fallback call whose batched tensors carry
+    the batch elsewhere than the declared layout says (the batch dim of each tensor leaf of
+    ``(args, kwargs)`` and of the output ``leaves``, ``None`` for those the batch did not
+    reach: :attr:`gradhooks.base.forms.Call.dims`), or ``None`` (the declared layout holds, or
+    a batch dim is merged or lost). Marks ``prov.swapped`` (tracked on every forward)."""
+    def dims_of(ts) -> Optional[list]:
+        out = []
+        for t in ts:
+            d = prov.look(t)[2] if isinstance(t, Tensor) and prov.batched(t) else None
+            if d is not None and not isinstance(d, int):
+                return None
+            out.append(d)
+        return out
+
+    ins, outs = dims_of(tree_flatten((args, kwargs))[0]), dims_of(leaves)
+    if ins is None or outs is None or not any(d is not None for d in ins):
+        return None
+    flat = tree_flatten((args, kwargs))[0] + list(leaves)
+    if all(d is None or d == (0 if batch_first or t.dim() < 3 else 1)
+           for t, d in zip(flat, ins + outs)):
+        return None
+    prov.swapped = True  # (its signature is tracked on every forward: no plan)
+    return ("dims", tuple(ins), tuple(outs))
 
 
 def shared_call_layout(layer: Layer, x: Tensor, output: Tensor, args, kwargs,

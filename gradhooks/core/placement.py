@@ -49,7 +49,7 @@ from ..base.forms import Call
 from ..base.utils import detached, flatten, is_functorch_wrapped, tensors
 from ..rules.fallback import FallbackRule
 from .batch_dims import Routed
-from .layouts import (layout_swap, partial_batch_hint, reads_batch_at, recomputed_error, relayout,
+from .layouts import (fallback_dims, layout_swap, partial_batch_hint, reads_batch_at, recomputed_error, relayout,
                       shared_call_layout)
 from .meetings import note_meeting, pull_back
 from .mixing import Mixing
@@ -85,7 +85,9 @@ class Placed(NamedTuple):
             shared call takes the tracked forward's at :meth:`Placement.record_shared`).
         swap: for a batched call, how to lay out its input so that its rule reads the batch
             (:func:`relayout`: ``("swap", d0, d1)`` for ``T == B`` layouts, ``("split", 0, B,
-            T)`` for ``(B * T, D)`` rows), or ``None`` (as it is).
+            T)`` for ``(B * T, D)`` rows; for a fallback call, ``("dims", inputs, outputs)``:
+            where its tensors carry the batch, :func:`~gradhooks.core.layouts.fallback_dims`), or
+            ``None`` (as it is).
         ordinal: the call's number among its layer's calls in this forward (1, 2, ...; 0 when
             the forward is neither tracked nor planned): the key of a plan's entry.
         layout: for a planned call, the :func:`~gradhooks.core.provenance.as_batch` layout its input
@@ -97,6 +99,12 @@ class Placed(NamedTuple):
     swap: Optional[tuple]
     ordinal: int
     layout: Optional[str]
+
+
+def _raw(prov: Provenance, param) -> bool:
+    """Whether ``param`` is a raw parameter of a container (a source of its own, once read)."""
+    info = prov.params.get(id(param))
+    return info is not None and info[1] is not None
 
 
 class Placement:
@@ -290,6 +298,10 @@ class Placement:
             for call in prov.fallback_calls:
                 if call.layer.module is record.layer.module:  # (the Layer may be a demotion's)
                     call.names = tuple(n for n in call.names if n != name)
+        for call in prov.fallback_calls:  # (raw parameters this forward never read: no gradient,
+            # as in autograd, where the replay would give zeros the sum check has nothing for)
+            call.names = tuple(n for n in call.names if id(call.layer.params[n]) in
+                               prov.param_sources or not _raw(prov, call.layer.params[n]))
         for layer, names in prov.merged:
             covered = {s[0][0].names[0] for s in prov.param_sources.values()
                        if s[0][0].names and s[0][0].layer.module is layer.module}
@@ -304,7 +316,7 @@ class Placement:
 
     # ------------------------------------------------------------------ per call
     def place(self, layer: Layer, x: Tensor, output, leaves: Optional[list],
-              args: tuple) -> Optional[Placed]:
+              args: tuple, kwargs: Optional[dict] = None) -> Optional[Placed]:
         """Where the batch sits in this call of ``layer`` (input ``x``, the first of ``args``;
         ``output``, or its tensor ``leaves`` for ``multi_io`` rules).
 
@@ -313,7 +325,9 @@ class Placement:
         a :class:`Placed`. Under tracking, a call whose output the batch did not reach is
         :data:`SHARED` whatever its sizes (``T == B`` buckets); a position-wise layer whose input
         carries the batch on another dim than its rule reads (``T == B`` after a transpose) or
-        merged into ``(B * T, D)`` rows gets a :attr:`Placed.swap`."""
+        merged into ``(B * T, D)`` rows gets a :attr:`Placed.swap`, and so does a fallback call
+        whose tensors carry the batch elsewhere than the declared layout says (``kwargs``: the
+        call's keyword arguments, whose tensors count too)."""
         prov, plan = self.provenance, self.plan
         if prov is None and not plan:
             return None
@@ -330,7 +344,9 @@ class Placement:
                 and isinstance(prov.look(x)[2], (tuple, Routed))):
             return Placed(MERGED, None, None, ordinal, None)
         swap = None
-        if rule.position_wise and x.dim() >= 2 and args and args[0] is x:
+        if isinstance(rule, FallbackRule):  # (batched tensors where the layout does not say)
+            swap = fallback_dims(prov, args, kwargs or {}, leaves, self._recorder.batch_first)
+        elif rule.position_wise and x.dim() >= 1 + rule.feature_dims and args and args[0] is x:
             swap = layout_swap(prov, layer, x, self._recorder.batch_first)
         return Placed(BATCHED, None, swap, ordinal, None)
 

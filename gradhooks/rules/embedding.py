@@ -102,6 +102,9 @@ class EmbeddingRule(LayerRule):
         BatchSizeError: for a 0-dim index.
     """
 
+    position_wise = True  # (each index looked up alike: records relaid out, core/layouts.py)
+    feature_dims = 0
+
     differentiable = True
 
     param_names = ("weight",)

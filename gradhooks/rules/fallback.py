@@ -89,14 +89,32 @@ class FallbackRule(LayerRule):
             in_leaves[first] = x[0] if a.shared == "prepend" else x[:1]
             batched, keep_dims = [], a.shared == "prepend"
         else:
-            b = self.batch_size(module, a.args[0] if a.args else next(iter(a.kwargs.values())),
-                                batch_first)
+            if a.dims is not None:  # (the batch dims provenance followed: Call.dims)
+                in_dim, out_dim = list(a.dims[0]), list(a.dims[1])
+                # A tensor the batch did not reach but sized B on the batched inputs' dim (made
+                # from sizes and expanded, as XLNet's positions are): sample n's call reads its
+                # index n, as in the batched forward.
+                d0 = next(d for d in in_dim if d is not None)
+                b0 = next(t.shape[d] for t, d in zip(in_leaves, in_dim) if d is not None)
+                in_dim = [d0 if d is None and isinstance(t, Tensor) and t.dim() > d0
+                          and t.shape[d0] == b0 else d for t, d in zip(in_leaves, in_dim)]
+            else:
+                in_dim = [_batch_dim(t, batch_first) if isinstance(t, Tensor) else None
+                          for t in in_leaves]
+                out_dim = [_batch_dim(t, batch_first) if isinstance(t, Tensor) else None
+                           for t in g_leaves]
+            first = next(i for i, t in enumerate(in_leaves) if isinstance(t, Tensor)
+                         and in_dim[i] is not None)
+            if a.dims is None:
+                b = self.batch_size(module, in_leaves[first], batch_first)
+            else:
+                b = in_leaves[first].shape[in_dim[first]]
             batched = [i for i, t in enumerate(in_leaves) if isinstance(t, Tensor) and t.dim() > 0
-                       and t.shape[_batch_dim(t, batch_first)] == b]
+                       and in_dim[i] is not None and t.shape[in_dim[i]] == b]
             keep_dims = False
             for i in reached:
                 t = g_leaves[i]
-                if t.dim() == 0 or t.shape[_batch_dim(t, batch_first)] != b:
+                if t.dim() == 0 or out_dim[i] is None or t.shape[out_dim[i]] != b:
                     raise BatchSizeError(
                         f"output {i} of the module has shape {tuple(t.shape)} without a batch dim "
                         f"of size {b}; the torch.func fallback needs every output the loss uses to "
@@ -104,10 +122,16 @@ class FallbackRule(LayerRule):
                     )
         own = {n: module.get_parameter(n).detach() for n in names}
 
+        def in_dim_of(i: int) -> int:  # (a shared call's samples are on dim 0)
+            return 0 if a.shared is not None else in_dim[i]
+
+        def out_dim_of(i: int) -> int:
+            return 0 if a.shared is not None else out_dim[i]
+
         def one(params, xs: List[Tensor], gs: List[Tensor]):
             leaves = list(in_leaves)
             for i, x in zip(batched, xs):
-                leaves[i] = x.unsqueeze(_batch_dim_of(in_leaves[i]))
+                leaves[i] = x.unsqueeze(in_dim_of(i))
             args, kwargs = tree_unflatten(leaves, in_spec)
 
             def f(p):
@@ -115,15 +139,12 @@ class FallbackRule(LayerRule):
                 return [out_leaves[i] for i in reached]
 
             _, pull = vjp(f, params)
-            return pull([gi if keep_dims else gi.unsqueeze(_batch_dim_of(g_leaves[i]))
+            return pull([gi if keep_dims else gi.unsqueeze(out_dim_of(i))
                          for i, gi in zip(reached, gs)])[0]
-
-        def _batch_dim_of(t: Tensor) -> int:  # (a shared call's samples are on dim 0)
-            return 0 if a.shared is not None else _batch_dim(t, batch_first)
 
         xs = [in_leaves[i] for i in batched]
         gs = [g_leaves[i] for i in reached]
-        in_dims = (None, [_batch_dim_of(x) for x in xs], [_batch_dim_of(t) for t in gs])
+        in_dims = (None, [in_dim_of(i) for i in batched], [out_dim_of(i) for i in reached])
         try:
             with paused(), torch.enable_grad():
                 out = vmap(one, in_dims=in_dims)(own, xs, gs)
