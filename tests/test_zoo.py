@@ -172,6 +172,60 @@ def xlnet():
     return TokensToLogits(tr.XLNetForSequenceClassification(cfg)), "label"
 
 
+def beit():
+    """BEiT: a relative-position-bias module called with no tensor input, whose output meets
+    the batch in the attention scores (a shared call at its own ops)."""
+    tr = transformers_lib()
+    cfg = tr.BeitConfig(image_size=32, patch_size=8, hidden_size=H, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=2 * H, num_labels=5,
+                        use_relative_position_bias=True)
+    return ImageLogits(tr.BeitForImageClassification(cfg)), "image"
+
+
+def hf_swin():
+    """transformers' Swin: windows (B * nW, N, C) and a relative-position-bias table."""
+    tr = transformers_lib()
+    cfg = tr.SwinConfig(image_size=32, patch_size=2, embed_dim=16, depths=[2, 2],
+                        num_heads=[2, 2], window_size=4, num_labels=5)
+    return ImageLogits(tr.SwinForImageClassification(cfg)), "image"
+
+
+def timm_swin():
+    """timm's Swin (swin_tiny_patch4_window7_224's architecture at 32x32, shifted windows)."""
+    from timm.models.swin_transformer import SwinTransformer
+    return SwinTransformer(img_size=32, patch_size=2, embed_dim=16, depths=(2, 2),
+                           num_heads=(2, 2), window_size=4, num_classes=5), "image"
+
+
+class ImageLogits(nn.Module):
+    """transformers' image classifiers return an output object: its logits."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(pixel_values=x).logits
+
+
+def moe(kind):
+    """Sparse mixture of experts (4 experts, top-2) over the (B*T, d) token rows; the experts'
+    eager loop (the grouped matmul refuses doubles). The routers' softmax and the RMSNorms run
+    in float32 inside the float64 model."""
+    def build():
+        tr = transformers_lib()
+        common = dict(vocab_size=V, hidden_size=H, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2,
+                      max_position_embeddings=T, experts_implementation="eager")
+        if kind == "mixtral":
+            return TokensToLogits(tr.MixtralForCausalLM(tr.MixtralConfig(num_local_experts=4,
+                                                                          **common))), "tokens"
+        cfg = tr.Qwen2MoeConfig(moe_intermediate_size=24, shared_expert_intermediate_size=32,
+                                num_experts=4, **common)
+        return TokensToLogits(tr.Qwen2MoeForCausalLM(cfg)), "tokens"
+    return build
+
+
 def gemma():
     """Gemma: ``(1 + weight)`` RMSNorms and a scaled embedding, computed in float32 inside."""
     tr = transformers_lib()
@@ -272,6 +326,16 @@ FALLBACK = {
     # The relative attention's raw weights meet the batch in einsums; the model's mask_emb is
     # never read without a permutation mask (no gradient, as in autograd).
     "xlnet": {"XLNetRelativeAttention", "XLNetModel"},
+    # Containers without a rule whose raw parameters are taken at their own ops (provenance):
+    # BEiT's layer scales (BeitLayer), class token (BeitEmbeddings) and the bias table of a
+    # module called with no input; Swin's bias tables (on the windows, (B * nW, N, C)).
+    "beit": {"BeitLayer", "BeitEmbeddings", "BeitRelativePositionBias"},
+    "hf-swin": {"SwinRelativePositionBias"},
+    "timm-swin": {"WindowAttention"},
+    # The routers' raw (E, D) weights and the experts' raw 3-D weights, read with F.linear on
+    # the routed token rows: taken at those ops, each row's sample followed (core/rows.py).
+    "mixtral": {"MixtralTopKRouter", "MixtralExperts"},
+    "qwen2-moe": {"Qwen2MoeTopKRouter", "Qwen2MoeExperts"},
 }
 
 # id: (builder, marks)
@@ -304,6 +368,9 @@ ZOO = {
     "bert-lora": (lora(bert, ["query", "value"]), None),
     "whisper": (whisper, None),
     "xlnet": (xlnet, None),
+    "beit": (beit, None),
+    "hf-swin": (hf_swin, None),
+    "timm-swin": (timm_swin, None),
     "hf-vit": (hf_vit, None),
     "tv-vit": (vision(lambda m: m.VisionTransformer(image_size=32, patch_size=8, num_layers=2,
                                                     num_heads=2, hidden_dim=H, mlp_dim=2 * H,
@@ -369,25 +436,31 @@ def test_zoo_model_matches_loop(name, build):
         gh.detach()
 
 
-# Models that compute parts in float32 inside a float64 model (norms, Mamba's scan): exact to
+# Models that compute parts in float32 inside a float64 model (norms, Mamba's scan, MoE routers'
+# softmax; tests/test_moe.py swaps those for float64 and checks 1e-10): exact to
 # float32's precision, with the default attach (its sum check judges those parameters at the
 # precision autograd formed their gradients in: gradhooks/core/checks.py).
-FLOAT32_INSIDE = {"gemma": gemma, "mamba": mamba}
+FLOAT32_INSIDE = {"gemma": gemma, "mamba": mamba, "mixtral": moe("mixtral"),
+                  "qwen2-moe": moe("qwen2-moe")}
 
 
 @pytest.mark.parametrize("t", [T, B], ids=["T8", "T=B"])
 @pytest.mark.parametrize("name", list(FLOAT32_INSIDE))
 def test_zoo_float32_inside_matches_loop(name, t):
-    """Per-sample gradients, norms and clipping against the loop, each gradient within 1e-5 of
-    its largest entry (the float32 floor the models compute at); every module by a rule."""
+    """Per-sample gradients and norms against the loop, each gradient within 1e-5 of its largest
+    entry (the float32 floor the models compute at); Gemma and Mamba every module by a rule, the
+    MoE models' routers and experts at their own ops (FALLBACK)."""
     model, kind = FLOAT32_INSIDE[name]()
     model = model.double().eval()
     x, y = inputs(kind, torch.Generator().manual_seed(1), t=t)
     ref = loop_grads(model, token_loss, x, y)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", gradhooks.FallbackWarning)
+        warnings.simplefilter("ignore", gradhooks.FallbackWarning)  # (the README lists who gets it)
         gh = gradhooks.attach(model)
     try:
+        fallback = {type(layer.module).__name__ for layer in gh.recorder.layers
+                    if isinstance(layer.rule, FallbackRule)}
+        assert fallback == FALLBACK.get(name, set())
         token_loss(model(x), y).backward()
         ref_norms = torch.cat([g.reshape(B, -1) for g in ref.values()], 1).norm(dim=1)
         torch.testing.assert_close(gh.per_sample_grad_norms(), ref_norms, rtol=1e-5, atol=0)
