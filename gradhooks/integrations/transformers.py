@@ -1,0 +1,381 @@
+"""Hugging Face ``Trainer`` integration: DP fine-tuning (:class:`DPTrainer`) and per-sample
+gradient statistics during ordinary training (:class:`GradientStatsCallback`)::
+
+    from gradhooks.integrations.transformers import DPConfig, DPTrainer
+    trainer = DPTrainer(model=model, args=TrainingArguments(..., per_device_train_batch_size=16,
+                                                            gradient_accumulation_steps=4),
+                        train_dataset=train, data_collator=collate,
+                        dp=DPConfig(target_epsilon=8.0, delta=1e-5, max_grad_norm=1.0))
+    trainer.train()            # logs "epsilon" beside the loss
+
+Importing this module imports transformers and opacus (its accountants; ``pip install
+gradhooks[transformers]``); ``import gradhooks`` does not.
+
+**The DP step** (DP-SGD, Abadi et al. 2016, arXiv:1607.00133). A logical batch ("lot") of
+expected size ``L = per_device_train_batch_size * gradient_accumulation_steps`` is drawn by
+Poisson sampling: each of the ``N`` training samples joins it with probability ``q = L / N``
+(:class:`PoissonMicroBatchSampler`, the draw of Opacus' ``UniformWithReplacementSampler``:
+``torch.rand(N) < q``), so its size varies and may be 0; there are ``ceil(N / L)`` lots per
+epoch. The Trainer's gradient accumulation runs it as ``gradient_accumulation_steps``
+micro-batches (the lot split in that many nearly equal parts, some possibly empty). Each
+micro-batch's per-sample gradients ``g_n`` (of each sample's own loss, below) are clipped and
+summed into gradhooks' accumulator (``clip_and_accumulate(C, accumulate=True)`` after
+``gh.backward``, "book-keeping" ghost clipping, Bu et al. 2023; or ``clipped_backward(losses,
+C, accumulate=True)``, "two-pass" ghost clipping, Li et al. 2022); after the lot's last
+micro-batch ``finish_step`` writes ``param.grad = (sum_n min(1, C / ||g_n||) g_n + sigma C z) /
+L`` (the noise drawn once per lot, divided by the *expected* lot size as Opacus does), and the
+Trainer's optimizer steps on it. The Trainer's own gradient clipping (``args.max_grad_norm``)
+is turned off: it would clip the noised mean, which is post-processing, not DP clipping.
+
+**Per-sample loss.** Default :func:`causal_lm_losses`: for ``(B, T, V)`` logits, each sample's
+mean over *its own* valid tokens (labels not ``-100``, shifted as transformers' causal LM;
+:func:`gradhooks.per_sample_token_loss`), ``DPConfig(token_reduction="sum")`` for the sum;
+``(B, C)`` logits (sequence classification): cross-entropy per sample. The noise
+multiplier comes from ``DPConfig.noise_multiplier`` or from ``target_epsilon`` through Opacus'
+``get_noise_multiplier`` for the run's ``state.max_steps`` lots at ``q``; the same accountant
+(``"rdp"``, ``"prv"``, ``"gdp"``) is stepped once per lot and its epsilon at ``delta`` is logged
+as ``"epsilon"`` with the training metrics.
+
+**Statistics** (:class:`GradientStatsCallback`): per-sample gradient norms and the gradient
+noise scale of McCandlish et al. 2018 (arXiv:1812.06162, appendix A) from the Gram matrix
+``K[n, m] = <g_n, g_m>`` of each batch's per-sample gradients (:meth:`gradhooks.GradHooks.gram`,
+Gram form per layer: no per-sample gradient tensor), read after the Trainer's ordinary backward.
+
+Limits: one process (``args.world_size == 1``); no float16 ``GradScaler`` in :class:`DPTrainer`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Sampler
+
+import transformers
+from opacus.accountants import create_accountant
+from opacus.accountants.utils import get_noise_multiplier
+
+from ..hooks import attach
+from ..tools.token_losses import per_sample_token_loss
+
+__all__ = ["DPConfig", "DPTrainer", "PoissonMicroBatchSampler", "causal_lm_losses",
+           "token_mean_loss", "GradientStatsCallback"]
+
+
+@dataclasses.dataclass
+class DPConfig:
+    """The privacy settings of a :class:`DPTrainer`.
+
+    Attributes:
+        max_grad_norm: ``C``, the bound each sample's gradient is clipped to.
+        noise_multiplier: ``sigma`` (noise std ``sigma C``); ``None``: from ``target_epsilon``.
+        target_epsilon: epsilon at ``delta`` after the run's ``max_steps`` lots (used when
+            ``noise_multiplier`` is ``None``).
+        delta: the ``delta`` of the guarantee and of the logged epsilon.
+        accountant: Opacus' accountant, ``"rdp"``, ``"prv"`` or ``"gdp"``.
+        clipping: ``"book-keeping"`` (``gh.backward`` + ``clip_and_accumulate``, default) or
+            ``"two-pass"`` (``gh.clipped_backward``: less memory, a second backward).
+        token_reduction: ``"mean"`` (each sample's mean over its own valid tokens) or ``"sum"``.
+        per_sample_loss: ``f(model, inputs) -> (B,)`` losses; default :func:`causal_lm_losses`.
+        noise_seed: seed of the noise generator (``None``: drawn from the OS; set it only to
+            reproduce a run, never for a release).
+        epsilon_tolerance: the tolerance of ``get_noise_multiplier``'s search.
+    """
+
+    max_grad_norm: float = 1.0
+    noise_multiplier: Optional[float] = None
+    target_epsilon: Optional[float] = None
+    delta: float = 1e-5
+    accountant: str = "rdp"
+    clipping: str = "book-keeping"
+    token_reduction: str = "mean"
+    per_sample_loss: Optional[Callable[[nn.Module, Dict[str, Any]], Tensor]] = None
+    noise_seed: Optional[int] = None
+    epsilon_tolerance: float = 0.01
+
+    def __post_init__(self):
+        if (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError("DPConfig: give exactly one of noise_multiplier and target_epsilon")
+        if self.clipping not in ("book-keeping", "two-pass"):
+            raise ValueError(f"DPConfig: clipping must be 'book-keeping' or 'two-pass', got "
+                             f"{self.clipping!r}")
+        if self.token_reduction not in ("mean", "sum"):
+            raise ValueError(f"DPConfig: token_reduction must be 'mean' or 'sum', got "
+                             f"{self.token_reduction!r}")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"DPConfig: max_grad_norm must be > 0, got {self.max_grad_norm}")
+
+
+def causal_lm_losses(model: nn.Module, inputs: Dict[str, Any], reduction: str = "mean") -> Tensor:
+    """``(B,)`` per-sample losses of a transformers model on a Trainer batch with ``labels``:
+    ``(B, T, V)`` logits: :func:`gradhooks.per_sample_token_loss` (causal shift, ``-100``
+    ignored, ``reduction`` over each sample's own valid tokens); ``(B, C)`` logits:
+    cross-entropy of each sample. The labels are not passed to the model (its own loss would be
+    a mean over the batch's tokens)."""
+    inputs = dict(inputs)
+    labels = inputs.pop("labels")
+    logits = model(**inputs).logits
+    if logits.dim() == 3:
+        return per_sample_token_loss(logits, labels, reduction=reduction)
+    return F.cross_entropy(logits.float(), labels, reduction="none")
+
+
+def token_mean_loss(outputs, labels: Tensor, num_items_in_batch=None) -> Tensor:
+    """A ``compute_loss_func`` for a plain ``Trainer`` on padded causal-LM batches: the mean
+    over samples of each sample's own token mean (:func:`gradhooks.per_sample_token_loss`), so
+    that per-sample gradients (:class:`GradientStatsCallback`) are each sample's own; the
+    model's own loss, a mean over the batch's tokens, weighs samples by their token counts."""
+    return per_sample_token_loss(outputs.logits, labels).mean()
+
+
+class PoissonMicroBatchSampler(Sampler[List[int]]):
+    """Poisson-sampled lots, each yielded as ``micro_batches`` index lists (a batch sampler).
+
+    Each lot: ``mask = torch.rand(num_samples, generator) < sample_rate`` (Opacus'
+    ``UniformWithReplacementSampler``, the same draws from the same generator), its indices
+    split in ``micro_batches`` parts of sizes differing by at most one (empty ones when the lot
+    has fewer samples). ``lots`` lots per pass, ``lots * micro_batches`` lists.
+    """
+
+    def __init__(self, num_samples: int, sample_rate: float, lots: int, micro_batches: int,
+                 generator: Optional[torch.Generator] = None):
+        self.num_samples, self.sample_rate = num_samples, sample_rate
+        self.lots, self.micro_batches, self.generator = lots, micro_batches, generator
+
+    def __len__(self) -> int:
+        return self.lots * self.micro_batches
+
+    def __iter__(self) -> Iterator[List[int]]:
+        for _ in range(self.lots):
+            mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
+            lot = mask.nonzero().reshape(-1)
+            for part in torch.tensor_split(lot, self.micro_batches):
+                yield part.tolist()
+
+
+class _EmptyBatchCollator:
+    """Collates an empty index list into a batch of 0 samples (the template's tensors sliced to
+    ``[:0]``): the Trainer's loop still gets one batch per micro-batch, and
+    :meth:`DPTrainer.training_step` skips the empty ones (no forward)."""
+
+    def __init__(self, collate: Callable, dataset):
+        self.collate, self.dataset = collate, dataset
+
+    def __call__(self, features):
+        if len(features) > 0:
+            return self.collate(features)
+        batch = self.collate([self.dataset[0]])
+        return {k: v[:0] if isinstance(v, Tensor) else v for k, v in batch.items()}
+
+
+def _batch_size(inputs: Dict[str, Any]) -> int:
+    return next(len(v) for v in inputs.values() if isinstance(v, Tensor))
+
+
+class DPTrainer(transformers.Trainer):
+    """A ``transformers.Trainer`` that trains with DP-SGD through gradhooks (module docstring).
+
+    Takes the Trainer's arguments plus ``dp`` (:class:`DPConfig`). The user's script stays the
+    usual one: model, ``TrainingArguments``, dataset, collator, ``trainer.train()``; the
+    per-device batch size and ``gradient_accumulation_steps`` give the expected lot size.
+
+    Attributes (after the first step): ``gh`` (the :class:`gradhooks.GradHooks`), ``accountant``,
+    ``noise_multiplier``, ``sample_rate``, ``expected_batch_size``, ``lot_sizes`` (samples per
+    lot so far), :meth:`epsilon`.
+    """
+
+    def __init__(self, *args, dp: DPConfig, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.args.world_size != 1:
+            raise ValueError("DPTrainer runs in one process (args.world_size == 1)")
+        if self.args.fp16:
+            raise ValueError("DPTrainer: fp16 with a GradScaler is not supported; use bf16 or fp32")
+        self.dp = dp
+        self.args.max_grad_norm = 0.0  # DP clips per sample; see the module docstring
+        self.gh = None
+        self.accountant = create_accountant(dp.accountant)
+        self.noise_multiplier: Optional[float] = dp.noise_multiplier
+        self.expected_batch_size = (self.args.per_device_train_batch_size
+                                    * self.args.gradient_accumulation_steps)
+        self.sample_rate = min(1.0, self.expected_batch_size / len(self.train_dataset))
+        self.lot_sizes: List[int] = []
+        self._generator = torch.Generator(device=self.args.device)  # (the noise's)
+        if dp.noise_seed is not None:
+            self._generator.manual_seed(dp.noise_seed)
+        else:
+            self._generator.seed()
+
+    # ---- data -------------------------------------------------------------------------------
+    def get_train_dataloader(self) -> DataLoader:
+        """Poisson-sampled lots as micro-batches (:class:`PoissonMicroBatchSampler`), sampled
+        from a generator seeded by ``args.data_seed`` (else ``args.seed``)."""
+        dataset = self.train_dataset
+        collate = self.data_collator
+        if hasattr(self, "_remove_unused_columns") and hasattr(dataset, "column_names"):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collate = self._get_collator_with_removed_columns(collate, description="training")
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        sampler = PoissonMicroBatchSampler(
+            len(dataset), self.sample_rate, math.ceil(len(dataset) / self.expected_batch_size),
+            self.args.gradient_accumulation_steps, torch.Generator().manual_seed(seed))
+        return DataLoader(dataset, batch_sampler=sampler,
+                          collate_fn=_EmptyBatchCollator(collate, dataset),
+                          num_workers=self.args.dataloader_num_workers)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def _start(self, model: nn.Module) -> None:
+        if self.noise_multiplier is None:
+            self.noise_multiplier = get_noise_multiplier(
+                target_epsilon=self.dp.target_epsilon, target_delta=self.dp.delta,
+                sample_rate=self.sample_rate, steps=self.state.max_steps,
+                accountant=self.dp.accountant, epsilon_tolerance=self.dp.epsilon_tolerance)
+        self.gh = attach(model, loss_reduction="sum")
+        self._lot = 0
+
+    def per_sample_losses(self, model: nn.Module, inputs: Dict[str, Any]) -> Tensor:
+        """``(B,)`` losses of the micro-batch: ``dp.per_sample_loss``, else
+        :func:`causal_lm_losses`."""
+        if self.dp.per_sample_loss is not None:
+            return self.dp.per_sample_loss(model, inputs)
+        return causal_lm_losses(model, inputs, self.dp.token_reduction)
+
+    def training_step(self, model: nn.Module, inputs: Dict[str, Any],
+                      num_items_in_batch=None) -> Tensor:
+        """One micro-batch: per-sample losses, clipped into the lot's accumulator; after the
+        lot's last micro-batch the noise, the division by the expected lot size and the
+        accountant's step. Returns the micro-batch's mean loss over the micro-batches' count
+        (the Trainer's logging convention)."""
+        if self.gh is None:
+            self._start(model)
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        losses = None
+        if _batch_size(inputs) > 0:  # (an empty micro-batch of a Poisson lot adds nothing)
+            with self.compute_loss_context_manager():
+                losses = self.per_sample_losses(model, inputs)
+            if self.dp.clipping == "two-pass":
+                self.gh.clipped_backward(losses, self.dp.max_grad_norm, accumulate=True)
+            else:
+                self.gh.backward(losses.sum())
+                self.gh.clip_and_accumulate(self.dp.max_grad_norm, accumulate=True)
+            self._lot += len(losses)
+        if self.accelerator.sync_gradients:
+            self._finish_lot(model)
+        if losses is None:
+            return torch.zeros((), device=self.args.device)
+        return losses.detach().mean() / self.current_gradient_accumulation_steps
+
+    def _finish_lot(self, model: nn.Module) -> None:
+        # The noise once, the division by the expected lot size, the accountant's step.
+        sigma, std = self.noise_multiplier, self.noise_multiplier * self.dp.max_grad_norm
+        if self._lot > 0:
+            self.gh.finish_step(noise_multiplier=sigma, generator=self._generator,
+                                expected_batch_size=self.expected_batch_size)
+        else:  # an empty lot: the noise alone, drawn as finish_step draws it
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.randn(p.shape, generator=self._generator, dtype=p.dtype,
+                                         device=p.device).mul_(std / self.expected_batch_size)
+        self.accountant.step(noise_multiplier=sigma, sample_rate=self.sample_rate)
+        self.lot_sizes.append(self._lot)
+        self._lot = 0
+
+    def epsilon(self) -> float:
+        """Epsilon at ``dp.delta`` of the lots taken so far (0 before the first)."""
+        if not self.lot_sizes:
+            return 0.0
+        return float(self.accountant.get_epsilon(delta=self.dp.delta))
+
+    def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
+        """The Trainer's logs plus ``epsilon`` (and ``noise_multiplier``)."""
+        logs["epsilon"] = self.epsilon()
+        if self.noise_multiplier is not None:
+            logs["noise_multiplier"] = float(self.noise_multiplier)
+        super().log(logs, start_time)
+
+    def train(self, *args, **kwargs):
+        """``Trainer.train``; the hooks are removed when it returns or raises."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self.gh is not None:
+                self.gh.detach()
+                self.gh = None
+
+
+class GradientStatsCallback(transformers.TrainerCallback):
+    """Per-sample gradient norms and the gradient noise scale during ordinary training.
+
+    After each optimizer step's backward, from the Gram matrix ``K (B, B)``,
+    ``K[n, m] = <g_n, g_m>`` of the per-sample gradients of each sample's own loss (loss
+    reduced as a mean over samples), with ``S = sum_{n,m} K[n, m]`` and ``tr K``:
+
+    - ``grad_norm_mean``, ``grad_norm_max``: of ``||g_n|| = sqrt(K[n, n])``;
+    - ``trace_sigma = (B tr K - S) / (B (B - 1))``: the unbiased estimate of ``tr(Sigma)``;
+    - ``g2 = (S - tr K) / (B (B - 1))``: the unbiased estimate of ``|G|^2`` (the mean of
+      the off-diagonal entries of ``K``);
+    - ``noise_scale``: ``B_simple = EMA(trace_sigma) / EMA(g2)`` (McCandlish et al. 2018,
+      sec. 2.2 and appendix A; exponential moving averages with ``decay``).
+
+    Each step's values are appended to :attr:`history` and added to the Trainer's next logs.
+    The Trainer's loss must be a mean over samples of their own losses: a classification loss,
+    or on padded causal-LM batches ``Trainer(..., compute_loss_func=token_mean_loss)`` (the
+    model's own loss is a mean over the batch's tokens: gradhooks refuses it with unequal
+    valid-token counts). One micro-batch per step (``gradient_accumulation_steps == 1``).
+    """
+
+    def __init__(self, decay: float = 0.9, every: int = 1):
+        self.decay, self.every = decay, every
+        self.history: List[Dict[str, float]] = []
+        self.gh = None
+        self._ema: Optional[List[float]] = None
+        self._pending: Dict[str, float] = {}
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if args.gradient_accumulation_steps != 1:
+            raise ValueError("GradientStatsCallback reads one micro-batch per step "
+                             "(gradient_accumulation_steps == 1)")
+        self.gh = attach(model, loss_reduction="mean")
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if state.global_step % self.every == 0:
+            self.record(state.global_step + 1)
+
+    def record(self, step: int) -> Dict[str, float]:
+        """Reads this batch's Gram matrix and appends its statistics (for optimizer step
+        ``step``, counted from 1 as the Trainer's logs) to :attr:`history`."""
+        k = self.gh.gram().double()
+        b = k.shape[0]
+        trace, total = float(k.diagonal().sum()), float(k.sum())
+        norms = k.diagonal().clamp(min=0).sqrt()
+        row = {"step": step, "batch_size": b, "grad_norm_mean": float(norms.mean()),
+               "grad_norm_max": float(norms.max())}
+        if b > 1:
+            trace_sigma = (b * trace - total) / (b * (b - 1))
+            g2 = (total - trace) / (b * (b - 1))
+            if self._ema is None:
+                self._ema = [trace_sigma, g2]
+            else:
+                d = self.decay
+                self._ema = [d * self._ema[0] + (1 - d) * trace_sigma,
+                             d * self._ema[1] + (1 - d) * g2]
+            row.update(trace_sigma=trace_sigma, g2=g2, noise_scale=self._ema[0] / self._ema[1])
+        self.history.append(row)
+        self._pending = {k: v for k, v in row.items() if k not in ("step", "batch_size")}
+        return row
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None and self._pending:
+            logs.update(self._pending)
+            if state.log_history:
+                state.log_history[-1].update(self._pending)
+            self._pending = {}
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.gh is not None:
+            self.gh.detach()
+            self.gh = None
