@@ -16,7 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
+import zoo_imports
 from gradhooks.core.checks import GradTotal, check_sums, formed_in
+
+zoo_imports.import_torchvision()  # (transformers, for Gemma and Mamba)
 
 F64 = torch.float64
 V, T = 64, 5
@@ -26,7 +29,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::gradhooks.FallbackWarning")
 
 # ----------------------------------------------------------------------------- the zoo models
 def _gemma():
-    import tests.zoo_imports  # noqa: F401  (stubs torchvision for transformers)
     import transformers
     cfg = transformers.GemmaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16,
@@ -35,7 +37,6 @@ def _gemma():
 
 
 def _mamba():
-    import tests.zoo_imports  # noqa: F401
     import transformers
     cfg = transformers.MambaConfig(hidden_size=32, state_size=4, num_hidden_layers=2,
                                    vocab_size=V, expand=2, conv_kernel=3, use_cache=False)

@@ -22,7 +22,10 @@ The rule, for an op whose operand carries the batch on a dim provenance knows (`
   Alone it is not refused: a loss computed inside the forward (``model(ids, labels=labels)``)
   reduces over the batch. Ops on statistics give statistics; a statistic that then meets a tensor
   that carries the batch (``h - h.mean(0)``, ``h / h.std(0)``: broadcast back to the samples) is
-  refused, naming the reduction and the op where it met the batch.
+  refused, naming the reduction and the op where it met the batch;
+* *a product that pairs or contracts the samples* (refused): ``matmul`` / ``mm`` / ``bmm`` /
+  ``@`` whose two operands both carry the batch in their matrix dims (``z @ z.T``: a ``(B, B)``
+  similarity of a contrastive model; ``a.T @ b``: a sum over the samples).
 
 Only outputs that require grad and whose autograd graph reaches a parameter gradhooks records
 count: a statistic of the raw inputs (``x - x.mean(0)`` before the first layer) makes sample
@@ -30,10 +33,10 @@ count: a statistic of the raw inputs (``x - x.mean(0)`` before the first layer) 
 each sample's gradient is still that of its own loss (exact); a ``.detach()``-ed statistic
 (``h - h.mean(0).detach()``) is a constant to autograd, so it is too. Ops that only move samples
 (indexing, ``gather``, ``cat`` / ``stack`` of batches, permutations) and reductions over other
-dims (attention's softmax over keys, ``LayerNorm`` over features, pooling) are not mixing. Not
-seen: ops where provenance lost the batch dim (a merge with a dim before it), products that
-contract or pair the samples (``z @ z.T`` of a contrastive model, an ``einsum`` over the batch),
-ops not listed here, and a loss that mixes (outside the forward): for those,
+dims (attention's softmax over keys, ``LayerNorm`` over features, pooling) are not mixing; nor
+is a batched product (``q @ k.transpose(-2, -1)`` with the batch in the broadcast dims). Not
+seen: ops where provenance lost the batch dim (a merge with a dim before it), an ``einsum`` over
+the batch, ops not listed here, and a loss that mixes (outside the forward): for those,
 :meth:`~gradhooks.GradHooks.check_samples` recomputes samples alone.
 """
 from __future__ import annotations
@@ -94,6 +97,31 @@ def _dims(args, kwargs, pos, default, nd: int):
     if isinstance(dim, (tuple, list)) and all(isinstance(d, int) for d in dim):
         return {d % nd for d in dim} if dim and nd else _ALL
     return None
+
+
+#: Products of two operands: mixing where both carry the batch in their matrix dims.
+CONTRACTIONS = frozenset({torch.matmul, Tensor.matmul, torch.mm, Tensor.mm, torch.bmm, Tensor.bmm,
+                          Tensor.__matmul__, Tensor.__rmatmul__})
+
+
+def contraction_mixes(batched: list) -> Optional[Tuple[str, str]]:
+    """``(MIXES, what)`` if a product's two operands (``batched``: ``[(tensor, batch dim)]`` of
+    its operands that carry the batch) both carry it in their matrix dims (module docstring),
+    else ``None``."""
+    if len(batched) != 2:
+        return None
+    dims = []
+    for t, bd in batched:
+        d = bd[0] if isinstance(bd, tuple) else bd
+        if not isinstance(d, int) or t.dim() < 1:
+            return None
+        dims.append(d % t.dim())
+    (a, da), (b, db) = (batched[0][0], dims[0]), (batched[1][0], dims[1])
+    if da < a.dim() - 2 or db < b.dim() - 2:
+        return None  # (a batched product: the batch in the broadcast dims)
+    return MIXES, (f"a product of two tensors that both carry the batch in their matrix dims "
+                   f"({tuple(a.shape)} on dim {da}, {tuple(b.shape)} on dim {db}): it pairs or "
+                   f"contracts the samples (z @ z.T of a contrastive model)")
 
 
 def mixing_op(func, args, kwargs, ref: Tensor, bd) -> Optional[Tuple[str, str]]:

@@ -79,7 +79,8 @@ import torch.nn.functional as F
 
 from .batch_dims import (JOINS, MATMULS, METADATA, RECURRENT, ROW_ALIGNED, Routed,
                          batch_dim_after, operands)
-from .mixing import MIXES, MIXING_OPS, STAT, mixing_op, upstream_of, user_line
+from .mixing import (CONTRACTIONS, MIXES, MIXING_OPS, STAT, contraction_mixes, mixing_op,
+                     upstream_of, user_line)
 from .rows import linear_meeting, own_weights
 from .token_means import TOKEN_OPS, ForwardLosses
 
@@ -364,6 +365,8 @@ class Provenance(TorchFunctionMode):
         if ref is not None:
             if func in MIXING_OPS:
                 self._mixing(func, args, kwargs, ref, rbd, out)
+            elif func in CONTRACTIONS and batched is not None and len(batched) == 2:
+                self._mixing(func, args, kwargs, ref, rbd, out, contraction_mixes(batched))
             if self.stats:
                 self._statistics(func, batched, out)
             if func in TOKEN_OPS:
@@ -388,11 +391,11 @@ class Provenance(TorchFunctionMode):
         return out
 
     # -------------------------------------------------------------- ops that mix the samples
-    def _mixing(self, func, args, kwargs, ref, bd, out) -> None:
-        # An op on the batch that mixes the samples (gradhooks.core.mixing): noted, or its
-        # output marked as a statistic of the batch, where it requires grad through a
-        # recorded parameter.
-        found = mixing_op(func, args, kwargs, ref, bd)
+    def _mixing(self, func, args, kwargs, ref, bd, out, found=False) -> None:
+        # An op on the batch that mixes the samples (gradhooks.core.mixing; ``found``: what a
+        # caller found already): noted, or its output marked as a statistic of the batch, where
+        # it requires grad through a recorded parameter.
+        found = mixing_op(func, args, kwargs, ref, bd) if found is False else found
         if found is None:
             return
         outs = [o for o in ((out,) if isinstance(out, Tensor) else out)
