@@ -42,9 +42,19 @@ def _functional_batch_norm(h):  # (two values per channel and sample: B = 1 runs
     return F.batch_norm(torch.stack([h, h * h], -1), None, None, training=True).sum(-1)
 
 
+def _similarity(h):  # (a contrastive model's (B, B) similarities, mixed back into the rows)
+    return h + torch.softmax(h @ h.T, 1) @ h
+
+
+def _contraction(h):  # (a sum over the samples by a product: h^T h, then back to the rows)
+    return h @ torch.tanh(torch.mm(h.T, h))
+
+
 MIXING = [(_centre, "mean"), (_scale, "std"), (_softmax, "softmax"), (_sort, "sort"),
+          (_similarity, "product of two tensors"), (_contraction, "product of two tensors"),
           (_manual_batch_norm, "mean"), (_functional_batch_norm, "batch_norm")]
-MIXING_IDS = ["centre", "std", "softmax0", "sort0", "manual_bn", "F.batch_norm"]
+MIXING_IDS = ["centre", "std", "softmax0", "sort0", "z@z.T", "h.T@h", "manual_bn",
+              "F.batch_norm"]
 
 
 class Between(nn.Module):
@@ -151,8 +161,14 @@ def _features(h):  # reductions and normalisations over the features
     return F.layer_norm(torch.sort(h, -1).values, (6,)) + h.softmax(-1) + h.sum(1, keepdim=True)
 
 
+def _batched_product(h):  # (per-sample products: the batch in the broadcast dim, as attention)
+    q = h.view(h.shape[0], 2, 3)
+    return (torch.softmax(q @ q.transpose(-2, -1), -1) @ q).reshape(h.shape)
+
+
 @pytest.mark.parametrize("b", [1, 3], ids=["B1", "B3"])
-@pytest.mark.parametrize("op", [_moves, _features], ids=["moves_samples", "over_features"])
+@pytest.mark.parametrize("op", [_moves, _features, _batched_product],
+                         ids=["moves_samples", "over_features", "batched_product"])
 def test_ops_that_do_not_mix_are_exact(op, b):
     x, y = _batch(b)
     model = Between(op).double()
