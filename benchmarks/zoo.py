@@ -86,12 +86,51 @@ def build(name):
                                          num_heads=[2, 4], window_size=[4, 4], num_classes=10), "image"
     if name == "tv-mobilenet-v3-small":
         return tv.models.mobilenet_v3_small(num_classes=10), "image"
+    if name == "xlnet":
+        cfg = tr.XLNetConfig(vocab_size=V, d_model=H, n_layer=2, n_head=4, d_inner=4 * H,
+                             num_labels=3, dropout=0.0)
+        return TokensToLogits(tr.XLNetForSequenceClassification(cfg)), "label"
+    if name == "gemma":
+        return TokensToLogits(tr.GemmaForCausalLM(tr.GemmaConfig(
+            num_key_value_heads=2, head_dim=16, **common))), "tokens"
+    if name == "mamba":
+        cfg = tr.MambaConfig(vocab_size=V, hidden_size=H, state_size=8, num_hidden_layers=2,
+                             use_cache=False)
+        return TokensToLogits(tr.MambaForCausalLM(cfg)), "tokens"
+    if name == "mixtral":
+        return TokensToLogits(tr.MixtralForCausalLM(tr.MixtralConfig(
+            num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+            experts_implementation="eager", **common))), "tokens"
+    if name in ("beit", "hf-swin"):
+        cfg = (tr.BeitConfig(image_size=32, patch_size=4, hidden_size=H, num_hidden_layers=2,
+                             num_attention_heads=4, intermediate_size=4 * H, num_labels=10,
+                             use_relative_position_bias=True) if name == "beit" else
+               tr.SwinConfig(image_size=32, patch_size=2, embed_dim=32, depths=[2, 2],
+                             num_heads=[2, 4], window_size=4, num_labels=10))
+        model = (tr.BeitForImageClassification if name == "beit"
+                 else tr.SwinForImageClassification)(cfg)
+        return ImageLogits(model), "image"
+    if name == "timm-swin":
+        from timm.models.swin_transformer import SwinTransformer
+        return SwinTransformer(img_size=32, patch_size=2, embed_dim=32, depths=(2, 2),
+                               num_heads=(2, 4), window_size=4, num_classes=10), "image"
     raise KeyError(name)
+
+
+class ImageLogits(nn.Module):
+    """transformers' image classifiers return an output object: its logits."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(pixel_values=x).logits
 
 
 MODELS = ["bert", "gpt2", "t5", "bart", "llama", "llama-lora", "timm-vit", "timm-convnext-atto",
           "timm-efficientnet-b0", "timm-resnet18", "tv-resnet18-gn", "tv-mobilenet-v3-small",
-          "tv-swin"]
+          "tv-swin", "xlnet", "gemma", "mamba", "mixtral", "beit", "hf-swin", "timm-swin"]
 
 
 def data(kind):
