@@ -60,7 +60,7 @@ from opacus.accountants.utils import get_noise_multiplier  # noqa: E402
 
 import gradhooks  # noqa: E402
 from gradhooks.integrations.transformers import (  # noqa: E402
-    DPConfig, DPTrainer, PoissonMicroBatchSampler, causal_lm_losses)
+    DPConfig, DPTrainer, PoissonMicroBatchSampler, causal_lm_collate, causal_lm_losses)
 
 VOCAB, C, DELTA = 128, 1.0, 1e-5
 
@@ -78,17 +78,11 @@ def paragraphs(module, length: int):
 
 
 def collate(features):
-    """Right padding with 0, labels -100 past each sample's end, an attention mask, positions."""
-    t = max(len(f["input_ids"]) for f in features)
-    ids = torch.zeros(len(features), t, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, f in enumerate(features):
-        ids[i, :len(f["input_ids"])] = torch.tensor(f["input_ids"])
-        mask[i, :len(f["input_ids"])] = 1
-    # position_ids batched: Opacus' Embedding rule reads the batch from its input, and GPT-2's
-    # own position_ids are (1, T)
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100),
-            "position_ids": torch.arange(t).expand(len(features), -1)}
+    """causal_lm_collate's padding, labels and mask, and position ids batched: Opacus' Embedding
+    rule reads the batch from its input, and GPT-2's own position_ids are (1, T)."""
+    batch = causal_lm_collate(features)
+    b, t = batch["input_ids"].shape
+    return {**batch, "position_ids": torch.arange(t).expand(b, -1)}
 
 
 def gpt2(length: int):

@@ -22,7 +22,6 @@ transformers, opacus (and peft for ``--lora``): ``pip install -e .[transformers]
 """
 import argparse
 import os
-import re
 import sys
 import tempfile
 import types
@@ -37,7 +36,8 @@ sys.modules.setdefault("torchvision._meta_registrations",
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from gradhooks.integrations.transformers import DPConfig, DPTrainer  # noqa: E402
+from char_text import VOCAB, paragraphs  # noqa: E402  (examples/char_text.py)
+from gradhooks.integrations.transformers import DPConfig, DPTrainer, causal_lm_collate  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=60, help="lots (optimizer steps)")
@@ -53,25 +53,9 @@ parser.add_argument("--threads", type=int, default=1,
 args = parser.parse_args()
 torch.set_num_threads(args.threads)
 transformers.logging.set_verbosity_error()
-VOCAB = 128
 
 
-def paragraphs(path, length=64):
-    """The file's paragraphs (blank-line separated), 8 to ``length`` characters, as ids."""
-    text = open(path, encoding="utf-8").read()
-    return [{"input_ids": [min(ord(c), VOCAB - 1) for c in p.strip()[:length]]}
-            for p in re.split(r"\n\s*\n", text) if len(p.strip()) >= 8]
-
-
-def collate(features):
-    """Right padding, an attention mask, labels -100 on the padding."""
-    t = max(len(f["input_ids"]) for f in features)
-    ids = torch.zeros(len(features), t, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, f in enumerate(features):
-        ids[i, :len(f["input_ids"])] = torch.tensor(f["input_ids"])
-        mask[i, :len(f["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+collate = causal_lm_collate  # (right padding, labels -100 past each paragraph's end)
 
 
 data = paragraphs(argparse.__file__)

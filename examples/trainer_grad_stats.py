@@ -20,7 +20,6 @@ Needs transformers and opacus: ``pip install -e .[transformers]``.
 """
 import argparse
 import os
-import re
 import sys
 import tempfile
 import types
@@ -35,7 +34,8 @@ sys.modules.setdefault("torchvision._meta_registrations",
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from gradhooks.integrations.transformers import GradientStatsCallback, token_mean_loss  # noqa: E402
+from char_text import VOCAB, paragraphs  # noqa: E402  (examples/char_text.py)
+from gradhooks.integrations.transformers import GradientStatsCallback, token_mean_loss, causal_lm_collate  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=80)
@@ -47,25 +47,9 @@ parser.add_argument("--threads", type=int, default=1,
 args = parser.parse_args()
 torch.set_num_threads(args.threads)
 transformers.logging.set_verbosity_error()
-VOCAB = 128
 
 
-def paragraphs(path, length=64):
-    """The file's paragraphs (blank-line separated), 8 to ``length`` characters, as ids."""
-    text = open(path, encoding="utf-8").read()
-    return [{"input_ids": [min(ord(c), VOCAB - 1) for c in p.strip()[:length]]}
-            for p in re.split(r"\n\s*\n", text) if len(p.strip()) >= 8]
-
-
-def collate(features):
-    """Right padding, an attention mask, labels -100 on the padding."""
-    t = max(len(f["input_ids"]) for f in features)
-    ids = torch.zeros(len(features), t, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, f in enumerate(features):
-        ids[i, :len(f["input_ids"])] = torch.tensor(f["input_ids"])
-        mask[i, :len(f["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+collate = causal_lm_collate  # (right padding, labels -100 past each paragraph's end)
 
 
 torch.manual_seed(args.seed)

@@ -26,8 +26,8 @@ from opacus.accountants import PRVAccountant, RDPAccountant  # noqa: E402
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler  # noqa: E402
 
 from gradhooks.integrations.transformers import (  # noqa: E402
-    DPConfig, DPTrainer, GradientStatsCallback, PoissonMicroBatchSampler, causal_lm_losses,
-    token_mean_loss)
+    DPConfig, DPTrainer, GradientStatsCallback, PoissonMicroBatchSampler, causal_lm_collate,
+    causal_lm_losses, token_mean_loss)
 
 V, N, C = 50, 24, 0.5
 
@@ -44,15 +44,7 @@ def dataset(n=N, seed=1):
                                         generator=g).tolist()} for _ in range(n)]
 
 
-def collate(features):
-    """Right padding with 0, labels -100 past each sample's end, an attention mask."""
-    t = max(len(f["input_ids"]) for f in features)
-    ids = torch.zeros(len(features), t, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, f in enumerate(features):
-        ids[i, :len(f["input_ids"])] = torch.tensor(f["input_ids"])
-        mask[i, :len(f["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+collate = causal_lm_collate  # (right padding with 0, labels -100 past each sample's end)
 
 
 def arguments(tmp_path, **kw):

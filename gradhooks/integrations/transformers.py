@@ -61,8 +61,8 @@ from opacus.accountants.utils import get_noise_multiplier
 from ..hooks import attach
 from ..tools.token_losses import per_sample_token_loss
 
-__all__ = ["DPConfig", "DPTrainer", "PoissonMicroBatchSampler", "causal_lm_losses",
-           "token_mean_loss", "GradientStatsCallback"]
+__all__ = ["DPConfig", "DPTrainer", "PoissonMicroBatchSampler", "causal_lm_collate",
+           "causal_lm_losses", "token_mean_loss", "GradientStatsCallback"]
 
 
 @dataclasses.dataclass
@@ -129,6 +129,27 @@ def token_mean_loss(outputs, labels: Tensor, num_items_in_batch=None) -> Tensor:
     that per-sample gradients (:class:`GradientStatsCallback`) are each sample's own; the
     model's own loss, a mean over the batch's tokens, weighs samples by their token counts."""
     return per_sample_token_loss(outputs.logits, labels).mean()
+
+
+def causal_lm_collate(features: List[Dict[str, Any]], pad_id: int = 0) -> Dict[str, Tensor]:
+    """A ``data_collator`` for token-id samples without a tokenizer: right padding with
+    ``pad_id``, an attention mask, and labels ``-100`` past each sample's end (transformers'
+    ``ignore_index``: the per-sample loss counts each sample's own tokens only).
+
+    Args:
+        features: ``[{"input_ids": list of ints}]``, ``B`` samples of any lengths ``T_n``.
+        pad_id: the id written past each sample's end.
+
+    Returns:
+        ``{"input_ids", "attention_mask", "labels"}``, each ``(B, max T_n)`` int64.
+    """
+    t = max((len(f["input_ids"]) for f in features), default=0)
+    ids = torch.full((len(features), t), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, f in enumerate(features):
+        ids[i, :len(f["input_ids"])] = torch.as_tensor(f["input_ids"], dtype=torch.long)
+        mask[i, :len(f["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 class PoissonMicroBatchSampler(Sampler[List[int]]):
