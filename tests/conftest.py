@@ -4,6 +4,7 @@ The loop here deliberately does not use gradhooks.looped_per_sample_grads, so th
 reference is tested against it as well.
 """
 import os
+import warnings
 
 import pytest
 import torch
@@ -139,3 +140,29 @@ def _no_leaked_provenance():
     while torch._C._len_torch_function_stack():
         torch._C._pop_torch_function_stack()
     assert leaked == 0, f"{leaked} torch function mode(s) left active"
+
+
+def check_model(model, x, y, loss=None, dtype=torch.float64):
+    """Per-sample gradients and norms of ``model`` (default attach, default call) equal the
+    loop's (1e-10 of the largest entry in float64, 1e-5 in float32; a floor of 1e-4 of the
+    model's largest entry for gradients that vanish in exact arithmetic: key biases)."""
+    loss = loss or torch.nn.functional.cross_entropy
+    ref = loop_grads(model, loss, x, y)
+    norms = torch.sqrt(sum(g.flatten(1).square().sum(1) for g in ref.values()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gradhooks.FallbackWarning)
+        gh = gradhooks.attach(model)
+    try:
+        loss(model(x), y).backward()
+        torch.testing.assert_close(gh.per_sample_grad_norms(), norms,
+                                   rtol=1e-9 if dtype == torch.float64 else 1e-4, atol=0)
+        got = gh.per_sample_grads()
+        floor = 1e-4 * max(r.abs().max() for r in ref.values())
+        assert list(got) == list(ref)
+        tol = 1e-10 if dtype == torch.float64 else 1e-5
+        for name, r in ref.items():
+            scale = max(r.abs().max(), floor)
+            diff = (got[name] - r).abs().max()
+            assert diff <= tol * scale, f"{name}: max diff {diff:.3e} vs scale {scale:.3e}"
+    finally:
+        gh.detach()

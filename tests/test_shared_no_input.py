@@ -6,8 +6,6 @@ gradhooks.core.provenance): each one's per-sample gradient is pulled back from w
 module's output meets the batch, through the module's own ops. Per-sample gradients and norms
 against a loop of batches of one, float64 (and float32 for the toys), B = 3, B = 1 and the
 tokens' count equal to B."""
-import warnings
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,22 +13,14 @@ from torch import nn
 
 import gradhooks
 import zoo_imports  # noqa: F401  (torchvision importable before transformers)
-from conftest import assert_close_to_loop, loop_grads
+from conftest import check_model
 
 
 def image_loss(out, y):
     return F.cross_entropy(out, y)
 
 
-class ImageLogits(nn.Module):
-    """``pixel_values (B, 3, H, W) -> logits``, a transformers image classifier's default call."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        return self.model(pixel_values=x).logits
+ImageLogits = zoo_imports.ImageLogits
 
 
 def beit(shared_bias=False, image_size=32):
@@ -48,30 +38,6 @@ def hf_swin():
     cfg = transformers.SwinConfig(image_size=32, patch_size=2, embed_dim=16, depths=[2, 2],
                                   num_heads=[2, 2], window_size=4, num_labels=5)
     return ImageLogits(transformers.SwinForImageClassification(cfg))
-
-
-def check_model(model, x, y, loss=image_loss, dtype=torch.float64):
-    """Per-sample gradients and norms of ``model`` (default attach, default call) equal the
-    loop's."""
-    ref = loop_grads(model, loss, x, y)
-    norms = torch.sqrt(sum(g.flatten(1).square().sum(1) for g in ref.values()))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", gradhooks.FallbackWarning)
-        gh = gradhooks.attach(model)
-    try:
-        loss(model(x), y).backward()
-        torch.testing.assert_close(gh.per_sample_grad_norms(), norms,
-                                   rtol=1e-9 if dtype == torch.float64 else 1e-4, atol=0)
-        got = gh.per_sample_grads()
-        floor = 1e-4 * max(r.abs().max() for r in ref.values())  # (as the zoo: key biases)
-        assert list(got) == list(ref)
-        tol = 1e-10 if dtype == torch.float64 else 1e-5
-        for name, r in ref.items():
-            scale = max(r.abs().max(), floor)
-            diff = (got[name] - r).abs().max()
-            assert diff <= tol * scale, f"{name}: max diff {diff:.3e} vs scale {scale:.3e}"
-    finally:
-        gh.detach()
 
 
 def images(b, size=32, seed=0):

@@ -7,41 +7,13 @@ meeting the windows is split per sample with each sample's windows summed (broad
 own rows kept (row-aligned), and the attention module that owns the bias table (no rule) is not
 replayed: its table is priced at its own ops. Per-sample gradients and norms against a loop of
 batches of one, float64, B = 3, B = 1 and B equal to a stage's window count."""
-import warnings
-
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
 import zoo_imports  # noqa: F401  (torchvision importable before timm)
-from conftest import loop_grads
-
-
-def check_model(model, x, y, loss=F.cross_entropy, dtype=torch.float64):
-    """Per-sample gradients and norms of ``model`` (default attach, default call) equal the
-    loop's (1e-10 of the largest entry in float64, 1e-5 in float32; a floor of 1e-4 of the
-    model's largest entry for gradients that vanish in exact arithmetic: key biases)."""
-    ref = loop_grads(model, loss, x, y)
-    norms = torch.sqrt(sum(g.flatten(1).square().sum(1) for g in ref.values()))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", gradhooks.FallbackWarning)
-        gh = gradhooks.attach(model)
-    try:
-        loss(model(x), y).backward()
-        torch.testing.assert_close(gh.per_sample_grad_norms(), norms,
-                                   rtol=1e-9 if dtype == torch.float64 else 1e-4, atol=0)
-        got = gh.per_sample_grads()
-        floor = 1e-4 * max(r.abs().max() for r in ref.values())
-        assert list(got) == list(ref)
-        tol = 1e-10 if dtype == torch.float64 else 1e-5
-        for name, r in ref.items():
-            scale = max(r.abs().max(), floor)
-            diff = (got[name] - r).abs().max()
-            assert diff <= tol * scale, f"{name}: max diff {diff:.3e} vs scale {scale:.3e}"
-    finally:
-        gh.detach()
+from conftest import check_model
 
 
 def timm_swin(fused: bool):

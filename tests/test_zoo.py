@@ -197,15 +197,7 @@ def timm_swin():
                            num_heads=(2, 2), window_size=4, num_classes=5), "image"
 
 
-class ImageLogits(nn.Module):
-    """transformers' image classifiers return an output object: its logits."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        return self.model(pixel_values=x).logits
+ImageLogits = zoo_imports.ImageLogits
 
 
 def moe(kind):

@@ -49,6 +49,18 @@ class TokensToLogits(nn.Module):
         return self.model(input_ids=ids, **kwargs).logits
 
 
+class ImageLogits(nn.Module):
+    """``pixel_values (B, 3, H, W) -> logits``: a transformers image classifier's default call
+    (its output object's logits), for the zoo and the image-model tests."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(pixel_values=x).logits
+
+
 def tiny_gpt2(vocab: int, positions: int = 16) -> nn.Module:
     """A 2-layer GPT-2 language model from a tiny config (width 32, no dropout), float64: the
     padded-token tests' model (tests/test_token_losses.py, test_loss_reduction.py,
