@@ -52,7 +52,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["Finding", "backward_roots", "loss_of", "valid_rows"]
+__all__ = ["Finding", "backward_roots", "flattened_logits", "ignore_index_of", "loss_of",
+           "valid_rows"]
 
 #: The function whose frame holds a backward pass's root tensors (argument ``t_outputs``).
 ENGINE_FRAME = "_engine_run_backward"
@@ -185,29 +186,40 @@ def _reduction(node, name: str, batch_size: int) -> Optional[Finding]:
                    node=below)
 
 
-def _rows(node, batch_size: int) -> Optional[Finding]:
-    if node._saved_weight is not None:
-        return None
+def ignore_index_of(node) -> int:
+    """The ``ignore_index`` an ``nll_loss`` node saved (as an unsigned 64-bit integer)."""
     ignore = int(node._saved_ignore_index)
-    if ignore >= 2 ** 63:  # (saved as an unsigned 64-bit integer)
-        ignore -= 2 ** 64
+    return ignore - 2 ** 64 if ignore >= 2 ** 63 else ignore
+
+
+def flattened_logits(node) -> Optional[tuple]:
+    """The sizes an ``nll_loss`` node's input rows were flattened from: those the first
+    ``view`` / ``reshape`` below it (through ``log_softmax``, casts and copies) saved, e.g.
+    ``(B, T, V)``; ``None`` if another node comes first. Non-tensor attributes only (autograd
+    keeps them after the node ran)."""
     below = node.next_functions[0][0]
     for _ in range(4):
         if below is None:
             return None
         name = type(below).__name__
         if name in _FLATTEN:
-            sizes = tuple(below._saved_self_sym_sizes)
-            if len(sizes) != 3 or sizes[0] != batch_size:
-                return None
-            what = (f"cross_entropy / nll_loss(reduction='mean', ignore_index={ignore}) over "
-                    f"the {sizes} logits flattened to token rows, computed after the model's "
-                    f"forward,")
-            return Finding("tokens", what, int(sizes[1]), int(sizes[2]))
+            return tuple(below._saved_self_sym_sizes)
         if name not in _ROW_OPS:
             return None
         below = below.next_functions[0][0]
     return None
+
+
+def _rows(node, batch_size: int) -> Optional[Finding]:
+    if node._saved_weight is not None:
+        return None
+    sizes = flattened_logits(node)
+    if sizes is None or len(sizes) != 3 or sizes[0] != batch_size:
+        return None
+    what = (f"cross_entropy / nll_loss(reduction='mean', ignore_index={ignore_index_of(node)}) "
+            f"over the {sizes} logits flattened to token rows, computed after the model's "
+            f"forward,")
+    return Finding("tokens", what, int(sizes[1]), int(sizes[2]))
 
 
 def valid_rows(grad: Tensor, batch_size: int, tokens: int, classes: int) -> Optional[Tensor]:

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from ..base.errors import UnsupportedLossError
+from ..core.backward_losses import flattened_logits, ignore_index_of
 from ..core.batch_reads import is_loss_scale
 
 __all__ = ["check_batch_loss", "check_per_sample_losses", "loss_scale_of"]
@@ -69,9 +70,6 @@ _REDUCING = frozenset({"MseLossBackward0", "L1LossBackward0", "SmoothL1LossBackw
                        "BinaryCrossEntropyWithLogitsBackward0", "SoftMarginLossBackward0"})
 _FULL = {"MeanBackward0": 1, "SumBackward0": 2}
 _MEAN, _SUM = 1, 2
-#: The "flatten (B, T, V) to rows" nodes whose saved sizes give the rows' layout.
-_FLATTEN = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
-_ROW_OPS = frozenset({"LogSoftmaxBackward0", "ToCopyBackward0", "CloneBackward0"})
 
 
 def check_batch_loss(loss: Tensor, batch_size: Optional[int], loss_reduction: str,
@@ -258,28 +256,16 @@ def _kind(node, batch_size: int) -> Tuple[Optional[int], Optional[int]]:
 
 def _batch_first_rows(node, rows: int, batch_size: int) -> bool:
     """Whether the input rows of an ``nll_loss`` node are ``(B, T, V)`` logits flattened batch
-    first: the first flattening node below it (through ``log_softmax``, casts and copies) saved
-    the sizes ``(B, T, V)``."""
-    node = node.next_functions[0][0]
-    for _ in range(4):
-        if node is None:
-            return False
-        name = type(node).__name__
-        if name in _FLATTEN:
-            sizes = tuple(node._saved_self_sym_sizes)
-            return len(sizes) == 3 and sizes[0] == batch_size and sizes[0] * sizes[1] == rows
-        if name not in _ROW_OPS:
-            return False
-        node = node.next_functions[0][0]
-    return False
+    first (:func:`gradhooks.core.backward_losses.flattened_logits`)."""
+    sizes = flattened_logits(node)
+    return (sizes is not None and len(sizes) == 3 and sizes[0] == batch_size
+            and sizes[0] * sizes[1] == rows)
 
 
 def _unequal_counts(node, rows: int, batch_size: int) -> Optional[list]:
     """The valid-token counts ``N_n`` of an ``nll_loss`` node's target, if they differ between
     samples (one comparison: on an accelerator, one sync); ``None`` if they are all equal."""
-    ignore = int(node._saved_ignore_index)
-    if ignore >= 2 ** 63:  # (saved as an unsigned 64-bit integer)
-        ignore -= 2 ** 64
+    ignore = ignore_index_of(node)
     with torch.no_grad():
         counts = (node._saved_target.reshape(batch_size, rows) != ignore).sum(1)
         if bool((counts == counts[0]).all()):
