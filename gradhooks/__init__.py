@@ -46,6 +46,8 @@ from .base.forms import Block, Call, Rows
 from .readers.gram import GradientFeatures
 from .hooks import GradHooks, attach
 from .readers.ekfac import EKFACFactors
+from .readers import attribution  # gradhooks.attribution: influence scores from the records
+from .readers.attribution import FactorFit
 from .readers.kfac import DiagonalFactors, KFACFactors
 from .base.registry import LayerRule, register_rule, supported_types
 from .tools.token_losses import per_sample_token_loss
@@ -143,6 +145,8 @@ __all__ = [
     "KFACFactors",
     "DiagonalFactors",
     "EKFACFactors",
+    "attribution",
+    "FactorFit",
     "GradientFeatures",
     "UnsupportedLossError",
     "looped_per_sample_grads",

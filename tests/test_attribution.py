@@ -1,0 +1,408 @@
+"""Influence scores (gradhooks.readers.attribution) against a looped reference in float64: per-sample
+gradients by one backward per sample, ``H`` built densely per block from the same factors
+(``kron(G, A) + λ I`` for KFAC, ``K diag(S + λ) K^T`` for EKFAC, ``diag(d) + λ`` for diagonal
+blocks), ``S[m, n] = q_m^T H^-1 g_n`` by a dense solve."""
+import pytest
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+import gradhooks
+from gradhooks.base.errors import GradHooksError
+from gradhooks.readers import attribution as attr
+from gradhooks.readers.ekfac import EKFACFactors
+from gradhooks.readers.kfac_results import DiagonalFactors, KFACFactors
+
+F64 = torch.float64
+
+
+class TinyTransformer(nn.Module):
+    """Embedding -> Conv1D (transformers) -> LayerNorm -> Tanh -> mean over tokens -> Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.proj = Conv1D(8, 6)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.norm(self.proj(self.emb(x)))).mean(1))
+
+
+def _cnn():
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, groups=2),
+                         nn.Flatten(), nn.Linear(16, 3))
+
+
+MODELS = {
+    "mlp": (lambda: nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)),
+            lambda b: torch.randn(b, 4, dtype=F64)),
+    "cnn": (_cnn, lambda b: torch.randn(b, 2, 4, 4, dtype=F64)),
+    "transformer": (TinyTransformer, lambda b: torch.randint(0, 11, (b, 5))),
+}
+LOSS = nn.CrossEntropyLoss()
+
+
+def loop_grads(model, x, y):
+    """{name: (B, *shape)} own-loss gradients, one backward per sample."""
+    params = dict(model.named_parameters())
+    rows = {n: [] for n in params}
+    for i in range(x.shape[0]):
+        grads = torch.autograd.grad(LOSS(model(x[i:i + 1]), y[i:i + 1]), list(params.values()))
+        for n, g in zip(params, grads):
+            rows[n].append(g)
+    return {n: torch.stack(r) if r else p.new_zeros(0, *p.shape) for (n, r), p
+            in zip(rows.items(), params.values())}
+
+
+def _vectors_and_h(key, factor, grads, damping):
+    """Per-sample vectors (B, D) of a block and its damped dense H (D, D), or H None (identity)."""
+    if isinstance(factor, DiagonalFactors):
+        d = torch.cat([t.flatten() for t in factor.diagonal.values()])
+        lam = 0.1 * d.mean() if damping is None else damping
+        vec = torch.cat([grads[n].flatten(1) for n in factor.diagonal], 1)
+        return vec, torch.diag(d + lam)
+    kf = factor.kfac if isinstance(factor, EKFACFactors) else factor
+    b = next(iter(grads.values())).shape[0]
+    vec = torch.stack([kf.grad_matrix({n: grads[n][i] for n in kf.params}).flatten()
+                       for i in range(b)]) if b else None
+    groups = kf.groups
+    if isinstance(factor, EKFACFactors):
+        blocks = [factor.block(g) for g in range(groups)]
+        lam = 0.1 * factor.scaling.mean() if damping is None else damping
+    else:
+        a = torch.diag_embed(kf.A) if kf.diagonal_A else kf.A
+        g = torch.diag_embed(kf.G) if kf.diagonal_G else kf.G
+        a, g = (a, g) if groups > 1 else (a[None], g[None])
+        blocks = [torch.kron(gg, aa) for gg, aa in zip(g, a)]
+        eig = torch.stack([torch.outer(torch.linalg.eigvalsh(gg), torch.linalg.eigvalsh(aa))
+                           for gg, aa in zip(g, a)])
+        lam = 0.1 * eig.mean() if damping is None else damping
+    h = torch.block_diag(*blocks)
+    if vec is None:
+        vec = h.new_zeros(0, h.shape[0])
+    return vec, h + lam * torch.eye(h.shape[0], dtype=h.dtype)
+
+
+def reference(factors, qgrads, tgrads, damping=None, missing="skip"):
+    """({key: (M, N)}, {key: (N,)}) by dense solves; factors None: H = I over every parameter."""
+    pair, self_ = {}, {}
+    covered = set()
+    for key, f in (factors or {}).items():
+        q, h = _vectors_and_h(key, f, qgrads, damping)
+        t, _ = _vectors_and_h(key, f, tgrads, damping)
+        hinv_q = torch.linalg.solve(h, q.T).T if q.shape[0] else q
+        pair[key] = hinv_q @ t.T
+        self_[key] = ((torch.linalg.solve(h, t.T).T * t).sum(1) if t.shape[0]
+                      else t.new_zeros(0))
+        covered.update((f.kfac if isinstance(f, EKFACFactors) else f).params)
+    rest = [n for n in qgrads if n not in covered]
+    if rest and (factors is None or missing == "identity"):
+        q = torch.cat([qgrads[n].flatten(1) for n in rest], 1)
+        t = torch.cat([tgrads[n].flatten(1) for n in rest], 1)
+        pair["rest"], self_["rest"] = q @ t.T, t.square().sum(1)
+    return sum(pair.values()), sum(self_.values())
+
+
+def _batches(name, m, n, dtype=F64):
+    torch.manual_seed(0)
+    make, data = MODELS[name]
+    model = make().to(dtype)
+    xq, xt = data(m), data(n)
+    if xq.is_floating_point():
+        xq, xt = xq.to(dtype), xt.to(dtype)
+    yq, yt = torch.randint(0, 3, (m,)), torch.randint(0, 3, (n,))
+    return model, (xq, yq), (xt, yt)
+
+
+def _backward(model, x, y):
+    # (an empty batch: the summed loss, which is 0 and still reaches every layer)
+    (LOSS if x.shape[0] else nn.CrossEntropyLoss(reduction="sum"))(model(x), y).backward()
+
+
+def _features(model, strategy, query, train, fit_on=None):
+    """(query features, train features, factors of fit_on (default: train))."""
+    fit_on = train if fit_on is None else fit_on
+    with gradhooks.attach(model) as gh:
+        factors = None
+        if strategy != "identity":
+            LOSS(model(fit_on[0]), fit_on[1]).backward()
+            factors = gh.ekfac_factors() if strategy == "ekfac" else gh.kfac_factors()
+            gh.clear()
+        model.zero_grad()
+        _backward(model, *query)
+        qf = gh.gradient_features()
+        gh.clear()
+        _backward(model, *train)
+        tf = gh.gradient_features()
+    return qf, tf, factors
+
+
+SIZES = [(3, 5), (1, 1), (2, 1)]
+
+
+@pytest.fixture(params=["by_cost", "records", "matrices"])
+def form(request, monkeypatch):
+    """The train records contracted by the cost model's choice, or forced into the direct
+    contraction / the chunked per-sample matrices (both exact)."""
+    if request.param != "by_cost":
+        monkeypatch.setattr(attr, "records_form_cheaper",
+                            lambda *a, forced=request.param == "records": forced)
+    return request.param
+
+
+@pytest.mark.parametrize("sizes", SIZES, ids=lambda s: f"M{s[0]}-N{s[1]}")
+@pytest.mark.parametrize("strategy", ["identity", "kfac", "ekfac"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_scores_match_dense_reference(name, strategy, sizes, form):
+    model, query, train = _batches(name, *sizes)
+    qf, tf, factors = _features(model, strategy, query, train)
+    pre = attr.preconditioner(factors)
+    want_pair, want_self = reference(factors, loop_grads(model, *query), loop_grads(model, *train))
+    got = attr.pairwise_scores(qf, tf, pre)
+    assert got.shape == (sizes[0], sizes[1])
+    torch.testing.assert_close(got, want_pair, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(attr.self_scores(tf, pre), want_self, rtol=1e-9, atol=1e-12)
+    if strategy == "identity":  # gradient similarity is the Gram matrix
+        torch.testing.assert_close(got, gradhooks.readers.gram.gram(qf, tf), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("strategy", ["kfac", "ekfac"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_layers_without_factors(name, strategy):
+    """EKFAC covers Linear / Conv / Conv1D only: the embedding and LayerNorm are skipped by
+    default or taken with H = I (missing="identity"); KFAC gives the embedding a Kronecker pair
+    and the LayerNorm a diagonal block. Per-layer scores add up to the total."""
+    model, query, train = _batches(name, 2, 4)
+    qf, tf, factors = _features(model, strategy, query, train)
+    qg, tg = loop_grads(model, *query), loop_grads(model, *train)
+    for missing in attr.MISSING:
+        pre = attr.preconditioner(factors, missing=missing, damping=1e-3)
+        per = attr.pairwise_scores(qf, tf, pre, per_layer=True)
+        want_pair, want_self = reference(factors, qg, tg, damping=1e-3, missing=missing)
+        torch.testing.assert_close(sum(per.values()), want_pair, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(sum(attr.self_scores(tf, pre, per_layer=True).values()),
+                                   want_self, rtol=1e-9, atol=1e-12)
+        kinds = attr.query_gradients(qf, pre).kinds
+        assert set(per) == set(kinds)
+        if name == "transformer":
+            expected = {"ekfac": {"proj": "ekfac", "head": "ekfac"},
+                        "kfac": {"emb": "kfac", "proj": "kfac", "norm": "diagonal",
+                                 "head": "kfac"}}[strategy]
+            if strategy == "ekfac" and missing == "identity":
+                expected = dict(expected, **{"emb.weight": "identity", "norm.weight": "identity",
+                                             "norm.bias": "identity"})
+            assert kinds == expected
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_empty_batches(name, form):
+    for m, n in [(0, 3), (2, 0)]:
+        model, query, train = _batches(name, m, n)
+        qf, tf, factors = _features(model, "kfac", query, train, fit_on=_batches(name, 1, 3)[2])
+        pre = attr.preconditioner(factors)
+        assert attr.pairwise_scores(qf, tf, pre).shape == (m, n)
+        assert attr.self_scores(tf, pre).shape == (n,)
+
+
+def test_chunks_and_query_reuse(form):
+    """Train matrices (or records) taken a few samples at a time give the same scores; one
+    QueryGradients serves several train batches."""
+    model, query, train = _batches("cnn", 3, 7)
+    qf, tf, factors = _features(model, "ekfac", query, train)
+    pre = attr.preconditioner(factors)
+    q = attr.query_gradients(qf, pre)
+    full = attr.pairwise_scores(q, tf)
+    torch.testing.assert_close(attr.pairwise_scores(q, tf, chunk_numel=1), full, rtol=1e-12,
+                               atol=1e-14)
+    torch.testing.assert_close(attr.self_scores(tf, pre, chunk_numel=1), attr.self_scores(tf, pre),
+                               rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_diagonal_kronecker_factors(name):
+    """Factors kept diagonal (kfac_factors(max_dense=...)): their own basis, no rotation."""
+    model, query, train = _batches(name, 3, 4)
+    with gradhooks.attach(model) as gh:
+        _backward(model, *train)
+        factors = gh.kfac_factors(max_dense=5)
+        tf = gh.gradient_features()
+        gh.clear()
+        _backward(model, *query)
+        qf = gh.gradient_features()
+    assert any(f.diagonal_A or f.diagonal_G for f in factors.values())
+    want_pair, want_self = reference(factors, loop_grads(model, *query), loop_grads(model, *train))
+    pre = attr.preconditioner(factors)
+    torch.testing.assert_close(attr.pairwise_scores(qf, tf, pre), want_pair, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(attr.self_scores(tf, pre), want_self, rtol=1e-9, atol=1e-12)
+
+
+def test_factor_damping():
+    """damping=(λ_A, λ_G): H = (G + λ_G I) ⊗ (A + λ_A I) per KFAC block."""
+    model, query, train = _batches("mlp", 3, 5)
+    qf, tf, factors = _features(model, "kfac", query, train)
+    got = attr.pairwise_scores(qf, tf, attr.preconditioner(factors, damping=(0.1, 0.02)))
+    qg, tg = loop_grads(model, *query), loop_grads(model, *train)
+    want = 0
+    for kf in factors.values():
+        eye = lambda t: torch.eye(t.shape[-1], dtype=F64)  # noqa: E731
+        h = torch.kron(kf.G + 0.02 * eye(kf.G), kf.A + 0.1 * eye(kf.A))
+        q = torch.stack([kf.grad_matrix({n: qg[n][i] for n in kf.params}).flatten() for i in range(3)])
+        t = torch.stack([kf.grad_matrix({n: tg[n][i] for n in kf.params}).flatten() for i in range(5)])
+        want = want + torch.linalg.solve(h, q.T).T @ t.T
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_fit_over_batches(name):
+    """FactorFit on one batch equals gh.kfac_factors() / gh.ekfac_factors() (mean reduction);
+    on two batches it equals the fit on their concatenation."""
+    model, query, train = _batches(name, 2, 6)
+    qf, tf, _ = _features(model, "identity", query, train)
+    with gradhooks.attach(model) as gh:
+        halves = []
+        for sl in (slice(0, 2), slice(2, 6)):
+            LOSS(model(train[0][sl]), train[1][sl]).backward()
+            halves.append(gh.gradient_features())
+            gh.clear()
+    for strategy in ("kfac", "ekfac"):
+        one = attr.FactorFit()
+        one.add_covariances(tf)
+        one.add_eigenvalues(tf)
+        _, _, factors = _features(model, strategy, query, train)
+        want = attr.pairwise_scores(qf, tf, attr.preconditioner(factors))
+        torch.testing.assert_close(attr.pairwise_scores(qf, tf, one.preconditioner(strategy)),
+                                   want, rtol=1e-8, atol=1e-11)
+        two = attr.FactorFit()
+        for h in halves:
+            two.add_covariances(h)
+        for h in halves:
+            two.add_eigenvalues(h)
+        torch.testing.assert_close(attr.pairwise_scores(qf, tf, two.preconditioner(strategy)),
+                                   want, rtol=1e-8, atol=1e-11)
+
+
+@pytest.mark.parametrize("strategy", ["identity", "kfac", "ekfac"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_float32(name, strategy):
+    model, query, train = _batches(name, 3, 5)
+    want_pair, want_self = reference(*_features(model, strategy, query, train)[2:],
+                                     loop_grads(model, *query), loop_grads(model, *train))
+    model32 = model.float()
+    q32 = (query[0].float() if query[0].is_floating_point() else query[0], query[1])
+    t32 = (train[0].float() if train[0].is_floating_point() else train[0], train[1])
+    qf, tf, factors = _features(model32, strategy, q32, t32)
+    pre = attr.preconditioner(factors)
+    scale = want_pair.abs().max()
+    torch.testing.assert_close(attr.pairwise_scores(qf, tf, pre).double(), want_pair,
+                               rtol=1e-3, atol=1e-4 * scale)
+    torch.testing.assert_close(attr.self_scores(tf, pre).double(), want_self, rtol=1e-3,
+                               atol=1e-4 * want_self.abs().max())
+
+
+def test_errors():
+    model, query, train = _batches("mlp", 2, 3)
+    qf, tf, factors = _features(model, "ekfac", query, train)
+    with pytest.raises(ValueError, match="missing"):
+        attr.preconditioner(factors, missing="diagonal")
+    with pytest.raises(ValueError, match="λ_A, λ_G"):
+        attr.preconditioner(factors, damping=(0.1, 0.1))
+    with pytest.raises(ValueError, match=">= 0"):
+        attr.preconditioner(factors, damping=-1.0)
+    with pytest.raises(TypeError, match="KFACFactors"):
+        attr.preconditioner({"0": torch.eye(2)})
+    with pytest.raises(TypeError, match="GradientFeatures"):
+        attr.self_scores(torch.zeros(3, 4))
+    other = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    _, tf_other, _ = _features(other, "identity", query, train)
+    with pytest.raises(GradHooksError, match="shape"):
+        attr.pairwise_scores(qf, tf_other, attr.preconditioner(factors))
+    with gradhooks.attach(model) as gh:
+        jac = gh.jacobian_features(model(train[0]))
+    with pytest.raises(GradHooksError, match="passes"):
+        attr.self_scores(jac)
+    with pytest.raises(ValueError, match="another preconditioner"):
+        attr.pairwise_scores(attr.query_gradients(qf), tf, attr.preconditioner(factors))
+    with pytest.raises(GradHooksError, match="no parameter"):
+        attr.pairwise_scores(qf, tf, attr.Preconditioner({}, "skip"))
+    fit = attr.FactorFit()
+    with pytest.raises(GradHooksError, match="no sample"):
+        fit.preconditioner("kfac")
+    fit.add_covariances(tf)
+    with pytest.raises(GradHooksError, match="add_eigenvalues"):
+        fit.preconditioner("ekfac")
+    with pytest.raises(GradHooksError, match="fixed"):
+        fit.add_covariances(tf)
+    with pytest.raises(ValueError, match="strategy"):
+        fit.preconditioner("tracin")
+    assert isinstance(next(iter(factors.values())).kfac, KFACFactors)
+
+
+KRONFLUENCE_MODELS = {
+    "mlp": (lambda: nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)), (4,)),
+    "cnn": (lambda: nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(16, 3)),
+            (2, 4, 4)),
+}
+
+
+@pytest.mark.parametrize("name", list(KRONFLUENCE_MODELS))
+@pytest.mark.parametrize("strategy", ["identity", "kfac", "ekfac"])
+def test_against_kronfluence(strategy, name, tmp_path):
+    """kronfluence 1.0 (empirical Fisher, its default heuristic damping 0.1 * mean eigenvalue)
+    on an MLP and a CNN, float32: the same pairwise and self scores within float32 precision."""
+    pytest.importorskip("kronfluence")  # (in the test extra: CI runs it)
+    import copy
+    import warnings
+
+    import torch.nn.functional as F
+    from kronfluence.analyzer import Analyzer, prepare_model
+    from kronfluence.arguments import FactorArguments, ScoreArguments
+    from kronfluence.task import Task
+    from torch.utils.data import TensorDataset
+
+    class Classification(Task):
+        def compute_train_loss(self, batch, model, sample=False):
+            return F.cross_entropy(model(batch[0]), batch[1], reduction="sum")
+
+        def compute_measurement(self, batch, model):
+            return F.cross_entropy(model(batch[0]), batch[1], reduction="sum")
+
+    torch.manual_seed(0)
+    make, shape = KRONFLUENCE_MODELS[name]
+    model = make()
+    xt, yt = torch.randn(16, *shape), torch.randint(0, 3, (16,))
+    xq, yq = torch.randn(3, *shape), torch.randint(0, 3, (3,))
+    train, query = TensorDataset(xt, yt), TensorDataset(xq, yq)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        analyzer = Analyzer(analysis_name="t", model=prepare_model(copy.deepcopy(model), Classification()),
+                            task=Classification(), output_dir=str(tmp_path), disable_model_save=True,
+                            cpu=True, disable_tqdm=True)
+        analyzer.fit_all_factors(factors_name="f", dataset=train, per_device_batch_size=16,
+                                 factor_args=FactorArguments(strategy=strategy,
+                                                             use_empirical_fisher=True))
+        score_args = ScoreArguments(damping_factor=None, compute_per_module_scores=True)
+        analyzer.compute_pairwise_scores(scores_name="p", factors_name="f", query_dataset=query,
+                                         train_dataset=train, per_device_query_batch_size=3,
+                                         per_device_train_batch_size=16, score_args=score_args)
+        analyzer.compute_self_scores(scores_name="s", factors_name="f", train_dataset=train,
+                                     per_device_train_batch_size=16, score_args=score_args)
+    theirs_pair, theirs_self = analyzer.load_pairwise_scores("p"), analyzer.load_self_scores("s")
+    with gradhooks.attach(model) as gh:  # loss_reduction="mean": kronfluence's normalisation
+        F.cross_entropy(model(xt), yt).backward()
+        factors = {"identity": lambda: None, "kfac": gh.kfac_factors,
+                   "ekfac": gh.ekfac_factors}[strategy]()
+        tf = gh.gradient_features()
+        gh.clear()
+        F.cross_entropy(model(xq), yq).backward()
+        qf = gh.gradient_features()
+    pre = attr.preconditioner(factors)
+    for ours, theirs in ((attr.pairwise_scores(qf, tf, pre, per_layer=True), theirs_pair),
+                         (attr.self_scores(tf, pre, per_layer=True), theirs_self)):
+        assert set(ours) == set(theirs)
+        for path, t in theirs.items():
+            # kronfluence's KFAC G is also averaged over the S weight-sharing positions (ours,
+            # curvlinops' and the papers' expand sum them): its H is S times smaller
+            s = tf.linear[path].a.shape[2] if strategy == "kfac" else 1
+            torch.testing.assert_close(ours[path] * s, t, rtol=1e-5, atol=1e-5 * t.abs().max().item())
