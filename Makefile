@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 BENCH_VENV ?= .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.installed-stamp
 
-.PHONY: install bench test bench-peers bench-dp clean
+.PHONY: install bench test bench-peers bench-dp clean docs
 
 install: $(STAMP)
 
@@ -25,6 +25,20 @@ bench: $(STAMP)
 # The test suite.
 test: $(STAMP)
 	$(BIN)/python -m pytest $(ARGS)
+
+# The documentation site, offline, into site/ (mkdocs-material + mkdocstrings; mkdocs.yml, docs/).
+# Strict: a warning (a broken link or anchor, a page missing from the nav, an API object not
+# found) fails the build. The docs extra joins the project's venv (torch stays pinned).
+DOCS_STAMP := $(VENV)/.docs-stamp
+
+$(DOCS_STAMP): setup.cfg setup.py constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir site $(ARGS)
 
 $(BENCH_STAMP): setup.cfg setup.py constraints.txt
 	$(PYTHON) -m venv $(BENCH_VENV)
