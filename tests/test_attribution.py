@@ -351,7 +351,6 @@ KRONFLUENCE_MODELS = {
 def test_against_kronfluence(strategy, name, tmp_path):
     """kronfluence 1.0 (empirical Fisher, its default heuristic damping 0.1 * mean eigenvalue)
     on an MLP and a CNN, float32: the same pairwise and self scores within float32 precision."""
-    pytest.importorskip("kronfluence")  # (in the test extra: CI runs it)
     import copy
     import warnings
 

@@ -113,10 +113,11 @@ def fallback_dims(prov: Provenance, args: tuple, kwargs: dict, leaves: list,
             out.append(d)
         return out
 
-    ins, outs = dims_of(tree_flatten((args, kwargs))[0]), dims_of(leaves)
+    inputs = tree_flatten((args, kwargs))[0]
+    ins, outs = dims_of(inputs), dims_of(leaves)
     if ins is None or outs is None or not any(d is not None for d in ins):
         return None
-    flat = tree_flatten((args, kwargs))[0] + list(leaves)
+    flat = inputs + list(leaves)
     if all(d is None or d == (0 if batch_first or t.dim() < 3 else 1)
            for t, d in zip(flat, ins + outs)):
         return None
