@@ -5,9 +5,10 @@ same width (issue 30's target: the MoE's ratio within 1.3x of the dense one's).
 
 Mixtral (sparse MoE: ``E = 8`` experts, top-2 routing over the ``(B*T, d)`` token rows) and
 Mistral (the same decoder with one dense MLP of the expert's width), both from configs (random
-weights, float32, eval, 2 layers, vocab 1000), the same batch. Per model, timed round robin in
-one process after 2 warm-up steps each, medians (the experts' ``"eager"`` loop: gradhooks
-refuses transformers' grouped matmul, whose raw 3-D weights it does not split per sample):
+weights, float32, eval, 2 layers, vocab 1000), the same batch, the experts as transformers
+runs them by default (``"grouped_mm"``: one grouped product over the rows sorted by expert;
+``--experts eager`` for its per-expert loop). Per model, timed round robin in one process after
+2 warm-up steps each, medians:
 
 * ``train``: ``loss.backward()`` (the baseline);
 * ``grads``: ``gh.backward(loss)`` + ``gh.per_sample_grads()``;
@@ -37,7 +38,7 @@ import zoo_imports  # noqa: E402  (torchvision in the CPU venv, see tests/zoo_im
 V = 1000
 
 
-def build(kind: str, width: int, tokens: int):
+def build(kind: str, width: int, tokens: int, experts=None):
     import transformers as tr
     common = dict(vocab_size=V, hidden_size=width, intermediate_size=2 * width,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -45,7 +46,7 @@ def build(kind: str, width: int, tokens: int):
     torch.manual_seed(0)
     if kind == "moe":
         return tr.MixtralForCausalLM(tr.MixtralConfig(
-            num_local_experts=8, num_experts_per_tok=2, experts_implementation="eager",
+            num_local_experts=8, num_experts_per_tok=2, experts_implementation=experts,
             **common)).eval()
     return tr.MistralForCausalLM(tr.MistralConfig(**common)).eval()
 
@@ -57,6 +58,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--experts", default=None, choices=[None, "grouped_mm", "eager"],
+                        help="transformers' experts implementation (default: its default, "
+                             "grouped_mm)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     zoo_imports.import_torchvision()
@@ -67,7 +71,7 @@ def main() -> None:
 
     variants = {}
     for kind in ("dense", "moe"):
-        plain = build(kind, args.width, args.tokens)
+        plain = build(kind, args.width, args.tokens, args.experts)
         hooked = copy.deepcopy(plain)
         gh = gradhooks.attach(hooked)
 
@@ -100,7 +104,8 @@ def main() -> None:
             run()
             times[k].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    print(f"Mixtral (8 experts, top-2) vs Mistral, width {args.width}, 2 layers, B = {args.batch}, "
+    print(f"Mixtral (8 experts, top-2, experts {args.experts or 'grouped_mm (default)'}) vs "
+          f"Mistral, width {args.width}, 2 layers, B = {args.batch}, "
           f"T = {args.tokens}, float32, {args.threads} thread(s), medians of {args.repeats}")
     print("| model | train ms | grads | norms |")
     print("|---|--:|--:|--:|")

@@ -14,8 +14,16 @@ load-balancing loss (``output_router_logits=True``) mixes the samples and is ref
 Exactness: both models compute in float32 inside a float64 model (the router's softmax,
 RMSNorm), so even the batch gradient differs from the loop's mean by about 1e-7 of its size;
 the float64 checks swap those two forwards for the same math in the model's dtype
-(``float64_internals``), and the models as shipped are checked to 1e-6. The default experts
-implementation (``torch._grouped_mm``, no float64) is refused at the read, naming the experts.
+(``float64_internals``), and the models as shipped are checked to 1e-6.
+
+transformers' default experts implementation (``"grouped_mm"``: the ``(B * T * top_k, D)``
+token rows sorted by expert, ``hidden[perm // top_k]``, one ``torch._grouped_mm`` over the raw
+``(E, I, O)`` weights with the experts' offsets, the rows put back by ``[inv_perm]`` and summed
+over the top-k slots) is followed the same way: each sample's gradient of each expert from its
+own rows of the grouped product (gradhooks/core/rows.py, ``grouped_meeting``). torch's grouped
+product takes no doubles, so the float64 checks run transformers' own fallback of it (its
+``grouped_mm_fallback`` custom op, which it uses where the kernel cannot run), and the kernel
+itself is checked in float32.
 """
 import types
 import warnings
@@ -26,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
-import zoo_imports  # noqa: F401  (torchvision importable before transformers)
+import zoo_imports  # (also: torchvision importable before transformers)
 from conftest import loop_grads
 
 V = 64
@@ -51,14 +59,14 @@ def mixtral(experts="eager"):
     return TokensToLogits(transformers.MixtralForCausalLM(cfg))
 
 
-def qwen2_moe():
+def qwen2_moe(experts="eager"):
     import transformers
     cfg = transformers.Qwen2MoeConfig(vocab_size=V, hidden_size=32, intermediate_size=48,
                                       moe_intermediate_size=24,
                                       shared_expert_intermediate_size=32, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2,
                                       num_experts=4, num_experts_per_tok=2,
-                                      max_position_embeddings=32, experts_implementation="eager")
+                                      max_position_embeddings=32, experts_implementation=experts)
     return TokensToLogits(transformers.Qwen2MoeForCausalLM(cfg))
 
 
@@ -104,24 +112,35 @@ def attach(model):
 
 
 def check(model, b, t, rtol, seed=0):
-    """Per-sample gradients and norms against the loop, each parameter to ``rtol`` of its
-    largest entry (with a floor of 1e-4 of the model's largest: gradients that vanish in
-    exact arithmetic, key biases)."""
+    """Per-sample gradients, norms and book-keeping clipping (``clip_and_accumulate`` after
+    ``loss.backward()``, one sample clipped and one not where B > 1) against the loop, each
+    parameter to ``rtol`` of its largest entry (with a floor of 1e-4 of the model's largest:
+    gradients that vanish in exact arithmetic, key biases)."""
     ids, y = tokens(b, t, seed)
     ref = loop_grads(model, token_loss, ids, y)
     norms = torch.sqrt(sum(g.flatten(1).square().sum(1) for g in ref.values()))
-    gh = attach(model)
-    try:
-        token_loss(model(ids), y).backward()
-        torch.testing.assert_close(gh.per_sample_grad_norms(), norms, rtol=max(rtol, 1e-9),
-                                   atol=0)
-        got = gh.per_sample_grads()
-        assert list(got) == list(ref)
-        floor = 1e-4 * max(r.abs().max() for r in ref.values())
-        for name, r in ref.items():
+    floor = 1e-4 * max(r.abs().max() for r in ref.values())
+
+    def close(got, want):
+        assert list(got) == list(want)
+        for name, r in want.items():
             scale = max(r.abs().max(), floor)
             diff = (got[name] - r).abs().max()
             assert diff <= rtol * scale, f"{name}: max diff {diff:.3e} vs scale {scale:.3e}"
+
+    gh = attach(model)
+    try:
+        model.zero_grad(set_to_none=True)
+        token_loss(model(ids), y).backward()
+        torch.testing.assert_close(gh.per_sample_grad_norms(), norms, rtol=max(rtol, 1e-9),
+                                   atol=0)
+        close(gh.per_sample_grads(), ref)
+        max_norm = float(norms.sort().values[b // 2]) * 1.01
+        gh.clip_and_accumulate(max_norm)
+        factors = (max_norm / norms).clamp(max=1.0)
+        grads = dict(model.named_parameters())
+        close({n: grads[n].grad for n in ref},
+              {n: torch.tensordot(factors, g, 1) / b for n, g in ref.items()})
     finally:
         gh.detach()
 
@@ -155,18 +174,74 @@ def test_two_batches_of_one_signature():
         check(model, 3, 4, rtol=1e-10, seed=seed)
 
 
-def test_grouped_mm_experts_are_refused_naming_them():
-    """The default experts implementation (torch._grouped_mm, float32 only) reads the 3-D
-    parameters in an op gradhooks does not split per sample: the reads raise."""
+@pytest.fixture
+def grouped_mm_in_float64(monkeypatch):
+    """transformers' grouped experts through its ``grouped_mm_fallback`` custom op (the one it
+    runs where torch's kernel cannot: under torch.compile, old torch, unaligned memory), which
+    takes doubles as torch's kernel does not."""
+    import transformers.integrations.moe as moe
+    monkeypatch.setattr(moe, "_can_use_grouped_mm", lambda *args: False)
+
+
+@pytest.mark.parametrize("b, t", [(3, 6), (3, 3), (1, 5)], ids=["B3", "T_eq_B", "B1"])
+@pytest.mark.parametrize("name", MODELS)
+def test_default_grouped_experts_match_loop_float64(name, b, t, grouped_mm_in_float64):
+    """The default experts implementation (experts_implementation left unset: "grouped_mm")."""
     torch.manual_seed(0)
-    model = mixtral(experts=None).eval()
+    model = MODELS[name](experts=None)
+    assert model.model.config._experts_implementation == "grouped_mm"
+    check(float64_internals(model).double().eval(), b, t, rtol=1e-10)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_default_grouped_experts_float32_kernel(name):
+    """torch's grouped kernel as shipped, in float32, at float32's tolerance; the routing of
+    the batch used is checked to be far from a tie first (so rounding cannot change it)."""
+    torch.manual_seed(0)
+    model = MODELS[name](experts=None).eval()
+    ids, _ = tokens(3, 6)
+    assert zoo_imports.routing_margin(model, ids) > 1e-5  # (float32 rounds at about 1e-7)
+    check(model, 3, 6, rtol=2e-4)
+
+
+class MoEBlockModel(nn.Module):
+    """Embedding -> transformers' Mixtral sparse MoE block (router + grouped experts) -> Linear:
+    the block on its own, so that batch sizes the full decoder does not take (B = 0) run."""
+
+    def __init__(self, experts=None):
+        super().__init__()
+        import transformers
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+        cfg = transformers.MixtralConfig(hidden_size=8, intermediate_size=12,
+                                         num_local_experts=4, num_experts_per_tok=2,
+                                         experts_implementation=experts)
+        cfg._experts_implementation = experts or "grouped_mm"
+        self.embed, self.moe = nn.Embedding(V, 8), MixtralSparseMoeBlock(cfg)
+        self.head = nn.Linear(8, V)
+        for p in self.moe.parameters():  # (torch.empty outside a PreTrainedModel's init)
+            nn.init.normal_(p, std=0.3)
+
+    def forward(self, ids):
+        return self.head(self.moe(self.embed(ids)))
+
+
+@pytest.mark.parametrize("b", [0, 1, 4], ids=["B0", "B1", "B4"])
+def test_grouped_experts_block_float64(b, grouped_mm_in_float64):
+    """The block alone, B = 0 included (every per-sample gradient ``(0, *shape)``)."""
+    torch.manual_seed(0)
+    model = float64_internals(MoEBlockModel()).double()
+    if b:
+        check(model, b, 5, rtol=1e-10)
+        return
     gh = attach(model)
     try:
-        ids, y = tokens(3, 6)
+        ids, y = tokens(0, 5)
         token_loss(model(ids), y).backward()
-        with pytest.raises(gradhooks.BatchSizeError,
-                           match=r"mlp\.experts' \(MixtralExperts\).*merged"):
-            gh.per_sample_grads()
+        got = gh.per_sample_grads()
+        assert list(got) == [n for n, _ in model.named_parameters()]
+        for name, p in model.named_parameters():
+            assert got[name].shape == (0, *p.shape), name
+        assert gh.per_sample_grad_norms().shape == (0,)
     finally:
         gh.detach()
 
@@ -190,14 +265,47 @@ class LinearExperts(nn.Module):
         return out.reshape(h.shape)
 
 
-def test_linear_experts_on_routed_rows_are_refused_in_the_forward():
-    """An expert nn.Linear called on the rows routed to it (R of them) has a rule that reads the
-    batch from dim 0: it sees another batch size than the batch's and is refused in the
-    forward (its rule would need the rows' samples: not done)."""
-    model = nn.Sequential(nn.Linear(4, 8), LinearExperts(), nn.Linear(8, 3)).double()
-    with gradhooks.attach(model):
-        with pytest.raises(gradhooks.BatchSizeError, match="experts"):
-            model(torch.randn(3, 6, 4, dtype=torch.float64))
+class ExpertsModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.moe, self.head = nn.Embedding(V, 8), LinearExperts(), nn.Linear(8, V)
+
+    def forward(self, ids):
+        return self.head(self.moe(self.embed(ids)))
+
+
+@pytest.mark.parametrize("b, t", [(3, 6), (3, 3), (1, 5)], ids=["B3", "T_eq_B", "B1"])
+def test_linear_experts_on_routed_rows_match_loop(b, t):
+    """Experts that are nn.Linear modules called on the rows routed to them (R rows of
+    varying samples): their records are laid out per sample (``(B, R_max, D)``, zeros after
+    each sample's rows: gradhooks.core.layouts.routed_layout), so the Linear rule and every
+    reader take them as they take any (B, T, D) call; the router is a Linear on the (B * T, D)
+    rows."""
+    torch.manual_seed(0)
+    check(ExpertsModel().double(), b, t, rtol=1e-10)
+
+
+def test_linear_experts_kfac_is_refused_naming_the_expert():
+    """KFAC's A / G average over positions: rows routed to an expert have none per sample."""
+    torch.manual_seed(0)
+    model = ExpertsModel().double()
+    with gradhooks.attach(model) as gh:
+        ids, y = tokens(3, 5)
+        token_loss(model(ids), y).backward()
+        with pytest.raises(gradhooks.GradHooksError, match=r"moe\.experts\.\d.*routed"):
+            gh.kfac_factors()
+        assert set(gh.kfac_factors(modules=["embed", "head"])) == {"embed", "head"}
+
+
+def test_linear_experts_empty_batch():
+    torch.manual_seed(0)
+    model = ExpertsModel().double()
+    with gradhooks.attach(model) as gh:
+        ids, y = tokens(0, 5)
+        token_loss(model(ids), y).backward()
+        got = gh.per_sample_grads()
+        for name, p in model.named_parameters():
+            assert got[name].shape == (0, *p.shape), name
 
 
 def test_load_balancing_loss_is_refused_unless_allowed():

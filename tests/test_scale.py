@@ -126,6 +126,23 @@ BERT = Spec(_bert, "label", peak_gib=6, b=3, vocab=30522, classes=2)
 # bound, not a gradhooks error.
 T5 = Spec(_t5, "tokens", peak_gib=4, b=3, vocab=32128, rtol=1e-7)
 LLAMA = Spec(_llama, "tokens", peak_gib=11, dtype=torch.float32, t=8, vocab=128256)
+# A sparse mixture of experts at a real width: Mixtral's layout (8 experts, top-2, grouped-query
+# attention) at d = 2048 with OLMoE-1B-7B's expert width (1024), one block, 192 M parameters,
+# transformers' default experts implementation (torch's grouped kernel, which takes no doubles:
+# float32, at the Llama-width model's bound). Routing is a top-k, a kink: the batch's routing
+# margin is checked first (zoo_imports.routing_margin), so that float32 rounding
+# cannot send a token to other experts in the loop than in the batch.
+MIXTRAL_CONFIG = dict(hidden_size=2048, intermediate_size=1024, num_attention_heads=16,
+                      num_key_value_heads=4, vocab_size=32000, num_hidden_layers=1,
+                      num_local_experts=8, num_experts_per_tok=2)
+
+
+def _mixtral():
+    return TokensToLogits(transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(**MIXTRAL_CONFIG)))
+
+
+MIXTRAL = Spec(_mixtral, "tokens", peak_gib=8, dtype=torch.float32, t=16, vocab=32000)
 VIT = Spec(lambda: torchvision.models.vit_b_16(), "image", peak_gib=4, classes=1000)
 RESNET = Spec(lambda: torchvision.models.resnet50(), "image", peak_gib=2, classes=1000)
 
@@ -482,6 +499,15 @@ class TestLlamaWidth(_Tier):
 
     def test_bf16_autocast_norms_and_clipping(self, case):
         _bf16_autocast_norms_and_clipping(case)
+
+
+class TestMixtralWidth(_Tier):
+    spec = MIXTRAL
+
+    def test_routing_is_far_from_a_tie(self, case):
+        """The premise of the float32 comparisons: no token of the batch has its k-th and
+        (k+1)-th router probabilities within 1e-5 (float32 rounds them at about 1e-7)."""
+        assert zoo_imports.routing_margin(case.model, case.x) > 1e-5
 
 
 class TestViTB16(_Tier):

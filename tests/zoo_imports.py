@@ -88,3 +88,25 @@ def padded_batch(valid, vocab: int, length: int, low: int = 1):
     for n, k in enumerate(valid):
         labels[n, k:] = -100
     return ids, labels
+
+
+def routing_margin(model, ids) -> float:
+    """The smallest gap, over the batch's tokens and the model's top-k routers (modules named
+    ``*TopKRouter``, returning ``(logits, ...)``), between the k-th and (k+1)-th router
+    probability, in float64. A float32 comparison with a loop of batch-of-one passes is only
+    meaningful where rounding cannot change the experts a token goes to (a tie at the top-k's
+    kink): float32 rounds the probabilities at about 1e-7."""
+    gaps, handles = [], []
+    for m in model.modules():
+        if type(m).__name__.endswith("TopKRouter"):
+            handles.append(m.register_forward_hook(lambda mod, inp, out: gaps.append(
+                torch.softmax(out[0].double(), -1).sort(-1, descending=True).values
+                [:, mod.top_k - 1:mod.top_k + 1].diff(dim=-1).abs().min())))
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    assert gaps, "no *TopKRouter module ran"
+    return float(min(gaps))

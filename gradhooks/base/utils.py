@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["paused", "is_paused", "no_autocast", "is_functorch_wrapped", "tensors", "detached",
            "flatten", "compute_dtype", "LOW_PRECISION", "LOSS_REDUCTIONS", "check_loss_reduction",
-           "own_loss_scale"]
+           "own_loss_scale", "OWNED"]
 
 #: The values ``loss_reduction`` may take.
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -177,3 +177,9 @@ def flatten(obj) -> Tuple[list, object]:
         spec = _SPECS[key] = tree_flatten(obj)[1]
     return leaves, spec
 
+
+
+#: Attribute set (``True``) on a per-sample cotangent gradhooks formed itself and handed to one
+#: record only (a linear or grouped meeting's ``(B, *param.shape)``: gradhooks.core.rows): a read
+#: that releases the record may scale it in place instead of copying it.
+OWNED = "_gradhooks_owned"

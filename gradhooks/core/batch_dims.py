@@ -22,19 +22,56 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["batch_dim_after", "operands", "ROW_ALIGNED", "METADATA", "JOINS", "MATMULS",
-           "RECURRENT", "Routed"]
+           "RECURRENT", "Routed", "is_grouped_mm"]
 
 
 class Routed:
     """The batch dim of rows gathered from a batch by a data-dependent index (a mixture of
     experts' ``hidden[token_idx]``, ``weights[token_idx, slot]``): dim 0, row ``r`` of sample
-    ``samples[r]``. ``key`` is the index tensor the rows were gathered by: two operands are
-    lined up row by row only when they were gathered by the same one."""
+    ``samples[r]`` (int64), of a batch of ``size`` samples. ``key`` is the index tensor the rows
+    were gathered by: two operands are lined up row by row when they were gathered by the same
+    one, or when their rows' samples are equal (transformers' grouped experts gather the token
+    rows by ``perm // top_k`` and their routing weights by ``perm``: different rows, the same
+    sample for each)."""
 
-    __slots__ = ("samples", "key")
+    __slots__ = ("samples", "key", "size")
 
-    def __init__(self, samples: Tensor, key: Tensor):
-        self.samples, self.key = samples, key
+    def __init__(self, samples: Tensor, key: Tensor, size: int):
+        self.samples, self.key, self.size = samples, key, size
+
+    def lines_up(self, other: "Routed") -> bool:
+        """Whether ``other``'s row ``r`` belongs to the same sample as this one's, every ``r``."""
+        return other.key is self.key or (
+            other.size == self.size and other.samples.shape == self.samples.shape
+            and bool(torch.equal(other.samples, self.samples)))
+
+    def merged_inner(self) -> "int | None":
+        """``inner`` when the rows are the samples' in order, ``inner`` each (the layout of a
+        batch merged with the dims after it, ``(B * inner, ...)``: the routing undone), else
+        ``None``."""
+        rows = self.samples.shape[0]
+        if not rows or rows % self.size:
+            return None
+        inner = rows // self.size
+        order = torch.arange(rows, device=self.samples.device) // inner
+        return inner if bool(torch.equal(order, self.samples)) else None
+
+
+# Grouped matrix products (``out[r] = x[r] @ w[e(r)]``, rows ``offs[e-1] <= r < offs[e]`` of
+# group ``e``): torch's and transformers' custom op that stands in for it (its experts).
+GROUPED_MM = frozenset(f for f in (getattr(torch, "_grouped_mm", None),
+                                   getattr(F, "grouped_mm", None)) if f is not None)
+
+
+def is_grouped_mm(func) -> bool:
+    """Whether ``func`` is a grouped matrix product of ``(S, I)`` rows by ``(E, I, O)`` groups
+    with offsets (:data:`GROUPED_MM`, or transformers' ``grouped_mm_fallback`` custom op)."""
+    if func in GROUPED_MM:
+        return True
+    name = getattr(func, "_qualified_op_name", None)
+    if name is None and isinstance(func, torch._ops.OpOverload):
+        name = func.name()
+    return name == "transformers::grouped_mm_fallback"
 
 
 def _functions(names, owners) -> frozenset:
@@ -179,6 +216,8 @@ def _dim_after(func, args, kwargs, ref: Tensor, bd: int, batched, out):
             return _flat_batch(ref.shape, bd, 1, out.shape)
         if func is F.linear:
             return bd if bd < nd - 1 else None
+        if is_grouped_mm(func):  # ((S, I) rows by groups: the rows stay)
+            return bd if bd == 0 and nd == 2 else None
         if func in MATMULS and nd >= 2:  # (ref on the left: its rows and batch dims stay)
             if bd == nd - 1:
                 return None  # (contracted)
@@ -236,6 +275,8 @@ def _gathered(ref: Tensor, bd, index, out) -> "Routed | None":
     inner = bd[1] if isinstance(bd, tuple) and bd[0] == 0 and ref.is_floating_point() else None
     index = index if isinstance(index, tuple) else (index,)
     first = index[0] if index else None
+    if isinstance(bd, Routed):  # (rows of rows: each keeps its sample)
+        inner = 1
     if (inner is None or not isinstance(first, Tensor) or first.dim() != 1
             or first.dtype not in (torch.int64, torch.int32) or not isinstance(out, Tensor)
             or out.dim() == 0 or out.shape[0] != first.shape[0]):
@@ -244,7 +285,9 @@ def _gathered(ref: Tensor, bd, index, out) -> "Routed | None":
     if tensors_at != list(range(len(tensors_at))) or any(
             index[i].shape != first.shape for i in tensors_at):
         return None  # (advanced indices not all at the front, or broadcast among themselves)
-    return Routed(first // inner, first)
+    if isinstance(bd, Routed):
+        return Routed(bd.samples[first], first, bd.size)
+    return Routed(first // inner, first, ref.shape[0] // inner)
 
 
 def _joined(args, kwargs, batched, out) -> "Routed | None":
@@ -264,17 +307,29 @@ def _joined(args, kwargs, batched, out) -> "Routed | None":
         if inner is None:
             return None
         samples.append(torch.arange(t.shape[0], device=t.device) // inner)
-    return Routed(torch.cat(samples), out)
+    return Routed(torch.cat(samples), out, parts[0].shape[0] // (
+        dims[id(parts[0])][1] if isinstance(dims[id(parts[0])], tuple) else 1))
 
 
 def _routed_after(func, args, kwargs, ref: Tensor, bd: Routed, batched, out):
     # Rows gathered by an index stay rows of the same samples through ops that keep dim 0:
-    # elementwise ops among rows gathered by the same index, F.linear, pieces along other dims,
-    # basic indexing that keeps dim 0 whole; any other op loses them (None).
-    if batched is not None and any(not isinstance(d, Routed) or d.key is not bd.key
+    # elementwise ops among rows of the same samples, F.linear, a grouped product (its offsets
+    # are integers made from the batch's routing), pieces along other dims, basic indexing that
+    # keeps dim 0 whole, a gather of their rows; a view once the rows are the samples' in order
+    # again (the routing undone) is followed as the merged batch; any other op loses them.
+    nd = ref.dim()
+    if is_grouped_mm(func) and args and args[0] is ref and nd == 2 and isinstance(out, Tensor):
+        return bd
+    if func is _GETITEM and args and args[0] is ref:
+        gathered = _gathered(ref, bd, args[1], out)
+        if gathered is not None:
+            return gathered
+    if batched is not None and any(not isinstance(d, Routed) or not d.lines_up(bd)
                                    for _, d in batched):
         return None
-    nd = ref.dim()
+    if func in _RESHAPE and args and args[0] is ref and isinstance(out, Tensor):
+        inner = bd.merged_inner()
+        return None if inner is None else _flat_batch(ref.shape, 0, inner, out.shape)
     if isinstance(out, Tensor):
         if out.dim() == 0 or out.shape[0] != ref.shape[0]:
             return None

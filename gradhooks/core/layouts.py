@@ -20,20 +20,42 @@ from torch.utils._pytree import tree_flatten
 from ..base.errors import BatchSizeError, GradHooksError
 from ..base.utils import tensors
 from ..rules.fallback import FallbackRule
+from .batch_dims import Routed
 from .provenance import Provenance, as_batch, shared_layout
 from .records import Layer
 
-__all__ = ["relayout", "reads_batch_at", "partial_batch_hint", "layout_swap",
+__all__ = ["relayout", "routed_layout", "reads_batch_at", "partial_batch_hint", "layout_swap",
            "shared_call_layout", "recomputed_error"]
 
 def relayout(t: Tensor, how: tuple) -> Tensor:
     """A position-wise layer's input or grad_output in the layout its rule reads the batch from
     (:attr:`Placed.swap`): ``("swap", d0, d1)`` transposes two dims (a ``(T, B, D)`` activation
     in a batch-first model), ``("split", d, B, inner)`` unflattens a dim of ``B * inner`` rows
-    into ``(B, inner)`` (``(B * T, D)`` rows). A view of ``t``."""
+    into ``(B, inner)`` (``(B * T, D)`` rows): views of ``t``; ``("routed", ...)`` lays rows
+    gathered by an index out per sample (:func:`routed_layout`, a new tensor)."""
     if how[0] == "swap":
         return t.transpose(how[1], how[2])
+    if how[0] == "routed":
+        _, order, sample, at, size, longest = how
+        out = t.new_zeros((size, longest, *t.shape[1:]))
+        out[sample, at] = t[order]
+        return out
     return t.unflatten(how[1], how[2:])
+
+
+def routed_layout(samples: Tensor, size: int) -> tuple:
+    """:func:`relayout`'s ``("routed", order, sample, at, size, longest)`` for rows of
+    ``samples`` (:class:`~gradhooks.core.batch_dims.Routed`: row ``r`` of sample
+    ``samples[r]``, in any order): the rows laid out per sample, ``(size, longest, ...)``, each
+    sample's rows first in their order, zeros after them (a new tensor). A position-wise layer's
+    per-sample results are linear in its grad_output, so the zero rows add nothing: an expert
+    ``nn.Linear`` on the rows routed to it gets each sample's gradient from its own rows."""
+    samples = samples.to(torch.int64)
+    counts = torch.bincount(samples, minlength=size)
+    order = torch.argsort(samples, stable=True)
+    sample = samples[order]
+    at = torch.arange(len(order), device=samples.device) - (torch.cumsum(counts, 0) - counts)[sample]
+    return ("routed", order, sample, at, size, int(counts.max()) if len(order) else 0)
 
 
 def reads_batch_at(layer: Layer, shape, dtype, dim: int, batch_first: bool = False) -> bool:
@@ -72,7 +94,9 @@ def layout_swap(prov: Provenance, layer: Layer, x: Tensor, batch_first: bool) ->
     than the one its rule reads under the declared layout (a batch-first model that transposes
     to ``(T, B, D)`` inside, as FSMT does, or its ids to ``(T, B)``, as XLNet does), or merged
     into rows (OPT's ``(B * T, D)`` before its
-    feed-forward). Decided by the batch dim ``prov`` followed from the inputs; with ``T == B``
+    feed-forward), or rows gathered from the batch by an index (a mixture of experts' expert
+    ``nn.Linear`` on the rows routed to it: :func:`routed_layout`). Decided by the batch dim
+    ``prov`` followed from the inputs; with ``T == B``
     the declared layout would silently read the positions as samples. Marks ``prov.swapped``
     (such a signature is tracked on every forward: no plan)."""
     _, _, batch_dim = prov.look(x)
@@ -85,10 +109,19 @@ def layout_swap(prov: Provenance, layer: Layer, x: Tensor, batch_first: bool) ->
             return None
         prov.swapped = True
         return swap
+    if isinstance(batch_dim, Routed):  # rows gathered by an index: laid out per sample
+        if not batch_first or batch_dim.size != prov.batch_size or x.dim() < 2:
+            return None
+        swap = routed_layout(batch_dim.samples, batch_dim.size)
+        if not reads_batch_at(layer, (batch_dim.size, swap[-1], *x.shape[1:]), x.dtype, 0,
+                              batch_first):
+            return None
+        prov.swapped = True
+        return swap
     positions = x.dim() - layer.rule.feature_dims  # (batch and positions: 2 for (T, B, D))
     want = 0 if batch_first or positions < 2 else 1  # (the Linear rule's convention)
     if not isinstance(batch_dim, int) or batch_dim == want or positions < 2:  # (no probe;
-        # None: lost; Routed rows: a call on them reads its own batch size and is refused)
+        # None: lost)
         return None
     if (reads_batch_at(layer, x.shape, x.dtype, batch_dim, batch_first)
             or not reads_batch_at(layer, x.shape, x.dtype, want, batch_first)):

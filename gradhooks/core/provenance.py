@@ -78,10 +78,11 @@ from torch.overrides import TorchFunctionMode
 import torch.nn.functional as F
 
 from .batch_dims import (JOINS, MATMULS, METADATA, RECURRENT, ROW_ALIGNED, Routed,
+                         is_grouped_mm,
                          batch_dim_after, operands)
 from .mixing import (CONTRACTIONS, MIXES, MIXING_OPS, STAT, contraction_mixes, mixing_op,
                      upstream_of, user_line)
-from .rows import linear_meeting, own_weights
+from .rows import grouped_meeting, linear_meeting, own_weights
 from .token_means import TOKEN_OPS, ForwardLosses
 
 __all__ = ["Provenance", "ROW_ALIGNED", "shared_layout", "as_batch", "source_cotangent",
@@ -349,11 +350,13 @@ class Provenance(TorchFunctionMode):
                         sources = src if sources is None else _union(sources, src)
                         tainted = [t] if tainted is None else tainted + [t]
         linear = None
-        if ref is not None and func is F.linear and isinstance(rbd, (tuple, Routed)):
+        if ref is not None and isinstance(rbd, (tuple, Routed)) and (
+                func is F.linear or is_grouped_mm(func)):
             if not tainted:  # (a weight of a module without a rule, on merged / routed rows)
                 tainted, sources = own_weights(self, args, kwargs)
             if tainted:
-                linear = linear_meeting(self, args, kwargs, ref, rbd, tainted)
+                linear = (linear_meeting if func is F.linear else grouped_meeting)(
+                    self, args, kwargs, ref, rbd, tainted)
         if ref is not None and tainted and linear is None:
             args, kwargs = self._split(func, args, kwargs, ref, rbd, tainted, sources)
         out = func(*args, **kwargs)

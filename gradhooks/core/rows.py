@@ -19,10 +19,12 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
+from ..base.utils import OWNED
 from ..rules.fallback import FallbackRule
 from .batch_dims import Routed
 
-__all__ = ["by_sample", "linear_cotangents", "own_weights", "linear_meeting"]
+__all__ = ["by_sample", "linear_cotangents", "own_weights", "linear_meeting",
+           "grouped_cotangents", "grouped_meeting", "segment_outer"]
 
 
 def by_sample(t: Tensor, bd, size: int) -> Optional[Tensor]:
@@ -56,9 +58,50 @@ def linear_cotangents(x: Tensor, g: Tensor, bd, size: int, weight: bool, bias: b
     (..., O)`` of its output, the samples' rows as ``bd`` says."""
     xs, gs = by_sample(x, bd, size), by_sample(g, bd, size)
     if xs is None:  # (Routed: rows on dim 0, row r of sample bd.samples[r], in any order)
+        x, g = x.reshape(x.shape[0], -1, x.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1])
+        if weight and x.shape[1] == 1:
+            gw = segment_outer(g[:, 0], x[:, 0], bd.samples, size)
+            gb = segment_outer(g[:, 0], None, bd.samples, size) if bias else None
+            return gw, gb
         xs, gs = _padded(x, bd.samples, size), _padded(g, bd.samples, size)
     gw = torch.einsum("nso,nsi->noi", gs, xs) if weight else None
     return gw, gs.sum(1) if bias else None
+
+
+def _grouped_kernel_takes(*ts: Tensor) -> bool:
+    # torch's grouped product over the contracted dim (torch._grouped_mm of (U, S) by (S, V)
+    # with offsets): CPU, float32 / bfloat16, rows 16-byte aligned.
+    t0 = ts[0]
+    return (hasattr(torch, "_grouped_mm") and t0.device.type == "cpu"
+            and t0.dtype in (torch.float32, torch.bfloat16)
+            and all(t.dtype == t0.dtype and t.dim() == 2 and t.stride(1) == 1
+                    and (t.stride(0) * t.element_size()) % 16 == 0
+                    and t.data_ptr() % 16 == 0 for t in ts))
+
+
+def segment_outer(u: Tensor, v: Optional[Tensor], key: Tensor, keys: int) -> Tensor:
+    """``out[k] = sum_{r: key[r] = k} u[r] v[r]^T``, ``(keys, U, V)``, for rows ``u (S, U)``,
+    ``v (S, V)`` and their keys ``key (S,)`` in ``[0, keys)``; ``out[k] = sum_r u[r]``,
+    ``(keys, U)``, for ``v=None``. The rows are put in key order (a gather, skipped where they
+    are) and contracted segment by segment: by torch's grouped product where it runs (one
+    kernel, the rows' own cost), else over the segments padded to the longest (zeros after each
+    segment's rows)."""
+    key = key.to(torch.int64)
+    if v is None:
+        return u.new_zeros((keys, u.shape[-1])).index_add_(0, key, u)
+    order = torch.argsort(key, stable=True)
+    if not bool((order == torch.arange(len(order), device=order.device)).all()):
+        u, v, key = u[order], v[order], key[order]
+    counts = torch.bincount(key, minlength=keys)
+    u, v = u.contiguous(), v.contiguous()
+    if keys and _grouped_kernel_takes(u, v):  # (u.t(): the (U, S) operand, strides (1, U))
+        return torch._grouped_mm(u.t(), v, offs=torch.cumsum(counts, 0).to(torch.int32))
+    at = torch.arange(len(key), device=key.device) - (torch.cumsum(counts, 0) - counts)[key]
+    longest = int(counts.max()) if len(key) else 0
+    us = u.new_zeros((keys, longest, u.shape[-1]))
+    vs = v.new_zeros((keys, longest, v.shape[-1]))
+    us[key, at], vs[key, at] = u, v
+    return torch.bmm(us.transpose(1, 2), vs)
 
 
 def own_weights(prov, args, kwargs):
@@ -117,21 +160,100 @@ def linear_meeting(prov, args, kwargs, ref, bd, tainted):
         return None
     if isinstance(bd, Routed) and (bd.samples.numel() and int(bd.samples.max()) >= size):
         return None
+    xd = x.detach()
+    return _meeting(prov, w, b, tainted, lambda g, gw, gb: linear_cotangents(
+        xd, g, bd, size, gw, gb))
+
+
+def grouped_cotangents(x: Tensor, g: Tensor, samples: Tensor, offs: Tensor, size: int,
+                       groups: int, weight: bool, bias: bool, transposed: bool = False):
+    """Each sample's gradient of a grouped product's ``(E, I, O)`` weight, ``(size, E, I, O)``
+    (``(size, E, O, I)`` with ``transposed``: the layout of the parameter it is a transpose
+    of), and of its ``(E, O)`` bias, ``(size, E, O)`` (``None`` for those not asked for), from
+    its rows ``x (S, I)``, their output's gradient ``g (S, O)``, the rows' samples
+    ``samples (S,)`` and the groups' end offsets ``offs (E,)`` (row ``r`` in group ``e`` for
+    ``offs[e-1] <= r < offs[e]``; rows after ``offs[-1]`` are in none)::
+
+        dL_n/dW_e = sum_{r of sample n in group e} x[r] g[r]^T
+
+    formed as one contraction over the rows of each ``(sample, group)`` pair
+    (:func:`segment_outer`), at the cost of the groups' own weight gradient."""
+    rows = x.shape[0]
+    group = torch.searchsorted(offs.to(torch.int64), torch.arange(rows, device=x.device),
+                               right=True)
+    key = samples.to(torch.int64) * groups + group
+    inside = group < groups
+    if not bool(inside.all()):
+        x, g, key = x[inside], g[inside], key[inside]
+    gw = gb = None
+    if weight:
+        gw = segment_outer(g, x, key, size * groups) if transposed else segment_outer(
+            x, g, key, size * groups)
+        gw = gw.reshape(size, groups, *gw.shape[1:])
+    if bias:
+        gb = segment_outer(g, None, key, size * groups).reshape(size, groups, -1)
+    return gw, gb
+
+
+def grouped_meeting(prov, args, kwargs, ref, bd, tainted):
+    """A grouped product ``grouped_mm(x, W, offs=offs)`` (:func:`~gradhooks.core.batch_dims.is_grouped_mm`:
+    transformers' grouped experts, ``x`` the ``(S, I)`` token rows sorted by expert, ``W`` an
+    ``(E, I, O)`` parameter or its transpose) with ``x`` batched as merged or :class:`Routed`
+    rows and ``W`` (and a ``bias``) carrying sources: ``hook(out)`` as :func:`linear_meeting`,
+    each sample's gradient from its own rows in each group (:func:`grouped_cotangents`); a
+    weight that is the transpose of its parameter gets it in the parameter's layout, handed at
+    the parameter (no pull-back through the transpose); ``None`` for any other form."""
+    x = args[0] if args else kwargs.get("input", kwargs.get("mat_a"))
+    w = args[1] if len(args) > 1 else kwargs.get("weight", kwargs.get("mat_b"))
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    b = kwargs.get("bias")
+    if (x is not ref or x.dim() != 2 or not isinstance(w, Tensor) or w.dim() != 3
+            or not isinstance(offs, Tensor) or offs.dim() != 1 or offs.shape[0] != w.shape[0]
+            or any(u is not w and u is not b for u in tainted)):
+        return None
+    size = prov.batch_size
+    if isinstance(bd, tuple):
+        if bd[0] != 0 or x.shape[0] != size * bd[1]:
+            return None
+        samples = torch.arange(x.shape[0], device=x.device) // bd[1]
+    else:
+        samples = bd.samples
+        if samples.numel() and int(samples.max()) >= size:
+            return None
+    xd, offs, groups = x.detach(), offs.detach(), w.shape[0]
+    param = _transpose_of(prov, w)
+    return _meeting(prov, w, b, tainted, lambda g, gw, gb: grouped_cotangents(
+        xd, g, samples, offs, size, groups, gw, gb, transposed=param is not None),
+        whole={id(w): param} if param is not None else None)
+
+
+def _meeting(prov, w, b, tainted, cotangents, whole=None):
+    # The hook of a linear-form meeting (linear_meeting, grouped_meeting): on the op's output,
+    # a backward hook that forms each sample's cotangents of w / b (``cotangents(g, want_w,
+    # want_b)``) and meets them. ``whole``: {id(operand): (param, its sources)} for an operand
+    # that is a view of a parameter whose cotangent is formed in the parameter's layout.
     us = [(u, u is w) for u in (w, b) if u is not None and u.requires_grad
           and any(u is t for t in tainted)]
-    xd = x.detach()
 
     def hook(out):
         if not isinstance(out, Tensor) or not out.requires_grad:
             return
-        met = [(get_gradient_edge(u), prov.look(u)[1], tuple(u.shape), is_w, _slice_of(prov, u))
-               for u, is_w in us]
+        met = []
+        for u, is_w in us:
+            own = (whole or {}).get(id(u))
+            if own is not None:
+                met.append((own[1][0][1], own[1][:1], tuple(own[0].shape), is_w, None))
+            else:
+                met.append((get_gradient_edge(u), prov.look(u)[1], tuple(u.shape), is_w,
+                            _slice_of(prov, u)))
         for _, src, _, _, _ in met:
             prov.noted(src, "linear", out, None, None)
 
         def on_grad(g):
-            gw, gb = linear_cotangents(xd, g, bd, size, any(m[3] for m in met),
-                                       not all(m[3] for m in met))
+            gw, gb = cotangents(g, any(m[3] for m in met), not all(m[3] for m in met))
+            for t in (gw, gb):
+                if t is not None and not t.requires_grad:
+                    setattr(t, OWNED, True)  # (formed here, for one record: scaled in place)
             for edge, src, shape, is_w, part in met:
                 if part is None or g.requires_grad:
                     prov.meet(edge, src, "given", shape, gw if is_w else gb, None)
@@ -139,6 +261,25 @@ def linear_meeting(prov, args, kwargs, ref, bd, tainted):
                     _into_slice(prov, src, part, gw if is_w else gb)
         out.register_hook(on_grad)
     return hook
+
+
+def _transpose_of(prov, u: Tensor):
+    # (param, its sources) when u is param.transpose(-2, -1) of a 3-D parameter that is a source
+    # of its own (transformers' experts pass gate_up_proj.transpose(-2, -1)), else None.
+    node = u.grad_fn
+    if type(node).__name__ != "TransposeBackward0" or u.dim() != 3:
+        return None
+    # (the saved dims are int64 read back unsigned: -2 is 2**64 - 2)
+    dims = {(d - (1 << 64) if d >= 1 << 63 else d) % 3
+            for d in (node._saved_dim0, node._saved_dim1)}
+    if dims != {1, 2}:
+        return None
+    param = getattr(node.next_functions[0][0], "variable", None)
+    src = prov.look(u)[1]
+    own = prov.param_sources.get(id(param)) if param is not None else None
+    if own is None or src is None or len(src) != 1 or src[0][0] is not own[0][0]:
+        return None
+    return param, own
 
 
 def _slice_of(prov, u: Tensor):
@@ -172,5 +313,6 @@ def _into_slice(prov, sources: tuple, part: tuple, cotangent: Tensor) -> None:
         return
     whole = cotangent.new_zeros((cotangent.shape[0], *param.shape))
     whole[:, index] = cotangent
+    setattr(whole, OWNED, True)
     prov.slice_buffers[key] = whole
     prov.meet(sources[0][1], sources[:1], "given", tuple(param.shape), whole, None)

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from ..base.errors import UnsupportedModuleError
-from ..base.utils import LOW_PRECISION, compute_dtype
+from ..base.utils import LOW_PRECISION, OWNED, compute_dtype
 from ..core.records import Layer
 
 __all__ = ["grad_sum", "summed", "canonical", "canonical_call", "canonical_sizes", "identity_form",
@@ -256,6 +256,18 @@ def _call_grads(rule, module: nn.Module, a, grads, batch_first: bool, names: tup
                 scale: Optional[float], release: Optional[Callable[[], None]]
                 ) -> Dict[str, Tensor]:
     if rule.multi_io:
+        if (scale is not None and release is not None and getattr(a, "shared", None) == "param"
+                and isinstance(grads, Tensor) and getattr(grads, OWNED, False)
+                and not grads.requires_grad):
+            # A raw parameter's own per-sample cotangents formed by gradhooks for this record
+            # alone (OWNED: not a grad_output autograd also hands to other records), the result
+            # itself, released by this read: scaled in place, not copied (an expert's
+            # (B, E, O, I) weight).
+            release()
+            out = rule.per_sample_grads(module, a, grads, batch_first, names)
+            for t in out.values():
+                t.mul_(scale)
+            return out
         if scale is not None:
             grads = tree_map(lambda t: t * scale if isinstance(t, Tensor) else t, grads)
             inner = a.internal.get("grad_inputs") if a.internal else None

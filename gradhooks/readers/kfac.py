@@ -174,7 +174,9 @@ def kfac_factors(
         NoBackwardError: before any backward pass of the current batch.
         HigherOrderGradError: after a ``create_graph=True`` backward through a hooked layer.
         GradientMismatchError: if a recorded input was modified in place after its forward.
-        GradHooksError: with ``all_reduce``, if no process group is initialised or the ranks
+        GradHooksError: for a layer called on rows routed to it (a mixture of experts'
+            ``nn.Linear`` expert: no positions per sample to average over); with
+            ``all_reduce``, if no process group is initialised or the ranks
             hold different layers; if several backward passes reached a ``multi_io`` layer
             (embedding, attention, recurrent, fallback) whose records sum the passes (use
             :func:`gradhooks.kfac`, which reads each pass on its own); if calls of one
@@ -185,6 +187,14 @@ def kfac_factors(
     check_choice("coverage", coverage, COVERAGE)
     wanted = check_options(batch, kfac_approx, backward_passes, modules, max_dense, coverage)
     records = [cap for cap in batch.records if wanted(cap.layer)]
+    routed = next((cap for cap in records if cap.swap is not None and cap.swap[0] == "routed"),
+                  None)
+    if routed is not None:  # (gradhooks.core.layouts.routed_layout: rows padded per sample)
+        raise GradHooksError(
+            f"kfac_factors(): module {routed.layer.describe()} is called on rows routed to it "
+            f"(a mixture of experts' expert: a different number of rows per sample), and KFAC's "
+            f"A and G average over each sample's positions, which such rows do not have; leave "
+            f"it out (modules=[...] without it), or use its per-sample gradients")
     # backward passes: one grad_output per pass in single-output captures (multi_io captures
     # hold one summed grad_output per output tensor instead)
     passes = max((len(cap.grads) for cap in batch.records if cap.spec is None), default=1)
