@@ -51,6 +51,31 @@ class Kw(nn.Module):
         return self.g(x, temperature=2.0)
 
 
+class ScoresAndUse(nn.Module):
+    """Returns an intermediate it also used itself, as a router does with its logits:
+    ``(s, softmax(s) * x)``, ``s = x @ w``."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, d))
+
+    def forward(self, x):
+        s = x @ self.w
+        return s, torch.softmax(s, -1) * x
+
+
+class UsesOutputs(nn.Module):
+    """``ScoresAndUse``'s second output, and its first too (``both``) or not."""
+
+    def __init__(self, both):
+        super().__init__()
+        self.r, self.out, self.both = ScoresAndUse(4), nn.Linear(4, 2), both
+
+    def forward(self, x):
+        s, y = self.r(x)
+        return self.out(y + 0.5 * s if self.both else y)
+
+
 CASES = {
     "prelu": (lambda: nn.Sequential(nn.Linear(4, 5), nn.PReLU(5), nn.Linear(5, 2)), (4,)),
     "prelu-shared": (lambda: nn.Sequential(nn.Linear(4, 5), nn.PReLU(), nn.Linear(5, 2)), (4,)),
@@ -58,6 +83,8 @@ CASES = {
     "own-param-and-child": (lambda: nn.Sequential(GatedWithChild(4), nn.Linear(4, 2)), (4,)),
     "kwargs": (Kw, (4,)),
     "standardized-conv": (lambda: nn.Sequential(Standardized(2, 3, 3), nn.Flatten(), nn.Linear(48, 2)), (2, 4, 4)),
+    "returns-an-intermediate-used": (lambda: UsesOutputs(both=False), (4,)),
+    "returns-an-intermediate-used-twice": (lambda: UsesOutputs(both=True), (3, 4)),
 }
 
 

@@ -183,10 +183,13 @@ def grouped_mm_in_float64(monkeypatch):
     monkeypatch.setattr(moe, "_can_use_grouped_mm", lambda *args: False)
 
 
-@pytest.mark.parametrize("b, t", [(3, 6), (3, 3), (1, 5)], ids=["B3", "T_eq_B", "B1"])
+@pytest.mark.parametrize("b, t", [(3, 6), (3, 3), (1, 5), (3, 1)], ids=["B3", "T_eq_B", "B1", "T1"])
 @pytest.mark.parametrize("name", MODELS)
 def test_default_grouped_experts_match_loop_float64(name, b, t, grouped_mm_in_float64):
-    """The default experts implementation (experts_implementation left unset: "grouped_mm")."""
+    """The default experts implementation (experts_implementation left unset: "grouped_mm").
+    T = 1: the token rows are the (B, D) samples themselves; the routers are replayed per
+    sample (their outputs handed on as aliases, so the logits' grad_output is the code after
+    the router's alone), the experts' rows still routed."""
     torch.manual_seed(0)
     model = MODELS[name](experts=None)
     assert model.model.config._experts_implementation == "grouped_mm"

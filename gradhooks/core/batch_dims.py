@@ -272,7 +272,8 @@ def _gathered(ref: Tensor, bd, index, out) -> "Routed | None":
     # inner`` rows, a mixture of experts' token rows): the output's dim 0 holds the rows idx
     # picks, each of the sample ``idx // inner``. (A gather from B rows, and one of integers
     # (targets), are left to the replay.)
-    inner = bd[1] if isinstance(bd, tuple) and bd[0] == 0 and ref.is_floating_point() else None
+    inner = (bd[1] if isinstance(bd, tuple) and bd[0] == 0 else 1 if bd == 0 and ref.dim() == 2
+             else None) if ref.is_floating_point() else None  # ((B, D) rows: T = 1)
     index = index if isinstance(index, tuple) else (index,)
     first = index[0] if index else None
     if isinstance(bd, Routed):  # (rows of rows: each keeps its sample)

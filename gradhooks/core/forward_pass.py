@@ -14,12 +14,13 @@ import functools
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..base import utils
 from ..base.errors import BatchSizeError, GradHooksError
 from ..base.forms import Call
 from ..base.utils import detached, flatten, is_functorch_wrapped, tensors
+from ..rules.fallback import FallbackRule
 from .graph import in_backward, mark, on_grad
 from .placement import (BATCHED, MERGED, SHARED, partial_batch_hint, recomputed_error,
                         relayout)
@@ -144,6 +145,17 @@ class ForwardPass:
         if tracked:
             placement.batched_call(b)
         recorder._calls += 1
+        aliased = False
+        if (rule.multi_io and isinstance(rule, FallbackRule) and len(reached) > 1
+                and type(output) in (tuple, list)):
+            # Outputs of a replayed module handed on as aliases, so that each one's grad_output is
+            # what the code after the module sends it: an output the module also used itself (a
+            # router's logits, from which it took its top-k weights) would otherwise bring that
+            # use's gradient too, and the replay's vjp, which recomputes the use, would count it
+            # twice.
+            leaves = [leaves[i].view_as(leaves[i]) if i in reached else t
+                      for i, t in enumerate(leaves)]
+            output, aliased = tree_unflatten(leaves, spec), True
         if rule.multi_io:
             # Output leaves that carry no gradient but structure (a PackedSequence's batch_sizes
             # and indices) are kept so that the grad structure rebuilds; the others start as None.
@@ -171,7 +183,7 @@ class ForwardPass:
             on_grad(output, functools.partial(recorder._on_grad_output, record, None))
             if recorder._driven:
                 recorder._edges_complete &= mark(recorder, record, [(output, None)], None)
-        return output if shared else None
+        return output if shared or aliased else None
 
     def _set_batch_size(self, size: int, layer: Layer, module: nn.Module, args, kwargs) -> None:
         # A call whose batch size is not the batch's: the first of a batch sets it (after

@@ -134,13 +134,18 @@ class FallbackRule(LayerRule):
                 leaves[i] = x.unsqueeze(in_dim_of(i))
             args, kwargs = tree_unflatten(leaves, in_spec)
 
+            differentiable = []  # (the reached outputs that can have a gradient: not the
+            # indices a router's top-k returns, whose grad_output is zeros at most)
+
             def f(p):
                 out_leaves, _ = tree_flatten(functional_call(module, p, tuple(args), kwargs))
-                return [out_leaves[i] for i in reached]
+                differentiable[:] = [k for k, i in enumerate(reached)
+                                     if out_leaves[i].is_floating_point() or out_leaves[i].is_complex()]
+                return [out_leaves[reached[k]] for k in differentiable]
 
             _, pull = vjp(f, params)
-            return pull([gi if keep_dims else gi.unsqueeze(out_dim_of(i))
-                         for i, gi in zip(reached, gs)])[0]
+            return pull([gs[k] if keep_dims else gs[k].unsqueeze(out_dim_of(reached[k]))
+                         for k in differentiable])[0]
 
         xs = [in_leaves[i] for i in batched]
         gs = [g_leaves[i] for i in reached]
