@@ -100,7 +100,7 @@ def build(name):
     if name == "mixtral":
         return TokensToLogits(tr.MixtralForCausalLM(tr.MixtralConfig(
             num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
-            experts_implementation="eager", **common))), "tokens"
+            **common))), "tokens"  # (transformers' default experts: grouped_mm)
     if name in ("beit", "hf-swin"):
         cfg = (tr.BeitConfig(image_size=32, patch_size=4, hidden_size=H, num_hidden_layers=2,
                              num_attention_heads=4, intermediate_size=4 * H, num_labels=10,

@@ -249,6 +249,35 @@ def test_grouped_experts_block_float64(b, grouped_mm_in_float64):
         gh.detach()
 
 
+def _decoder(name):
+    import transformers as tr
+    common = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=32)
+    if name == "olmoe":
+        cfg = tr.OlmoeConfig(intermediate_size=24, num_experts=4, num_experts_per_tok=2, **common)
+        return TokensToLogits(tr.OlmoeForCausalLM(cfg))
+    if name == "qwen3-moe":
+        cfg = tr.Qwen3MoeConfig(intermediate_size=48, moe_intermediate_size=24, num_experts=4,
+                                num_experts_per_tok=2, head_dim=8, **common)
+        return TokensToLogits(tr.Qwen3MoeForCausalLM(cfg))
+    cfg = tr.DeepseekV3Config(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4,
+                              num_experts_per_tok=2, n_group=1, topk_group=1,
+                              first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
+                              qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, **common)
+    return TokensToLogits(tr.DeepseekV3ForCausalLM(cfg))
+
+
+@pytest.mark.parametrize("t", [6, 3, 1], ids=["T6", "T_eq_B", "T1"])
+@pytest.mark.parametrize("name", ["olmoe", "qwen3-moe", "deepseek-v3"])
+def test_other_moe_decoders_as_shipped(name, t, grouped_mm_in_float64):
+    """OLMoE, Qwen3-MoE and DeepSeek-V3 (its router flattens the (B, T, D) input to token rows
+    itself, a group-limited top-k with a correction bias; a dense first block and a shared
+    expert) with their default experts, as shipped (float32 routers inside a float64 model: to
+    1e-6, as test_moe_as_shipped)."""
+    torch.manual_seed(0)
+    check(_decoder(name).double().eval(), 3, t, rtol=1e-6)
+
+
 class LinearExperts(nn.Module):
     """Experts as nn.Linear modules (the older Mixtral layout): tokens routed by a Linear
     router's top-k, gathered per expert, summed back with index_add_."""

@@ -340,8 +340,14 @@ class Placement:
         rule = layer.rule
         if not any(prov.batched(t) for t in (leaves if rule.multi_io else (output,))):
             return Placed(SHARED, None, None, ordinal, None)
-        if (isinstance(rule, FallbackRule) and args and args[0] is x
-                and isinstance(prov.look(x)[2], (tuple, Routed))):
+        if isinstance(rule, FallbackRule) and args and args[0] is x and (
+                isinstance(prov.look(x)[2], (tuple, Routed))
+                or layer.params and all(id(p) in prov.met_by_rows
+                                        for p in layer.params.values())):
+            # (on merged or routed rows; or every parameter met the batch inside the call, at
+            # a linear or grouped product of rows: DeepSeek-V3's router flattens its (B, T, D)
+            # input to token rows itself, a mixture of experts' experts take (B, D) rows when
+            # T = 1)
             return Placed(MERGED, None, None, ordinal, None)
         swap = None
         if isinstance(rule, FallbackRule):  # (batched tensors where the layout does not say)

@@ -234,6 +234,10 @@ def _meeting(prov, w, b, tainted, cotangents, whole=None):
     # that is a view of a parameter whose cotangent is formed in the parameter's layout.
     us = [(u, u is w) for u in (w, b) if u is not None and u.requires_grad
           and any(u is t for t in tainted)]
+    for u, _ in us:  # (the parameters taken here: a module whose every one is, is placed merged)
+        for record, _, _ in prov.look(u)[1] or ():
+            prov.met_by_rows.update(id(record.layer.params[n]) for n in record.names
+                                    if n in record.layer.params)
 
     def hook(out):
         if not isinstance(out, Tensor) or not out.requires_grad:
