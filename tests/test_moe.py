@@ -260,6 +260,10 @@ def _decoder(name):
         cfg = tr.Qwen3MoeConfig(intermediate_size=48, moe_intermediate_size=24, num_experts=4,
                                 num_experts_per_tok=2, head_dim=8, **common)
         return TokensToLogits(tr.Qwen3MoeForCausalLM(cfg))
+    if name == "gpt-oss":
+        cfg = tr.GptOssConfig(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                              head_dim=8, **common)
+        return TokensToLogits(tr.GptOssForCausalLM(cfg))
     cfg = tr.DeepseekV3Config(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4,
                               num_experts_per_tok=2, n_group=1, topk_group=1,
                               first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
@@ -268,11 +272,13 @@ def _decoder(name):
 
 
 @pytest.mark.parametrize("t", [6, 3, 1], ids=["T6", "T_eq_B", "T1"])
-@pytest.mark.parametrize("name", ["olmoe", "qwen3-moe", "deepseek-v3"])
+@pytest.mark.parametrize("name", ["olmoe", "qwen3-moe", "deepseek-v3", "gpt-oss"])
 def test_other_moe_decoders_as_shipped(name, t, grouped_mm_in_float64):
-    """OLMoE, Qwen3-MoE and DeepSeek-V3 (its router flattens the (B, T, D) input to token rows
+    """OLMoE, Qwen3-MoE, DeepSeek-V3 (its router flattens the (B, T, D) input to token rows
     itself, a group-limited top-k with a correction bias; a dense first block and a shared
-    expert) with their default experts, as shipped (float32 routers inside a float64 model: to
+    expert) and GPT-OSS (biased router; experts with (E, I, O) weights and per-expert biases
+    added to the routed rows, ``bias[expert_ids]``: gradhooks.core.rows.gathered_meeting; a
+    clamped gate) with their default experts, as shipped (float32 routers inside a float64 model: to
     1e-6, as test_moe_as_shipped)."""
     torch.manual_seed(0)
     check(_decoder(name).double().eval(), 3, t, rtol=1e-6)

@@ -82,7 +82,7 @@ from .batch_dims import (JOINS, MATMULS, METADATA, RECURRENT, ROW_ALIGNED, Route
                          batch_dim_after, operands)
 from .mixing import (CONTRACTIONS, MIXES, MIXING_OPS, STAT, contraction_mixes, mixing_op,
                      upstream_of, user_line)
-from .rows import grouped_meeting, linear_meeting, own_weights
+from .rows import ADDS, gathered_meeting, grouped_meeting, linear_meeting, own_weights
 from .token_means import TOKEN_OPS, ForwardLosses
 
 __all__ = ["Provenance", "ROW_ALIGNED", "shared_layout", "as_batch", "source_cotangent",
@@ -358,6 +358,8 @@ class Provenance(TorchFunctionMode):
             if tainted:
                 linear = (linear_meeting if func is F.linear else grouped_meeting)(
                     self, args, kwargs, ref, rbd, tainted)
+        elif ref is not None and not tainted and func in ADDS and isinstance(rbd, Routed):
+            linear = gathered_meeting(self, func, args, kwargs, ref, rbd)
         if ref is not None and tainted and linear is None:
             args, kwargs = self._split(func, args, kwargs, ref, rbd, tainted, sources)
         out = func(*args, **kwargs)

@@ -24,7 +24,7 @@ from ..rules.fallback import FallbackRule
 from .batch_dims import Routed
 
 __all__ = ["by_sample", "linear_cotangents", "own_weights", "linear_meeting",
-           "grouped_cotangents", "grouped_meeting", "segment_outer"]
+           "grouped_cotangents", "grouped_meeting", "gathered_meeting", "segment_outer", "ADDS"]
 
 
 def by_sample(t: Tensor, bd, size: int) -> Optional[Tensor]:
@@ -225,6 +225,56 @@ def grouped_meeting(prov, args, kwargs, ref, bd, tainted):
     return _meeting(prov, w, b, tainted, lambda g, gw, gb: grouped_cotangents(
         xd, g, samples, offs, size, groups, gw, gb, transposed=param is not None),
         whole={id(w): param} if param is not None else None)
+
+
+#: In-place and out-of-place adds: where a per-row bias gathered from a parameter meets rows.
+ADDS = frozenset(getattr(torch.Tensor, n) for n in ("add", "add_", "__add__", "__iadd__",
+                                                    "__radd__")) | {torch.add}
+
+
+def gathered_meeting(prov, func, args, kwargs, ref, bd):
+    """``rows + P[idx]`` (an add, :data:`ADDS`) with ``rows`` :class:`Routed` and ``P[idx]``
+    a row per routed row gathered from a 2-D parameter ``P (E, O)`` of a module without a rule
+    by an index of the rows (GPT-OSS' grouped experts add ``gate_up_proj_bias[expert_ids]``):
+    ``hook(out)`` as :func:`linear_meeting`, sample ``n``'s gradient of ``P[e]`` the sum of the
+    add's output gradient over its rows ``r`` with ``idx[r] = e`` (:func:`segment_outer`); or
+    ``None`` for any other form."""
+    if not isinstance(bd, Routed) or len(args) < 2 or kwargs.get("alpha", 1) != 1:
+        return None
+    u = args[1] if args[0] is ref else args[0] if args[1] is ref else None
+    node = getattr(u, "grad_fn", None)
+    if (node is None or type(node).__name__ != "IndexBackward0" or u.dim() != 2
+            or ref.dim() != 2 or u.shape != ref.shape):
+        return None
+    index = node._saved_indices
+    param = getattr(node.next_functions[0][0], "variable", None)
+    if (param is None or param.dim() != 2 or len(index) != 1 or index[0] is None
+            or index[0].dim() != 1):
+        return None
+    info = prov.params.get(id(param))
+    if info is None or len(info[0]) != 1 or not isinstance(info[0][0].rule, FallbackRule):
+        return None
+    layer = info[0][0]
+    name = next((n for n, q in layer.params.items() if q is param), None)
+    if name is None:
+        return None
+    sources = prov.param_sources_of([((layer, name), param)])
+    size, groups, idx = prov.batch_size, param.shape[0], index[0].detach().to(torch.int64)
+    key = bd.samples.to(torch.int64) * groups + idx
+    prov.met_by_rows.add(id(param))
+    edge, shape = sources[0][1], tuple(param.shape)
+
+    def hook(out):
+        if not isinstance(out, Tensor) or not out.requires_grad:
+            return
+        prov.noted(sources[:1], "linear", out, None, None)
+
+        def on_grad(g):
+            cot = segment_outer(g, None, key, size * groups).reshape(size, *shape)
+            setattr(cot, OWNED, True)
+            prov.meet(edge, sources[:1], "given", shape, cot, None)
+        out.register_hook(on_grad)
+    return hook
 
 
 def _meeting(prov, w, b, tainted, cotangents, whole=None):
