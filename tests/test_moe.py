@@ -374,3 +374,18 @@ def test_load_balancing_loss_is_refused_unless_allowed():
                     torch.testing.assert_close(got[name].mean(0), p.grad, rtol=1e-9, atol=1e-12)
         finally:
             gh.detach()
+
+
+def test_batched_mm_experts_are_refused_naming_them():
+    """transformers' "batched_mm" experts gather a weight per row from the 3-D parameters and
+    bmm them: not split per sample, refused at the read naming the experts."""
+    torch.manual_seed(0)
+    model = float64_internals(mixtral(experts="batched_mm")).double().eval()
+    gh = attach(model)
+    try:
+        ids, y = tokens(3, 6)
+        token_loss(model(ids), y).backward()
+        with pytest.raises(gradhooks.BatchSizeError, match=r"mlp\.experts' \(MixtralExperts\)"):
+            gh.per_sample_grads()
+    finally:
+        gh.detach()
