@@ -270,3 +270,27 @@ def test_batch_dim_is_followed_not_read_off_a_size(over):
             return
         ours = gh.per_sample_grads()
     assert_close_to_loop(ours, loop_grads(model, F.cross_entropy, x, y), F64)
+
+
+def _shuffled(h):  # (each sample's row meets another sample's: h + h[perm])
+    b = h.shape[0]
+    return h + h[(torch.arange(b) + 1) % b]
+
+
+@pytest.mark.parametrize("read", ["per_sample_grads", "norms", "clip_and_accumulate"])
+def test_rows_of_other_samples_gathered_by_an_index_are_refused(read):
+    """``h + h[perm]`` (a sample indexed and combined with another's row): the rows gathered
+    by the index carry their samples (batch_dims.Routed), and meeting the batch's own rows of
+    other samples is mixing, refused at every read; with B = 1 the index is the identity and
+    the result exact."""
+    model = Between(_shuffled).double()
+    x, y = _batch(3)
+    with gradhooks.attach(model) as gh:
+        F.cross_entropy(model(x), y).backward()
+        with pytest.raises(gradhooks.SampleMixingError, match="gathered from the batch by an index"):
+            _read(gh, read)
+    x, y = _batch(1)
+    ref = loop_grads(model, F.cross_entropy, x, y)
+    with gradhooks.attach(model) as gh:
+        F.cross_entropy(model(x), y).backward()
+        assert_close_to_loop(gh.per_sample_grads(), ref, F64)

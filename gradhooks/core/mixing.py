@@ -51,9 +51,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..base.errors import GradHooksError, SampleMixingError
+from .batch_dims import Routed
 from .token_means import ForwardLosses, TokenMeans
 
-__all__ = ["MIXING_OPS", "mixing_op", "upstream_of", "user_line", "Mixing", "MIXES", "STAT",
+__all__ = ["MIXING_OPS", "mixing_op", "rows_of_others", "upstream_of", "user_line", "Mixing", "MIXES", "STAT",
            "BATCH_NORM"]
 
 #: :func:`mixing_op`'s kinds: an op whose batched output mixes the samples, a reduction over the
@@ -122,6 +123,27 @@ def contraction_mixes(batched: list) -> Optional[Tuple[str, str]]:
     return MIXES, (f"a product of two tensors that both carry the batch in their matrix dims "
                    f"({tuple(a.shape)} on dim {da}, {tuple(b.shape)} on dim {db}): it pairs or "
                    f"contracts the samples (z @ z.T of a contrastive model)")
+
+
+def rows_of_others(batched) -> Optional[Tuple[str, str]]:
+    """``(MIXES, what)`` where an op lines up rows gathered from the batch by an index
+    (:class:`~gradhooks.core.batch_dims.Routed`) with the batch's own rows (``h + h[perm]``: each
+    row meets another sample's), ``batched`` the op's ``[(tensor, batch dim)]``; else ``None``.
+    Rows whose samples are the batch's in order again (a routing undone) are not."""
+    routed = [bd for _, bd in batched if isinstance(bd, Routed)]
+    if not routed or len(routed) == len(batched):
+        return None
+    own = [(t, bd) for t, bd in batched if isinstance(bd, (int, tuple))]
+    for bd in routed:
+        inner = bd.merged_inner()
+        for t, d in own:
+            if t.dim() == 0 or t.shape[0] != bd.samples.shape[0] or (d if isinstance(d, int)
+                                                                     else d[0]) != 0:
+                continue  # (broadcast, or the batch elsewhere: not row by row)
+            if inner is None or inner != (1 if isinstance(d, int) else d[1]):
+                return (MIXES, "rows gathered from the batch by an index met other samples' "
+                               "rows (x[index] combined with x)")
+    return None
 
 
 def mixing_op(func, args, kwargs, ref: Tensor, bd) -> Optional[Tuple[str, str]]:

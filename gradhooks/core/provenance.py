@@ -81,6 +81,7 @@ from .batch_dims import (JOINS, MATMULS, METADATA, RECURRENT, ROW_ALIGNED, Route
                          is_grouped_mm,
                          batch_dim_after, operands)
 from .mixing import (CONTRACTIONS, MIXES, MIXING_OPS, STAT, contraction_mixes, mixing_op,
+                     rows_of_others,
                      upstream_of, user_line)
 from .rows import ADDS, gathered_meeting, grouped_meeting, linear_meeting, own_weights
 from .token_means import TOKEN_OPS, ForwardLosses
@@ -373,6 +374,8 @@ class Provenance(TorchFunctionMode):
                 self._mixing(func, args, kwargs, ref, rbd, out)
             elif func in CONTRACTIONS and batched is not None and len(batched) == 2:
                 self._mixing(func, args, kwargs, ref, rbd, out, contraction_mixes(batched))
+            elif func in ROW_ALIGNED and batched is not None and len(batched) > 1:
+                self._mixing(func, args, kwargs, ref, rbd, out, rows_of_others(batched))
             if self.stats:
                 self._statistics(func, batched, out)
             if func in TOKEN_OPS:
