@@ -323,15 +323,15 @@ class GradHooks:
                             modules=modules, max_dense=max_dense, all_reduce=all_reduce,
                             group=group, coverage=coverage)
 
-    def ekfac_factors(self, *, modules: Optional[Iterable[str]] = None
-                      ) -> Dict[str, EKFACFactors]:
-        """Eigenvalue-corrected KFAC (George et al. 2018): ``{module name: EKFACFactors}`` with
-        the eigenvectors ``Q_A`` ``(I', I')``, ``Q_G`` ``(O, O)`` of the KFAC factors and the
-        per-sample second moments ``(O, I')`` in that eigenbasis, never forming per-sample
-        gradients in the parameters' basis; conventions and errors:
-        :func:`gradhooks.readers.ekfac.ekfac_factors`."""
+    def ekfac_factors(self, *, modules: Optional[Iterable[str]] = None, coverage: str = "all"
+                      ) -> Dict[str, Union[EKFACFactors, DiagonalFactors]]:
+        """Eigenvalue-corrected KFAC (George et al. 2018): ``EKFACFactors`` (eigenvectors
+        ``Q_A`` ``(I', I')``, ``Q_G`` ``(O, O)`` of the KFAC factors, corrected eigenvalues
+        ``(O, I')``) for each Kronecker entry of :meth:`kfac_factors`, ``DiagonalFactors`` for
+        norms and the others; ``coverage="linear"``: Linear / Conv / ``Conv1D`` only. Conventions
+        and errors: :func:`gradhooks.readers.ekfac.ekfac_factors`."""
         return ekfac_factors(self.recorder.snapshot("ekfac_factors()", sum_check=False),
-                             modules=modules)
+                             modules=modules, coverage=coverage)
 
     def check_samples(self, loss_fn, inputs, targets, *, samples: int = 2,
                       generator: Optional[torch.Generator] = None) -> None:

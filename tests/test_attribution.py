@@ -30,6 +30,24 @@ class TinyTransformer(nn.Module):
         return self.head(torch.tanh(self.norm(self.proj(self.emb(x)))).mean(1))
 
 
+class SeqModel(nn.Module):
+    """Embedding -> LayerNorm -> self-attention -> GRU -> Linear: EKFAC per-sample Kronecker
+    blocks (embedding, attention, GRU), a diagonal block (LayerNorm), records (head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 6)
+        self.norm = nn.LayerNorm(6)
+        self.attn = nn.MultiheadAttention(6, 2, batch_first=True)
+        self.rnn = nn.GRU(6, 4, batch_first=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.norm(self.emb(x))
+        h = h + self.attn(h, h, h, need_weights=False)[0]
+        return self.head(self.rnn(h)[0][:, -1])
+
+
 def _cnn():
     return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, groups=2),
                          nn.Flatten(), nn.Linear(16, 3))
@@ -40,6 +58,7 @@ MODELS = {
             lambda b: torch.randn(b, 4, dtype=F64)),
     "cnn": (_cnn, lambda b: torch.randn(b, 2, 4, 4, dtype=F64)),
     "transformer": (TinyTransformer, lambda b: torch.randint(0, 11, (b, 5))),
+    "seq": (SeqModel, lambda b: torch.randint(0, 7, (b, 4))),
 }
 LOSS = nn.CrossEntropyLoss()
 
@@ -171,9 +190,10 @@ def test_scores_match_dense_reference(name, strategy, sizes, form):
 @pytest.mark.parametrize("strategy", ["kfac", "ekfac"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_layers_without_factors(name, strategy):
-    """EKFAC covers Linear / Conv / Conv1D only: the embedding and LayerNorm are skipped by
-    default or taken with H = I (missing="identity"); KFAC gives the embedding a Kronecker pair
-    and the LayerNorm a diagonal block. Per-layer scores add up to the total."""
+    """KFAC and EKFAC give the embedding a Kronecker pair and the LayerNorm its diagonal block;
+    with EKFAC factors of the linear layers only (coverage="linear", kronfluence's), the
+    embedding and LayerNorm are skipped by default or taken with H = I (missing="identity").
+    Per-layer scores add up to the total."""
     model, query, train = _batches(name, 2, 4)
     qf, tf, factors = _features(model, strategy, query, train)
     qg, tg = loop_grads(model, *query), loop_grads(model, *train)
@@ -187,13 +207,20 @@ def test_layers_without_factors(name, strategy):
         kinds = attr.query_gradients(qf, pre).kinds
         assert set(per) == set(kinds)
         if name == "transformer":
-            expected = {"ekfac": {"proj": "ekfac", "head": "ekfac"},
-                        "kfac": {"emb": "kfac", "proj": "kfac", "norm": "diagonal",
-                                 "head": "kfac"}}[strategy]
-            if strategy == "ekfac" and missing == "identity":
-                expected = dict(expected, **{"emb.weight": "identity", "norm.weight": "identity",
-                                             "norm.bias": "identity"})
-            assert kinds == expected
+            assert kinds == {"emb": strategy, "proj": strategy, "norm": "diagonal",
+                             "head": strategy}
+    if name == "transformer" and strategy == "ekfac":
+        linear = {k: f for k, f in factors.items() if k in ("proj", "head")}
+        for missing in attr.MISSING:
+            pre = attr.preconditioner(linear, missing=missing, damping=1e-3)
+            want_pair, _ = reference(linear, qg, tg, damping=1e-3, missing=missing)
+            torch.testing.assert_close(attr.pairwise_scores(qf, tf, pre), want_pair, rtol=1e-9,
+                                       atol=1e-12)
+            expected = {"proj": "ekfac", "head": "ekfac"}
+            if missing == "identity":
+                expected.update({"emb.weight": "identity", "norm.weight": "identity",
+                                 "norm.bias": "identity"})
+            assert attr.query_gradients(qf, pre).kinds == expected
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -405,3 +432,196 @@ def test_against_kronfluence(strategy, name, tmp_path):
             # curvlinops' and the papers' expand sum them): its H is S times smaller
             s = tf.linear[path].a.shape[2] if strategy == "kfac" else 1
             torch.testing.assert_close(ours[path] * s, t, rtol=1e-5, atol=1e-5 * t.abs().max().item())
+
+
+class TokenModel(nn.Module):
+    """A language-model-like stack on (B, T, 4): Linear -> Tanh -> Conv1D -> per-token logits;
+    every layer's records hold the T tokens as positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+        self.proj = Conv1D(3, 6)
+
+    def forward(self, x):
+        return self.proj(torch.tanh(self.lin(x)))
+
+
+def token_loss(out, y):
+    """Sum over tokens, mean over sequences: each sample's own loss is its tokens' sum."""
+    return nn.functional.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="sum") / out.shape[0]
+
+
+def _token_batches(m, n, t=5, dtype=F64):
+    torch.manual_seed(0)
+    model = TokenModel().double().to(dtype)
+    data = [(torch.randn(b, t, 4, dtype=F64).to(dtype), torch.randint(0, 3, (b, t)))
+            for b in (m, n)]
+    with gradhooks.attach(model) as gh:
+        token_loss(model(data[1][0]), data[1][1]).backward()
+        factors = {"kfac": gh.kfac_factors(), "ekfac": gh.ekfac_factors()}
+        feats = []
+        for x, y in data:
+            gh.clear()
+            token_loss(model(x), y).backward()
+            feats.append(gh.gradient_features())
+    return model, data, feats, factors
+
+
+def _per_token_reference(model, factors, query, train, damping=None):
+    """(M, N, T): sum_layers (H^-1 q_m) . vec(g[n,t] ã[n,t]^T) from a loop in float64: each
+    train sample's layer inputs and own-loss output gradients by autograd, the per-token
+    [W b] gradients placed by KFACFactors.grad_matrix, H^-1 q_m by dense solves."""
+    qg = {n: torch.stack(r) for n, r in _loop_token_grads(model, *query).items()}
+    xt, yt = train
+    modules = dict(model.named_modules())
+    out = torch.zeros(query[0].shape[0], xt.shape[0], xt.shape[1], dtype=F64)
+    for key, f in factors.items():
+        kf = f.kfac if isinstance(f, EKFACFactors) else f
+        q, h = _vectors_and_h(key, f, qg, damping)
+        hinv_q = torch.linalg.solve(h, q.T).T  # (M, D)
+        mod = modules[key]
+        for n in range(xt.shape[0]):
+            seen = {}
+            handle = mod.register_forward_hook(lambda m, i, o: seen.update(a=i[0], y=o))
+            loss = token_loss(model(xt[n:n + 1]), yt[n:n + 1])
+            handle.remove()
+            (gy,) = torch.autograd.grad(loss, seen["y"])
+            a, g = seen["a"][0], gy[0]  # (T, I), (T, O)
+            for t in range(xt.shape[1]):
+                w = torch.outer(a[t], g[t]) if isinstance(mod, Conv1D) else torch.outer(g[t], a[t])
+                vec = kf.grad_matrix({kf.weight: w, kf.bias: g[t]}).flatten()
+                out[:, n, t] += hinv_q @ vec
+    return out
+
+
+def _loop_token_grads(model, x, y):
+    params = dict(model.named_parameters())
+    rows = {n: [] for n in params}
+    for i in range(x.shape[0]):
+        grads = torch.autograd.grad(token_loss(model(x[i:i + 1]), y[i:i + 1]), list(params.values()))
+        for n, g in zip(params, grads):
+            rows[n].append(g)
+    return rows
+
+
+@pytest.mark.parametrize("sizes", SIZES, ids=lambda s: f"M{s[0]}-N{s[1]}")
+@pytest.mark.parametrize("strategy", ["kfac", "ekfac"])
+def test_per_token_scores(strategy, sizes):
+    """(M, N, T) per-token scores: each entry against an explicit float64 loop, their sum over
+    T the pairwise scores; per_layer gives each block's (M, N, T)."""
+    model, (query, train), (qf, tf), factors = _token_batches(*sizes)
+    pre = attr.preconditioner(factors[strategy])
+    got = attr.pairwise_scores(qf, tf, pre, per_token=True)
+    assert got.shape == (sizes[0], sizes[1], 5)
+    want = _per_token_reference(model, factors[strategy], query, train)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(got.sum(-1), attr.pairwise_scores(qf, tf, pre), rtol=1e-9,
+                               atol=1e-12)
+    per = attr.pairwise_scores(qf, tf, pre, per_token=True, per_layer=True, chunk_numel=1)
+    assert set(per) == {"lin", "proj"}
+    torch.testing.assert_close(sum(per.values()), got, rtol=1e-9, atol=1e-12)
+
+
+def test_per_token_empty_float32_and_errors():
+    for m, n in [(0, 3), (2, 0)]:
+        _, _, (qf, tf), factors = _token_batches(m, n)
+        pre = attr.preconditioner(factors["ekfac"])
+        assert attr.pairwise_scores(qf, tf, pre, per_token=True).shape == (m, n, 5)
+    _, _, (qf, tf), factors = _token_batches(2, 3)
+    want = attr.pairwise_scores(qf, tf, attr.preconditioner(factors["ekfac"]), per_token=True)
+    _, _, (qf32, tf32), f32 = _token_batches(2, 3, dtype=torch.float32)
+    got = attr.pairwise_scores(qf32, tf32, attr.preconditioner(f32["ekfac"]), per_token=True)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-3, atol=1e-4 * want.abs().max())
+    # a dense parameter (the embedding, the LayerNorm) has no per-position decomposition
+    model, query, train = _batches("transformer", 2, 3)
+    qf, tf, factors = _features(model, "ekfac", query, train)
+    with pytest.raises(GradHooksError, match="'emb.weight'"):
+        attr.pairwise_scores(qf, tf, attr.preconditioner(factors), per_token=True)
+    linear = attr.preconditioner({k: factors[k] for k in ("proj", "head")})
+    with pytest.raises(GradHooksError, match="different numbers of positions"):
+        attr.pairwise_scores(qf, tf, linear, per_token=True)  # (proj: 5 tokens, head: 1)
+    per = attr.pairwise_scores(qf, tf, linear, per_token=True, per_layer=True)
+    assert per["proj"].shape == (2, 3, 5) and per["head"].shape == (2, 3, 1)
+
+
+def test_fit_over_batches_every_layer():
+    """FactorFit with the batches' gh.kfac_factors(): the embedding, attention and GRU blocks
+    (Kronecker, EKFAC from their per-sample gradients) and the LayerNorm's diagonal fitted over
+    two batches equal gh.kfac_factors() / gh.ekfac_factors() of their concatenation."""
+    model, query, train = _batches("seq", 2, 6)
+    qf, tf, _ = _features(model, "identity", query, train)
+    halves = []
+    with gradhooks.attach(model) as gh:
+        for sl in (slice(0, 2), slice(2, 6)):
+            LOSS(model(train[0][sl]), train[1][sl]).backward()
+            halves.append((gh.gradient_features(), gh.kfac_factors()))
+            gh.clear()
+    for strategy in ("kfac", "ekfac"):
+        _, _, factors = _features(model, strategy, query, train)
+        want = attr.pairwise_scores(qf, tf, attr.preconditioner(factors), per_layer=True)
+        fit = attr.FactorFit()
+        for h, f in halves:
+            fit.add_covariances(h, f)
+        for h, _ in halves:
+            fit.add_eigenvalues(h)
+        pre = fit.preconditioner(strategy)
+        assert pre.kinds == attr.preconditioner(factors).kinds
+        got = attr.pairwise_scores(qf, tf, pre, per_layer=True)
+        assert set(got) == set(want)
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-8, atol=1e-11)
+    with pytest.raises(TypeError, match="KFACFactors"):
+        attr.FactorFit().add_covariances(tf, {"x": torch.eye(2)})
+
+
+@pytest.mark.parametrize("strategy", ["identity", "ekfac"])
+def test_per_token_against_kronfluence(strategy, tmp_path):
+    """kronfluence 1.0's compute_per_token_scores (its "qio,bti,bto->qbt" on nn.Linear layers
+    with (B, T, in) inputs) on a two-layer token model, float32: the same (M, N, T) scores."""
+    import copy
+    import warnings
+
+    import torch.nn.functional as F
+    from kronfluence.analyzer import Analyzer, prepare_model
+    from kronfluence.arguments import FactorArguments, ScoreArguments
+    from kronfluence.task import Task
+    from torch.utils.data import TensorDataset
+
+    class Tokens(Task):
+        def compute_train_loss(self, batch, model, sample=False):
+            return F.cross_entropy(model(batch[0]).flatten(0, 1), batch[1].flatten(), reduction="sum")
+
+        def compute_measurement(self, batch, model):
+            return self.compute_train_loss(batch, model)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    xt, yt = torch.randn(8, 5, 4), torch.randint(0, 3, (8, 5))
+    xq, yq = torch.randn(3, 5, 4), torch.randint(0, 3, (3, 5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        analyzer = Analyzer(analysis_name="t", model=prepare_model(copy.deepcopy(model), Tokens()),
+                            task=Tokens(), output_dir=str(tmp_path), disable_model_save=True,
+                            cpu=True, disable_tqdm=True)
+        analyzer.fit_all_factors(factors_name="f", dataset=TensorDataset(xt, yt),
+                                 per_device_batch_size=8,
+                                 factor_args=FactorArguments(strategy=strategy,
+                                                             use_empirical_fisher=True))
+        analyzer.compute_pairwise_scores(
+            scores_name="p", factors_name="f", query_dataset=TensorDataset(xq, yq),
+            train_dataset=TensorDataset(xt, yt), per_device_query_batch_size=3,
+            per_device_train_batch_size=8,
+            score_args=ScoreArguments(damping_factor=None, compute_per_token_scores=True))
+    theirs = analyzer.load_pairwise_scores("p")["all_modules"]
+    with gradhooks.attach(model) as gh:
+        token_loss(model(xt), yt).backward()
+        factors = gh.ekfac_factors() if strategy == "ekfac" else None
+        tf = gh.gradient_features()
+        gh.clear()
+        token_loss(model(xq), yq).backward()
+        qf = gh.gradient_features()
+    ours = attr.pairwise_scores(qf, tf, attr.preconditioner(factors), per_token=True)
+    assert ours.shape == theirs.shape == (3, 8, 5)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6 * theirs.abs().max().item())
