@@ -72,6 +72,7 @@ LAYERS = ("base", "rules", "core", "readers", "api", "tools", "integrations")
 RENAMED = {
     '_pool': 'base._pool',
     'accumulation': 'readers.accumulation',
+    'attribution': 'readers.attribution',  # (not renamed: the public name of the module)
     'capture': 'core.capture',
     'checks': 'core.checks',
     'cli': 'tools.cli',

@@ -58,9 +58,15 @@ from .gram import GradientFeatures
 from .influence_blocks import (CHUNK_NUMEL, HEURISTIC_DAMPING, MISSING, BlockInverse,
                                Preconditioner, block_rows, check_features, preconditioner, terms)
 
+from .gradient_store import GradientStore, StoreSpecError  # noqa: E402  (the projected store)
+from .output_functions import (AdamDirection, GradientTransform, margin_output,  # noqa: E402
+                               project_batch, trak_margins, trak_out_to_loss)
+
 __all__ = ["BlockInverse", "Preconditioner", "QueryGradients", "FactorFit", "preconditioner",
            "query_gradients", "pairwise_scores", "self_scores", "records_form_cheaper",
-           "HEURISTIC_DAMPING", "MISSING", "CHUNK_NUMEL"]
+           "HEURISTIC_DAMPING", "MISSING", "CHUNK_NUMEL",
+           "GradientStore", "StoreSpecError", "AdamDirection", "GradientTransform",
+           "margin_output", "project_batch", "trak_margins", "trak_out_to_loss"]
 
 
 class QueryGradients:
