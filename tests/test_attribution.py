@@ -625,3 +625,58 @@ def test_per_token_against_kronfluence(strategy, tmp_path):
     ours = attr.pairwise_scores(qf, tf, attr.preconditioner(factors), per_token=True)
     assert ours.shape == theirs.shape == (3, 8, 5)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6 * theirs.abs().max().item())
+
+
+@pytest.mark.parametrize("strategy", ["kfac", "ekfac"])
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_over_loaders_and_saved_factors(name, strategy, tmp_path):
+    """fit_factors / pairwise_scores_over / self_scores_over over loaders of several batches
+    (the last one short) equal the batch-by-batch calls of FactorFit and the scores of each
+    train batch; the factors saved and loaded give the same preconditioner."""
+    model, query, train = _batches(name, 3, 7)
+    qb = [(query[0][:2], query[1][:2]), (query[0][2:], query[1][2:])]
+    tb = [(train[0][:3], train[1][:3]), (train[0][3:6], train[1][3:6]), (train[0][6:], train[1][6:])]
+
+    def loss_fn(batch):
+        return LOSS(model(batch[0]), batch[1])
+
+    with gradhooks.attach(model) as gh:
+        fit = attr.fit_factors(gh, tb, loss_fn, strategy=strategy, progress=False)
+        pre = fit.preconditioner(strategy)
+        scores = attr.pairwise_scores_over(gh, qb, tb, loss_fn, pre, progress=False)
+        selfs = attr.self_scores_over(gh, tb, loss_fn, pre, progress=False)
+        assert all(p.grad is None for p in model.parameters())
+        want_fit = attr.FactorFit()
+        for x, y in tb:
+            loss_fn((x, y)).backward()
+            want_fit.add_covariances(gh.gradient_features(), gh.kfac_factors())
+            gh.clear()
+        if strategy == "ekfac":
+            for x, y in tb:
+                loss_fn((x, y)).backward()
+                want_fit.add_eigenvalues(gh.gradient_features())
+                gh.clear()
+        want_pre = want_fit.preconditioner(strategy)
+        loss_fn(query).backward()
+        q = attr.query_gradients(gh.gradient_features(), want_pre)
+        gh.clear()
+        want, want_self = [], []
+        for x, y in tb:
+            loss_fn((x, y)).backward()
+            f = gh.gradient_features()
+            want.append(attr.pairwise_scores(q, f, want_pre))
+            want_self.append(attr.self_scores(f, want_pre))
+            gh.clear()
+    # (query gradients are each sample's own-loss gradient: the same from batches of 2 + 1
+    # as from one batch of 3)
+    assert scores.shape == (3, 7) and selfs.shape == (7,)
+    torch.testing.assert_close(selfs, torch.cat(want_self), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(scores, torch.cat(want, 1), rtol=1e-9, atol=1e-12)
+    fit.save(tmp_path / "factors.pt")
+    loaded = attr.FactorFit.load(tmp_path / "factors.pt")
+    again = loaded.preconditioner(strategy)
+    for key, block in pre.blocks.items():
+        torch.testing.assert_close(again.blocks[key].inverse, block.inverse, rtol=0, atol=0)
+    with pytest.raises(GradHooksError, match="not a file FactorFit.save wrote"):
+        torch.save({"x": torch.zeros(1)}, tmp_path / "other.pt")
+        attr.FactorFit.load(tmp_path / "other.pt")

@@ -66,7 +66,8 @@ __all__ = ["BlockInverse", "Preconditioner", "QueryGradients", "FactorFit", "pre
            "query_gradients", "pairwise_scores", "self_scores", "records_form_cheaper",
            "HEURISTIC_DAMPING", "MISSING", "CHUNK_NUMEL",
            "GradientStore", "StoreSpecError", "AdamDirection", "GradientTransform",
-           "margin_output", "project_batch", "trak_margins", "trak_out_to_loss"]
+           "margin_output", "project_batch", "trak_margins", "trak_out_to_loss",
+           "fit_factors", "query_gradients_over", "pairwise_scores_over", "self_scores_over"]
 
 
 class QueryGradients:
@@ -263,3 +264,8 @@ def _self_unshared(block: BlockInverse, a: Tensor, g: Tensor) -> Tensor:
     return torch.einsum("ngo,ngi,goi->n", g2, a2, block.inverse.to(a.dtype))
 
 
+
+
+# The passes over data loaders (they call the functions above: imported last).
+from .attribution_loaders import (fit_factors, pairwise_scores_over,  # noqa: E402
+                                  query_gradients_over, self_scores_over)

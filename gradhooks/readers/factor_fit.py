@@ -31,6 +31,8 @@ from .kfac_results import DiagonalFactors, KFACFactors
 
 __all__ = ["FactorFit"]
 
+_FORMAT = 1  # (of FactorFit.save's files)
+
 
 class FactorFit:
     """KFAC / EKFAC factors accumulated over many batches, in two passes over the data::
@@ -72,6 +74,27 @@ class FactorFit:
         self._s: Dict[str, Tensor] = {}
         self._s_count: Dict[str, int] = {}
         self._dtype: Optional[torch.dtype] = None  # the features': Q and 1 / (S + λ) kept in it
+
+    def save(self, path) -> None:
+        """Write the fitted factors (sums, counts, eigenbasis, corrected eigenvalues) to
+        ``path`` (``torch.save``), to score later or in another process (kronfluence saves its
+        factors likewise); :meth:`load` reads them back."""
+        torch.save({"format": _FORMAT, "state": dict(vars(self))}, path)
+
+    @classmethod
+    def load(cls, path, map_location=None) -> "FactorFit":
+        """The :class:`FactorFit` :meth:`save` wrote to ``path`` (``torch.load`` with
+        ``weights_only=True``: tensors, numbers and the factor classes only).
+
+        Raises:
+            GradHooksError: for a file of another format."""
+        with torch.serialization.safe_globals([KFACFactors, DiagonalFactors]):
+            blob = torch.load(path, map_location=map_location, weights_only=True)
+        if not isinstance(blob, dict) or blob.get("format") != _FORMAT:
+            raise GradHooksError(f"FactorFit.load({path!r}): not a file FactorFit.save wrote")
+        fit = cls.__new__(cls)
+        fit.__dict__.update(blob["state"])
+        return fit
 
     def __repr__(self) -> str:
         return (f"FactorFit(layers={list(self._count)}, diagonal={list(self._diag)}, "
