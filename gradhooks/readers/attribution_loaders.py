@@ -1,4 +1,4 @@
-"""Influence scores over data loaders: the passes of :mod:`gradhooks.readers.attribution` and
+"""Influence scores over data loaders: the passes of :mod:`gradhooks.readers.influence_scores` and
 :class:`~gradhooks.readers.factor_fit.FactorFit` run batch by batch over a loader, with a
 progress bar (kronfluence's ``fit_all_factors``, ``compute_pairwise_scores`` and
 ``compute_self_scores`` over its data sets; Grosse et al. 2023, arXiv:2308.03296, sec. 3).
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..base.errors import GradHooksError
-from .attribution import QueryGradients, pairwise_scores, query_gradients, self_scores
+from .influence_scores import QueryGradients, pairwise_scores, query_gradients, self_scores
 from .factor_fit import FactorFit
 from .influence_blocks import Preconditioner
 

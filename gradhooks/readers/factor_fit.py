@@ -1,10 +1,10 @@
 """KFAC / EKFAC factors fitted over many batches (:class:`FactorFit`), for the influence scores
-of :mod:`gradhooks.readers.attribution`: kronfluence's ``fit_covariance_matrices``,
+of :mod:`gradhooks.readers.influence_scores`: kronfluence's ``fit_covariance_matrices``,
 ``perform_eigendecomposition`` and ``fit_lambda_matrices``, from the batches'
 :class:`~gradhooks.readers.gram.GradientFeatures` (and, for the layers without records in
 canonical form, their ``gh.kfac_factors()``).
 
-Index conventions as :mod:`gradhooks.readers.attribution`. Convention: the mean over samples
+Index conventions as :mod:`gradhooks.readers.influence_scores`. Convention: the mean over samples
 (kronfluence's; ``gh.kfac_factors()`` / ``gh.ekfac_factors()`` with ``loss_reduction="mean"`` on
 one batch)::
 

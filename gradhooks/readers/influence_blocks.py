@@ -1,7 +1,7 @@
 """The damped inverse curvature of the influence scores, block by block, and how a batch's
-:class:`~gradhooks.readers.gram.GradientFeatures` meet the blocks (:mod:`gradhooks.readers.attribution`).
+:class:`~gradhooks.readers.gram.GradientFeatures` meet the blocks (:mod:`gradhooks.readers.influence_scores`).
 
-Index conventions as :mod:`gradhooks.readers.attribution`: ``n`` sample, ``g`` group, ``s``
+Index conventions as :mod:`gradhooks.readers.influence_scores`: ``n`` sample, ``g`` group, ``s``
 weight-sharing position, ``i`` input feature with the bias's ``1`` (``I'``), ``o`` output feature.
 
 ``H`` per block (:class:`BlockInverse`):
