@@ -131,8 +131,9 @@ class BackwardPass:
             recorder._records.append(record)
         if grad.dtype in (torch.bfloat16, torch.float16):
             record.low = grad.dtype
-        if not differentiable:  # (else a create_graph pass's graph stays: differentiable reads)
-            grad = grad.detach()
+        if not differentiable and grad.requires_grad:  # (else a create_graph pass's graph
+            grad = grad.detach()  # stays: differentiable reads; a tensor that needs no
+            # detaching keeps its attributes: gradhooks' own cotangents, base.utils.OWNED)
         if record.shared is not None and leaf is None:
             # A shared call's parts arrive once per place it meets the batch: one grad_output
             # per backward pass is their sum.
