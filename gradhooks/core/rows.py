@@ -328,11 +328,18 @@ def _transpose_of(prov, u: Tensor):
             for d in (node._saved_dim0, node._saved_dim1)}
     if dims != {1, 2}:
         return None
+    param, own = _own_param_of(prov, u, node)
+    return None if param is None else (param, own)
+
+
+def _own_param_of(prov, u: Tensor, node):
+    # (param, its sources) when node (u's grad_fn) reads a parameter that is a source of its
+    # own and u carries that source alone; else (None, None).
     param = getattr(node.next_functions[0][0], "variable", None)
     src = prov.look(u)[1]
     own = prov.param_sources.get(id(param)) if param is not None else None
     if own is None or src is None or len(src) != 1 or src[0][0] is not own[0][0]:
-        return None
+        return None, None
     return param, own
 
 
@@ -342,12 +349,8 @@ def _slice_of(prov, u: Tensor):
     node = u.grad_fn
     if type(node).__name__ != "SelectBackward0" or node._saved_dim != 0:
         return None
-    param = getattr(node.next_functions[0][0], "variable", None)
-    src = prov.look(u)[1]
-    own = prov.param_sources.get(id(param)) if param is not None else None
-    if own is None or src is None or len(src) != 1 or src[0][0] is not own[0][0]:
-        return None
-    return param, node._saved_index
+    param, _ = _own_param_of(prov, u, node)
+    return None if param is None else (param, node._saved_index)
 
 
 def _into_slice(prov, sources: tuple, part: tuple, cotangent: Tensor) -> None:
