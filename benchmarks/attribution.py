@@ -239,14 +239,9 @@ def batches(x, y, size):
 
 
 def gradhooks_fit(model, train):
-    fit = attr.FactorFit()
     with gradhooks.attach(model) as gh:
-        for add in (fit.add_covariances, fit.add_eigenvalues):
-            for x, y in train:
-                F.cross_entropy(model(x), y).backward()
-                add(gh.gradient_features())
-                gh.clear()
-                model.zero_grad(set_to_none=True)
+        fit = attr.fit_factors(gh, train, lambda b: F.cross_entropy(model(b[0]), b[1]),
+                               all_layers=False, progress=False)
     return fit.preconditioner("ekfac")
 
 

@@ -10,7 +10,7 @@ and 297 test images; a seeded 3% of the training labels (36) are changed to anot
 MLP 64-128-10 (tanh) is trained on the given labels until it fits nearly all of them, the
 wrong ones included. Then, with gradhooks attached:
 
-* ``attribution.FactorFit`` fits the EK-FAC factors over the training loader (covariances,
+* ``attribution.fit_factors`` fits the EK-FAC factors over the training loader (covariances,
   eigendecomposition, eigenvalue corrections) and gives the preconditioner ``H^-1``;
 * self-influence ``g_n^T H^-1 g_n`` of every training sample (``attribution.self_scores``);
 * influence on the validation loss, ``sum_m q_m^T H^-1 g_n`` over the 300 validation samples
@@ -79,14 +79,9 @@ def influence(model, loader, x_val, y_val, strategy: str):
         if strategy == "identity":
             pre = attribution.preconditioner(None)   # H = I: TracIn / gradient similarity
         else:
-            fit = attribution.FactorFit()
-            passes = [fit.add_covariances] + ([fit.add_eigenvalues] if strategy == "ekfac" else [])
-            for add in passes:                       # pass 1: A, G; pass 2: EK-FAC eigenvalues
-                for xb, yb in loader:
-                    F.cross_entropy(model(xb), yb).backward()
-                    add(gh.gradient_features())
-                    gh.clear()
-                    model.zero_grad(set_to_none=True)
+            # pass 1: A, G; pass 2 (EK-FAC): the eigenvalues in their eigenbasis
+            fit = attribution.fit_factors(gh, loader, lambda b: F.cross_entropy(model(b[0]), b[1]),
+                                          strategy=strategy, all_layers=False, progress=False)
             pre = fit.preconditioner(strategy)
         F.cross_entropy(model(x_val), y_val).backward()
         query = attribution.query_gradients(gh.gradient_features(), pre)   # H^-1 q_m, (M, P)

@@ -241,7 +241,7 @@ def test_micro_batches_split():
 def test_poisson_lots_from_opacus_split_into_micro_batches():
     """Opacus' DPDataLoader draws the Poisson lots (sizes vary, some empty); micro_batches splits
     them; finish_step divides by the expected lot size: each step equals the loop's."""
-    data_loader = pytest.importorskip("opacus.data_loader")
+    from opacus import data_loader  # (the test extra's: a missing opacus fails, never skips)
     torch.manual_seed(0)
     model = mlp().double()
     x, y = torch.randn(20, 4, dtype=torch.float64), torch.randint(0, 3, (20,))
