@@ -316,7 +316,7 @@ class ExpertsModel(nn.Module):
 def test_linear_experts_on_routed_rows_match_loop(b, t):
     """Experts that are nn.Linear modules called on the rows routed to them (R rows of
     varying samples): their records are laid out per sample (``(B, R_max, D)``, zeros after
-    each sample's rows: gradhooks.core.layouts.routed_layout), so the Linear rule and every
+    each sample's rows: gradhooks.core.batch_dims.routed_layout), so the Linear rule and every
     reader take them as they take any (B, T, D) call; the router is a Linear on the (B * T, D)
     rows."""
     torch.manual_seed(0)

@@ -20,11 +20,11 @@ from torch.utils._pytree import tree_flatten
 from ..base.errors import BatchSizeError, GradHooksError
 from ..base.utils import tensors
 from ..rules.fallback import FallbackRule
-from .batch_dims import Routed
+from .batch_dims import Routed, per_key_rows, routed_layout
 from .provenance import Provenance, as_batch, shared_layout
 from .records import Layer
 
-__all__ = ["relayout", "routed_layout", "reads_batch_at", "partial_batch_hint", "layout_swap",
+__all__ = ["relayout", "reads_batch_at", "partial_batch_hint", "layout_swap",
            "shared_call_layout", "recomputed_error"]
 
 def relayout(t: Tensor, how: tuple) -> Tensor:
@@ -32,30 +32,12 @@ def relayout(t: Tensor, how: tuple) -> Tensor:
     (:attr:`Placed.swap`): ``("swap", d0, d1)`` transposes two dims (a ``(T, B, D)`` activation
     in a batch-first model), ``("split", d, B, inner)`` unflattens a dim of ``B * inner`` rows
     into ``(B, inner)`` (``(B * T, D)`` rows): views of ``t``; ``("routed", ...)`` lays rows
-    gathered by an index out per sample (:func:`routed_layout`, a new tensor)."""
+    gathered by an index out per sample (:func:`~gradhooks.core.batch_dims.routed_layout`, a new tensor)."""
     if how[0] == "swap":
         return t.transpose(how[1], how[2])
     if how[0] == "routed":
-        _, order, sample, at, size, longest = how
-        out = t.new_zeros((size, longest, *t.shape[1:]))
-        out[sample, at] = t[order]
-        return out
+        return per_key_rows(t, how)
     return t.unflatten(how[1], how[2:])
-
-
-def routed_layout(samples: Tensor, size: int) -> tuple:
-    """:func:`relayout`'s ``("routed", order, sample, at, size, longest)`` for rows of
-    ``samples`` (:class:`~gradhooks.core.batch_dims.Routed`: row ``r`` of sample
-    ``samples[r]``, in any order): the rows laid out per sample, ``(size, longest, ...)``, each
-    sample's rows first in their order, zeros after them (a new tensor). A position-wise layer's
-    per-sample results are linear in its grad_output, so the zero rows add nothing: an expert
-    ``nn.Linear`` on the rows routed to it gets each sample's gradient from its own rows."""
-    samples = samples.to(torch.int64)
-    counts = torch.bincount(samples, minlength=size)
-    order = torch.argsort(samples, stable=True)
-    sample = samples[order]
-    at = torch.arange(len(order), device=samples.device) - (torch.cumsum(counts, 0) - counts)[sample]
-    return ("routed", order, sample, at, size, int(counts.max()) if len(order) else 0)
 
 
 def reads_batch_at(layer: Layer, shape, dtype, dim: int, batch_first: bool = False) -> bool:
@@ -95,7 +77,7 @@ def layout_swap(prov: Provenance, layer: Layer, x: Tensor, batch_first: bool) ->
     to ``(T, B, D)`` inside, as FSMT does, or its ids to ``(T, B)``, as XLNet does), or merged
     into rows (OPT's ``(B * T, D)`` before its
     feed-forward), or rows gathered from the batch by an index (a mixture of experts' expert
-    ``nn.Linear`` on the rows routed to it: :func:`routed_layout`). Decided by the batch dim
+    ``nn.Linear`` on the rows routed to it: :func:`~gradhooks.core.batch_dims.routed_layout`). Decided by the batch dim
     ``prov`` followed from the inputs; with ``T == B``
     the declared layout would silently read the positions as samples. Marks ``prov.swapped``
     (such a signature is tracked on every forward: no plan)."""

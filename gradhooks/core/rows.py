@@ -21,7 +21,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from ..base.utils import OWNED
 from ..rules.fallback import FallbackRule
-from .batch_dims import Routed
+from .batch_dims import Routed, per_key_rows, routed_layout
 
 __all__ = ["by_sample", "linear_cotangents", "own_weights", "linear_meeting",
            "grouped_cotangents", "grouped_meeting", "gathered_meeting", "segment_outer", "ADDS"]
@@ -42,14 +42,7 @@ def _padded(t: Tensor, samples: Tensor, size: int) -> Tensor:
     # sample's own rows: the contraction then costs what the rows' own weight gradient does
     # (a one-hot over the samples would cost size times that).
     rows = t.reshape(t.shape[0], -1, t.shape[-1])
-    counts = torch.bincount(samples, minlength=size)
-    order = torch.argsort(samples, stable=True)
-    first = torch.cumsum(counts, 0) - counts
-    sorted_samples = samples[order]
-    at = torch.arange(len(order), device=t.device) - first[sorted_samples]
-    out = rows.new_zeros((size, int(counts.max()) if len(order) else 0, *rows.shape[1:]))
-    out[sorted_samples, at] = rows[order]
-    return out.flatten(1, 2)
+    return per_key_rows(rows, routed_layout(samples, size)).flatten(1, 2)
 
 
 def linear_cotangents(x: Tensor, g: Tensor, bd, size: int, weight: bool, bias: bool):
@@ -89,19 +82,15 @@ def segment_outer(u: Tensor, v: Optional[Tensor], key: Tensor, keys: int) -> Ten
     key = key.to(torch.int64)
     if v is None:
         return u.new_zeros((keys, u.shape[-1])).index_add_(0, key, u)
-    order = torch.argsort(key, stable=True)
-    if not bool((order == torch.arange(len(order), device=order.device)).all()):
-        u, v, key = u[order], v[order], key[order]
-    counts = torch.bincount(key, minlength=keys)
     u, v = u.contiguous(), v.contiguous()
     if keys and _grouped_kernel_takes(u, v):  # (u.t(): the (U, S) operand, strides (1, U))
+        order = torch.argsort(key, stable=True)
+        if not bool((order == torch.arange(len(order), device=order.device)).all()):
+            u, v, key = u[order], v[order], key[order]
+        counts = torch.bincount(key, minlength=keys)
         return torch._grouped_mm(u.t(), v, offs=torch.cumsum(counts, 0).to(torch.int32))
-    at = torch.arange(len(key), device=key.device) - (torch.cumsum(counts, 0) - counts)[key]
-    longest = int(counts.max()) if len(key) else 0
-    us = u.new_zeros((keys, longest, u.shape[-1]))
-    vs = v.new_zeros((keys, longest, v.shape[-1]))
-    us[key, at], vs[key, at] = u, v
-    return torch.bmm(us.transpose(1, 2), vs)
+    how = routed_layout(key, keys)
+    return torch.bmm(per_key_rows(u, how).transpose(1, 2), per_key_rows(v, how))
 
 
 def own_weights(prov, args, kwargs):
