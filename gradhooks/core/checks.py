@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ..base.errors import GradientMismatchError
+from .segments import Segments
 
 __all__ = ["GradTotal", "bilinear_directions", "check_sums", "projection_terms",
            "check_projections", "probed", "no_total", "check_unrecorded", "SumCheck",
@@ -502,15 +503,16 @@ def check_projections(items: List[Tuple[str, Tensor, torch.dtype]],
 def probed(name: str, t: Tensor, total: Optional[GradTotal], tol_dtype: torch.dtype,
             rows: Optional[slice] = None) -> Optional[tuple]:
     """A :func:`check_sums` item reduced to the probe coordinates, so that
-    ``t`` need not be kept: ``t`` ``(N, *shape)`` is the per-sample gradient of the parameter,
-    or of its rows ``rows`` (dim 0); ``None`` if no probe falls in those rows. Its tolerance
+    ``t`` need not be kept: ``t`` ``(N, *shape)`` is the per-sample gradient of the parameter
+    (or its :class:`~gradhooks.core.segments.Segments`), or of its rows ``rows`` (dim 0); ``None`` if no probe falls in those rows. Its tolerance
     dtype is ``tol_dtype``, or the precision autograd formed the gradient in where that is
     lower (:meth:`GradTotal.formed`)."""
     if total is None:
         raise no_total(name)
     idx, ref = total.probe_index(), total.probe_values()
-    flat = t.reshape(t.shape[0], -1)
-    if rows is not None:
+    factored = isinstance(t, Segments)  # (each sample's values at the probes, from its rows)
+    flat = t.at(idx) if factored else t.reshape(t.shape[0], -1)
+    if rows is not None and not factored:
         cols = total.shape.numel() // total.shape[0]
         inside = (idx >= rows.start * cols) & (idx < rows.stop * cols)
         idx, ref = idx[inside] - rows.start * cols, ref[inside]
@@ -522,7 +524,6 @@ def probed(name: str, t: Tensor, total: Optional[GradTotal], tol_dtype: torch.dt
     if formed != total.dtype and _looser(tol_dtype, formed) != tol_dtype:
         return name, flat, ref, formed, "formed"
     return name, flat, ref, tol_dtype
-
 
 
 def check_unrecorded(names: Mapping[int, str], params: Mapping[int, object],

@@ -18,6 +18,7 @@ from ..base import utils
 from .graph import mark
 from .layouts import reads_batch_at
 from .provenance import as_batch, meeting_cotangent, source_cotangent
+from .segments import Segments
 
 __all__ = ["note_meeting", "pull_back"]
 
@@ -98,6 +99,8 @@ def pull_back(placement, edge, sources: tuple, how: str, shape: tuple, grad: Ten
         for i in rest:
             pulled[i] = cotangent.new_zeros((0, *live[i][2]))
     elif rest:
+        if isinstance(cotangent, Segments):  # (pulled back through ops: autograd needs it formed)
+            cotangent = cotangent.dense()
         placement.pulling = True  # (a raw parameter's gradient hooks see this pass: not theirs)
         try:
             got = torch.autograd.grad([edge], [live[i][1] for i in rest], [cotangent],

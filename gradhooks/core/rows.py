@@ -22,6 +22,7 @@ from torch.autograd.graph import get_gradient_edge
 from ..base.utils import OWNED
 from ..rules.fallback import FallbackRule
 from .batch_dims import Routed, per_key_rows, routed_layout
+from .segments import Segments, segment_outer
 
 __all__ = ["by_sample", "linear_cotangents", "own_weights", "linear_meeting",
            "grouped_cotangents", "grouped_meeting", "gathered_meeting", "segment_outer", "ADDS"]
@@ -59,38 +60,6 @@ def linear_cotangents(x: Tensor, g: Tensor, bd, size: int, weight: bool, bias: b
         xs, gs = _padded(x, bd.samples, size), _padded(g, bd.samples, size)
     gw = torch.einsum("nso,nsi->noi", gs, xs) if weight else None
     return gw, gs.sum(1) if bias else None
-
-
-def _grouped_kernel_takes(*ts: Tensor) -> bool:
-    # torch's grouped product over the contracted dim (torch._grouped_mm of (U, S) by (S, V)
-    # with offsets): CPU, float32 / bfloat16, rows 16-byte aligned.
-    t0 = ts[0]
-    return (hasattr(torch, "_grouped_mm") and t0.device.type == "cpu"
-            and t0.dtype in (torch.float32, torch.bfloat16)
-            and all(t.dtype == t0.dtype and t.dim() == 2 and t.stride(1) == 1
-                    and (t.stride(0) * t.element_size()) % 16 == 0
-                    and t.data_ptr() % 16 == 0 for t in ts))
-
-
-def segment_outer(u: Tensor, v: Optional[Tensor], key: Tensor, keys: int) -> Tensor:
-    """``out[k] = sum_{r: key[r] = k} u[r] v[r]^T``, ``(keys, U, V)``, for rows ``u (S, U)``,
-    ``v (S, V)`` and their keys ``key (S,)`` in ``[0, keys)``; ``out[k] = sum_r u[r]``,
-    ``(keys, U)``, for ``v=None``. The rows are put in key order (a gather, skipped where they
-    are) and contracted segment by segment: by torch's grouped product where it runs (one
-    kernel, the rows' own cost), else over the segments padded to the longest (zeros after each
-    segment's rows)."""
-    key = key.to(torch.int64)
-    if v is None:
-        return u.new_zeros((keys, u.shape[-1])).index_add_(0, key, u)
-    u, v = u.contiguous(), v.contiguous()
-    if keys and _grouped_kernel_takes(u, v):  # (u.t(): the (U, S) operand, strides (1, U))
-        order = torch.argsort(key, stable=True)
-        if not bool((order == torch.arange(len(order), device=order.device)).all()):
-            u, v, key = u[order], v[order], key[order]
-        counts = torch.bincount(key, minlength=keys)
-        return torch._grouped_mm(u.t(), v, offs=torch.cumsum(counts, 0).to(torch.int32))
-    how = routed_layout(key, keys)
-    return torch.bmm(per_key_rows(u, how).transpose(1, 2), per_key_rows(v, how))
 
 
 def own_weights(prov, args, kwargs):
@@ -158,15 +127,15 @@ def grouped_cotangents(x: Tensor, g: Tensor, samples: Tensor, offs: Tensor, size
                        groups: int, weight: bool, bias: bool, transposed: bool = False):
     """Each sample's gradient of a grouped product's ``(E, I, O)`` weight, ``(size, E, I, O)``
     (``(size, E, O, I)`` with ``transposed``: the layout of the parameter it is a transpose
-    of), and of its ``(E, O)`` bias, ``(size, E, O)`` (``None`` for those not asked for), from
-    its rows ``x (S, I)``, their output's gradient ``g (S, O)``, the rows' samples
+    of), and of its ``(E, O)`` bias, ``(size, E, O)`` (``None`` for those not asked for), as
+    :class:`~gradhooks.core.segments.Segments` (factored: formed only by a reader that needs
+    them), from its rows ``x (S, I)``, their output's gradient ``g (S, O)``, the rows' samples
     ``samples (S,)`` and the groups' end offsets ``offs (E,)`` (row ``r`` in group ``e`` for
     ``offs[e-1] <= r < offs[e]``; rows after ``offs[-1]`` are in none)::
 
         dL_n/dW_e = sum_{r of sample n in group e} x[r] g[r]^T
 
-    formed as one contraction over the rows of each ``(sample, group)`` pair
-    (:func:`segment_outer`), at the cost of the groups' own weight gradient."""
+    one segment per ``(sample, group)`` pair."""
     rows = x.shape[0]
     group = torch.searchsorted(offs.to(torch.int64), torch.arange(rows, device=x.device),
                                right=True)
@@ -176,11 +145,10 @@ def grouped_cotangents(x: Tensor, g: Tensor, samples: Tensor, offs: Tensor, size
         x, g, key = x[inside], g[inside], key[inside]
     gw = gb = None
     if weight:
-        gw = segment_outer(g, x, key, size * groups) if transposed else segment_outer(
-            x, g, key, size * groups)
-        gw = gw.reshape(size, groups, *gw.shape[1:])
+        u, v = (g, x) if transposed else (x, g)
+        gw = Segments(u, v, key, size, (groups, u.shape[-1], v.shape[-1]))
     if bias:
-        gb = segment_outer(g, None, key, size * groups).reshape(size, groups, -1)
+        gb = Segments(g, None, key, size, (groups, g.shape[-1]))
     return gw, gb
 
 
@@ -259,9 +227,7 @@ def gathered_meeting(prov, func, args, kwargs, ref, bd):
         prov.noted(sources[:1], "linear", out, None, None)
 
         def on_grad(g):
-            cot = segment_outer(g, None, key, size * groups).reshape(size, *shape)
-            setattr(cot, OWNED, True)
-            prov.meet(edge, sources[:1], "given", shape, cot, None)
+            prov.meet(edge, sources[:1], "given", shape, Segments(g, None, key, size, shape), None)
         out.register_hook(on_grad)
     return hook
 
@@ -294,8 +260,10 @@ def _meeting(prov, w, b, tainted, cotangents, whole=None):
 
         def on_grad(g):
             gw, gb = cotangents(g, any(m[3] for m in met), not all(m[3] for m in met))
+            if g.requires_grad:  # (create_graph: a differentiable read needs the tensors)
+                gw, gb = (t.dense() if isinstance(t, Segments) else t for t in (gw, gb))
             for t in (gw, gb):
-                if t is not None and not t.requires_grad:
+                if isinstance(t, Tensor) and not t.requires_grad:
                     setattr(t, OWNED, True)  # (formed here, for one record: scaled in place)
             for edge, src, shape, is_w, part in met:
                 if part is None or g.requires_grad:

@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_map
 from ..base.errors import UnsupportedModuleError
 from ..base.utils import LOW_PRECISION, OWNED, compute_dtype
 from ..core.records import Layer
+from ..core.segments import Segments
 
 __all__ = ["grad_sum", "summed", "canonical", "canonical_call", "canonical_sizes", "identity_form",
            "augmented", "scaled", "call_grads"]
@@ -256,6 +257,10 @@ def _call_grads(rule, module: nn.Module, a, grads, batch_first: bool, names: tup
                 scale: Optional[float], release: Optional[Callable[[], None]]
                 ) -> Dict[str, Tensor]:
     if rule.multi_io:
+        if isinstance(grads, Segments):  # (a raw parameter's factored cotangents: formed here,
+            if release is not None:      # the scale on their rows, into a reused buffer)
+                release()
+            return {names[0]: grads.dense(scale)}
         if (scale is not None and release is not None and getattr(a, "shared", None) == "param"
                 and isinstance(grads, Tensor) and getattr(grads, OWNED, False)
                 and not grads.requires_grad):

@@ -19,7 +19,7 @@ from torch import Tensor
 from ..core.capture import Batch
 from .canonical import call_grads, summed
 from .distributed import is_sharded
-from .plan import CLOSED, FORMS, GENERIC, GRAM, ROWS, TIED, Forms, PlannedParam
+from .plan import CLOSED, FORMS, GENERIC, GRAM, ROWS, TIED, Forms, PlannedParam, factored
 
 __all__ = ["ghost_sums"]
 
@@ -122,6 +122,11 @@ def ghost_sums(batch: Batch, plans: Dict[int, PlannedParam], c: Union[Tensor, Di
         closed = [n for n, k in zip(cap.names, kinds)
                   if k in (GRAM, CLOSED) or (k == TIED and not layer.rule.has_rows)]
         generic = [n for n, k in zip(cap.names, kinds) if k == GENERIC]
+        if generic and factored(cap, plans[id(layer.params[generic[0]])]):
+            pid = id(layer.params[generic[0]])  # (a grouped product's weight: one contraction)
+            offered.add(pid)
+            add(pid, cap.grads[0].weighted(weights(pid)))
+            generic = []
         if closed:
             a, g = summed(cap)
             dt = a.dtype

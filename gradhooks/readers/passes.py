@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_unflatten
 
 from ..base.errors import BatchSizeError, GradHooksError, NoBackwardError
 from ..core.capture import Layer, Recorder
+from ..core.segments import Segments
 
 __all__ = ["PassCall", "run_passes", "check_output"]
 
@@ -83,7 +84,8 @@ def _take(cap) -> Optional[PassCall]:
     leaves = list(cap.grads)
     reached = False
     for i, t in enumerate(leaves):
-        if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex()):
+        if isinstance(t, Segments) or (isinstance(t, Tensor)
+                                       and (t.is_floating_point() or t.is_complex())):
             cap.grads[i] = None
             reached = True
     if not reached and inner is None:

@@ -49,13 +49,14 @@ from ..base.forms import Block, Rows, from_blocks, gram_sq_norms, sq_norms, weig
 from ..base.utils import compute_dtype
 from ..core.checks import check_projections, check_sums, probed, projection_terms, user_hooks
 from ..core.records import Batch, Record
+from ..core.segments import Segments
 from .canonical import (call_grads, canonical, canonical_call, canonical_sizes, identity_form,
                         summed)
 from .scatters import rows_of, rows_probed, rows_sq_norms, tied_cross, tied_linear
 
 __all__ = ["GRAM", "CLOSED", "FORMS", "ROWS", "TIED", "GENERIC", "MEMORY_BOUND", "BYTE_COST",
            "use_gram", "add_up", "PlannedParam", "plan", "Forms", "squared_norms",
-           "result_sq_norms"]
+           "result_sq_norms", "factored"]
 
 # How each parameter's per-sample norm and clipped sum are formed.
 GRAM = "gram"          # weight of a rule with a linear form: Gram-form norm, closed-form clipped sum
@@ -157,8 +158,9 @@ def plan(batch: Batch) -> Tuple[Dict[int, PlannedParam], Tuple[int, ...]]:
         GradientMismatchError: (``check`` on) a parameter autograd reached has no record.
     """
     caps = batch.records
-    key = ("norm plan", batch.size, tuple((id(cap.layer), cap.names, None if cap.spec is not None
-                                          else tuple(cap.grads[0].shape)) for cap in caps))
+    key = ("norm plan", batch.size, tuple((id(cap.layer), cap.names, (
+        isinstance(cap.grads[0], Segments)) if cap.spec is not None
+        else tuple(cap.grads[0].shape)) for cap in caps))
     template = batch.memo.get(key, lambda: _plan_template(batch))
     plans: Dict[int, PlannedParam] = {}
     for pid, kind, entries in template[0]:
@@ -396,7 +398,13 @@ def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[int
         for local in cap.names:
             pid = id(layer.params[local])
             kind = plans[pid].kind
-            if kind == CLOSED and local == "bias":
+            if factored(cap, plans[pid]):  # (a grouped product's weight: per segment)
+                seg = cap.grads[0]
+                sq[pid] = seg.sq_norms()
+                if check:
+                    probes.append(probed(plans[pid].name, seg,
+                                         batch.totals.get(pid), cap.low or seg.dtype))
+            elif kind == CLOSED and local == "bias":
                 reduce(pid, _bias_grads(cap, batch.batch_first), cap.low)
             elif kind not in (GRAM, FORMS, ROWS, TIED):
                 rest.append(local)
@@ -435,6 +443,14 @@ def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[int
     if check:
         batch.check_passed()
     return sq
+
+
+def factored(cap: Record, p: PlannedParam) -> bool:
+    """Whether ``p`` (:data:`GENERIC`) is a raw parameter of this one record whose per-sample
+    gradients are held as :class:`~gradhooks.core.segments.Segments` (a grouped product's
+    weight): its norm and clipped sum are then formed from the rows, never the tensor."""
+    return (p.kind == GENERIC and len(p.entries) == 1 and cap.spec is not None
+            and len(cap.grads) == 1 and isinstance(cap.grads[0], Segments))
 
 
 def _forms_sq_norm(batch: Batch, p: PlannedParam, forms: Forms, sq, probes, projections, check: bool) -> None:
