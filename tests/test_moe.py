@@ -134,13 +134,23 @@ def check(model, b, t, rtol, seed=0):
         token_loss(model(ids), y).backward()
         torch.testing.assert_close(gh.per_sample_grad_norms(), norms, rtol=max(rtol, 1e-9),
                                    atol=0)
-        close(gh.per_sample_grads(), ref)
+        per_param = gh.per_sample_grad_norms(per_param=True)
+        for name, r in ref.items():  # (each expert's weight: from its factored segments)
+            want = r.flatten(1).norm(dim=1)
+            torch.testing.assert_close(per_param[name], want, rtol=max(rtol, 1e-9),
+                                       atol=rtol * float(norms.max()), msg=name)
         max_norm = float(norms.sort().values[b // 2]) * 1.01
-        gh.clip_and_accumulate(max_norm)
         factors = (max_norm / norms).clamp(max=1.0)
         grads = dict(model.named_parameters())
-        close({n: grads[n].grad for n in ref},
-              {n: torch.tensordot(factors, g, 1) / b for n, g in ref.items()})
+        clipped = {n: torch.tensordot(factors, g, 1) / b for n, g in ref.items()}
+        gh.clip_and_accumulate(max_norm)  # (from the records: the ghost method)
+        close({n: grads[n].grad for n in ref}, clipped)
+        close(gh.sum_grad_squared(), {n: g.square().sum(0) for n, g in ref.items()})
+        model.zero_grad(set_to_none=True)
+        token_loss(model(ids), y).backward()
+        close(gh.per_sample_grads(), ref)
+        gh.clip_and_accumulate(max_norm)  # (from per_sample_grads' result)
+        close({n: grads[n].grad for n in ref}, clipped)
     finally:
         gh.detach()
 
@@ -316,7 +326,7 @@ class ExpertsModel(nn.Module):
 def test_linear_experts_on_routed_rows_match_loop(b, t):
     """Experts that are nn.Linear modules called on the rows routed to them (R rows of
     varying samples): their records are laid out per sample (``(B, R_max, D)``, zeros after
-    each sample's rows: gradhooks.core.batch_dims.routed_layout), so the Linear rule and every
+    each sample's rows: gradhooks.base.segments.routed_layout), so the Linear rule and every
     reader take them as they take any (B, T, D) call; the router is a Linear on the (B * T, D)
     rows."""
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Factored per-sample gradients of grouped products (gradhooks.core.segments): every read of a
+"""Factored per-sample gradients of grouped products (gradhooks.base.segments): every read of a
 :class:`Segments` (formed, scaled, norms, weighted sum, probe values, sums of several) against
 the definition ``out[n, e] = sum_{r: key[r] = n E + e} u[r] v[r]^T`` formed row by row in
 float64, over batch sizes 0, 1 and several, segments empty and skewed, rows in runs or shuffled,
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from gradhooks.base._pool import BufferPool, using_pool
-from gradhooks.core import segments
-from gradhooks.core.segments import Segments, segment_outer
+from gradhooks.base import segments
+from gradhooks.base.segments import Segments, segment_outer
 
 E, U, V = 4, 6, 5
 

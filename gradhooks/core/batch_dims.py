@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["batch_dim_after", "operands", "ROW_ALIGNED", "METADATA", "JOINS", "MATMULS",
-           "RECURRENT", "Routed", "is_grouped_mm", "routed_layout", "per_key_rows"]
+           "RECURRENT", "Routed", "is_grouped_mm"]
 
 
 class Routed:
@@ -55,31 +55,6 @@ class Routed:
         inner = rows // self.size
         order = torch.arange(rows, device=self.samples.device) // inner
         return inner if bool(torch.equal(order, self.samples)) else None
-
-
-def routed_layout(samples: Tensor, size: int) -> tuple:
-    """``("routed", order, sample, at, size, longest)`` (:func:`per_key_rows`; the layout of
-    :func:`gradhooks.core.layouts.relayout`) for rows of
-    ``samples`` (:class:`~gradhooks.core.batch_dims.Routed`: row ``r`` of sample
-    ``samples[r]``, in any order): the rows laid out per sample, ``(size, longest, ...)``, each
-    sample's rows first in their order, zeros after them (a new tensor). A position-wise layer's
-    per-sample results are linear in its grad_output, so the zero rows add nothing: an expert
-    ``nn.Linear`` on the rows routed to it gets each sample's gradient from its own rows."""
-    samples = samples.to(torch.int64)
-    counts = torch.bincount(samples, minlength=size)
-    order = torch.argsort(samples, stable=True)
-    sample = samples[order]
-    at = torch.arange(len(order), device=samples.device) - (torch.cumsum(counts, 0) - counts)[sample]
-    return ("routed", order, sample, at, size, int(counts.max()) if len(order) else 0)
-
-
-def per_key_rows(t: Tensor, how: tuple) -> Tensor:
-    """``t``'s rows ``(R, ...)`` laid out per key as :func:`routed_layout` says: ``(size,
-    longest, ...)``, each key's rows first in their order, zeros after them (a new tensor)."""
-    _, order, sample, at, size, longest = how
-    out = t.new_zeros((size, longest, *t.shape[1:]))
-    out[sample, at] = t[order]
-    return out
 
 
 # Grouped matrix products (``out[r] = x[r] @ w[e(r)]``, rows ``offs[e-1] <= r < offs[e]`` of

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..base.errors import GradientMismatchError
-from .segments import Segments
+from ..base.segments import Segments
 
 __all__ = ["GradTotal", "bilinear_directions", "check_sums", "projection_terms",
            "check_projections", "probed", "no_total", "check_unrecorded", "SumCheck",
@@ -504,7 +504,7 @@ def probed(name: str, t: Tensor, total: Optional[GradTotal], tol_dtype: torch.dt
             rows: Optional[slice] = None) -> Optional[tuple]:
     """A :func:`check_sums` item reduced to the probe coordinates, so that
     ``t`` need not be kept: ``t`` ``(N, *shape)`` is the per-sample gradient of the parameter
-    (or its :class:`~gradhooks.core.segments.Segments`), or of its rows ``rows`` (dim 0); ``None`` if no probe falls in those rows. Its tolerance
+    (or its :class:`~gradhooks.base.segments.Segments`), or of its rows ``rows`` (dim 0); ``None`` if no probe falls in those rows. Its tolerance
     dtype is ``tol_dtype``, or the precision autograd formed the gradient in where that is
     lower (:meth:`GradTotal.formed`)."""
     if total is None:

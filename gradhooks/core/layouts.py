@@ -20,7 +20,8 @@ from torch.utils._pytree import tree_flatten
 from ..base.errors import BatchSizeError, GradHooksError
 from ..base.utils import tensors
 from ..rules.fallback import FallbackRule
-from .batch_dims import Routed, per_key_rows, routed_layout
+from ..base.segments import per_key_rows, routed_layout
+from .batch_dims import Routed
 from .provenance import Provenance, as_batch, shared_layout
 from .records import Layer
 
@@ -32,7 +33,7 @@ def relayout(t: Tensor, how: tuple) -> Tensor:
     (:attr:`Placed.swap`): ``("swap", d0, d1)`` transposes two dims (a ``(T, B, D)`` activation
     in a batch-first model), ``("split", d, B, inner)`` unflattens a dim of ``B * inner`` rows
     into ``(B, inner)`` (``(B * T, D)`` rows): views of ``t``; ``("routed", ...)`` lays rows
-    gathered by an index out per sample (:func:`~gradhooks.core.batch_dims.routed_layout`, a new tensor)."""
+    gathered by an index out per sample (:func:`~gradhooks.base.segments.routed_layout`, a new tensor)."""
     if how[0] == "swap":
         return t.transpose(how[1], how[2])
     if how[0] == "routed":
@@ -77,7 +78,7 @@ def layout_swap(prov: Provenance, layer: Layer, x: Tensor, batch_first: bool) ->
     to ``(T, B, D)`` inside, as FSMT does, or its ids to ``(T, B)``, as XLNet does), or merged
     into rows (OPT's ``(B * T, D)`` before its
     feed-forward), or rows gathered from the batch by an index (a mixture of experts' expert
-    ``nn.Linear`` on the rows routed to it: :func:`~gradhooks.core.batch_dims.routed_layout`). Decided by the batch dim
+    ``nn.Linear`` on the rows routed to it: :func:`~gradhooks.base.segments.routed_layout`). Decided by the batch dim
     ``prov`` followed from the inputs; with ``T == B``
     the declared layout would silently read the positions as samples. Marks ``prov.swapped``
     (such a signature is tracked on every forward: no plan)."""

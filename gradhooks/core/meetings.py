@@ -15,10 +15,10 @@ import torch
 from torch import Tensor
 
 from ..base import utils
+from ..base.segments import Segments
 from .graph import mark
 from .layouts import reads_batch_at
 from .provenance import as_batch, meeting_cotangent, source_cotangent
-from .segments import Segments
 
 __all__ = ["note_meeting", "pull_back"]
 

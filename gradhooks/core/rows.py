@@ -21,8 +21,8 @@ from torch.autograd.graph import get_gradient_edge
 
 from ..base.utils import OWNED
 from ..rules.fallback import FallbackRule
-from .batch_dims import Routed, per_key_rows, routed_layout
-from .segments import Segments, segment_outer
+from ..base.segments import Segments, per_key_rows, routed_layout, segment_outer
+from .batch_dims import Routed
 
 __all__ = ["by_sample", "linear_cotangents", "own_weights", "linear_meeting",
            "grouped_cotangents", "grouped_meeting", "gathered_meeting", "segment_outer", "ADDS"]
@@ -128,7 +128,7 @@ def grouped_cotangents(x: Tensor, g: Tensor, samples: Tensor, offs: Tensor, size
     """Each sample's gradient of a grouped product's ``(E, I, O)`` weight, ``(size, E, I, O)``
     (``(size, E, O, I)`` with ``transposed``: the layout of the parameter it is a transpose
     of), and of its ``(E, O)`` bias, ``(size, E, O)`` (``None`` for those not asked for), as
-    :class:`~gradhooks.core.segments.Segments` (factored: formed only by a reader that needs
+    :class:`~gradhooks.base.segments.Segments` (factored: formed only by a reader that needs
     them), from its rows ``x (S, I)``, their output's gradient ``g (S, O)``, the rows' samples
     ``samples (S,)`` and the groups' end offsets ``offs (E,)`` (row ``r`` in group ``e`` for
     ``offs[e-1] <= r < offs[e]``; rows after ``offs[-1]`` are in none)::

@@ -45,9 +45,9 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from ..base.errors import UnsupportedModuleError
+from ..base.segments import Segments
 from ..base.utils import LOW_PRECISION, OWNED, compute_dtype
 from ..core.records import Layer
-from ..core.segments import Segments
 
 __all__ = ["grad_sum", "summed", "canonical", "canonical_call", "canonical_sizes", "identity_form",
            "augmented", "scaled", "call_grads"]

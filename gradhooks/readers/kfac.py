@@ -189,7 +189,7 @@ def kfac_factors(
     records = [cap for cap in batch.records if wanted(cap.layer)]
     routed = next((cap for cap in records if cap.swap is not None and cap.swap[0] == "routed"),
                   None)
-    if routed is not None:  # (gradhooks.core.batch_dims.routed_layout: rows padded per sample)
+    if routed is not None:  # (gradhooks.base.segments.routed_layout: rows padded per sample)
         raise GradHooksError(
             f"kfac_factors(): module {routed.layer.describe()} is called on rows routed to it "
             f"(a mixture of experts' expert: a different number of rows per sample), and KFAC's "

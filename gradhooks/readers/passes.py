@@ -27,8 +27,8 @@ from torch import Tensor
 from torch.utils._pytree import tree_unflatten
 
 from ..base.errors import BatchSizeError, GradHooksError, NoBackwardError
+from ..base.segments import Segments
 from ..core.capture import Layer, Recorder
-from ..core.segments import Segments
 
 __all__ = ["PassCall", "run_passes", "check_output"]
 

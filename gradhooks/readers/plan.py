@@ -46,10 +46,10 @@ import torch
 from torch import Tensor
 
 from ..base.forms import Block, Rows, from_blocks, gram_sq_norms, sq_norms, weight_grad
+from ..base.segments import Segments
 from ..base.utils import compute_dtype
 from ..core.checks import check_projections, check_sums, probed, projection_terms, user_hooks
 from ..core.records import Batch, Record
-from ..core.segments import Segments
 from .canonical import (call_grads, canonical, canonical_call, canonical_sizes, identity_form,
                         summed)
 from .scatters import rows_of, rows_probed, rows_sq_norms, tied_cross, tied_linear
@@ -447,7 +447,7 @@ def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[int
 
 def factored(cap: Record, p: PlannedParam) -> bool:
     """Whether ``p`` (:data:`GENERIC`) is a raw parameter of this one record whose per-sample
-    gradients are held as :class:`~gradhooks.core.segments.Segments` (a grouped product's
+    gradients are held as :class:`~gradhooks.base.segments.Segments` (a grouped product's
     weight): its norm and clipped sum are then formed from the rows, never the tensor."""
     return (p.kind == GENERIC and len(p.entries) == 1 and cap.spec is not None
             and len(cap.grads) == 1 and isinstance(cap.grads[0], Segments))

@@ -24,15 +24,39 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..base._pool import new_empty
-from .batch_dims import per_key_rows, routed_layout
+from ._pool import new_empty
 
-__all__ = ["segment_outer", "Segments", "LOOP_KEYS"]
+__all__ = ["routed_layout", "per_key_rows", "segment_outer", "Segments", "LOOP_KEYS"]
 
 #: Up to this many non-empty segments a contraction into a given buffer runs one ``mm`` per
 #: segment (``out=`` its slice of a buffer the pool may hand back: no fresh pages); above it, one
 #: grouped kernel into a new tensor (the Python loop would cost more than the pages).
 LOOP_KEYS = 1024
+
+
+def routed_layout(samples: Tensor, size: int) -> tuple:
+    """``("routed", order, sample, at, size, longest)`` (:func:`per_key_rows`; the layout of
+    :func:`gradhooks.core.layouts.relayout`) for rows of
+    ``samples`` (a :class:`~gradhooks.core.batch_dims.Routed` batch: row ``r`` of sample
+    ``samples[r]``, in any order): the rows laid out per sample, ``(size, longest, ...)``, each
+    sample's rows first in their order, zeros after them (a new tensor). A position-wise layer's
+    per-sample results are linear in its grad_output, so the zero rows add nothing: an expert
+    ``nn.Linear`` on the rows routed to it gets each sample's gradient from its own rows."""
+    samples = samples.to(torch.int64)
+    counts = torch.bincount(samples, minlength=size)
+    order = torch.argsort(samples, stable=True)
+    sample = samples[order]
+    at = torch.arange(len(order), device=samples.device) - (torch.cumsum(counts, 0) - counts)[sample]
+    return ("routed", order, sample, at, size, int(counts.max()) if len(order) else 0)
+
+
+def per_key_rows(t: Tensor, how: tuple) -> Tensor:
+    """``t``'s rows ``(R, ...)`` laid out per key as :func:`routed_layout` says: ``(size,
+    longest, ...)``, each key's rows first in their order, zeros after them (a new tensor)."""
+    _, order, sample, at, size, longest = how
+    out = t.new_zeros((size, longest, *t.shape[1:]))
+    out[sample, at] = t[order]
+    return out
 
 
 def _grouped_kernel_takes(*ts: Tensor) -> bool:
@@ -54,20 +78,13 @@ def _in_key_order(key: Tensor, *ts: Optional[Tensor]):
     return (key[order], *(None if t is None else t[order] for t in ts))
 
 
-def _runs(key: Tensor, *ts: Tensor):
-    # ([(key, start, length)], ts...) of the runs of equal consecutive keys, each key in one run:
-    # the rows as they come where they already are so (a grouped product's rows sorted by
-    # expert keep each sample's rows together), else sorted by key first (a gather).
-    for attempt in range(2):
-        if not key.numel():
-            return ([], *ts)
-        starts = torch.cat([key.new_zeros(1), torch.nonzero(key[1:] != key[:-1]).flatten() + 1])
-        run_keys = key[starts]
-        if attempt or torch.unique(run_keys).numel() == run_keys.numel():
-            ends = starts[1:].tolist() + [key.numel()]
-            return ([(k, s, e - s) for k, s, e in zip(run_keys.tolist(), starts.tolist(), ends)],
-                    *ts)
-        key, *ts = _in_key_order(key, *ts)
+def _runs(key: Tensor):
+    # [(key, start, length)] of the segments of rows sorted by key
+    if not key.numel():
+        return []
+    found, counts = torch.unique_consecutive(key, return_counts=True)
+    ends = torch.cumsum(counts, 0)
+    return [(k, e - c, c) for k, e, c in zip(found.tolist(), ends.tolist(), counts.tolist())]
 
 
 def segment_outer(u: Tensor, v: Optional[Tensor], key: Tensor, keys: int,
@@ -75,25 +92,22 @@ def segment_outer(u: Tensor, v: Optional[Tensor], key: Tensor, keys: int,
     """``out[k] = sum_{r: key[r] = k} u[r] v[r]^T``, ``(keys, U, V)``, for rows ``u (S, U)``,
     ``v (S, V)`` and their keys ``key (S,)`` in ``[0, keys)``; ``out[k] = sum_r u[r]``,
     ``(keys, U)``, for ``v=None``. Contracted segment by segment, at the rows' own cost: into
-    ``out`` (given, of that shape) by one ``mm`` per segment (the rows as they come where each
-    segment's are together, else sorted) up to :data:`LOOP_KEYS` segments; else, the rows
-    sorted by key, by torch's grouped product where it runs (one kernel), else over the
+    ``out`` (given, of that shape) by one ``mm`` per segment up to :data:`LOOP_KEYS` segments;
+    else by torch's grouped product where it runs (one kernel), else over the
     segments padded to the longest (zeros after each segment's rows)."""
     key = key.to(torch.int64)
     if v is None:
         res = u.new_zeros((keys, u.shape[-1])) if out is None else out.zero_()
         return res.index_add_(0, key, u)
-    u, v = u.contiguous(), v.contiguous()
-    runs = _runs(key, u, v) if out is not None else None
-    if runs is not None and len(runs[0]) <= LOOP_KEYS:
-        runs, ru, rv = runs
+    key, u, v = _in_key_order(key, u.contiguous(), v.contiguous())
+    runs = _runs(key) if out is not None else None
+    if runs is not None and len(runs) <= LOOP_KEYS:
         empty = torch.ones(keys, dtype=torch.bool, device=u.device)
         empty[torch.tensor([k for k, _, _ in runs], dtype=torch.int64, device=u.device)] = False
         out.index_fill_(0, torch.nonzero(empty).flatten(), 0)
         for k, start, length in runs:
-            torch.mm(ru[start:start + length].t(), rv[start:start + length], out=out[k])
+            torch.mm(u[start:start + length].t(), v[start:start + length], out=out[k])
         return out
-    key, u, v = _in_key_order(key, u, v)
     counts = torch.bincount(key, minlength=keys)
     if keys and _grouped_kernel_takes(u, v):  # (u.t(): the (U, S) operand, strides (1, U))
         return torch._grouped_mm(u.t(), v, offs=torch.cumsum(counts, 0).to(torch.int32))
@@ -206,7 +220,8 @@ class Segments:
         if self.v is None:
             sq = segment_outer(self.u, None, self.key, keys).square().sum(1)
             return sq.view(self.size, e).sum(1)
-        runs, u, v = _runs(self.key.to(torch.int64), self.u, self.v)
+        key, u, v = _in_key_order(self.key.to(torch.int64), self.u, self.v)
+        runs = _runs(key)
         dt = u.dtype if u.dtype == torch.float64 else torch.float32
         dim_u, dim_v = u.shape[-1], v.shape[-1]
         parts, at = [], []
