@@ -3,7 +3,7 @@
 The model is Opacus' shared test mixin (``opacus/tests/grad_samples/common.py``, which runs
 every grad-sample mode of one module against micro-batches): here one table has a small module
 per registered layer type (:func:`gradhooks.supported_types`, checked complete below) plus a
-module only the fallback covers, and every reader of the per-sample gradients is compared with
+module only the fallback covers and a mixture of experts of raw-parameter slices, and every reader of the per-sample gradients is compared with
 what it must equal when computed from the looped ones (``tests/conftest.py``'s ``loop_grads``,
 one forward and backward per sample):
 
@@ -56,6 +56,32 @@ class Gate(nn.Module):
         return torch.tanh(x * self.w) * x
 
 
+class SliceExperts(nn.Module):
+    """A mixture of experts no rule knows (custom MoE code): each row of ``(B, T, D)`` goes to
+    2 of 3 experts, chosen by the row's own largest entries among its first 3 (from the input
+    itself: no rounding can change the choice), weighted by a softmax of a Linear router; the
+    experts are slices ``weight[e]``, ``bias[e]`` of raw parameters, applied in a loop to the
+    rows routed to them (their per-sample gradients: gradhooks.base.segments.Segments)."""
+
+    def __init__(self, d: int = 5, experts: int = 3):
+        super().__init__()
+        self.router = nn.Linear(d, experts, bias=False)
+        self.weight = nn.Parameter(torch.randn(experts, d, d) / d ** 0.5)
+        self.bias = nn.Parameter(torch.randn(experts, d))
+
+    def forward(self, x):
+        rows = x.reshape(-1, x.shape[-1])
+        experts = self.weight.shape[0]
+        chosen = rows.detach()[:, :experts].topk(2, -1).indices
+        probs = torch.softmax(self.router(rows), -1)
+        out = torch.zeros_like(rows)
+        for e in range(experts):
+            token = torch.where((chosen == e).any(-1))[0]
+            y = torch.nn.functional.linear(rows[token], self.weight[e], self.bias[e])
+            out.index_add_(0, token, y * probs[token][:, e, None])
+        return out.reshape(x.shape)
+
+
 def _bn(cls, c):
     m = cls(c)
     m.running_mean.normal_()
@@ -100,6 +126,7 @@ MODULES = {
     "MultiheadAttention": (lambda: Pick(nn.MultiheadAttention(8, 2, batch_first=True),
                                         "self_attention"), (3, 8), None),
     "fallback": (lambda: Gate(5), (2, 5), None),
+    "moe-slices": (lambda: SliceExperts(), (3, 5), None),
 }
 
 SIZES = [0, 1, 3]

@@ -333,6 +333,49 @@ def test_linear_experts_on_routed_rows_match_loop(b, t):
     check(ExpertsModel().double(), b, t, rtol=1e-10)
 
 
+class SliceExperts(nn.Module):
+    """Experts as slices of raw parameters in a loop (custom MoE code, transformers' "eager"
+    experts): ``F.linear(rows, self.weight[e], self.bias[e])`` on the rows routed to expert
+    ``e``, indexed from the end (``e - E``: negative indices), each row at two positions
+    (``(R, 2, D)``) when ``pairs``."""
+
+    def __init__(self, d=8, experts=3, k=2, pairs=False):
+        super().__init__()
+        self.router, self.k, self.pairs = nn.Linear(d, experts, bias=False), k, pairs
+        self.weight = nn.Parameter(torch.randn(experts, d, d) / d ** 0.5)
+        self.bias = nn.Parameter(torch.randn(experts, d))
+
+    def forward(self, h):  # (B, T, D)
+        rows = h.reshape(-1, h.shape[-1])
+        weights, chosen = torch.softmax(self.router(rows), -1).topk(self.k, -1)
+        out = torch.zeros_like(rows)
+        experts = self.weight.shape[0]
+        for e in range(experts):
+            token, slot = torch.where(chosen == e)
+            x = rows[token]
+            if self.pairs:  # (each routed row at two positions: itself and scaled)
+                x = x[:, None] * torch.tensor([[1.0], [-0.5]], dtype=x.dtype)
+            y = F.linear(x, self.weight[e - experts], self.bias[e])
+            y = y.sum(1) if self.pairs else y
+            out.index_add_(0, token, y * weights[token, slot, None])
+        return out.reshape(h.shape)
+
+
+class SliceExpertsModel(ExpertsModel):
+    def __init__(self, pairs=False):
+        super().__init__()
+        self.moe = SliceExperts(pairs=pairs)
+
+
+@pytest.mark.parametrize("pairs", [False, True], ids=["rows", "pairs"])
+@pytest.mark.parametrize("b, t", [(3, 6), (3, 3), (1, 5)], ids=["B3", "T_eq_B", "B1"])
+def test_slice_experts_in_a_loop_match_loop(b, t, pairs):
+    """Each expert's ``weight[e]`` / ``bias[e]`` slice hands the parameter its rows at the key
+    (sample, e); the experts' parts add up as rows (gradhooks.base.segments.Segments)."""
+    torch.manual_seed(0)
+    check(SliceExpertsModel(pairs).double(), b, t, rtol=1e-10)
+
+
 def test_linear_experts_kfac_is_refused_naming_the_expert():
     """KFAC's A / G average over positions: rows routed to an expert have none per sample."""
     torch.manual_seed(0)

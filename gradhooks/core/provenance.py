@@ -248,7 +248,6 @@ class Provenance(TorchFunctionMode):
         self.param_sources: dict = {}  # id(param) -> its sources tuple, made at its first use
         self.own_params: set = set()  # ids of the records of shared calls' own parameters
         self.merged: list = []  # [(layer, names)]: calls of modules without a rule on merged rows
-        self.slice_buffers: dict = {}  # (id(param), backward pass) -> its (B, E, O, I) part
         self.met_by_rows: set = set()  # ids of parameters met at a linear / grouped product
         self.entered: set = set()  # ids of the hooked layers whose forward ran in this forward
         self.signature: tuple = ()

@@ -9,7 +9,10 @@ Index conventions: ``n`` the sample, ``r`` a row, ``s`` the positions a row hold
 
     dL_n/dW = sum_{r in R_n} g[r] x[r]^T        dL_n/db = sum_{r in R_n} g[r]
 
-(Goodfellow 2015, arXiv:1510.01799, sec. 3), at the cost of the op's own rows.
+(Goodfellow 2015, arXiv:1510.01799, sec. 3), at the cost of the op's own rows. A grouped
+product's weight and an expert's slice ``weight[e]`` hand their parameter the rows themselves,
+keyed by (sample, expert) (:class:`~gradhooks.base.segments.Segments`): formed, normed or
+summed only when read.
 """
 from __future__ import annotations
 
@@ -120,7 +123,22 @@ def linear_meeting(prov, args, kwargs, ref, bd, tainted):
         return None
     xd = x.detach()
     return _meeting(prov, w, b, tainted, lambda g, gw, gb: linear_cotangents(
-        xd, g, bd, size, gw, gb))
+        xd, g, bd, size, gw, gb), rows=lambda g: _sample_rows(xd, g, bd, size))
+
+
+def _sample_rows(x: Tensor, g: Tensor, bd, size: int):
+    # (x rows (R, I), g rows (R, O), their samples (R,)) of F.linear's input and output
+    # gradient, the samples' rows as bd says (merged (dim, inner) or Routed)
+    if isinstance(bd, Routed):
+        samples = bd.samples.to(torch.int64)
+    else:
+        d, inner = bd
+        x, g = x.movedim(d, 0), g.movedim(d, 0)
+        samples = torch.arange(x.shape[0], device=x.device) // inner
+    positions = x[0].numel() // x.shape[-1] if x.shape[0] else 1
+    if positions > 1:
+        samples = samples.repeat_interleave(positions)
+    return x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1]), samples
 
 
 def grouped_cotangents(x: Tensor, g: Tensor, samples: Tensor, offs: Tensor, size: int,
@@ -232,11 +250,15 @@ def gathered_meeting(prov, func, args, kwargs, ref, bd):
     return hook
 
 
-def _meeting(prov, w, b, tainted, cotangents, whole=None):
+def _meeting(prov, w, b, tainted, cotangents, whole=None, rows=None):
     # The hook of a linear-form meeting (linear_meeting, grouped_meeting): on the op's output,
     # a backward hook that forms each sample's cotangents of w / b (``cotangents(g, want_w,
     # want_b)``) and meets them. ``whole``: {id(operand): (param, its sources)} for an operand
     # that is a view of a parameter whose cotangent is formed in the parameter's layout.
+    # ``rows(g)``: (x rows, g rows, samples) of the op: an operand that is a slice param[e] of a
+    # parameter that is a source of its own (an expert's weight in a per-expert loop) hands the
+    # parameter Segments of its rows at key (sample, e) (the experts' parts add up as rows, no
+    # (B, E, O, I) tensor per expert).
     us = [(u, u is w) for u in (w, b) if u is not None and u.requires_grad
           and any(u is t for t in tainted)]
     for u, _ in us:  # (the parameters taken here: a module whose every one is, is placed merged)
@@ -254,22 +276,27 @@ def _meeting(prov, w, b, tainted, cotangents, whole=None):
                 met.append((own[1][0][1], own[1][:1], tuple(own[0].shape), is_w, None))
             else:
                 met.append((get_gradient_edge(u), prov.look(u)[1], tuple(u.shape), is_w,
-                            _slice_of(prov, u)))
+                            _slice_of(prov, u, is_w) if rows is not None else None))
         for _, src, _, _, _ in met:
             prov.noted(src, "linear", out, None, None)
 
         def on_grad(g):
-            gw, gb = cotangents(g, any(m[3] for m in met), not all(m[3] for m in met))
-            if g.requires_grad:  # (create_graph: a differentiable read needs the tensors)
-                gw, gb = (t.dense() if isinstance(t, Segments) else t for t in (gw, gb))
-            for t in (gw, gb):
-                if isinstance(t, Tensor) and not t.requires_grad:
-                    setattr(t, OWNED, True)  # (formed here, for one record: scaled in place)
-            for edge, src, shape, is_w, part in met:
-                if part is None or g.requires_grad:
+            whole_ = [m for m in met if m[4] is None or g.requires_grad]
+            if whole_:
+                gw, gb = cotangents(g, any(m[3] for m in whole_), not all(m[3] for m in whole_))
+                if g.requires_grad:  # (create_graph: a differentiable read needs the tensors)
+                    gw, gb = (t.dense() if isinstance(t, Segments) else t for t in (gw, gb))
+                for t in (gw, gb):
+                    if isinstance(t, Tensor) and not t.requires_grad:
+                        setattr(t, OWNED, True)  # (formed here, for one record: scaled in place)
+                for edge, src, shape, is_w, _ in whole_:
                     prov.meet(edge, src, "given", shape, gw if is_w else gb, None)
-                else:
-                    _into_slice(prov, src, part, gw if is_w else gb)
+            if len(whole_) < len(met):
+                x_rows, g_rows, samples = rows(g)
+                for _, src, _, is_w, (param, index) in (m for m in met if m not in whole_):
+                    seg = Segments(g_rows, x_rows if is_w else None,
+                                   samples * param.shape[0] + index, prov.batch_size, param.shape)
+                    prov.meet(src[0][1], src[:1], "given", tuple(param.shape), seg, None)
         out.register_hook(on_grad)
     return hook
 
@@ -300,33 +327,15 @@ def _own_param_of(prov, u: Tensor, node):
     return param, own
 
 
-def _slice_of(prov, u: Tensor):
-    # (param, e) when u is param[e] (an expert's weight, SelectBackward0 on dim 0 of a parameter
-    # that is a source of its own), else None.
+def _slice_of(prov, u: Tensor, is_w: bool):
+    # (param, e) when u is param[e] (an expert's weight (E, O, I) or bias (E, O): SelectBackward0
+    # on dim 0 of a parameter that is a source of its own), else None.
     node = u.grad_fn
-    if type(node).__name__ != "SelectBackward0" or node._saved_dim != 0:
+    if (type(node).__name__ != "SelectBackward0" or node._saved_dim != 0
+            or u.dim() != (2 if is_w else 1)):
         return None
     param, _ = _own_param_of(prov, u, node)
-    return None if param is None else (param, node._saved_index)
-
-
-def _into_slice(prov, sources: tuple, part: tuple, cotangent: Tensor) -> None:
-    # An expert's slice weight[e] of a 3-D parameter: its per-sample part (B, O, I) is written
-    # into one (B, E, O, I) tensor per backward pass, handed to the parameter's record at the
-    # first expert (its own edge: no pull-back through the slice, which would build a zero
-    # (B, E, O, I) tensor per expert) and filled in place by the others while the record still
-    # holds that tensor; any other contribution between them makes each expert hand its own.
-    param, index = part
-    record = sources[0][0]
-    key = (id(param), torch._C._current_graph_task_id())
-    held = prov.slice_buffers.get(key)
-    grads = getattr(record, "grads", None)
-    if (held is not None and grads and isinstance(grads[0], Tensor)
-            and grads[0].data_ptr() == held.data_ptr() and grads[0].shape == held.shape):
-        held[:, index] += cotangent
-        return
-    whole = cotangent.new_zeros((cotangent.shape[0], *param.shape))
-    whole[:, index] = cotangent
-    setattr(whole, OWNED, True)
-    prov.slice_buffers[key] = whole
-    prov.meet(sources[0][1], sources[:1], "given", tuple(param.shape), whole, None)
+    if param is None:
+        return None
+    index = node._saved_index  # (int64 read back unsigned: -1 is 2**64 - 1)
+    return param, (index - (1 << 64) if index >= 1 << 63 else index) % param.shape[0]

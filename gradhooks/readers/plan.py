@@ -10,8 +10,10 @@ readers multiply the norms by the own-loss scale, :attr:`~gradhooks.core.records
 **Kinds** (:func:`plan`): :data:`GRAM` and :data:`CLOSED` (a rule with a linear form: Gram-form
 or materialised norm, closed-form clipped sum), :data:`FORMS` (factored forms, block by block),
 :data:`ROWS` (row scatters), :data:`TIED` (a weight tied between row scatters and linear forms),
-:data:`GENERIC` (materialised with the rule). The decisions depend only on the call structure and
-are kept per structure (the recorder's :class:`~gradhooks.core.records.Memo`).
+:data:`GENERIC` (materialised with the rule; a raw parameter whose per-sample gradient a record
+holds as :class:`~gradhooks.base.segments.Segments`, a mixture of experts' weight, per
+``(sample, expert)`` segment instead: :func:`factored`). The decisions depend only on the call
+structure and are kept per structure (the recorder's :class:`~gradhooks.core.records.Memo`).
 
 **Gram form** (Goodfellow 2015, arXiv:1510.01799, for ``S = 1``; Li et al. 2022, "Large language
 models can be strong differentially private learners", ICLR, arXiv:2110.05679, sec. 4, the
