@@ -2,6 +2,7 @@
 same width (issue 30's target: the MoE's ratio within 1.3x of the dense one's).
 
     python benchmarks/moe.py [--repeats 11] [--threads 1] [--width 128] [--batch 8] [--tokens 64]
+                             [--ffn 2] [--experts grouped_mm|eager]
 
 Mixtral (sparse MoE: ``E = 8`` experts, top-2 routing over the ``(B*T, d)`` token rows) and
 Mistral (the same decoder with one dense MLP of the expert's width), both from configs (random
@@ -38,9 +39,9 @@ import zoo_imports  # noqa: E402  (torchvision in the CPU venv, see tests/zoo_im
 V = 1000
 
 
-def build(kind: str, width: int, tokens: int, experts=None):
+def build(kind: str, width: int, tokens: int, experts=None, ffn: int = 2):
     import transformers as tr
-    common = dict(vocab_size=V, hidden_size=width, intermediate_size=2 * width,
+    common = dict(vocab_size=V, hidden_size=width, intermediate_size=ffn * width,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=tokens, use_cache=False)
     torch.manual_seed(0)
@@ -58,6 +59,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--ffn", type=int, default=2,
+                        help="each expert's (and the dense MLP's) intermediate size / width")
     parser.add_argument("--experts", default=None, choices=[None, "grouped_mm", "eager"],
                         help="transformers' experts implementation (default: its default, "
                              "grouped_mm)")
@@ -71,7 +74,7 @@ def main() -> None:
 
     variants = {}
     for kind in ("dense", "moe"):
-        plain = build(kind, args.width, args.tokens, args.experts)
+        plain = build(kind, args.width, args.tokens, args.experts, args.ffn)
         hooked = copy.deepcopy(plain)
         gh = gradhooks.attach(hooked)
 
@@ -105,7 +108,7 @@ def main() -> None:
             times[k].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     print(f"Mixtral (8 experts, top-2, experts {args.experts or 'grouped_mm (default)'}) vs "
-          f"Mistral, width {args.width}, 2 layers, B = {args.batch}, "
+          f"Mistral, width {args.width}, intermediate {args.ffn} x width, 2 layers, B = {args.batch}, "
           f"T = {args.tokens}, float32, {args.threads} thread(s), medians of {args.repeats}")
     print("| model | train ms | grads | norms |")
     print("|---|--:|--:|--:|")

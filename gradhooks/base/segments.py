@@ -75,16 +75,15 @@ def _in_key_order(key: Tensor, *ts: Optional[Tensor]):
     order = torch.argsort(key, stable=True)
     if bool((order == torch.arange(len(order), device=order.device)).all()):
         return (key, *ts)
-    return (key[order], *(None if t is None else t[order] for t in ts))
+    return (key[order], *(None if t is None else t.index_select(0, order) for t in ts))
 
 
-def _runs(key: Tensor):
-    # [(key, start, length)] of the segments of rows sorted by key
+def _runs(key: Tensor) -> Tuple[list, list]:
+    # ([key], [length]) of the segments of rows sorted by key, in that order
     if not key.numel():
-        return []
+        return [], []
     found, counts = torch.unique_consecutive(key, return_counts=True)
-    ends = torch.cumsum(counts, 0)
-    return [(k, e - c, c) for k, e, c in zip(found.tolist(), ends.tolist(), counts.tolist())]
+    return found.tolist(), counts.tolist()
 
 
 def segment_outer(u: Tensor, v: Optional[Tensor], key: Tensor, keys: int,
@@ -100,13 +99,15 @@ def segment_outer(u: Tensor, v: Optional[Tensor], key: Tensor, keys: int,
         res = u.new_zeros((keys, u.shape[-1])) if out is None else out.zero_()
         return res.index_add_(0, key, u)
     key, u, v = _in_key_order(key, u.contiguous(), v.contiguous())
-    runs = _runs(key) if out is not None else None
-    if runs is not None and len(runs) <= LOOP_KEYS:
-        empty = torch.ones(keys, dtype=torch.bool, device=u.device)
-        empty[torch.tensor([k for k, _, _ in runs], dtype=torch.int64, device=u.device)] = False
-        out.index_fill_(0, torch.nonzero(empty).flatten(), 0)
-        for k, start, length in runs:
-            torch.mm(u[start:start + length].t(), v[start:start + length], out=out[k])
+    found, counts = _runs(key) if out is not None else ([], [])
+    if out is not None and len(found) <= LOOP_KEYS:
+        if len(found) < keys:
+            empty = torch.ones(keys, dtype=torch.bool, device=u.device)
+            empty[torch.tensor(found, dtype=torch.int64, device=u.device)] = False
+            out.index_fill_(0, torch.nonzero(empty).flatten(), 0)
+        outs = out.unbind(0)
+        for k, a, b in zip(found, u.split(counts), v.split(counts)):
+            torch.mm(a.t(), b, out=outs[k])
         return out
     counts = torch.bincount(key, minlength=keys)
     if keys and _grouped_kernel_takes(u, v):  # (u.t(): the (U, S) operand, strides (1, U))
@@ -221,12 +222,11 @@ class Segments:
             sq = segment_outer(self.u, None, self.key, keys).square().sum(1)
             return sq.view(self.size, e).sum(1)
         key, u, v = _in_key_order(self.key.to(torch.int64), self.u, self.v)
-        runs = _runs(key)
+        found, counts = _runs(key)
         dt = u.dtype if u.dtype == torch.float64 else torch.float32
         dim_u, dim_v = u.shape[-1], v.shape[-1]
         parts, at = [], []
-        for k, start, c in runs:
-            uk, vk = u[start:start + c].to(dt), v[start:start + c].to(dt)
+        for k, c, uk, vk in zip(found, counts, u.to(dt).split(counts), v.to(dt).split(counts)):
             if c * c * (dim_u + dim_v) < dim_u * dim_v:
                 parts.append(torch.mm(uk, uk.t()).mul_(torch.mm(vk, vk.t())).sum())
             else:
