@@ -18,3 +18,25 @@ def test_cnn_on_cuda_matches_loop(dtype):
     w = torch.rand(6, device="cuda") + 0.5
     ours = check_against_loop(model, x, w, loss_reduction="mean", dtype=dtype)
     assert all(t.is_cuda for t in ours.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_slice_experts_on_cuda_match_loop(dtype):
+    """A mixture of experts of raw-parameter slices on CUDA: the factored per-sample gradients
+    (gradhooks.base.segments) take their off-CPU forms (one padded kernel, no launch per
+    segment); per-sample gradients against the loop, norms against their norms."""
+    import gradhooks
+    from test_every_rule_every_reader import SliceExperts
+    torch.manual_seed(0)
+    model = SliceExperts().cuda()
+    x = torch.randn(4, 3, 5, device="cuda")
+    w = torch.rand(4, device="cuda") + 0.5
+    ours = check_against_loop(model, x, w, loss_reduction="mean", dtype=dtype)
+    assert all(t.is_cuda for t in ours.values())
+    with gradhooks.attach(model) as gh:
+        (model(x.to(dtype)).square().sum((1, 2)) * w.to(dtype)).mean().backward()
+        norms = gh.per_sample_grad_norms()
+        grads = gh.per_sample_grads()
+    want = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
+    torch.testing.assert_close(norms, want, rtol=1e-10 if dtype == torch.float64 else 1e-5,
+                               atol=0)

@@ -58,6 +58,8 @@ def test_reads_match_definition(dtype, size, layout, loop, monkeypatch):
     torch.testing.assert_close(seg.dense(2.5).double(), 2.5 * ref, **tol(dtype))
     flat = ref.flatten(1)
     torch.testing.assert_close(seg.sq_norms().double(), flat.square().sum(1), **tol(dtype))
+    torch.testing.assert_close(seg.sq_norms(padded=True).double(), flat.square().sum(1),
+                               **tol(dtype))  # (the form used off the CPU)
     c = torch.linspace(0.5, 2.0, size, dtype=dtype)
     torch.testing.assert_close(seg.weighted(c).double(),
                                torch.einsum("n,n...->...", c.double(), ref), **tol(dtype))

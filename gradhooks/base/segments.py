@@ -99,8 +99,9 @@ def segment_outer(u: Tensor, v: Optional[Tensor], key: Tensor, keys: int,
         res = u.new_zeros((keys, u.shape[-1])) if out is None else out.zero_()
         return res.index_add_(0, key, u)
     key, u, v = _in_key_order(key, u.contiguous(), v.contiguous())
-    found, counts = _runs(key) if out is not None else ([], [])
-    if out is not None and len(found) <= LOOP_KEYS:
+    loop = out is not None and u.device.type == "cpu"  # (elsewhere: one kernel, not a launch
+    found, counts = _runs(key) if loop else ([], [])     # per segment)
+    if loop and len(found) <= LOOP_KEYS:
         if len(found) < keys:
             empty = torch.ones(keys, dtype=torch.bool, device=u.device)
             empty[torch.tensor(found, dtype=torch.int64, device=u.device)] = False
@@ -213,17 +214,24 @@ class Segments:
         out = vals.new_zeros((self.size, idx.numel()))
         return out.index_add_(0, self.key // e, vals)
 
-    def sq_norms(self) -> Tensor:
+    def sq_norms(self, padded: Optional[bool] = None) -> Tensor:
         """``(B,)``: ``||out[n]||^2``, without forming ``out``: per segment of ``S`` rows the
         Gram form ``sum_{r,s} (u_r . u_s)(v_r . v_s)`` where ``S^2 (U + V) < U V``, else the
-        segment's ``(U, V)`` product, one segment at a time."""
+        segment's ``(U, V)`` product, one segment at a time; with ``padded`` (the default off
+        the CPU, where a launch per segment would cost more) the Gram form of every segment
+        at once, its rows padded to the longest with zeros. Float32 at least."""
         keys, e = self.size * self.groups, self.groups
+        dt = self.u.dtype if self.u.dtype == torch.float64 else torch.float32
         if self.v is None:
-            sq = segment_outer(self.u, None, self.key, keys).square().sum(1)
+            sq = segment_outer(self.u.to(dt), None, self.key, keys).square().sum(1)
             return sq.view(self.size, e).sum(1)
+        if padded or padded is None and self.u.device.type != "cpu":
+            how = routed_layout(self.key, keys)
+            u, v = per_key_rows(self.u.to(dt), how), per_key_rows(self.v.to(dt), how)
+            gram = torch.bmm(u, u.transpose(1, 2)).mul_(torch.bmm(v, v.transpose(1, 2)))
+            return gram.sum((1, 2)).view(self.size, e).sum(1)
         key, u, v = _in_key_order(self.key.to(torch.int64), self.u, self.v)
         found, counts = _runs(key)
-        dt = u.dtype if u.dtype == torch.float64 else torch.float32
         dim_u, dim_v = u.shape[-1], v.shape[-1]
         parts, at = [], []
         for k, c, uk, vk in zip(found, counts, u.to(dt).split(counts), v.to(dt).split(counts)):
