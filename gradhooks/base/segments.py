@@ -1,6 +1,7 @@
 """Per-sample gradients as sums of row outer products per segment, kept factored until read:
 the cotangent of a grouped product's weight (a mixture of experts' ``(E, O, I)`` weight on the
-token rows routed to each expert, :mod:`gradhooks.core.rows`).
+token rows routed to each expert) or of a weight read slice by slice (``weight[e]`` in a loop
+over the experts), :mod:`gradhooks.core.rows`.
 
 Index conventions: ``r`` a row, ``n`` the sample, ``e`` the group (expert), ``k = n * E + e``
 the key of a ``(sample, group)`` segment. With rows ``u (R, U)``, ``v (R, V)`` and their keys::
@@ -130,7 +131,9 @@ class Segments:
 
     It stands where a record holds a grad_output: :attr:`shape`, :attr:`dtype`,
     :attr:`device`, :attr:`requires_grad` as the dense tensor's; ``+`` adds (rows of the same
-    layout are concatenated; a tensor gets :meth:`dense` added).
+    layout are concatenated; a tensor gets :meth:`dense` added, torch's error for one of
+    another shape). The rows carry no autograd graph (a differentiable read forms the tensor
+    in the backward instead, :mod:`gradhooks.core.rows`).
     """
 
     __slots__ = ("u", "v", "key", "size", "param_shape")
