@@ -333,6 +333,34 @@ def test_linear_experts_on_routed_rows_match_loop(b, t):
     check(ExpertsModel().double(), b, t, rtol=1e-10)
 
 
+@pytest.mark.parametrize("experts", ["grouped", "slices"])
+def test_two_backward_passes_add_up(experts, grouped_mm_in_float64):
+    """Two backward passes of one forward (``retain_graph``): each expert weight's rows of the
+    two passes add up (concatenated segments), per-sample gradients and norms those of the
+    summed loss."""
+    torch.manual_seed(0)
+    model = (float64_internals(MoEBlockModel()) if experts == "grouped"
+             else SliceExpertsModel()).double()
+    ids, y = tokens(3, 5)
+
+    def loss_fn(out, y):  # (the two passes' losses, summed)
+        return token_loss(out, y) + 0.5 * out.square().sum() / out.shape[0]
+    ref = loop_grads(model, loss_fn, ids, y)
+    gh = attach(model)
+    try:
+        out = model(ids)
+        token_loss(out, y).backward(retain_graph=True)
+        (0.5 * out.square().sum() / out.shape[0]).backward()
+        norms = gh.per_sample_grad_norms()
+        got = gh.per_sample_grads()
+    finally:
+        gh.detach()
+    for name, r in ref.items():
+        torch.testing.assert_close(got[name], r, rtol=1e-10, atol=1e-12, msg=name)
+    torch.testing.assert_close(norms, torch.cat([r.flatten(1) for r in ref.values()], 1)
+                               .norm(dim=1), rtol=1e-10, atol=0)
+
+
 class SliceExperts(nn.Module):
     """Experts as slices of raw parameters in a loop (custom MoE code, transformers' "eager"
     experts): ``F.linear(rows, self.weight[e], self.bias[e])`` on the rows routed to expert
