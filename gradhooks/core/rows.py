@@ -22,9 +22,9 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
+from ..base.segments import Segments, per_key_rows, routed_layout, segment_outer
 from ..base.utils import OWNED
 from ..rules.fallback import FallbackRule
-from ..base.segments import Segments, per_key_rows, routed_layout, segment_outer
 from .batch_dims import Routed
 
 __all__ = ["by_sample", "linear_cotangents", "own_weights", "linear_meeting",
@@ -245,7 +245,9 @@ def gathered_meeting(prov, func, args, kwargs, ref, bd):
         prov.noted(sources[:1], "linear", out, None, None)
 
         def on_grad(g):
-            prov.meet(edge, sources[:1], "given", shape, Segments(g, None, key, size, shape), None)
+            cot = Segments(g, None, key, size, shape)
+            prov.meet(edge, sources[:1], "given", shape,
+                      cot.dense() if g.requires_grad else cot, None)  # (create_graph: formed)
         out.register_hook(on_grad)
     return hook
 

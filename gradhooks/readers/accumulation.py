@@ -155,7 +155,7 @@ class Accumulation:
             names = ", ".join(map(repr, dropped[:3])) + (" ..." if len(dropped) > 3 else "")
             raise AccumulationError(
                 f"{read} would overwrite param.grad of {names}, which still holds the gradient "
-                f"of a loss.backward() that no clip read"
+                "of a loss.backward() that no clip read"
                 + ("" if current else " (of an earlier batch: another forward, not zeroed since)")
                 + f": that gradient would be dropped. Clip every micro-batch after its own "
                 f"backward with accumulate=True (gh.clip_and_accumulate(C, accumulate=True) or "
