@@ -157,11 +157,11 @@ class Accumulation:
                 f"{read} would overwrite param.grad of {names}, which still holds the gradient "
                 "of a loss.backward() that no clip read"
                 + ("" if current else " (of an earlier batch: another forward, not zeroed since)")
-                + f": that gradient would be dropped. Clip every micro-batch after its own "
-                f"backward with accumulate=True (gh.clip_and_accumulate(C, accumulate=True) or "
-                f"gh.clipped_backward(losses, C, accumulate=True)) and call "
-                f"gh.finish_step(noise_multiplier=...) once per logical batch; or call "
-                f"optimizer.zero_grad() before the backward if the old gradient is not wanted")
+                + ": that gradient would be dropped. Clip every micro-batch after its own "
+                "backward with accumulate=True (gh.clip_and_accumulate(C, accumulate=True) or "
+                "gh.clipped_backward(losses, C, accumulate=True)) and call "
+                "gh.finish_step(noise_multiplier=...) once per logical batch; or call "
+                "optimizer.zero_grad() before the backward if the old gradient is not wanted")
 
     def consumed(self, trainable: Sequence[Tuple[str, nn.Parameter]]) -> None:
         """Mark each ``.grad`` as read: gradhooks wrote it (a clip, ``finish_step``) or dropped
