@@ -167,27 +167,6 @@ def gpt2_gradhooks(model, train, query, full):
     return t1 - t0, t2 - t1, torch.cat(cols, 1), q.kinds, tq - t1
 
 
-def gpt2_kronfluence(model, names, train_x, query, batch):
-    task = LMTask(names)
-    with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        analyzer = Analyzer(analysis_name="bench", model=prepare_model(copy.deepcopy(model), task),
-                            task=task, output_dir=out, disable_model_save=True, cpu=True,
-                            disable_tqdm=True)
-        t0 = time.perf_counter()
-        analyzer.fit_all_factors(factors_name="f", dataset=TensorDataset(train_x),
-                                 per_device_batch_size=batch,
-                                 factor_args=FactorArguments(strategy="ekfac",
-                                                             use_empirical_fisher=True))
-        t1 = time.perf_counter()
-        analyzer.compute_pairwise_scores(
-            scores_name="s", factors_name="f", query_dataset=TensorDataset(query),
-            train_dataset=TensorDataset(train_x), per_device_query_batch_size=query.shape[0],
-            per_device_train_batch_size=batch, score_args=ScoreArguments(damping_factor=None))
-        t2 = time.perf_counter()
-        return analyzer.load_pairwise_scores("s")["all_modules"], t1 - t0, t2 - t1
-
-
 def fwd_bwd(model, train):
     t0 = time.perf_counter()
     for x in train:
@@ -209,7 +188,8 @@ def run_gpt2(args, full):
     label = "gpt2-full" if full else "gpt2"
     base = fwd_bwd(model, train)
     if args.only == "kronfluence":
-        theirs, kf_fit, kf_scores = gpt2_kronfluence(model, names, x, query, b)
+        theirs, kf_fit, kf_scores = kronfluence_scores(
+            model, LMTask(names), TensorDataset(query), TensorDataset(x), b)
         rss = peak_rss_gb()
         ours = gpt2_gradhooks(model, train, query, full)[2]  # (untimed: the difference)
         diff = ((ours - theirs).abs().max() / theirs.abs().max()).item()
@@ -274,8 +254,9 @@ def _materialised(model, q, grads):
     return out
 
 
-def kronfluence_scores(model, query, train_set, batch):
-    task = Classification()
+def kronfluence_scores(model, task, query_set, train_set, batch):
+    """kronfluence's EK-FAC fit and pairwise scores of ``query_set`` (one batch) against
+    ``train_set``: ``(scores, fit seconds, score seconds)``."""
     with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         analyzer = Analyzer(analysis_name="bench", model=prepare_model(copy.deepcopy(model), task),
@@ -287,8 +268,8 @@ def kronfluence_scores(model, query, train_set, batch):
                                                              use_empirical_fisher=True))
         t1 = time.perf_counter()
         analyzer.compute_pairwise_scores(
-            scores_name="s", factors_name="f", query_dataset=TensorDataset(*query),
-            train_dataset=train_set, per_device_query_batch_size=query[0].shape[0],
+            scores_name="s", factors_name="f", query_dataset=query_set,
+            train_dataset=train_set, per_device_query_batch_size=len(query_set),
             per_device_train_batch_size=batch, score_args=ScoreArguments(damping_factor=None))
         t2 = time.perf_counter()
         return analyzer.load_pairwise_scores("s")["all_modules"], t1 - t0, t2 - t1
@@ -344,8 +325,8 @@ def main():
             assert torch.allclose(ours, dense, rtol=1e-3, atol=1e-3 * dense.abs().max().item())
         diff = float("nan")
         for _ in range(args.repeats if args.only != "gradhooks" else 0):
-            theirs, kf_fit, kf_scores = kronfluence_scores(model, query, TensorDataset(x, y),
-                                                           args.batch)
+            theirs, kf_fit, kf_scores = kronfluence_scores(
+                model, Classification(), TensorDataset(*query), TensorDataset(x, y), args.batch)
             times["kf_fit"].append(kf_fit)
             times["kf_scores"].append(kf_scores)
         if args.only == "kronfluence":  # (untimed: for the difference)

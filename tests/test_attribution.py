@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+import conftest
 import gradhooks
 from gradhooks.base.errors import GradHooksError
 from gradhooks.readers import attribution as attr
@@ -64,15 +65,10 @@ LOSS = nn.CrossEntropyLoss()
 
 
 def loop_grads(model, x, y):
-    """{name: (B, *shape)} own-loss gradients, one backward per sample."""
-    params = dict(model.named_parameters())
-    rows = {n: [] for n in params}
-    for i in range(x.shape[0]):
-        grads = torch.autograd.grad(LOSS(model(x[i:i + 1]), y[i:i + 1]), list(params.values()))
-        for n, g in zip(params, grads):
-            rows[n].append(g)
-    return {n: torch.stack(r) if r else p.new_zeros(0, *p.shape) for (n, r), p
-            in zip(rows.items(), params.values())}
+    """{name: (B, *shape)} own-loss gradients of every parameter, one backward per sample
+    (conftest's loop; zeros of B = 0 rows where it has no sample)."""
+    got = conftest.loop_grads(model, LOSS, x, y)
+    return {n: got.get(n, p.new_zeros(0, *p.shape)) for n, p in model.named_parameters()}
 
 
 def _vectors_and_h(key, factor, grads, damping):
@@ -472,7 +468,7 @@ def _per_token_reference(model, factors, query, train, damping=None):
     """(M, N, T): sum_layers (H^-1 q_m) . vec(g[n,t] ã[n,t]^T) from a loop in float64: each
     train sample's layer inputs and own-loss output gradients by autograd, the per-token
     [W b] gradients placed by KFACFactors.grad_matrix, H^-1 q_m by dense solves."""
-    qg = {n: torch.stack(r) for n, r in _loop_token_grads(model, *query).items()}
+    qg = conftest.loop_grads(model, token_loss, *query)
     xt, yt = train
     modules = dict(model.named_modules())
     out = torch.zeros(query[0].shape[0], xt.shape[0], xt.shape[1], dtype=F64)
@@ -493,16 +489,6 @@ def _per_token_reference(model, factors, query, train, damping=None):
                 vec = kf.grad_matrix({kf.weight: w, kf.bias: g[t]}).flatten()
                 out[:, n, t] += hinv_q @ vec
     return out
-
-
-def _loop_token_grads(model, x, y):
-    params = dict(model.named_parameters())
-    rows = {n: [] for n in params}
-    for i in range(x.shape[0]):
-        grads = torch.autograd.grad(token_loss(model(x[i:i + 1]), y[i:i + 1]), list(params.values()))
-        for n, g in zip(params, grads):
-            rows[n].append(g)
-    return rows
 
 
 @pytest.mark.parametrize("sizes", SIZES, ids=lambda s: f"M{s[0]}-N{s[1]}")

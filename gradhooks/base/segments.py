@@ -145,18 +145,22 @@ class Segments:
 
     @property
     def groups(self) -> int:
+        """``E``: the parameter's dim 0 (experts)."""
         return self.param_shape[0]
 
     @property
     def shape(self) -> torch.Size:
+        """``(B, *param.shape)``: the dense tensor's."""
         return torch.Size((self.size, *self.param_shape))
 
     @property
     def dtype(self) -> torch.dtype:
+        """The rows' dtype (the dense tensor's)."""
         return self.u.dtype
 
     @property
     def device(self) -> torch.device:
+        """The rows' device."""
         return self.u.device
 
     requires_grad = False
