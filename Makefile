@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 BENCH_VENV ?= .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.installed-stamp
 
-.PHONY: install bench test bench-peers bench-dp clean docs
+.PHONY: install bench test bench-peers bench-dp bench-gpu clean docs
 
 install: $(STAMP)
 
@@ -54,6 +54,15 @@ bench-peers: $(BENCH_STAMP)
 # (benchmarks/README.md, "DP clipping").
 bench-dp: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python benchmarks/dp.py $(ARGS)
+
+# The GPU run (issue 39): benchmarks/scale.py --gpu on the first CUDA device, writing
+# benchmarks/results/gpu.md and gpu.json: GPT-2 small (B = 32, T = 512, bf16 autocast), ViT-B/16
+# (B = 64), the Llama-3.2-1B width (B = 8, T = 1024), every method, against plain training,
+# torch.func and Opacus. No venv: it runs with $(GPU_PYTHON), which must hold a CUDA build of
+# torch with transformers, torchvision, tqdm and opacus (pip install opacus beside it).
+GPU_PYTHON ?= python3
+bench-gpu:
+	$(GPU_PYTHON) benchmarks/scale.py --gpu $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) build *.egg-info .pytest_cache .hypothesis

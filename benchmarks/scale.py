@@ -94,9 +94,19 @@ import zoo  # noqa: E402  (TokensToLogits; torchvision beside the CPU torch: tes
 from gradhooks.tools.workloads import Workload  # noqa: E402
 
 TOL = peers.TOL  # float32 against the float64 reference
+#: under bf16 / fp16 autocast: the records are in 16 bits, and a method whose own forward or
+#: backward runs again (two-pass's per-sample losses, torch.func's per-sample forwards) rounds
+#: its grad_outputs differently (bfloat16 keeps 8 significant bits: 4e-3 per rounding)
+AMP_TOL = 3e-2
 TARGETS = {"bookkeeping": 1.10, "two-pass": 1.40, "norms": 1.00, "grads": 1.15}
 MEMORY_TARGETS = {"bookkeeping": 1.05}
 TARGET_BATCH, TARGET_SEQ = 16, 128
+#: on a GPU (issue 39), for every case of ``--gpu``
+GPU_TARGETS = {"bookkeeping": 1.10, "two-pass": 1.40}
+GPU_MEMORY_TARGETS = {"bookkeeping": 1.05, "two-pass": 1.05}
+#: ``--gpu``'s cases (``make bench-gpu``): GPT-2 small at T = 512 under bf16 autocast, ViT-B/16
+#: at B = 64, the Llama-3.2-1B width at T = 1024, every method; about 5 minutes on one H100
+GPU_CASES = "gpt2:32x512:bf16,vit-b16:64,llama-1b-width:8x1024"
 
 
 # ------------------------------------------------------------------------------------- models
@@ -219,19 +229,27 @@ def make_batch(spec: Spec, info: dict, batch: int, seq: int, seed: int) -> Tuple
     return ids, y
 
 
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 class ScaleCase(peers.Case):
     """A model at one ``(B, T)``: the one model all gradhooks methods, plain training and
     ``torch.func`` share (Opacus' methods deep-copy it), the batch, ``gh`` (attached by
     :func:`attach`) and ``clip_norm`` (``C``, set by :func:`set_clip_norm`). Also a
-    :class:`peers.Case` for ``dp.py``'s Opacus methods (its ``workload`` carries the loss)."""
+    :class:`peers.Case` for ``dp.py``'s Opacus methods (its ``workload`` carries the loss).
+    ``device``: where the model and the batch live; ``autocast``: ``None``, ``"bf16"`` or
+    ``"fp16"``, the ``torch.autocast`` of every forward (:meth:`amp`; the backward and
+    gradhooks' reads run outside it, as ``torch.autocast``'s documentation asks)."""
 
-    def __init__(self, spec: Spec, batch: int, seq: Optional[int], smoke: bool, seed: int):
+    def __init__(self, spec: Spec, batch: int, seq: Optional[int], smoke: bool, seed: int,
+                 device: str = "cpu", autocast: Optional[str] = None):
         torch.manual_seed(seed)
         self.spec, self.seq, self.smoke, self.seed = spec, seq, smoke, seed
-        self.batch, self.device = batch, torch.device("cpu")
+        self.batch, self.device, self.autocast = batch, torch.device(device), autocast
         model, info = spec.build(smoke)
-        self.model = prepare(model)
-        self.x, self.y = make_batch(spec, info, batch, seq or 0, seed)
+        self.model = prepare(model).to(self.device)
+        x, y = make_batch(spec, info, batch, seq or 0, seed)
+        self.x, self.y = x.to(self.device), y.to(self.device)
         self.workload = Workload(spec.name, spec.title, spec.title, batch, lambda: None,
                                  lambda dtype, b: (self.x, self.y), loss_fn, "mean",
                                  per_sample_loss)
@@ -240,7 +258,13 @@ class ScaleCase(peers.Case):
 
     @property
     def label(self) -> str:
-        return f"{self.batch}x{self.seq}" if self.seq else str(self.batch)
+        return _label(self.batch, self.seq, self.autocast)
+
+    def amp(self):
+        """The forward's ``torch.autocast`` context (a null context without ``autocast``)."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=AUTOCAST[self.autocast])
 
     def per_sample_bytes(self) -> int:
         return self.batch * self.params * 4
@@ -261,7 +285,9 @@ def set_clip_norm(case: ScaleCase) -> float:
     temporary attachment if none)."""
     temporary = case.gh is None
     gh = case.attach()
-    gh.backward(case.loss(case.model(case.x)))
+    with case.amp():
+        loss = case.loss(case.model(case.x))
+    gh.backward(loss)
     case.clip_norm = float(gh.per_sample_grad_norms().double().median())
     gh.clear()
     if temporary:
@@ -289,7 +315,8 @@ class _Shared(peers.Method):
             self.case.gh.recorder.pool.clear()
 
     def _loss(self) -> Tensor:
-        return self.case.loss(self.model(self.case.x))
+        with self.case.amp():
+            return self.case.loss(self.model(self.case.x))
 
 
 class Plain(_Shared):
@@ -336,7 +363,9 @@ class TwoPass(_Clipped):
 
     def run(self) -> None:
         case = self.case
-        case.gh.clipped_backward(per_sample_loss(self.model(case.x), case.y), case.clip_norm)
+        with case.amp():
+            losses = per_sample_loss(self.model(case.x), case.y)
+        case.gh.clipped_backward(losses, case.clip_norm)
 
 
 class Vmap(_Shared):
@@ -354,16 +383,29 @@ class Vmap(_Shared):
         per_sample = vmap(grad(sample_loss), in_dims=(None, 0, 0))
         self._call = lambda: per_sample(params, case.x, case.y)
 
-    def run(self) -> None:
-        self.out = self._call()
+    def run(self) -> None:  # (forward and backward in one call: all of it under the autocast)
+        with self.case.amp():
+            self.out = self._call()
 
 
 class OpacusGhost(dp.OpacusGhost):
     key = "opacus_ghost"
 
+    def run(self) -> None:
+        with self.case.amp():
+            loss = self.criterion(self.gsm(self.case.x), self.case.y)
+        loss.backward()
+        self.opt.pre_step()
+
 
 class OpacusHooks(dp.OpacusHooks):
     key, per_sample = "opacus_hooks", True
+
+    def run(self) -> None:
+        with self.case.amp():
+            loss = self.case.loss(self.gsm(self.case.x))
+        loss.backward()
+        self.opt.pre_step()
 
 
 METHODS: Dict[str, type] = {m.key: m for m in (Plain, Grads, Norms, BookKeeping, TwoPass, Vmap,
@@ -424,9 +466,11 @@ def reference(case: ScaleCase) -> Tuple[Tensor, Dict[str, Tensor]]:
     """From ``gh.per_sample_grads()`` (float32): the ``(B,)`` float64 norms and the float64
     clipped mean ``(1/B) sum_n min(1, C / ||g_n||) g_n`` per parameter."""
     gh = case.gh
-    gh.backward(case.loss(case.model(case.x)))
+    with case.amp():
+        loss = case.loss(case.model(case.x))
+    gh.backward(loss)
     grads = gh.per_sample_grads()
-    sq = torch.zeros(case.batch, dtype=torch.float64)
+    sq = torch.zeros(case.batch, dtype=torch.float64, device=case.device)
     for g in grads.values():
         for n0, part in zip(range(0, case.batch, 4), g.split(4)):
             sq[n0:n0 + len(part)] += part.double().flatten(1).pow(2).sum(1)
@@ -434,7 +478,7 @@ def reference(case: ScaleCase) -> Tuple[Tensor, Dict[str, Tensor]]:
     factor = (case.clip_norm / norms).clamp(max=1.0) / case.batch
     clipped = {}
     for name, g in grads.items():
-        acc = torch.zeros(g.shape[1:], dtype=torch.float64)
+        acc = torch.zeros(g.shape[1:], dtype=torch.float64, device=g.device)
         for f, part in zip(factor.split(4), g.split(4)):
             acc += torch.tensordot(f, part.double(), 1)
         clipped[name] = acc
@@ -486,7 +530,7 @@ def check_methods(case: ScaleCase, methods: Dict[str, peers.Method]) -> Dict[str
                 err, missing = peers.rel_err(peers._ref_norms(m.result()), norms), []
             else:
                 err, missing = clipped_error(m.result(), clipped)
-            tol = dp.OPACUS_TOL if key in OPACUS else TOL
+            tol = AMP_TOL if case.autocast else dp.OPACUS_TOL if key in OPACUS else TOL
             out[key] = {"status": "ok" if err <= tol and not missing else "MISMATCH",
                         "max_rel_err": math.inf if missing else err, "missing": missing,
                         "compared": "norms" if m.kind in ("norms", "grads") else "clipped mean"}
@@ -497,6 +541,24 @@ def check_methods(case: ScaleCase, methods: Dict[str, peers.Method]) -> Dict[str
 
 
 # ------------------------------------------------------------------------------------ timing
+def timed_ms(device: torch.device, fn: Callable[[], None]) -> float:
+    """Milliseconds of ``fn()``. On CUDA: the device synchronised first, then CUDA events
+    recorded before and after ``fn`` on the current stream, and their elapsed time once the
+    second has completed; so the time counts the kernels and any gap the host's Python left
+    between them (hooks, launches), the wall-clock time of the step. On the CPU: the host clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def time_methods(case: ScaleCase, methods: Dict[str, peers.Method], repeats: int, warmup: int,
                  tick: Callable[[str], None]) -> Dict[str, dict]:
     """``peers.time_case``'s scheme on one shared model: ``warmup`` untimed calls per method,
@@ -528,9 +590,7 @@ def time_methods(case: ScaleCase, methods: Dict[str, peers.Method], repeats: int
                 m.release()
                 with _hooks_for(m, case):
                     gc.disable()
-                    t0 = time.perf_counter()
-                    m.run()
-                    records[key]["times_ms"].append((time.perf_counter() - t0) * 1e3)
+                    records[key]["times_ms"].append(timed_ms(case.device, m.run))
                     gc.enable()
                 m.release()
             except Exception as e:  # noqa: BLE001
@@ -577,6 +637,45 @@ def memory_child(spec: dict) -> dict:
             "peak_mb": peak / 2**20, "step_mb": (peak - baseline) / 2**20, "warm_step": resettable}
 
 
+def cuda_memory(case: ScaleCase, methods: Dict[str, peers.Method],
+                tick: Callable[[str], None]) -> Dict[str, dict]:
+    """Peak GPU memory of one step of each method, in this process (the CUDA caching
+    allocator's counters are exact, unlike RSS): :func:`memory_child`'s sequence (a step, state
+    dropped, the baseline ``torch.cuda.memory_allocated``, a warm step, peak counter reset, the
+    measured step) with ``torch.cuda.max_memory_allocated``; ``step_mb`` = peak - baseline, so
+    what a method keeps between steps (gradhooks' buffer pool) is counted. Each method's state
+    is dropped (``forget``) before the next is measured."""
+    dev, out = case.device, {}
+    for key, m in methods.items():
+        tick(f"{case.spec.name} {case.label}: memory {key}")
+        try:
+            with _hooks_for(m, case):
+                m.release()
+                m.run()
+                m.forget()
+                gc.collect()
+                torch.cuda.synchronize(dev)
+                baseline = torch.cuda.memory_allocated(dev)
+                m.run()
+                m.release()
+                gc.collect()
+                torch.cuda.synchronize(dev)
+                before = torch.cuda.memory_allocated(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+                m.run()
+                torch.cuda.synchronize(dev)
+                peak = torch.cuda.max_memory_allocated(dev)
+            out[key] = {"status": "ok", "baseline_mb": baseline / 2**20,
+                        "retained_mb": (before - baseline) / 2**20, "peak_mb": peak / 2**20,
+                        "step_mb": (peak - baseline) / 2**20, "warm_step": True}
+        except Exception as e:  # noqa: BLE001  (reported; an out-of-memory step among them)
+            out[key] = _failure(key, e)
+        m.forget()
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
+
+
 def measure_memory(spec: dict) -> dict:
     """:func:`memory_child` of ``spec`` (``model, batch, seq, smoke, seed, clip_norm, method,
     threads``) in a fresh process (``MALLOC_MMAP_THRESHOLD_`` fixed as in
@@ -597,9 +696,10 @@ def measure_memory(spec: dict) -> dict:
 
 # ------------------------------------------------------------------------------------- a case
 def run_case(spec: Spec, batch: int, seq: Optional[int], args, keys: Sequence[str],
-             tick: Callable[[str], None]) -> dict:
-    case = ScaleCase(spec, batch, seq, args.smoke, args.seed)
+             tick: Callable[[str], None], autocast: Optional[str] = None) -> dict:
+    case = ScaleCase(spec, batch, seq, args.smoke, args.seed, args.device, autocast)
     rec = {"model": spec.name, "title": spec.title, "batch": batch, "seq": seq,
+           "autocast": autocast,
            "params": case.params, "per_sample_gb": case.per_sample_bytes() / 1e9,
            "mha": any(isinstance(m, nn.MultiheadAttention) for m in case.model.modules()),
            "time": {}, "memory": {}, "check": {}, "skipped": {}}
@@ -626,6 +726,8 @@ def run_case(spec: Spec, batch: int, seq: Optional[int], args, keys: Sequence[st
     else:
         rec["check_skipped"] = runnable("grads", case, args.per_sample_gb)
     rec["time"].update(time_methods(case, methods, args.repeats, args.warmup, tick))
+    if case.device.type == "cuda" and not args.no_memory:
+        rec["memory"] = cuda_memory(case, methods, tick)
     for m in methods.values():
         m.close()
     clip_norm, label = case.clip_norm, case.label
@@ -634,7 +736,9 @@ def run_case(spec: Spec, batch: int, seq: Optional[int], args, keys: Sequence[st
     measured = [k for k in run_keys if rec["time"].get(k, {}).get("status") == "ok"]
     del case
     gc.collect()
-    if not args.no_memory:
+    if torch.device(args.device).type == "cuda":
+        torch.cuda.empty_cache()
+    elif not args.no_memory:
         for key in measured:
             tick(f"{spec.name} {label}: memory {key}")
             rec["memory"][key] = measure_memory(
@@ -681,23 +785,38 @@ def _clip_err(rec: dict) -> str:
     return text + (f" {'/'.join(bad)} MISMATCH" if bad else "")
 
 
+def _label(batch: int, seq: Optional[int], autocast: Optional[str]) -> str:
+    """``B x T`` (``B`` for an image model), `` bf16`` appended under autocast."""
+    return (f"{batch}x{seq}" if seq else str(batch)) + (f" {autocast}" if autocast else "")
+
+
 def _case_name(rec: dict) -> Tuple[str, str]:
-    return rec["model"], f"{rec['batch']}x{rec['seq']}" if rec["seq"] else str(rec["batch"])
+    return rec["model"], _label(rec["batch"], rec["seq"], rec.get("autocast"))
 
 
 def markdown(report: dict) -> str:
     meta, keys = report["meta"], [k for k in report["meta"]["methods"] if k != "plain"]
+    cuda = meta.get("device", "cpu").startswith("cuda")
+    where = (f"{meta['device_name']} (CUDA {meta.get('cuda')}), timed with CUDA events after a "
+             "device synchronisation" if cuda else
+             f"{meta['device_name']}, {meta['threads']} threads")
+    memory = ("Memory: torch.cuda.max_memory_allocated of one step above the allocation before "
+              "it (after a warm step; what a method keeps between steps counted), in process, as "
+              "a ratio to plain's" if cuda else
+              "Memory: peak RSS of one step above a pre-warmed baseline, each method in a fresh "
+              "process, as a ratio to plain's")
     lines = [f"# Real-size models: gradhooks against plain training ({meta['title']})", "",
              f"{meta['date']}, gradhooks {meta['git']}, torch {meta['torch']}, transformers "
-             f"{meta['transformers']}, opacus {meta['opacus']}, {meta['device_name']}, "
-             f"{meta['threads']} threads, medians of {meta['repeats']} interleaved repeats after "
-             f"{meta['warmup']} warm-up call(s){', SMOKE (tiny widths)' if meta['smoke'] else ''}. "
-             "float32, random weights, training mode with dropout off (configs), ResNet-50's "
+             f"{meta['transformers']}, opacus {meta['opacus']}, {where}, medians of "
+             f"{meta['repeats']} interleaved repeats after {meta['warmup']} warm-up call(s)"
+             f"{', SMOKE (tiny widths)' if meta['smoke'] else ''}. "
+             "float32 (a case marked bf16 runs every forward under torch.autocast(bfloat16); the "
+             "backward and gradhooks' reads outside it), random weights, training mode with "
+             "dropout off (configs), ResNet-50's "
              "BatchNorm in eval mode; next-token loss (token mean per sample) for GPT-2 / Llama, "
              "mean cross-entropy otherwise; C = the batch's median per-sample norm. Ratio = "
              "median time / plain training's (forward + loss.backward()) in the same process. "
-             "Memory: peak RSS of one step above a pre-warmed baseline, each method in a fresh "
-             "process, as a ratio to plain's. `too big`: B x P x 4 bytes above "
+             f"{memory}. `too big`: B x P x 4 bytes above "
              f"{meta['per_sample_gb']:.1f} GiB (`--per-sample-gb`).", ""]
     if meta.get("note"):
         lines += [f"**{meta['note']}**", ""]
@@ -757,17 +876,20 @@ def _correctness(report: dict, keys: Sequence[str]) -> List[str]:
 
 def _targets(report: dict) -> List[str]:
     out = []
+    cuda = report["meta"].get("device", "cpu").startswith("cuda")
+    targets, memory_targets = ((GPU_TARGETS, GPU_MEMORY_TARGETS) if cuda
+                               else (TARGETS, MEMORY_TARGETS))
     for rec in report["cases"]:
-        if rec["batch"] != TARGET_BATCH or rec["seq"] not in (None, TARGET_SEQ):
+        if not cuda and (rec["batch"] != TARGET_BATCH or rec["seq"] not in (None, TARGET_SEQ)):
             continue
         model, bt = _case_name(rec)
         parts = []
-        for k, target in TARGETS.items():
+        for k, target in targets.items():
             r = rec["time"].get(k, {})
             if "ratio" in r:
                 parts.append(f"{COLUMN[k]} {r['ratio']:.2f}x "
                              f"({'met' if r['ratio'] <= target else 'MISSED'} <= {target:.2f}x)")
-        for k, target in MEMORY_TARGETS.items():
+        for k, target in memory_targets.items():
             r, p = rec["memory"].get(k, {}), rec["memory"].get("plain", {})
             if r.get("status") == "ok" and p.get("status") == "ok" and p["step_mb"] > 0:
                 ratio = r["step_mb"] / p["step_mb"]
@@ -777,7 +899,8 @@ def _targets(report: dict) -> List[str]:
             out.append(f"- {model} {bt}: " + "; ".join(parts))
     if not out:
         return []
-    return [f"## Targets (B = {TARGET_BATCH}, T = {TARGET_SEQ})", ""] + out + [""]
+    return [("## Targets on the GPU (every case)" if cuda else
+             f"## Targets (B = {TARGET_BATCH}, T = {TARGET_SEQ})"), ""] + out + [""]
 
 
 #: What a peer's error message means on these models (checked on the smoke configs).
@@ -912,6 +1035,27 @@ def _long(text: str) -> Optional[Tuple[str, int, int]]:
     return model, b, t
 
 
+def _cases(text: str) -> List[Tuple[str, int, Optional[int], Optional[str]]]:
+    """``MODEL:BxT[:bf16|fp16]`` (a language model) or ``MODEL:B[:bf16|fp16]`` (an image
+    model), comma-separated -> ``[(model, B, T or None, autocast or None)]``."""
+    out = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        parts = item.split(":")
+        if len(parts) not in (2, 3) or parts[0] not in MODELS:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: expected MODEL:BxT[:bf16|fp16] with MODEL in {list(MODELS)}")
+        amp = parts[2] if len(parts) == 3 else None
+        if amp is not None and amp not in AUTOCAST:
+            raise argparse.ArgumentTypeError(f"{item!r}: autocast {amp!r} not in {list(AUTOCAST)}")
+        sizes = parts[1].split("x")
+        image = MODELS[parts[0]].kind == "image"
+        if len(sizes) != (1 if image else 2) or not all(v.isdigit() and int(v) > 0 for v in sizes):
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: {'an image model takes B' if image else 'a token model takes BxT'}")
+        out.append((parts[0], int(sizes[0]), None if image else int(sizes[1]), amp))
+    return out
+
+
 def _ints(text: str) -> List[int]:
     return [peers._positive(v) for v in text.split(",") if v.strip()]
 
@@ -942,6 +1086,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tiny widths, T 16, 1 repeat: a quick end-to-end check")
     p.add_argument("--split", choices=list(MODELS), default=None,
                    help="only the split of book-keeping's time for this model (at --batch, --seq)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default) or cuda: model and batch there; on CUDA timed with CUDA "
+                        "events and memory from torch.cuda.max_memory_allocated, in process")
+    p.add_argument("--cases", type=_cases, default=None,
+                   help="instead of --models x --batch (and --long): MODEL:BxT[:bf16|fp16] or "
+                        "MODEL:B[:bf16|fp16] for an image model, comma-separated; the third "
+                        "part runs every forward under torch.autocast of that dtype")
+    p.add_argument("--gpu", action="store_true",
+                   help=f"the GPU run (make bench-gpu): --device cuda --cases {GPU_CASES}, "
+                        "written to benchmarks/results/gpu.md and gpu.json")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--title", default=None, help="default: full run / smoke")
     p.add_argument("--note", default="", help="a line printed in bold under the header")
@@ -976,12 +1130,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from tqdm import tqdm
 
     peers._quiet()
+    if args.gpu:
+        args.device = "cuda"
+        args.cases = args.cases or _cases(GPU_CASES)
+        args.out = args.out or os.path.join(HERE, "results", "gpu.md")
+        args.json = args.json or os.path.join(HERE, "results", "gpu.json")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: torch.cuda.is_available() is False (this torch is "
+              f"{torch.__version__}; a CUDA build and a GPU are needed)", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     args.seq = args.seq or (16 if args.smoke else 128)
     args.repeats = args.repeats or (1 if args.smoke else 5)
     args.batch = args.batch or ([4] if args.smoke else [4, 16])
     if args.per_sample_gb is None:
-        args.per_sample_gb = _mem_total_gib() / 4
+        args.per_sample_gb = (torch.cuda.get_device_properties(device).total_memory / 2**30
+                              if device.type == "cuda" else _mem_total_gib()) / 4
     if isinstance(args.long, str):
         args.long = _long(args.long)
     if args.long and args.smoke:
@@ -997,20 +1162,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
 
     keys = ["plain"] + [k for k in args.methods if k != "plain"]
-    plan = [(MODELS[n], b, args.seq if MODELS[n].kind != "image" else None)
-            for n in args.models for b in args.batch]
-    if args.long:
-        plan.append((MODELS[args.long[0]], args.long[1], args.long[2]))
+    if args.cases:
+        plan = [(MODELS[n], b, t, amp) for n, b, t, amp in args.cases]
+    else:
+        plan = [(MODELS[n], b, args.seq if MODELS[n].kind != "image" else None, None)
+                for n in args.models for b in args.batch]
+        if args.long:
+            plan.append((MODELS[args.long[0]], args.long[1], args.long[2], None))
     import opacus
     import transformers
     full = (args.models == list(MODELS) and args.batch == [4, 16] and args.seq == 128
-            and args.long == _long("gpt2:4x512") and len(keys) == len(METHODS))
+            and args.long == _long("gpt2:4x512") and len(keys) == len(METHODS)
+            and not args.cases and device.type == "cpu")
+    gpu_run = args.gpu and args.cases == _cases(GPU_CASES) and len(keys) == len(METHODS)
     meta = {"title": args.title or ("smoke" if args.smoke else "full run" if full
-                                    else "partial run"), "note": args.note,
+                                    else "GPU run" if gpu_run else "partial run"),
+            "note": args.note, "device": str(device),
             "date": datetime.date.today().isoformat(), "git": peers._git_rev(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
             "opacus": opacus.__version__, "python": platform.python_version(),
-            "device_name": peers._device_name(torch.device("cpu")),
+            "device_name": peers._device_name(device),
             "threads": torch.get_num_threads(), "repeats": args.repeats, "warmup": args.warmup,
             "smoke": args.smoke, "per_sample_gb": args.per_sample_gb, "methods": keys,
             "command": "python benchmarks/scale.py " + " ".join(sys.argv[1:] if argv is None
@@ -1020,8 +1191,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         def tick(label: str) -> None:
             bar.set_description(label)
 
-        for spec, b, t in plan:
-            rec = run_case(spec, b, t, args, keys, tick)
+        for spec, b, t, amp in plan:
+            rec = run_case(spec, b, t, args, keys, tick, amp)
             report["cases"].append(rec)
             bar.update(1)
             bar.write(markdown({**report, "cases": [rec]}).split("## Time (x plain)")[1]
