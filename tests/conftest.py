@@ -100,6 +100,18 @@ def dtype(request):
     return request.param
 
 
+#: The devices of the device-parametrized tests (the ``device`` fixture): the CPU, and CUDA where
+#: a GPU is there. Without one the ``cuda`` variants are not generated, and
+#: ``tests/test_cuda.py::test_cuda_variants_are_generated`` skips saying so (one skip, not one per
+#: variant).
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return torch.device(request.param)
+
+
 @pytest.fixture(params=["mean", "sum"])
 def loss_reduction(request):
     return request.param

@@ -1,11 +1,26 @@
-"""The CUDA path against looped autograd; skipped (honestly) on machines without a GPU."""
+"""The CUDA path against looped autograd; skipped (honestly) on machines without a GPU.
+
+Beside the tests here, the device-parametrized tests (those taking ``conftest``'s ``device``
+fixture: every rule x every reader, the zoo's models, the Segments kernels, bf16 autocast of
+norms and KFAC) get a ``cuda`` variant where a GPU is there; without one those variants are not
+generated and :func:`test_cuda_variants_are_generated` skips, saying so.
+"""
 import pytest
 import torch
 from torch import nn
 
-from conftest import check_against_loop
+from conftest import DEVICES, check_against_loop
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU (without one the cuda variants of the device-parametrized tests are "
+           "not generated either: conftest.DEVICES)")
+
+
+def test_cuda_variants_are_generated():
+    """Where a GPU is there, the device-parametrized tests run on it too (``conftest.DEVICES``);
+    on a machine without one this test is skipped, and with it those tests' cuda variants."""
+    assert DEVICES == ["cpu", "cuda"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])

@@ -138,8 +138,9 @@ def test_the_table_covers_every_registered_rule():
         set(gradhooks.supported_types()) - set(MODULES)
 
 
-def _setup(kind, b, dtype):
-    """A seeded model, its batch ``x`` ``(b, ...)`` and per-sample weights ``w`` ``(b,)``."""
+def _setup(kind, b, dtype, device="cpu"):
+    """A seeded model, its batch ``x`` ``(b, ...)`` and per-sample weights ``w`` ``(b,)``, on
+    ``device`` (drawn on the CPU, so every device sees the same numbers)."""
     torch.manual_seed(0)
     make, shape, vocab = MODULES[kind]
     model = make().to(dtype)
@@ -148,6 +149,7 @@ def _setup(kind, b, dtype):
     else:
         x = torch.randint(0, vocab, (b, *shape))
     w = torch.rand(b, dtype=dtype) + 0.5
+    model, x, w = model.to(device), x.to(device), w.to(device)
     if b == 0:
         try:
             model(x)
@@ -194,8 +196,8 @@ sizes = pytest.mark.parametrize("b", SIZES, ids=[f"B{b}" for b in SIZES])
 
 @cases
 @sizes
-def test_per_sample_grads(kind, b, dtype, loss_reduction):
-    model, x, w = _setup(kind, b, dtype)
+def test_per_sample_grads(kind, b, dtype, loss_reduction, device):
+    model, x, w = _setup(kind, b, dtype, device)
     ref = _reference(model, x, w)
     gh = _attached(model, x, w, loss_reduction)
     with gh:
@@ -207,8 +209,8 @@ def test_per_sample_grads(kind, b, dtype, loss_reduction):
 
 @cases
 @sizes
-def test_norms(kind, b, dtype, loss_reduction):
-    model, x, w = _setup(kind, b, dtype)
+def test_norms(kind, b, dtype, loss_reduction, device):
+    model, x, w = _setup(kind, b, dtype, device)
     ref = _reference(model, x, w)
     gh = _attached(model, x, w, loss_reduction)
     with gh:
@@ -241,8 +243,8 @@ def _clipped_sum(ref, bound, b, loss_reduction):
 @cases
 @sizes
 @pytest.mark.parametrize("method", ["ghost", "materialize", "two_pass"])
-def test_clipping(kind, b, dtype, loss_reduction, method):
-    model, x, w = _setup(kind, b, dtype)
+def test_clipping(kind, b, dtype, loss_reduction, method, device):
+    model, x, w = _setup(kind, b, dtype, device)
     ref = _reference(model, x, w)
     bound = _bound(ref)
     expected = _clipped_sum(ref, bound, b, loss_reduction)
@@ -263,8 +265,8 @@ def test_clipping(kind, b, dtype, loss_reduction, method):
 
 @cases
 @sizes
-def test_gram_and_projections(kind, b, dtype, loss_reduction):
-    model, x, w = _setup(kind, b, dtype)
+def test_gram_and_projections(kind, b, dtype, loss_reduction, device):
+    model, x, w = _setup(kind, b, dtype, device)
     ref = _reference(model, x, w)
     flat = _flat(ref)
     gh = _attached(model, x, w, loss_reduction)
@@ -273,13 +275,13 @@ def test_gram_and_projections(kind, b, dtype, loss_reduction):
         projected = gh.projected_grads(k_in=3, k_out=2, seed=1)
     assert projected.shape[0] == b
     if b == 0:  # an empty batch's rows are as wide as any other's (batches are concatenated)
-        model1, x1, w1 = _setup(kind, 1, dtype)
+        model1, x1, w1 = _setup(kind, 1, dtype, device)
         gh1 = _attached(model1, x1, w1, loss_reduction)
         with gh1:
             assert projected.shape[1:] == gh1.projected_grads(k_in=3, k_out=2, seed=1).shape[1:]
     if b == 3:  # linear in g_n: the projections of x[0], x[1] and of a batch of (x[0], x[0],
         # x[1]) agree sample by sample (so each row is a function of its own sample only)
-        model2, _, _ = _setup(kind, b, dtype)
+        model2, _, _ = _setup(kind, b, dtype, device)
         x2, w2 = x[[0, 0, 1]], w[[0, 0, 1]]
         gh2 = _attached(model2, x2, w2, loss_reduction)
         with gh2:
@@ -289,8 +291,8 @@ def test_gram_and_projections(kind, b, dtype, loss_reduction):
 
 @cases
 @sizes
-def test_moments(kind, b, dtype, loss_reduction):
-    model, x, w = _setup(kind, b, dtype)
+def test_moments(kind, b, dtype, loss_reduction, device):
+    model, x, w = _setup(kind, b, dtype, device)
     ref = _reference(model, x, w)
     gh = _attached(model, x, w, loss_reduction)
     with gh:

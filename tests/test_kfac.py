@@ -494,10 +494,11 @@ def test_grad_matrix_split_roundtrip_and_kfac_step():
     assert "A=(2, 8, 8)" in repr(factors["0"])
 
 
-def test_autocast_bfloat16_computes_in_float32():
+def test_autocast_bfloat16_computes_in_float32(device):
     model, x, y, _ = _build("conv2d-same-reflect", 4, torch.float32)
+    model, x, y = model.to(device), x.to(device), y.to(device)
     ref = kfac(model, x, y, nn.CrossEntropyLoss())
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         low = kfac(model, x, y, nn.CrossEntropyLoss())
     for k in ref:
         assert low[k].A.dtype == torch.float32 and low[k].G.dtype == torch.float32

@@ -111,12 +111,13 @@ def attach(model):
         return gradhooks.attach(model)
 
 
-def check(model, b, t, rtol, seed=0):
+def check(model, b, t, rtol, seed=0, device="cpu"):
     """Per-sample gradients, norms and book-keeping clipping (``clip_and_accumulate`` after
     ``loss.backward()``, one sample clipped and one not where B > 1) against the loop, each
     parameter to ``rtol`` of its largest entry (with a floor of 1e-4 of the model's largest:
     gradients that vanish in exact arithmetic, key biases)."""
-    ids, y = tokens(b, t, seed)
+    ids, y = (v.to(device) for v in tokens(b, t, seed))
+    model = model.to(device)
     ref = loop_grads(model, token_loss, ids, y)
     norms = torch.sqrt(sum(g.flatten(1).square().sum(1) for g in ref.values()))
     floor = 1e-4 * max(r.abs().max() for r in ref.values())
@@ -160,11 +161,12 @@ MODELS = {"mixtral": mixtral, "qwen2-moe": qwen2_moe}
 
 @pytest.mark.parametrize("b, t", [(3, 6), (3, 3), (1, 5)], ids=["B3", "T_eq_B", "B1"])
 @pytest.mark.parametrize("name", MODELS)
-def test_moe_matches_loop_float64(name, b, t):
+def test_moe_matches_loop_float64(name, b, t, device):
     """Every parameter: the routers' weights, the experts' 3-D tensors (experts no token chose
-    get zeros), the shared expert and its gate (Qwen2-MoE), attention, norms, embeddings."""
+    get zeros), the shared expert and its gate (Qwen2-MoE), attention, norms, embeddings; on
+    each device of ``conftest.DEVICES``."""
     torch.manual_seed(0)
-    check(float64_internals(MODELS[name]()).double().eval(), b, t, rtol=1e-10)
+    check(float64_internals(MODELS[name]()).double().eval(), b, t, rtol=1e-10, device=device)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -207,14 +209,15 @@ def test_default_grouped_experts_match_loop_float64(name, b, t, grouped_mm_in_fl
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_default_grouped_experts_float32_kernel(name):
-    """torch's grouped kernel as shipped, in float32, at float32's tolerance; the routing of
-    the batch used is checked to be far from a tie first (so rounding cannot change it)."""
+def test_default_grouped_experts_float32_kernel(name, device):
+    """torch's grouped kernel as shipped, in float32, at float32's tolerance, on each device of
+    ``conftest.DEVICES``; the routing of the batch used is checked to be far from a tie first
+    (so rounding cannot change it)."""
     torch.manual_seed(0)
-    model = MODELS[name](experts=None).eval()
+    model = MODELS[name](experts=None).eval().to(device)
     ids, _ = tokens(3, 6)
-    assert zoo_imports.routing_margin(model, ids) > 1e-5  # (float32 rounds at about 1e-7)
-    check(model, 3, 6, rtol=2e-4)
+    assert zoo_imports.routing_margin(model, ids.to(device)) > 1e-5  # (float32 rounds at 1e-7)
+    check(model, 3, 6, rtol=2e-4, device=device)
 
 
 class MoEBlockModel(nn.Module):

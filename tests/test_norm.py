@@ -130,12 +130,13 @@ AUTOCAST = {
 
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # torch's rms_norm
 @pytest.mark.parametrize("case", list(AUTOCAST.values()), ids=list(AUTOCAST))
-def test_autocast_bfloat16_computes_in_float32(case):
-    """Under CPU autocast the layer before the norm runs in bfloat16; the norm's per-sample
-    gradients come out in float32 and agree with a looped autocast run within bfloat16 rounding."""
+def test_autocast_bfloat16_computes_in_float32(case, device):
+    """Under autocast (the device's) the layer before the norm runs in bfloat16; the norm's
+    per-sample gradients come out in float32 and agree with a looped autocast run within bfloat16
+    rounding."""
     make, shape = case
-    model = InAutocast(make())
-    x, w = torch.randn(*shape), torch.rand(shape[0]) + 0.5
+    model = InAutocast(make()).to(device)
+    x, w = torch.randn(*shape).to(device), (torch.rand(shape[0]) + 0.5).to(device)
     loss_fn = weighted_square_loss("mean")
     ref = loop_grads(model, loss_fn, x, w)
     with gradhooks.attach(model) as gh:
@@ -149,14 +150,14 @@ def test_autocast_bfloat16_computes_in_float32(case):
 
 
 class InAutocast(nn.Module):
-    """Runs ``inner`` under CPU bfloat16 autocast and returns float32."""
+    """Runs ``inner`` under bfloat16 autocast (of ``x``'s device) and returns float32."""
 
     def __init__(self, inner):
         super().__init__()
         self.inner = inner
 
     def forward(self, x):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
             return self.inner(x).float()
 
 

@@ -47,12 +47,15 @@ def tol(dtype):
 @pytest.mark.parametrize("size", [0, 1, 3])
 @pytest.mark.parametrize("layout", ["runs", "shuffled"])
 @pytest.mark.parametrize("loop", [True, False])
-def test_reads_match_definition(dtype, size, layout, loop, monkeypatch):
+def test_reads_match_definition(dtype, size, layout, loop, monkeypatch, device):
+    """On each device of ``conftest.DEVICES`` (off the CPU the reads take their padded,
+    one-kernel forms)."""
     if not loop:  # (the grouped kernel, or the padded product, instead of one mm per segment)
         monkeypatch.setattr(segments, "LOOP_KEYS", 0)
     u, v, key = rows(size, dtype, layout)
+    ref = reference(u, v, key, size, E).to(device)
+    u, v, key = u.to(device), v.to(device), key.to(device)
     seg = Segments(u, v, key, size, (E, U, V))
-    ref = reference(u, v, key, size, E)
     assert seg.shape == ref.shape and seg.dtype == dtype and not seg.requires_grad
     torch.testing.assert_close(seg.dense().double(), ref, **tol(dtype))
     torch.testing.assert_close(seg.dense(2.5).double(), 2.5 * ref, **tol(dtype))
@@ -60,11 +63,11 @@ def test_reads_match_definition(dtype, size, layout, loop, monkeypatch):
     torch.testing.assert_close(seg.sq_norms().double(), flat.square().sum(1), **tol(dtype))
     torch.testing.assert_close(seg.sq_norms(padded=True).double(), flat.square().sum(1),
                                **tol(dtype))  # (the form used off the CPU)
-    c = torch.linspace(0.5, 2.0, size, dtype=dtype)
+    c = torch.linspace(0.5, 2.0, size, dtype=dtype, device=device)
     torch.testing.assert_close(seg.weighted(c).double(),
                                torch.einsum("n,n...->...", c.double(), ref), **tol(dtype))
     torch.testing.assert_close(seg.weighted().double(), ref.sum(0), **tol(dtype))
-    idx = torch.tensor([0, 7, E * U * V - 1, U * V + 3, 2 * U * V])
+    idx = torch.tensor([0, 7, E * U * V - 1, U * V + 3, 2 * U * V], device=device)
     torch.testing.assert_close(seg.at(idx).double(), flat[:, idx], **tol(dtype))
 
 

@@ -133,7 +133,7 @@ def whisper():
             self.model = tr.WhisperForConditionalGeneration(cfg)
 
         def forward(self, mel):
-            ids = torch.arange(4).expand(mel.shape[0], 4)
+            ids = torch.arange(4, device=mel.device).expand(mel.shape[0], 4)
             return self.model(input_features=mel, decoder_input_ids=ids).logits[:, -1, :3]
     return Speech(), "mel"
 
@@ -398,12 +398,13 @@ def inputs(kind, generator, b=B, t=T):
 
 @pytest.mark.parametrize("name, build", [pytest.param(name, b, marks=m or (), id=name)
                                          for name, (b, m) in ZOO.items()])
-def test_zoo_model_matches_loop(name, build):
+def test_zoo_model_matches_loop(name, build, device):
     """Per-sample gradients, per-sample norms and ghost clipping (after loss.backward()) equal
-    the loop's in float64. Eval mode: no dropout, BatchNorm on running statistics."""
+    the loop's in float64, on each device of ``conftest.DEVICES``. Eval mode: no dropout,
+    BatchNorm on running statistics."""
     model, kind = build()
-    model = model.double().eval()
-    x, y = inputs(kind, torch.Generator().manual_seed(1))
+    model = model.double().eval().to(device)
+    x, y = (t.to(device) for t in inputs(kind, torch.Generator().manual_seed(1)))
     ref = loop_grads(model, token_loss, x, y)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", gradhooks.FallbackWarning)  # (the README lists who gets it)

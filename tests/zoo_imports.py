@@ -43,7 +43,7 @@ class TokensToLogits(nn.Module):
     def forward(self, ids):
         kwargs = {}
         if self.batched_positions:
-            kwargs["position_ids"] = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+            kwargs["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
         if self.decoder:
             kwargs["decoder_input_ids"] = ids.flip(1)
         return self.model(input_ids=ids, **kwargs).logits
