@@ -950,9 +950,10 @@ def split(spec: Spec, batch: int, seq: Optional[int], args) -> str:
     (medians), and the multiply-adds of each part (``FlopCounterMode``, counted once)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    case = ScaleCase(spec, batch, seq, args.smoke, args.seed)
+    case = ScaleCase(spec, batch, seq, args.smoke, args.seed, args.device, args.autocast)
     set_clip_norm(case)
     gh, model, params = case.attach(), case.model, list(case.model.parameters())
+    calls: List[int] = []  # hooked calls per forward (the forward side's per-call cost)
     parts = ("plain forward", "plain backward", "hooked forward", "gh.backward", "norms",
              "clip_and_accumulate")
     times: Dict[str, List[float]] = {k: [] for k in parts}
@@ -960,26 +961,35 @@ def split(spec: Spec, batch: int, seq: Optional[int], args) -> str:
 
     def timed(key: str, fn, count: bool):
         gc.disable()
-        t0 = time.perf_counter()
+        box = []
         if count:
             with FlopCounterMode(display=False) as fc:
-                out = fn()
+                box.append(fn())
             macs[key] = fc.get_total_flops() / 2
         else:
-            out = fn()
-            times[key].append(time.perf_counter() - t0)
+            times[key].append(timed_ms(case.device, lambda: box.append(fn())) / 1e3)
         gc.enable()
-        return out
+        return box[0]
+
+    def forward():
+        with case.amp():
+            return case.loss(model(case.x))
 
     def one(count: bool) -> None:
         for p in params:
             p.grad = None
         with gh.recorder.suspended():
-            loss = timed("plain forward", lambda: case.loss(model(case.x)), count)
+            loss = timed("plain forward", forward, count)
             timed("plain backward", loss.backward, count)
         for p in params:
             p.grad = None
-        loss = timed("hooked forward", lambda: case.loss(model(case.x)), count)
+        if count:  # (the hooked modules' calls in one forward, counted by a hook of our own)
+            handles = [layer.module.register_forward_hook(lambda *_: calls.append(1))
+                       for layer in gh.recorder.layers]
+        loss = timed("hooked forward", forward, count)
+        if count:
+            for h in handles:
+                h.remove()
         timed("gh.backward", lambda: gh.backward(loss), count)
         timed("norms", gh.per_sample_grad_norms, count)
         timed("clip_and_accumulate", lambda: gh.clip_and_accumulate(case.clip_norm), count)
@@ -1005,18 +1015,20 @@ def split(spec: Spec, batch: int, seq: Optional[int], args) -> str:
              "norms", "clipped sum", "clip_and_accumulate", "book-keeping step")
     rows = [[k, f"{m[k]:.1f}", f"{m[k] / plain_ms:.2f}x", f"{macs[k] / 1e9:.3g}",
              f"{macs[k] / plain_macs:.2f}x"] for k in order]
-    bt = f"{batch}x{seq}" if seq else str(batch)
+    bt = _label(batch, seq, args.autocast)
+    per_call = (m["hooked forward"] - m["plain forward"]) * 1e3 / max(len(calls), 1)
     return "\n".join([
         f"## Where book-keeping's time goes: {spec.title}, B x T = {bt}", "",
         f"{datetime.date.today().isoformat()}, gradhooks {peers._git_rev()}, torch "
-        f"{torch.__version__}, {peers._device_name(torch.device('cpu'))}, "
+        f"{torch.__version__}, {peers._device_name(case.device)}, "
         f"{torch.get_num_threads()} threads, medians of {args.repeats} after {args.warmup} "
         f"warm-up(s){', SMOKE (tiny widths)' if args.smoke else ''}. Each part timed alone in "
         "one step (plain: hooks suspended); `clipped sum` = clip_and_accumulate - norms (it "
         "computes the norms again). Multiply-adds: matmuls, convolutions and attention counted "
         "by torch.utils.flop_counter (elementwise ops not counted); the book-keeping step's "
         f"MAC ratio, {macs['book-keeping step'] / plain_macs:.2f}x, is the floor of its time "
-        "ratio at plain's FLOP rate.", "",
+        f"ratio at plain's FLOP rate. The hooked forward's extra time over {len(calls)} hooked "
+        f"calls: {per_call:.0f} us per call.", "",
         peers._table(["part", "ms", "x plain step", "G multiply-adds", "x plain MACs"], rows,
                      [False, True, True, True, True]), ""])
 
@@ -1089,6 +1101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu",
                    help="cpu (default) or cuda: model and batch there; on CUDA timed with CUDA "
                         "events and memory from torch.cuda.max_memory_allocated, in process")
+    p.add_argument("--autocast", choices=list(AUTOCAST), default=None,
+                   help="every forward under torch.autocast of this dtype (--models runs and "
+                        "--split; --cases names it per case)")
     p.add_argument("--cases", type=_cases, default=None,
                    help="instead of --models x --batch (and --long): MODEL:BxT[:bf16|fp16] or "
                         "MODEL:B[:bf16|fp16] for an image model, comma-separated; the third "
@@ -1192,7 +1207,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             bar.set_description(label)
 
         for spec, b, t, amp in plan:
-            rec = run_case(spec, b, t, args, keys, tick, amp)
+            rec = run_case(spec, b, t, args, keys, tick, amp or args.autocast)
             report["cases"].append(rec)
             bar.update(1)
             bar.write(markdown({**report, "cases": [rec]}).split("## Time (x plain)")[1]

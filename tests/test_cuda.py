@@ -55,3 +55,42 @@ def test_slice_experts_on_cuda_match_loop(dtype):
     want = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
     torch.testing.assert_close(norms, want, rtol=1e-10 if dtype == torch.float64 else 1e-5,
                                atol=0)
+
+
+@pytest.mark.parametrize("kind", ["conv3d", "gru"])
+def test_torch_tf32_defaults_attach_and_read_within_tf32(kind):
+    """torch's defaults on CUDA round float32 convolutions and RNNs to TF32 in cuDNN
+    (``torch.backends.cudnn.allow_tf32``): autograd's own batch gradient is then formed at about
+    TF32's precision. The default attach must not raise a false sum-check alarm there
+    (``gradhooks.core.checks.TF32_RTOL``), and its per-sample gradients stay within TF32's
+    rounding of a float32 loop run with TF32 off. (Measured on an H200 before the TF32
+    tolerance: GradientMismatchError on Conv3d and RNN layers, 2.8e-3 and 4.5e-4 of the
+    summed magnitude, in 123 of 2258 cuda test variants.)"""
+    import gradhooks
+    from conftest import loop_grads, weighted_square_loss
+    torch.manual_seed(0)
+    if kind == "conv3d":
+        model = nn.Sequential(nn.Conv3d(2, 6, 3, padding=1), nn.Tanh(), nn.Flatten(),
+                              nn.Linear(6 * 5 * 5 * 5, 3)).cuda()
+        x = torch.randn(4, 2, 5, 5, 5, device="cuda")
+    else:
+        from test_every_rule_every_reader import Pick
+        model = nn.Sequential(Pick(nn.GRU(5, 7, batch_first=True), "first"), nn.Flatten(),
+                              nn.Linear(7 * 6, 3)).cuda()
+        x = torch.randn(4, 6, 5, device="cuda")
+    w = torch.rand(4, device="cuda") + 0.5
+    loss_fn = weighted_square_loss("mean")
+    flags = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = False, False
+        ref = loop_grads(model, loss_fn, x, w)
+        torch.backends.cudnn.allow_tf32 = True  # torch's default
+        with gradhooks.attach(model) as gh:  # (the sum check on: it must not raise)
+            loss_fn(model(x), w).backward()
+            ours = gh.per_sample_grads()
+            gh.per_sample_grad_norms()
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = flags
+    for name, r in ref.items():
+        err = float((ours[name] - r).abs().max() / r.abs().max())
+        assert err <= 1e-2, (name, err)

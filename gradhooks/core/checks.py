@@ -38,6 +38,12 @@ __all__ = ["GradTotal", "bilinear_directions", "check_sums", "projection_terms",
 # autograd's batch value by rounding, relative to sum_n |value_n| (B * eps in the worst case).
 # Each parameter is judged at the precision its gradient was formed in (check_sums).
 SUM_CHECK_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+#: float32 on a CUDA device where cuDNN or cuBLAS may round float32 operands to TF32 (10
+#: significant bits, 5e-4 per rounding; :func:`tf32_allowed`): autograd's own batch gradient
+#: of a convolution or an RNN is then formed at about TF32's precision (measured on an H200 with
+#: torch's defaults: Conv3d 2.8e-3, RNN 4.5e-4 of the summed magnitude), and the sum check
+#: judges such parameters at this tolerance instead of float32's.
+TF32_RTOL = 1e-2
 SUM_CHECK_PROBES = 256
 
 # Why a parameter is judged at its dtype, for the messages (keys of the check items).
@@ -51,7 +57,21 @@ _WHY = {
 }
 
 
-def _rtol(dtype: torch.dtype) -> float:
+def tf32_allowed() -> bool:
+    """Whether float32 work on CUDA may run in TF32: cuDNN's convolutions and RNNs
+    (``torch.backends.cudnn.allow_tf32``, on by default) or cuBLAS' matrix products
+    (``torch.backends.cuda.matmul.allow_tf32``, ``torch.set_float32_matmul_precision``)."""
+    b = torch.backends
+    return bool(b.cudnn.allow_tf32 or b.cuda.matmul.allow_tf32
+                or torch.get_float32_matmul_precision() != "highest")
+
+
+def _rtol(dtype: torch.dtype, device: Optional[torch.device] = None) -> float:
+    # ``device``: where the compared values live; float32 on CUDA with TF32 allowed is judged at
+    # TF32_RTOL (autograd's gradient may be formed in TF32).
+    if (dtype == torch.float32 and device is not None and torch.device(device).type == "cuda"
+            and tf32_allowed()):
+        return TF32_RTOL
     return SUM_CHECK_RTOL.get(dtype, 1e-4)
 
 
@@ -252,7 +272,8 @@ def user_hooks(names: Mapping[int, str], totals: Mapping[int, "GradTotal"]) -> D
 
 
 def _mismatch(name: str, difference: str, tol: float, of: str, dtype: torch.dtype, why: str,
-              relative: float, hooks: Mapping[str, str], results: str) -> GradientMismatchError:
+              relative: float, hooks: Mapping[str, str], results: str,
+              rtol: Optional[float] = None) -> GradientMismatchError:
     # The sum check's failure for parameter ``name``: what differs (``difference``), the
     # tolerance ``tol`` (rtol of ``dtype`` times ``of``) and why that dtype, then a cause only
     # where one is established: the user's gradient hooks registered before attach (seen), else
@@ -260,7 +281,8 @@ def _mismatch(name: str, difference: str, tol: float, of: str, dtype: torch.dtyp
     tolerance = "" if tol != tol else f", {tol:.3g}"
     head = (f"the per-sample gradients of {name!r} do not sum to the gradient autograd "
             f"computed for it: {difference}, above the tolerance for {_name(dtype)}{tolerance} "
-            f"(rtol {_rtol(dtype):g} of {of}; {_name(dtype)} is {why})")
+            f"(rtol {_rtol(dtype) if rtol is None else rtol:g} of {of}; {_name(dtype)} is {why}"
+            f"{'; TF32 allowed on CUDA' if rtol == TF32_RTOL else ''})")
     if name in hooks:
         return GradientMismatchError(
             f"{head}. {name!r} has gradient hooks registered before attach ({hooks[name]}, from "
@@ -379,7 +401,7 @@ def _judge(entries: list, scale: Optional[float], hooks: Mapping[str, str]) -> N
         return
     ref = torch.cat([e[2].to(acc) for e in entries])
     seg = segments(range(len(entries)))
-    rtol = torch.tensor([_rtol(e[3]) for e in entries], dtype=acc)[seg].to(device)  # (K,)
+    rtol = torch.tensor([_rtol(e[3], device) for e in entries], dtype=acc)[seg].to(device)  # (K,)
     err = per.sum(0).sub_(ref, alpha=1.0 if scale is None else scale).abs_()
     # per coordinate: its parameter's rtol times sum_n |grad_n|, floored at the same rtol times
     # 1% of the largest such sum (rounding of a coordinate whose per-sample values cancel within
@@ -404,7 +426,7 @@ def _judge(entries: list, scale: Optional[float], hooks: Mapping[str, str]) -> N
         difference = f"they differ by {e:.3g}"
         relative = e * float(rtol[j]) / t
     raise _mismatch(name, difference, t, "the per-sample gradients' summed magnitude",
-                    dtype, _WHY[why], relative, hooks, "gradients")
+                    dtype, _WHY[why], relative, hooks, "gradients", float(rtol[j]))
 
 
 def no_total(name: str) -> GradientMismatchError:
@@ -480,7 +502,7 @@ def check_projections(items: List[Tuple[str, Tensor, torch.dtype]],
     for group in by_device.values():
         dt = torch.float64 if any(t.dtype == torch.float64 for _, t, _ in group) else torch.float32
         terms = torch.stack([t.to(dt) for _, t, _ in group])  # (P, 4)
-        given = terms.new_tensor([_rtol(d) for _, _, d in group])
+        given = terms.new_tensor([_rtol(d, terms.device) for _, _, d in group])
         rtol = torch.maximum(given, terms[:, 3])
         diff = (terms[:, 0] - terms[:, 1]).abs()
         bad = diff > rtol * terms[:, 2] + torch.finfo(terms.dtype).tiny
@@ -495,7 +517,7 @@ def check_projections(items: List[Tuple[str, Tensor, torch.dtype]],
                 why = "formed"
             d = abs(got - ref)
             raise _mismatch(name, f"on a random projection, {got:.6g} vs autograd's {ref:.6g}, "
-                            f"they differ by {d:.3g}", _rtol(dtype) * bound,
+                            f"they differ by {d:.3g}", _rtol(dtype, terms.device) * bound,
                             "the projection's rounding bound", dtype, _WHY[why],
                             d / bound if bound > 0 else float("inf"), hooks or {}, "norms")
 
