@@ -177,12 +177,20 @@ def _attached(model, x, w, loss_reduction):
     return gh
 
 
+#: float32 on CUDA: cuDNN's RNN kernels (TF32 off) accumulate the time steps in another order
+#: than gradhooks' replay of the gates; measured on an H200, up to 1.8e-5 of the largest entry
+#: (RNN / GRU, B = 3), against 1e-5 on the CPU
+CUDA_RTOL_FLOAT32 = 5e-5
+
+
 def _close(ours, ref, dtype, what):
     assert ours.shape == ref.shape, (what, ours.shape, ref.shape)
     scale = ref.abs().max() if ref.numel() else 0.0
     diff = (ours.to(ref.dtype) - ref).abs().max() if ref.numel() else 0.0
-    assert diff <= RTOL[dtype] * max(float(scale), 1e-30) + (1e-12 if dtype == torch.float64
-                                                              else 1e-7), \
+    rtol = (CUDA_RTOL_FLOAT32 if dtype == torch.float32 and ref.device.type == "cuda"
+            else RTOL[dtype])
+    assert diff <= rtol * max(float(scale), 1e-30) + (1e-12 if dtype == torch.float64
+                                                       else 1e-7), \
         f"{what}: max diff {float(diff):.3e} vs max |ref| {float(scale):.3e}"
 
 
