@@ -94,3 +94,56 @@ def test_torch_tf32_defaults_attach_and_read_within_tf32(kind):
     for name, r in ref.items():
         err = float((ours[name] - r).abs().max() / r.abs().max())
         assert err <= 1e-2, (name, err)
+
+
+def test_bf16_autocast_reads_use_tf32_and_restore_the_flags():
+    """Reads of records formed under CUDA bf16 autocast run their float32 products in TF32
+    (gradhooks.base.utils.tf32_products: the records' values are exact in TF32): norms and
+    book-keeping clipping from the records agree with the same computed in float64 from the
+    materialised per-sample gradients (well inside bfloat16's rounding of the records), the
+    per-sample gradients with a float32 loop of the autocast forward within bfloat16's
+    tolerance, and the caller's TF32 flags are as they were after each read."""
+    import gradhooks
+    from conftest import loop_grads
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(),
+                          nn.Linear(32, 4)).cuda()
+    x = torch.randn(5, 7, 16, device="cuda")  # (B, T, D): the Gram forms of the norms
+
+    def forward(inp):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return model(inp).float()
+
+    def loss_fn(out, _):
+        return out.square().sum((1, 2)).mean()
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, inp):
+            return forward(inp)
+
+    wrapped = Wrapped()
+    ref = loop_grads(wrapped, loss_fn, x, torch.zeros(5, device="cuda"))
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    with gradhooks.attach(wrapped) as gh:
+        loss_fn(wrapped(x), None).backward()
+        assert gh.recorder.snapshot("test", sum_check=False).low == torch.bfloat16
+        norms = gh.per_sample_grad_norms()
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == flags
+        bound = float(norms.median())
+        gh.clip_and_accumulate(bound)
+        clipped = {n: p.grad.double() for n, p in wrapped.named_parameters()}
+        loss_fn(wrapped(x), None).backward()
+        grads = gh.per_sample_grads()
+    flat = torch.cat([g.double().flatten(1) for g in grads.values()], 1)
+    want = flat.norm(dim=1)
+    assert float((norms.double() - want).abs().max() / want.max()) <= 1e-3
+    factors = (bound / want).clamp(max=1.0)
+    for name, g in grads.items():
+        expect = torch.tensordot(factors, g.double(), 1) / 5
+        assert float((clipped[name] - expect).abs().max() / expect.abs().max()) <= 1e-3, name
+        r = ref[name]
+        assert float((g - r).abs().max() / r.abs().max()) <= 5e-2, name

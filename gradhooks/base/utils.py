@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["paused", "is_paused", "no_autocast", "is_functorch_wrapped", "tensors", "detached",
+__all__ = ["paused", "is_paused", "no_autocast", "tf32_products", "is_functorch_wrapped", "tensors", "detached",
            "flatten", "compute_dtype", "LOW_PRECISION", "LOSS_REDUCTIONS", "check_loss_reduction",
            "own_loss_scale", "OWNED"]
 
@@ -62,6 +62,30 @@ def no_autocast() -> Iterator[None]:
         for d in on:
             stack.enter_context(torch.autocast(d, enabled=False))
         yield
+
+
+@contextlib.contextmanager
+def tf32_products(low: Optional[torch.dtype]) -> Iterator[None]:
+    """Context in which float32 matrix products and convolutions on CUDA may use TF32, for a
+    read of records formed in ``low`` = bfloat16 / float16 (an autocast forward's
+    grad_outputs, promoted to float32 by the rules); a no-op for ``None`` and without CUDA.
+
+    Why it loses nothing the records have: TF32 keeps 11 significant bits, as many as float16
+    and more than bfloat16 (8), so the records' own values enter the tensor cores exactly, and
+    TF32 products accumulate in float32; products of float32 intermediates are rounded at
+    ``2**-11``, below the records' own rounding (bfloat16: ``2**-8``). On an H200 such a read's
+    float32 products run at the tensor cores' TF32 rate instead of float32's (about 7x). The
+    caller's flags (``torch.backends.cuda.matmul.allow_tf32``, ``torch.backends.cudnn.allow_tf32``)
+    are restored on exit."""
+    if low not in (torch.bfloat16, torch.float16) or not torch.cuda.is_available():
+        yield
+        return
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
 
 
 def compute_dtype(*tensors: Tensor) -> torch.dtype:

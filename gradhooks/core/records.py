@@ -391,6 +391,13 @@ class Batch(NamedTuple):
                    recorder.batch_id, recorder.result, recorder.released, releasing,
                    recorder.memo, recorder.pool, recorder)
 
+    @property
+    def low(self) -> Optional[torch.dtype]:
+        """bfloat16 / float16 where a record's grad_outputs are of that dtype (an autocast
+        forward), else ``None``: reads compute under
+        :func:`~gradhooks.base.utils.tf32_products` of it."""
+        return next((r.low for r in self.records if r.low is not None), None)
+
     def release(self, record: Record) -> None:
         """Ask the recorder to release ``record``'s tensors (a reader that :attr:`releasing`
         does so once it has used them: the read's peak memory stays one layer's records)."""

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from ..base.errors import AccumulationError
-from ..base.utils import no_autocast, own_loss_scale
+from ..base.utils import no_autocast, own_loss_scale, tf32_products
 from ..core.capture import Recorder
 from ..core.records import Batch
 from .accumulation import Accumulation
@@ -160,7 +160,7 @@ def clip_and_accumulate(batch: Batch, max_norm: Union[float, Sequence[float]], *
     """
     clip = _set_up(batch, max_norm, method, noise_multiplier, groups, accumulate, accumulation)
     sums = _Target(batch, clip.ranks)
-    with no_autocast():
+    with no_autocast(), tf32_products(batch.low):
         found = _norms(batch, clip)
         _weighted_sums(batch, clip, found, sums.assign)
     if accumulate:  # .grad is S / D times the clipped sum: into the accumulator, unscaled

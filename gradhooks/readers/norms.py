@@ -28,7 +28,7 @@ from typing import Dict, Union
 
 from torch import Tensor
 
-from ..base.utils import compute_dtype, no_autocast
+from ..base.utils import compute_dtype, no_autocast, tf32_products
 from ..core.records import Batch
 from .plan import Forms, add_up, plan, result_sq_norms, squared_norms
 from .plan import use_gram  # noqa: F401  (gradhooks.readers.norms.use_gram: its old home, users import it)
@@ -75,7 +75,7 @@ def per_sample_grad_norms(batch: Batch, *, per_param: bool = False) -> Union[Ten
                  for pid, p in batch.params.items() if p.requires_grad}
         return empty if per_param else next(iter(empty.values()))
     plans, units = plan(batch)
-    with no_autocast():
+    with no_autocast(), tf32_products(batch.low):
         sq = squared_norms(batch, plans, units, Forms(batch, plans))
     if per_param:
         return {p.name: sq[pid].sqrt().mul_(batch.factor) for pid, p in plans.items()}

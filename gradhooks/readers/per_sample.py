@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..base._pool import using_pool
 from ..base.errors import GradHooksError
-from ..base.utils import no_autocast, tensors
+from ..base.utils import no_autocast, tensors, tf32_products
 from ..core.checks import check_sums
 from ..core.records import Batch
 from .canonical import call_grads
@@ -51,7 +51,7 @@ def per_sample_grads(batch: Batch) -> Dict[str, Tensor]:
             if batch.releasing:
                 batch.release(cap)
     differentiable = batch.differentiable and carries_graph(batch.records)
-    with no_autocast(), using_pool(batch.pool):
+    with no_autocast(), tf32_products(batch.low), using_pool(batch.pool):
         for cap in batch.records if batch.size else ():
             layer = cap.layer
             try:  # (no local holds the records: a released cap frees them during the call)
