@@ -41,6 +41,7 @@ from torch import nn
 
 import gradhooks
 import zoo_imports
+from conftest import DEVICES
 
 torchvision = zoo_imports.import_torchvision()  # (before transformers: see zoo_imports)
 TokensToLogits = zoo_imports.TokensToLogits
@@ -156,11 +157,11 @@ class Case:
     are 3.1 GB, as much again as gradhooks' result): :meth:`loop` hands them out one sample at a
     time, and :meth:`clipped_mean` is formed by the loop of its own, sample by sample."""
 
-    def __init__(self, spec):
+    def __init__(self, spec, device="cpu"):
         torch.manual_seed(0)
         self.spec, self.dtype, self.b = spec, spec.dtype, spec.b
-        self.model = spec.build().to(spec.dtype).eval()
-        self.x, self.y = spec.inputs(torch.Generator().manual_seed(1))
+        self.model = spec.build().to(spec.dtype).eval().to(device)
+        self.x, self.y = (t.to(device) for t in spec.inputs(torch.Generator().manual_seed(1)))
         self.names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         self.ref_norms = torch.stack([_norm(grads) for grads in self.loop()])
         lo, hi = float(self.ref_norms.min()), float(self.ref_norms.max())
@@ -300,9 +301,11 @@ class _Tier:
 
     spec = None
 
-    @pytest.fixture(scope="class")
+    @pytest.fixture(scope="class", params=DEVICES)
     @classmethod
-    def case(cls):
+    def case(cls, request):
+        """The model on each device of ``conftest.DEVICES`` (on CUDA with TF32 off: float32
+        verdicts at float32's precision), built once per class and device."""
         available = _available_gib()
         if available is not None and available < cls.spec.peak_gib:
             if os.environ.get("GRADHOOKS_REQUIRE_SCALE"):  # .ci/run: the tier must run there
@@ -310,7 +313,15 @@ class _Tier:
                             f"{available:.1f} GiB available (GRADHOOKS_REQUIRE_SCALE is set)")
             pytest.skip(f"needs about {cls.spec.peak_gib} GiB of memory, {available:.1f} GiB "
                         f"available: the kernel's OOM killer would end the whole test session")
-        return Case(cls.spec)
+        if request.param != "cuda":
+            yield Case(cls.spec)
+            return
+        flags = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            yield Case(cls.spec, "cuda")
+        finally:
+            torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = flags
 
     def test_per_sample_grads(self, case):
         """``gh.backward(loss)``, then ``per_sample_grads()`` equal the loop's."""
@@ -384,7 +395,7 @@ def _assert_mixed_close(got, case, rtol):
 def _bf16_autocast_norms_and_clipping(case):
     case.clipped_mean()  # (the loop's, of the model as built: before the conversion)
     with _float32(case.model), _attached(case) as gh:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(case.x.device.type, dtype=torch.bfloat16):
             out = case.model(case.x)
         assert out.dtype == torch.bfloat16
         gh.backward(token_loss(out.float(), case.y))
@@ -421,13 +432,14 @@ class TestGPT2Small(_Tier):
         """float16 autocast, ``scaler.scale(loss).backward()``: norms of the unscaled loss;
         ``clip_and_accumulate`` writes ``S`` times the clipped mean into ``.grad`` (for
         ``scaler.step``)."""
-        if not _cpu_autocast_supports(torch.float16):
+        device = case.x.device.type
+        if device == "cpu" and not _cpu_autocast_supports(torch.float16):
             pytest.skip("CPU autocast does not run float16 matmuls with this torch / CPU")
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+        scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 12)
         scale = float(scaler.get_scale())
         case.clipped_mean()  # (the loop's, of the model as built: before the conversion)
         with _float32(case.model), _attached(case, grad_scaler=scaler) as gh:
-            with torch.autocast("cpu", dtype=torch.float16):
+            with torch.autocast(device, dtype=torch.float16):
                 out = case.model(case.x)
             assert out.dtype == torch.float16
             scaler.scale(token_loss(out.float(), case.y)).backward()
