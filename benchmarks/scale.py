@@ -994,7 +994,9 @@ def split(spec: Spec, batch: int, seq: Optional[int], args) -> str:
         timed("norms", gh.per_sample_grad_norms, count)
         timed("clip_and_accumulate", lambda: gh.clip_and_accumulate(case.clip_norm), count)
 
-    for _ in range(max(args.warmup, 1)):  # (gradhooks' first backward differs: warm up first)
+    one(False)  # the attachment's first step: the forward is tracked, the plans are made
+    first = {k: v[0] * 1e3 for k, v in times.items()}
+    for _ in range(max(args.warmup, 1) - 1):  # (gradhooks' first backward differs: warm up)
         one(False)
     one(True)
     for v in times.values():
@@ -1013,8 +1015,11 @@ def split(spec: Spec, batch: int, seq: Optional[int], args) -> str:
     m["plain step"], macs["plain step"] = plain_ms, plain_macs
     order = ("plain forward", "plain backward", "plain step", "hooked forward", "gh.backward",
              "norms", "clipped sum", "clip_and_accumulate", "book-keeping step")
-    rows = [[k, f"{m[k]:.1f}", f"{m[k] / plain_ms:.2f}x", f"{macs[k] / 1e9:.3g}",
-             f"{macs[k] / plain_macs:.2f}x"] for k in order]
+    first["clipped sum"] = first["clip_and_accumulate"] - first["norms"]
+    first["plain step"] = first["plain forward"] + first["plain backward"]
+    first["book-keeping step"] = sum(first[k] for k in bk)
+    rows = [[k, f"{m[k]:.1f}", f"{m[k] / plain_ms:.2f}x", f"{first[k]:.1f}",
+             f"{macs[k] / 1e9:.3g}", f"{macs[k] / plain_macs:.2f}x"] for k in order]
     bt = _label(batch, seq, args.autocast)
     per_call = (m["hooked forward"] - m["plain forward"]) * 1e3 / max(len(calls), 1)
     return "\n".join([
@@ -1028,9 +1033,11 @@ def split(spec: Spec, batch: int, seq: Optional[int], args) -> str:
         "by torch.utils.flop_counter (elementwise ops not counted); the book-keeping step's "
         f"MAC ratio, {macs['book-keeping step'] / plain_macs:.2f}x, is the floor of its time "
         f"ratio at plain's FLOP rate. The hooked forward's extra time over {len(calls)} hooked "
-        f"calls: {per_call:.0f} us per call.", "",
-        peers._table(["part", "ms", "x plain step", "G multiply-adds", "x plain MACs"], rows,
-                     [False, True, True, True, True]), ""])
+        f"calls: {per_call:.0f} us per call. `first step ms`: the attachment's first step "
+        "(its forward tracked by provenance, its plans made), after one untimed step of the "
+        "model.", "",
+        peers._table(["part", "ms", "x plain step", "first step ms", "G multiply-adds",
+                      "x plain MACs"], rows, [False, True, True, True, True, True]), ""])
 
 
 # --------------------------------------------------------------------------------------- CLI
