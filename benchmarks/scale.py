@@ -269,9 +269,12 @@ class ScaleCase(peers.Case):
     def per_sample_bytes(self) -> int:
         return self.batch * self.params * 4
 
+    #: what ``attach`` passes as ``check`` (``--check`` sets the default, ``True``)
+    check = False
+
     def attach(self) -> gradhooks.GradHooks:
         if self.gh is None:
-            self.gh = gradhooks.attach(self.model, check=False)
+            self.gh = gradhooks.attach(self.model, check=self.check)
         return self.gh
 
     def detach(self) -> None:
@@ -951,6 +954,7 @@ def split(spec: Spec, batch: int, seq: Optional[int], args) -> str:
     from torch.utils.flop_counter import FlopCounterMode
 
     case = ScaleCase(spec, batch, seq, args.smoke, args.seed, args.device, args.autocast)
+    case.check = args.check
     set_clip_norm(case)
     gh, model, params = case.attach(), case.model, list(case.model.parameters())
     calls: List[int] = []  # hooked calls per forward (the forward side's per-call cost)
@@ -1025,7 +1029,7 @@ def split(spec: Spec, batch: int, seq: Optional[int], args) -> str:
     return "\n".join([
         f"## Where book-keeping's time goes: {spec.title}, B x T = {bt}", "",
         f"{datetime.date.today().isoformat()}, gradhooks {peers._git_rev()}, torch "
-        f"{torch.__version__}, {peers._device_name(case.device)}, "
+        f"{torch.__version__}, {peers._device_name(case.device)}, attach(check={case.check}), "
         f"{torch.get_num_threads()} threads, medians of {args.repeats} after {args.warmup} "
         f"warm-up(s){', SMOKE (tiny widths)' if args.smoke else ''}. Each part timed alone in "
         "one step (plain: hooks suspended); `clipped sum` = clip_and_accumulate - norms (it "
@@ -1108,6 +1112,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu",
                    help="cpu (default) or cuda: model and batch there; on CUDA timed with CUDA "
                         "events and memory from torch.cuda.max_memory_allocated, in process")
+    p.add_argument("--check", action="store_true",
+                   help="--split: attach with the default check=True (the sum check and the "
+                        "verifications of each new structure in the first step) instead of "
+                        "check=False")
     p.add_argument("--autocast", choices=list(AUTOCAST), default=None,
                    help="every forward under torch.autocast of this dtype (--models runs and "
                         "--split; --cases names it per case)")
