@@ -667,3 +667,38 @@ def test_ghost_clipping_writes_into_the_existing_grad():
                 assert {"rnn.weight_ih_l0", "rnn.weight_hh_l0", "rnn.bias_ih_l0", "head.bias"} <= same
     for n, t in results["ghost"].items():
         torch.testing.assert_close(t, results["materialize"][n], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("keep", [0.0, 1e12], ids=["recomputed", "kept"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_bookkeeping_keeps_materialised_conv_grads_within_budget(keep, dtype, monkeypatch):
+    """A conv net whose first convolution's norm is materialised (large S, small weight:
+    CLOSED in the norm plan): book-keeping keeps that per-sample gradient for the clipped sum
+    when the budget allows (readers.plan.Forms.offer) and forms the sum from the records
+    otherwise; both equal the float64 loop's clipped mean."""
+    from gradhooks.readers import plan as plan_module
+    monkeypatch.setattr(plan_module, "KEEP_OF_RECORDS", keep)
+    kept = []
+    offer = plan_module.Forms.offer
+
+    def spy(self, pid, t):
+        offer(self, pid, t)
+        kept.extend(p for p in self.kept if p not in kept)
+    monkeypatch.setattr(plan_module.Forms, "offer", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(), nn.Conv2d(4, 8, 3, stride=2),
+                          nn.Tanh(), nn.Flatten(), nn.Linear(8 * 7 * 7, 5)).to(dtype)
+    x = torch.randn(6, 3, 16, 16, dtype=dtype)
+    y = torch.randint(0, 5, (6,))
+    ref = gradhooks.looped_per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+    norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+    bound = float(norms.median())
+    want = {n: torch.einsum("n,n...->...", (bound / norms).clamp(max=1.0), g) / 6
+            for n, g in ref.items()}
+    with gradhooks.attach(model) as gh:
+        nn.functional.cross_entropy(model(x), y).backward()
+        gh.clip_and_accumulate(bound)
+    assert (len(kept) > 0) == (keep > 0)  # (the first conv's weight is materialised: S = 256)
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=tol, atol=tol * float(want[n].abs().max()))

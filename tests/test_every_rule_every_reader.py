@@ -252,6 +252,21 @@ def _clipped_sum(ref, bound, b, loss_reduction):
 @sizes
 @pytest.mark.parametrize("method", ["ghost", "materialize", "two_pass"])
 def test_clipping(kind, b, dtype, loss_reduction, method, device):
+    _check_clipping(kind, b, dtype, loss_reduction, method, device)
+
+
+@cases
+@sizes
+def test_clipping_from_kept_per_sample_grads(kind, b, dtype, loss_reduction, monkeypatch):
+    """Book-keeping clipping with every per-sample gradient it materialises for the norms kept
+    for the clipped sum (``readers.plan.KEEP_OF_RECORDS`` raised: one ``tensordot`` each instead
+    of the closed form or a second replay) equals the loop's clipped sum too."""
+    from gradhooks.readers import plan as plan_module
+    monkeypatch.setattr(plan_module, "KEEP_OF_RECORDS", 1e12)
+    _check_clipping(kind, b, dtype, loss_reduction, "ghost", "cpu")
+
+
+def _check_clipping(kind, b, dtype, loss_reduction, method, device):
     model, x, w = _setup(kind, b, dtype, device)
     ref = _reference(model, x, w)
     bound = _bound(ref)

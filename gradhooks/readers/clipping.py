@@ -46,7 +46,7 @@ from .clip_setup import (add_noise, check_accumulation, check_clip, clip_ranks, 
 from .distributed import Ranks, is_sharded, ranks_of
 from .ghost_sums import ghost_sums
 from .per_sample import per_sample_grads
-from .plan import Forms, add_up, plan, result_sq_norms, squared_norms
+from .plan import Forms, add_up, keep_budget, plan, result_sq_norms, squared_norms
 
 __all__ = ["clip_and_accumulate", "finish_step", "CLIP_METHODS"]
 
@@ -238,7 +238,7 @@ def _norms(batch: Batch, clip: _Clip) -> _Norms:
         return _Norms(empty_norms(clip.trainable), None, batch.grad_scale, None)
     if clip.method == "ghost":
         plans, units = plan(batch)
-        forms = Forms(batch, plans)
+        forms = Forms(batch, plans, keep=keep_budget(batch))
         sq = squared_norms(batch, plans, units, forms)
         norms, factors = _factors(sq, clip.group_of, clip.bounds, batch.factor)
         # The records are S / D times the per-sample gradients: weighting them gives the

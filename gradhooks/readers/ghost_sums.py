@@ -104,6 +104,13 @@ def ghost_sums(batch: Batch, plans: Dict[int, PlannedParam], c: Union[Tensor, Di
         else:
             assign(pid, t)
 
+    kept = forms.kept  # materialised for the norms and kept (Forms.offer): one tensordot each
+    for pid in list(kept):
+        t = kept.pop(pid)
+        offered.add(pid)
+        assign(pid, torch.tensordot(weights(pid).to(t.dtype), t, 1))
+        left[pid] = 0
+        del t
     for pid, p in plans.items():
         if p.kind == FORMS:
             assign(pid, _forms_weighted(batch, p, forms, weights(pid), dest))
@@ -118,10 +125,11 @@ def ghost_sums(batch: Batch, plans: Dict[int, PlannedParam], c: Union[Tensor, Di
     forms.scatters.clear()
     for cap in batch.records:
         layer = cap.layer
-        kinds = [plans[id(layer.params[n])].kind for n in cap.names]
-        closed = [n for n, k in zip(cap.names, kinds)
+        names = [n for n in cap.names if left[id(layer.params[n])]]  # (kept ones are done)
+        kinds = [plans[id(layer.params[n])].kind for n in names]
+        closed = [n for n, k in zip(names, kinds)
                   if k in (GRAM, CLOSED) or (k == TIED and not layer.rule.has_rows)]
-        generic = [n for n, k in zip(cap.names, kinds) if k == GENERIC]
+        generic = [n for n, k in zip(names, kinds) if k == GENERIC]
         if generic and factored(cap, plans[id(layer.params[generic[0]])]):
             pid = id(layer.params[generic[0]])  # (a grouped product's weight: one contraction)
             offered.add(pid)

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from ..base.forms import Block, Rows, from_blocks, gram_sq_norms, sq_norms, weight_grad
 from ..base.segments import Segments
-from ..base.utils import compute_dtype
+from ..base.utils import compute_dtype, tensors
 from ..core.checks import check_projections, check_sums, probed, projection_terms, user_hooks
 from ..core.records import Batch, Record
 from .canonical import (call_grads, canonical, canonical_call, canonical_sizes, identity_form,
@@ -57,7 +57,8 @@ from .canonical import (call_grads, canonical, canonical_call, canonical_sizes, 
 from .scatters import rows_of, rows_probed, rows_sq_norms, tied_cross, tied_linear
 
 __all__ = ["GRAM", "CLOSED", "FORMS", "ROWS", "TIED", "GENERIC", "MEMORY_BOUND", "BYTE_COST",
-           "use_gram", "add_up", "PlannedParam", "plan", "Forms", "squared_norms",
+           "use_gram", "KEEP_OF_RECORDS", "keep_budget", "add_up", "PlannedParam", "plan",
+           "Forms", "squared_norms",
            "result_sq_norms", "factored"]
 
 # How each parameter's per-sample norm and clipped sum are formed.
@@ -115,6 +116,23 @@ def use_gram(positions: int, fan_in: int, fan_out: int, shared: int = 1,
     if batch * i * o * 4 > MEMORY_BOUND:
         mat += BYTE_COST * i * o
     return gram < mat
+
+
+#: Book-keeping clipping keeps materialised per-sample gradients for its clipped sum up to this
+#: fraction of the bytes of the batch's recorded layer inputs (:func:`keep_budget`): plain
+#: training holds at least those inputs at its peak (they are what its backward needs), so the
+#: kept tensors add at most this fraction of that. In a convolutional network the materialised
+#: (:data:`CLOSED`) weights are the early, large-``S`` convolutions with small weights, whose
+#: weight-backward is the costliest to repeat per byte kept (``S`` multiply-adds per value):
+#: ResNet-50 at 224 x 224 keeps all of them at about 17% of its records.
+KEEP_OF_RECORDS = 0.25
+
+
+def keep_budget(batch: Batch) -> int:
+    """Bytes of per-sample gradients :class:`Forms` may keep for a clipped sum:
+    :data:`KEEP_OF_RECORDS` of the bytes of the records' layer inputs."""
+    total = sum(t.numel() * t.element_size() for cap in batch.records for t in tensors(cap.a))
+    return int(KEEP_OF_RECORDS * total)
 
 
 def add_up(parts) -> Optional[Tensor]:
@@ -225,13 +243,30 @@ def _tieable(p: PlannedParam, sizes: Dict[int, Tuple[int, int, int, int]]) -> bo
 class Forms:
     """The factored forms (:meth:`~gradhooks.base.registry.LayerRule.forms`) of the calls of rules
     that have them, computed once per call (the rule's replay runs once for norms and clipped
-    sum together) and dropped with this object."""
+    sum together) and dropped with this object.
 
-    def __init__(self, batch: Batch, plans: Dict[int, "PlannedParam"]):
+    ``keep``: bytes of materialised per-sample gradients (:data:`CLOSED` and :data:`GENERIC`
+    parameters, formed for their norms) that may be kept for the clipped sum that follows
+    (:attr:`kept`, filled by :func:`squared_norms` in the order the parameters complete), so that
+    it is one ``tensordot`` with the clipping factors instead of a second weight-gradient
+    computation from the records (a convolution's weight-backward, a rule's replay); ``0`` for
+    reads that clip nothing."""
+
+    def __init__(self, batch: Batch, plans: Dict[int, "PlannedParam"], keep: int = 0):
         self.batch, self.plans, self.calls, self.joined = batch, plans, {}, {}
+        self.keep = keep  # bytes left for kept per-sample gradients
+        self.kept: Dict[int, Tensor] = {}  # id(param) -> its (N, *shape) per-sample gradient
         self.uses: Optional[Dict[tuple, int]] = None  # grad_output key -> weight-like blocks
         self.grams: Dict[tuple, Tuple[Tensor, Tensor]] = {}  # key -> (g, g g^T)
         self.scatters: Dict[int, Rows] = {}  # id(param) -> its row scatters (rows_of)
+
+    def offer(self, pid: int, t: Tensor) -> None:
+        """Keep ``t``, the ``(N, *shape)`` per-sample gradient of parameter ``pid`` (unscaled),
+        for the clipped sum if it fits in the bytes left (:attr:`keep`)."""
+        size = t.numel() * t.element_size()
+        if size <= self.keep:
+            self.kept[pid] = t
+            self.keep -= size
 
     def rows(self, p: "PlannedParam") -> Rows:
         """The parameter's :class:`~gradhooks.base.forms.Rows` (:func:`~gradhooks.readers.scatters.rows_of`), formed once for
@@ -362,6 +397,7 @@ def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[int
         sq[pid] = sq_norms(t.reshape(t.shape[0], -1), 1)
         if check:
             probes.append(probed(plans[pid].name, t, batch.totals.get(pid), low or t.dtype))
+        forms.offer(pid, t)
 
     def project(pid: int, a: Tensor, g: Tensor, caps) -> None:
         low = next((cap.low for cap in caps if cap.low is not None), a.dtype)

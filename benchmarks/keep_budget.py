@@ -1,0 +1,88 @@
+"""Book-keeping clipping with and without keeping the materialised per-sample gradients for the
+clipped sum (``gradhooks.readers.plan.KEEP_OF_RECORDS``; issue 39, convolutions), alternated in
+one process on one model: plain training, book-keeping with the default budget, and with none
+(every clipped sum of a materialised weight formed again from the records).
+
+    python benchmarks/keep_budget.py [--model resnet50] [--batch 16] [--repeats 5] [--smoke]
+
+Prints medians (ms), the ratio of each to plain training and what each keeps (MB). Time only;
+peak memory: ``benchmarks/scale.py --models resnet50 --methods bookkeeping``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+import scale  # noqa: E402
+from gradhooks.readers import plan as plan_module  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="resnet50", choices=list(scale.MODELS))
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--smoke", action="store_true")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    spec = scale.MODELS[args.model]
+    case = scale.ScaleCase(spec, args.batch, None if spec.kind == "image" else args.seq,
+                           args.smoke, 0)
+    scale.set_clip_norm(case)
+    gh, model = case.attach(), case.model
+    default = plan_module.KEEP_OF_RECORDS
+    kept_mb = {}
+    offer = plan_module.Forms.offer
+
+    def spy(self, pid, t):
+        offer(self, pid, t)
+        spy.bytes = sum(v.numel() * v.element_size() for v in self.kept.values())
+    plan_module.Forms.offer = spy
+
+    def plain():
+        with gh.recorder.suspended():
+            case.loss(model(case.x)).backward()
+
+    def bookkeeping(keep):
+        def run():
+            plan_module.KEEP_OF_RECORDS = keep
+            spy.bytes = 0
+            gh.backward(case.loss(model(case.x)))
+            gh.clip_and_accumulate(case.clip_norm)
+            kept_mb[keep] = spy.bytes / 2**20
+        return run
+
+    budgets = {f"book-keeping, keep {default:g}": default, "book-keeping, keep 0": 0.0}
+    variants = {"plain": plain, **{k: bookkeeping(v) for k, v in budgets.items()}}
+    times = {k: [] for k in variants}
+    for rep in range(args.repeats + 1):
+        keys = list(variants)
+        for key in keys[rep % len(keys):] + keys[:rep % len(keys)]:
+            for q in model.parameters():
+                q.grad = None
+            ms = scale.timed_ms(case.device, variants[key])
+            if rep:  # (the first round warms up)
+                times[key].append(ms)
+    plan_module.KEEP_OF_RECORDS = default
+    base = statistics.median(times["plain"])
+    print(f"{spec.title}, B = {args.batch}{' (smoke)' if args.smoke else ''}, "
+          f"{torch.get_num_threads()} threads, medians of {args.repeats}")
+    for key, ts in times.items():
+        m = statistics.median(ts)
+        extra = f", kept {kept_mb.get(budgets[key], 0):.0f} MB" if key in budgets else ""
+        print(f"  {key:32s} {m:9.1f} ms  {m / base:5.2f}x{extra}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
