@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["paused", "is_paused", "no_autocast", "tf32_products", "is_functorch_wrapped", "tensors", "detached",
+__all__ = ["paused", "is_paused", "no_autocast", "tf32_allowed", "tf32_products", "is_functorch_wrapped", "tensors", "detached",
            "flatten", "compute_dtype", "LOW_PRECISION", "LOSS_REDUCTIONS", "check_loss_reduction",
            "own_loss_scale", "OWNED"]
 
@@ -62,6 +62,15 @@ def no_autocast() -> Iterator[None]:
         for d in on:
             stack.enter_context(torch.autocast(d, enabled=False))
         yield
+
+
+def tf32_allowed() -> bool:
+    """Whether float32 work on CUDA may run in TF32: cuDNN's convolutions and RNNs
+    (``torch.backends.cudnn.allow_tf32``, on by default) or cuBLAS' matrix products
+    (``torch.backends.cuda.matmul.allow_tf32``, ``torch.set_float32_matmul_precision``)."""
+    b = torch.backends
+    return bool(b.cudnn.allow_tf32 or b.cuda.matmul.allow_tf32
+                or torch.get_float32_matmul_precision() != "highest")
 
 
 @contextlib.contextmanager

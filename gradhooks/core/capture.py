@@ -36,7 +36,8 @@ from ..base.utils import check_loss_reduction
 from .attachment import Attachment, is_hooked, unwrap_compiled
 from .backward_pass import BackwardPass
 from .batch_reads import BatchReads
-from .checks import GradTotal, SumCheck
+from .check_policy import SumCheck
+from .checks import GradTotal
 from .forward_pass import ForwardPass
 from .graph import GlobalHooks, call_kwargs, module_hooks
 from .placement import Placement
@@ -63,7 +64,7 @@ class Recorder:
         differentiable: records keep their inputs' and grad_outputs' autograd graphs
             (:func:`gradhooks.attach`).
         strict: refuse modules without a dedicated rule instead of the fallback.
-        sum_check: the :class:`~gradhooks.core.checks.SumCheck` policy (``check=``).
+        sum_check: the :class:`~gradhooks.core.check_policy.SumCheck` policy (``check=``).
         names: ``{id(param): name}`` of every parameter of the model, in
             ``model.named_parameters()`` order.
         order: ``{id(param): position}`` in that order (results are in this order).

@@ -14,8 +14,8 @@ the fallback, or when a backward computed no parameter gradient. This module hol
 * :func:`formed_in` / :meth:`GradTotal.formed` / :func:`module_precision`: the precision autograd
   formed a gradient in, as its values (or those of another parameter of its module) establish
   it, which selects the tolerance (:data:`SUM_CHECK_RTOL`);
-* :class:`SumCheck`: *when* the check runs (each new call structure, every 100th read, or
-  always), so that a training loop pays for it once per structure.
+*when* the check runs (each new call structure, every 100th read, or always) is
+:class:`gradhooks.core.check_policy.SumCheck`.
 
 The other validity checks of a read are :func:`gradhooks.core.batch_reads.refusal`.
 """
@@ -29,20 +29,19 @@ from torch import Tensor
 
 from ..base.errors import GradientMismatchError
 from ..base.segments import Segments
+from ..base.utils import tf32_allowed
 
 __all__ = ["GradTotal", "bilinear_directions", "check_sums", "projection_terms",
-           "check_projections", "probed", "no_total", "check_unrecorded", "SumCheck",
+           "check_projections", "probed", "no_total", "check_unrecorded",
            "SUM_CHECK_RTOL", "SUM_CHECK_PROBES", "user_hooks", "formed_in", "module_precision"]
 
 # Relative tolerance of check_sums per dtype: the sum of B per-sample values may differ from
 # autograd's batch value by rounding, relative to sum_n |value_n| (B * eps in the worst case).
 # Each parameter is judged at the precision its gradient was formed in (check_sums).
 SUM_CHECK_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
-#: float32 on a CUDA device where cuDNN or cuBLAS may round float32 operands to TF32 (10
-#: significant bits, 5e-4 per rounding; :func:`tf32_allowed`): autograd's own batch gradient
-#: of a convolution or an RNN is then formed at about TF32's precision (measured on an H200 with
-#: torch's defaults: Conv3d 2.8e-3, RNN 4.5e-4 of the summed magnitude), and the sum check
-#: judges such parameters at this tolerance instead of float32's.
+#: float32 on CUDA where TF32 is allowed (:func:`~gradhooks.base.utils.tf32_allowed`): autograd
+#: forms a convolution's or an RNN's batch gradient at about TF32's precision (H200, torch's
+#: defaults: Conv3d 2.8e-3, RNN 4.5e-4 of the summed magnitude); judged at this tolerance.
 TF32_RTOL = 1e-2
 SUM_CHECK_PROBES = 256
 
@@ -57,22 +56,11 @@ _WHY = {
 }
 
 
-def tf32_allowed() -> bool:
-    """Whether float32 work on CUDA may run in TF32: cuDNN's convolutions and RNNs
-    (``torch.backends.cudnn.allow_tf32``, on by default) or cuBLAS' matrix products
-    (``torch.backends.cuda.matmul.allow_tf32``, ``torch.set_float32_matmul_precision``)."""
-    b = torch.backends
-    return bool(b.cudnn.allow_tf32 or b.cuda.matmul.allow_tf32
-                or torch.get_float32_matmul_precision() != "highest")
-
-
 def _rtol(dtype: torch.dtype, device: Optional[torch.device] = None) -> float:
-    # ``device``: where the compared values live; float32 on CUDA with TF32 allowed is judged at
-    # TF32_RTOL (autograd's gradient may be formed in TF32).
-    if (dtype == torch.float32 and device is not None and torch.device(device).type == "cuda"
-            and tf32_allowed()):
-        return TF32_RTOL
-    return SUM_CHECK_RTOL.get(dtype, 1e-4)
+    # ``device``: where the compared values live (float32 on CUDA with TF32 allowed: TF32_RTOL)
+    cuda = device is not None and torch.device(device).type == "cuda"
+    return TF32_RTOL if dtype == torch.float32 and cuda and tf32_allowed() else \
+        SUM_CHECK_RTOL.get(dtype, 1e-4)
 
 
 def _looser(a: torch.dtype, b: torch.dtype) -> torch.dtype:
@@ -574,45 +562,3 @@ def check_unrecorded(names: Mapping[int, str], params: Mapping[int, object],
             f"the parent a rule (gradhooks.register_rule) that claims them"
         )
 
-
-class SumCheck:
-    """When the sum check runs, given ``attach(..., check=mode)``.
-
-    ``mode=True``: on every read whose *structure* has not passed before -- which modules were
-    called how often, by how many backward passes, and which parameters autograd reached -- and
-    on every 100th read (the failures the check catches are properties of that structure);
-    ``"always"``: every read; ``False``: never. :meth:`~gradhooks.GradHooks.backward` asks
-    :meth:`edges_allowed` whether it may skip the parameter gradients (then the batch's reads
-    skip the check), with its own structure key (the forward's recorded calls).
-    """
-
-    #: one read (and one ``backward()``) in this many runs the check whatever the structure.
-    EVERY = 100
-
-    def __init__(self, mode) -> None:
-        if mode not in (True, False, "always"):
-            raise ValueError(f"check must be True, False or 'always', got {mode!r}")
-        self.mode = mode
-        self._passed: set = set()  # read structures whose check passed
-        self._reads = 0
-        self._drive_passed: set = set()  # backward() structures whose check passed
-        self._drives = 0
-
-    def read_due(self, structure: tuple) -> bool:
-        """Count a read of ``structure``; whether it runs the check."""
-        self._reads += 1
-        return (self.mode == "always" or structure not in self._passed
-                or self._reads % self.EVERY == 0)
-
-    def edges_allowed(self, drive_key: tuple) -> bool:
-        """Count a ``backward()``; whether it may skip the parameter gradients."""
-        self._drives += 1
-        return not (self.mode == "always" or (self.mode and (
-            drive_key not in self._drive_passed or self._drives % self.EVERY == 0)))
-
-    def passed(self, structure: tuple, drive_key: Optional[tuple]) -> None:
-        """Remember that the check of ``structure`` (reached by ``drive_key``'s backward, if
-        any) passed."""
-        self._passed.add(structure)
-        if drive_key is not None:
-            self._drive_passed.add(drive_key)
