@@ -42,6 +42,7 @@ from .base.errors import (
     UnsupportedModuleError,
 )
 from .readers.accumulation import micro_batches
+from .readers.adaptive_clipping import AdaptiveClipping
 from .base.forms import Block, Call, Rows
 from .readers.gram import GradientFeatures
 from .hooks import GradHooks, attach
