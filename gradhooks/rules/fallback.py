@@ -16,7 +16,8 @@ Assumptions (documented in the README):
 * The module treats the samples of a batch independently: output sample ``n`` depends only on
   input sample ``n``. A module that mixes samples (batch statistics, attention across the batch)
   gets each sample's replayed gradient, which then differs from its share of the batch
-  gradient; the sum check (``check=True``) detects this and raises ``GradientMismatchError``.
+  gradient; the replay's verification (:mod:`gradhooks.rules.fallback_replay`, whatever
+  ``check`` says) detects this and raises :class:`~gradhooks.base.errors.ReplayMismatchError`.
 * Every input and output tensor that carries the batch has it on the batch dim (dim 0, or dim 1
   for inputs of 3 or more dims with ``batch_first=False``) with size ``B``; other tensor inputs
   are broadcast to every sample. An output reached by the backward without such a batch dim
@@ -26,7 +27,12 @@ Assumptions (documented in the README):
 * Only the module's own (direct) parameters are differentiated; its submodules are replayed with
   their parameters held fixed and get their per-sample gradients from their own rules.
 
-Cost: one vmapped forward and vjp of the module per read (about what ``torch.func`` costs).
+Where ``vmap`` cannot replay the module (any exception from inside the transform), it is
+replayed sample by sample with plain autograd, or refused with
+:class:`~gradhooks.base.errors.ReplayError` (:mod:`gradhooks.rules.fallback_replay`).
+
+Cost: one vmapped forward and vjp of the module per read (about what ``torch.func`` costs), plus
+one batched forward and backward of the module for each new call structure (the verification).
 """
 from __future__ import annotations
 
@@ -39,7 +45,8 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..base.errors import BatchSizeError, FallbackWarning, ReplayError, UnsupportedCallError
+from ..base.errors import (BatchSizeError, FallbackWarning, GradHooksError, ReplayError,
+                           UnsupportedCallError)
 from ..base.registry import Call, LayerRule
 from ..base.utils import paused
 from .fallback_replay import Replay, cause_of, looped, state_kept, structure, verify, way_out
@@ -89,15 +96,17 @@ class FallbackRule(LayerRule):
         return memo
 
     def internal(self, module: nn.Module, args: tuple, kwargs: dict, output) -> Optional[tuple]:
-        """At the forward of a call whose structure is not verified yet: a copy of its output
-        leaves, ``a.internal["replay_output"]``, for :func:`~gradhooks.rules.fallback_replay.verify`
-        (a call run again must give it). ``None`` once verified (nothing kept)."""
+        """At the forward of a call whose replay will be verified (a structure not verified
+        yet, or one replayed sample by sample): a copy of its output leaves,
+        ``a.internal["replay_output"]``, for :func:`~gradhooks.rules.fallback_replay.verify` (a
+        call run again must give it). ``None`` otherwise (nothing kept)."""
         if not self.verify_replay:
             return None
         memo = self._memo.get(module)
-        leaves, _ = tree_flatten((args, kwargs))
-        if memo is not None and structure(leaves) in memo.verified:
-            return None
+        if memo is not None:
+            key = structure(tree_flatten((args, kwargs))[0])
+            if key in memo.verified and key not in memo.looped:
+                return None
         out_leaves, _ = tree_flatten(output)
         return None, {"replay_output": [t.detach().clone() if isinstance(t, Tensor) else None
                                         for t in out_leaves]}
@@ -106,8 +115,9 @@ class FallbackRule(LayerRule):
                          names: Iterable[str]) -> Dict[str, Tensor]:
         """Raises:
             ReplayError: neither vmap nor the loop over samples can replay the module.
-            ReplayMismatchError: the first replay of a call structure computes something else
-                than the module's batched call (:func:`~gradhooks.rules.fallback_replay.verify`).
+            ReplayMismatchError: a replay (the first of each call structure; every looped
+                one) computes something else than the module's batched call
+                (:func:`~gradhooks.rules.fallback_replay.verify`).
             UnsupportedCallError: a random forward (dropout in training mode).
             BatchSizeError: an output the backward reached has no batch dim of size ``B``.
         """
@@ -125,7 +135,7 @@ class FallbackRule(LayerRule):
             try:
                 with state_kept(module):
                     out = self._vmapped(module, own, r)
-            except UnsupportedCallError:
+            except GradHooksError:  # (a random forward: no replay can draw its masks)
                 raise
             except Exception as e:  # (any exception from inside the transform: loop instead)
                 cause = memo.looped[key] = cause_of(e)
@@ -138,8 +148,14 @@ class FallbackRule(LayerRule):
                 raise ReplayError(
                     f"module {describe(module)}: gradhooks cannot replay it per sample for its "
                     f"parameters {', '.join(names)}: torch.func.vmap fails ({cause}), and so does "
-                    f"one call per sample ({cause_of(e)}). {way_out(module)}") from None
-        if self.verify_replay and key not in memo.verified:
+                    f"one call per sample ({cause_of(e)}). A module that cannot run on one sample "
+                    f"of its batch (state of B rows kept between calls, such as a cache or a "
+                    f"recurrent state set by the forward; B rows it builds itself) cannot be "
+                    f"replayed per sample. {way_out(module)}") from None
+        if self.verify_replay and (key not in memo.verified or cause is not None):
+            # (a looped replay on every read: vmap failing is often Python control flow on
+            # tensor values, which may branch otherwise on a later batch; the batched call
+            # costs about 1/B of the loop)
             internal = a.internal or {}
             batched = verify(module, own, r, out, internal.get("replay_output"),
                              describe(module), _path_prefix(module), how)
@@ -152,10 +168,13 @@ class FallbackRule(LayerRule):
             cost = f"{seconds * 1e3:.3g} ms for {r.b} samples ({seconds * 1e3 / max(r.b, 1):.3g} ms each"
             if batched:
                 cost += f", {seconds / batched:.3g}x the module's batched forward and backward"
+            verdict = ("are checked against its batched gradient on every read"
+                       if batched is not None else
+                       "are NOT verified (unsafe_skip_replay_check=True)")
             warnings.warn(
                 f"gradhooks replays the module {describe(module)} sample by sample: "
-                f"torch.func.vmap cannot replay it ({cause}). Its per-sample gradients are exact "
-                f"but cost one call of the module per sample: {cost}). A dedicated rule "
+                f"torch.func.vmap cannot replay it ({cause}). Its per-sample gradients "
+                f"{verdict} and cost one call of the module per sample: {cost}). A dedicated rule "
                 f"(gradhooks.register_rule) makes it fast.", FallbackWarning, stacklevel=4)
         return {n: out[n].detach().contiguous() for n in names}
 

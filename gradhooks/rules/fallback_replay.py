@@ -39,7 +39,10 @@ or is random, and both sides would agree on another function. A mismatch raises
 :class:`~gradhooks.base.errors.ReplayMismatchError`. ``check=False`` does not skip this (it skips
 the sum check over all parameters); ``attach(..., unsafe_skip_replay_check=True)`` does. A
 structure is marked verified only by a batch of ``B >= 2`` samples (one sample cannot show a
-module that mixes samples). Cost: one batched call and backward of the module per new structure.
+module that mixes samples). Cost: one batched call and backward of the module per new structure
+for a vmapped replay; on every read for a looped one (vmap fails on Python control flow on tensor
+values, which may take another branch on a later batch; the batched call costs about ``1/B`` of
+the loop).
 
 Every replay (vmapped, looped, the batched reference) leaves the module as it found it: plain
 attributes it sets (``self.last = x``) and buffers it changes in place are restored
