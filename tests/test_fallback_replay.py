@@ -459,3 +459,29 @@ def test_tolerance_table_covers_the_float_dtypes():
     from gradhooks.rules.fallback_replay import REPLAY_RTOL
     assert REPLAY_RTOL == SUM_CHECK_RTOL
     assert RTOL[torch.float64] < REPLAY_RTOL[torch.float64] < 1e-6
+
+
+class Float32Inside(nn.Module):
+    """A float64 module that computes in float32 inside (as Gemma's RMSNorm casts), through an
+    old-style Function (looped, so verified on every read)."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return OldSqrtTanh.apply(x.float(), self.w.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16], ids=["B1", "B3", "B16"])
+def test_module_computing_in_float32_inside_is_verified_at_float32(batch):
+    """Its gradient, formed in float32, is judged at float32's tolerance (as the sum check
+    judges it): no false refusal; the result equals the loop to float32's precision."""
+    model = seq(Float32Inside()).double()
+    x, y = torch.randn(batch, 4, dtype=torch.float64), torch.rand(batch, dtype=torch.float64)
+    ref = loop_grads(model, weighted_square_loss("mean"), x, y)
+    for _ in range(2):
+        got, _ = _read(model, x, y, check=False)
+        for name in ref:
+            scale = ref[name].abs().max()
+            assert (got[name] - ref[name]).abs().max() <= RTOL[torch.float32] * scale, name

@@ -189,6 +189,18 @@ def _rtol(*dtypes: torch.dtype) -> float:
     return max(REPLAY_RTOL.get(d, 1e-4) for d in dtypes)
 
 
+def _precision(values: Tensor) -> torch.dtype:
+    """The dtype whose tolerance judges ``values``: float32 for float64 values that are all
+    float32 values and not all of float16's 11 significant bits (a float64 module computing in
+    float32 inside, as Gemma's RMSNorm does; the sum check's rule,
+    :func:`gradhooks.core.checks.formed_in`), else their own dtype."""
+    if values.dtype != torch.float64 or not values.numel():
+        return values.dtype
+    exact = values.to(torch.float32).to(torch.float64) == values
+    wide = (torch.frexp(values).mantissa * 2048).frac().ne(0)
+    return torch.float32 if bool(exact.all() & (exact & wide).any()) else values.dtype
+
+
 def verify(module: nn.Module, own: Dict[str, Tensor], r: Replay, got: Dict[str, Tensor],
            recorded: Optional[list], who: str, param_path: str, how: str) -> float:
     """Check a replay's per-sample gradients ``got`` (``{name: (B, *param.shape)}``) against
@@ -227,7 +239,8 @@ def verify(module: nn.Module, own: Dict[str, Tensor], r: Replay, got: Dict[str, 
                 continue
             if r.shared is not None:
                 was = was[0] if r.shared == "prepend" else was[:1]
-            tol = _rtol(was.dtype, now.dtype) * float(was.abs().max()) if was.numel() else 0.0
+            tol = (_rtol(_precision(was), now.dtype) * float(was.abs().max())
+                   if was.numel() else 0.0)
             if was.shape != now.shape or float((now - was.to(now.dtype)).abs().max()
                                                if now.numel() else 0.0) > tol:
                 diff = ("of another shape" if was.shape != now.shape else
@@ -242,11 +255,12 @@ def verify(module: nn.Module, own: Dict[str, Tensor], r: Replay, got: Dict[str, 
                     f"forward a function of its inputs and parameters (eval mode, no cache), or "
                     f"{way_out(module, lower=True)}")
     for name, t in got.items():
+        t = t.detach()
         want = ref[name].to(t.dtype)
         total = t.sum(0)
         scale = max(float(t.abs().sum(0).max()) if t.numel() else 0.0,
                     float(want.abs().max()) if want.numel() else 0.0)
-        tol = _rtol(t.dtype) * scale + torch.finfo(t.dtype).tiny
+        tol = _rtol(t.dtype, _precision(want)) * scale + torch.finfo(t.dtype).tiny
         diff = float((total - want).abs().max()) if want.numel() else 0.0
         if diff > tol:
             raise ReplayMismatchError(
