@@ -485,3 +485,33 @@ def test_module_computing_in_float32_inside_is_verified_at_float32(batch):
         for name in ref:
             scale = ref[name].abs().max()
             assert (got[name] - ref[name]).abs().max() <= RTOL[torch.float32] * scale, name
+
+
+@pytest.mark.filterwarnings("ignore::gradhooks.FallbackWarning")
+@pytest.mark.parametrize("method", ["ghost", "materialize"])
+def test_norms_and_clipping_read_the_looped_replay_and_its_refusals(method, dtype):
+    """Readers other than per_sample_grads (norms and clipping form the fallback's part through
+    the same rule): exact against the loop for a module vmap cannot replay, and a wrong replay
+    refused there too, with check=False."""
+    model = seq(OldStyle()).to(dtype)
+    x, y = torch.randn(3, 4, dtype=dtype), torch.rand(3, dtype=dtype)
+    loss_fn = weighted_square_loss("sum")
+    ref = loop_grads(model, loss_fn, x, y)
+    norms = torch.sqrt(sum(g.flatten(1).square().sum(1) for g in ref.values()))
+    clipped = {n: (g * (0.5 / norms).clamp(max=1).view(-1, *[1] * (g.dim() - 1))).sum(0)
+               for n, g in ref.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gradhooks.FallbackWarning)
+        with gradhooks.attach(model, loss_reduction="sum", check=False) as gh:
+            loss_fn(model(x), y).backward()
+            torch.testing.assert_close(gh.per_sample_grad_norms(), norms,
+                                       rtol=RTOL[dtype] * 10, atol=0)
+            gh.clip_and_accumulate(0.5, method=method)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, clipped[n], rtol=RTOL[dtype] * 10,
+                                   atol=RTOL[dtype] * float(clipped[n].abs().max()))
+    model = seq(ByBatchSize()).to(dtype)
+    with gradhooks.attach(model, loss_reduction="sum", check=False) as gh:
+        loss_fn(model(x), y).backward()
+        with pytest.raises(gradhooks.ReplayMismatchError, match="'1' .ByBatchSize.: its torch"):
+            gh.per_sample_grad_norms()
