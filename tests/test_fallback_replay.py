@@ -515,3 +515,20 @@ def test_norms_and_clipping_read_the_looped_replay_and_its_refusals(method, dtyp
         loss_fn(model(x), y).backward()
         with pytest.raises(gradhooks.ReplayMismatchError, match="'1' .ByBatchSize.: its torch"):
             gh.per_sample_grad_norms()
+
+
+def test_parameters_changed_between_the_forward_and_the_first_read_are_refused():
+    """The replay recomputes the module with its parameters as they are at the read: an
+    optimizer step taken before the first read of a structure makes it another function, which
+    the verification sees in the output (check=False); read before the step, it is exact."""
+    model = seq(Affine()).double()
+    x, y = torch.randn(3, 4, dtype=torch.float64), torch.rand(3, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gradhooks.FallbackWarning)
+        with gradhooks.attach(model, check=False) as gh:
+            weighted_square_loss("mean")(model(x), y).backward()
+            with torch.no_grad():
+                model[1].w.add_(0.1)
+            with pytest.raises(gradhooks.ReplayMismatchError,
+                               match="'1' .Affine.*parameters changed since the forward"):
+                gh.per_sample_grads()

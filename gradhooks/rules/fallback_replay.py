@@ -233,24 +233,27 @@ def verify(module: nn.Module, own: Dict[str, Tensor], r: Replay, got: Dict[str, 
             f"(a cache) or was given inputs that no longer fit it. {way_out(module)}") from None
     seconds = time.perf_counter() - start
     if recorded is not None:
-        for k, i in enumerate(r.reached):
+        for i in r.reached:
             was, now = recorded[i] if i < len(recorded) else None, outs[i]
             if was is None or not isinstance(now, Tensor):
                 continue
             if r.shared is not None:
                 was = was[0] if r.shared == "prepend" else was[:1]
-            tol = (_rtol(_precision(was), now.dtype) * float(was.abs().max())
-                   if was.numel() else 0.0)
-            if was.shape != now.shape or float((now - was.to(now.dtype)).abs().max()
-                                               if now.numel() else 0.0) > tol:
-                diff = ("of another shape" if was.shape != now.shape else
-                        f"{float((now - was.to(now.dtype)).abs().max()):.3g} off (tolerance "
-                        f"{tol:.3g})")
+            if was.shape != now.shape:
+                diff = "of another shape"
+            elif was.numel():
+                off = float((now - was.to(now.dtype)).abs().max())
+                tol = _rtol(_precision(was), now.dtype) * float(was.abs().max())
+                diff = None if off <= tol else f"{off:.3g} off (tolerance {tol:.3g})"
+            else:
+                diff = None
+            if diff is not None:
                 raise ReplayMismatchError(
                     f"module {who}: run again on its recorded inputs, its forward does not give "
-                    f"the output {k} it gave in the batch's forward ({diff}): it keeps state "
-                    f"between calls (a cache, a buffer updated in place) or is random (dropout in "
-                    f"training mode), so no replay computes what the forward did. Its per-sample "
+                    f"the output {i} it gave in the batch's forward ({diff}): it keeps state "
+                    f"between calls (a cache, a buffer updated in place), is random (dropout in "
+                    f"training mode), or its parameters changed since the forward (read before "
+                    f"optimizer.step()), so no replay computes what the forward did. Its per-sample "
                     f"gradients are refused (check=False does not skip this check). Make the "
                     f"forward a function of its inputs and parameters (eval mode, no cache), or "
                     f"{way_out(module, lower=True)}")
