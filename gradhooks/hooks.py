@@ -98,13 +98,14 @@ class GradHooks:
     def __init__(self, model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
                  check=True, strict: bool = False, allow_batchnorm_train: bool = False,
                  forwards: str = "one", grad_scaler=None, differentiable: bool = False,
-                 allow_sample_mixing: bool = False):
+                 allow_sample_mixing: bool = False, unsafe_skip_replay_check: bool = False):
         #: The :class:`~gradhooks.core.capture.Recorder`: hooks and records (read-only for users).
         self.recorder = Recorder(model, loss_reduction=loss_reduction, batch_first=batch_first,
                                  check=check, strict=strict,
                                  allow_batchnorm_train=allow_batchnorm_train, forwards=forwards,
                                  grad_scaler=grad_scaler, differentiable=differentiable,
-                                 allow_sample_mixing=allow_sample_mixing)
+                                 allow_sample_mixing=allow_sample_mixing,
+                                 unsafe_skip_replay_check=unsafe_skip_replay_check)
         # Dropped while attached: detached, with a warning. (It holds the recorder, not this
         # facade; atexit off: a process that ends with an attachment removes everything.)
         weakref.finalize(self, _dropped, self.recorder).atexit = False
@@ -446,7 +447,7 @@ def _dropped(recorder: Recorder) -> None:
 def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
            check=True, strict: bool = False, allow_batchnorm_train: bool = False,
            forwards: str = "one", grad_scaler=None, differentiable: bool = False,
-           allow_sample_mixing: bool = False) -> GradHooks:
+           allow_sample_mixing: bool = False, unsafe_skip_replay_check: bool = False) -> GradHooks:
     """Attach per-sample-gradient hooks to every supported layer of an existing model.
 
     Registers a forward hook on each module that has a rule (``nn.Linear``, ``nn.Conv1d/2d/3d``;
@@ -466,7 +467,9 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
             sequence layout ``(T, B, ..., features)`` (a 2-D ``(B, features)`` input is then still
             read as batch-first). Convolutions always take the batch on dim 0.
         check: the sum check of :class:`GradHooks`: ``True`` (each new call structure, and
-            every 100th read), ``"always"`` (every read) or ``False``.
+            every 100th read), ``"always"`` (every read) or ``False``. ``False`` does not skip
+            the verification of the ``torch.func`` fallback's replays (see
+            ``unsafe_skip_replay_check``).
         strict: refuse modules that own trainable parameters but have no dedicated rule
             (raise :class:`UnsupportedModuleError`) instead of covering them with the
             ``torch.func`` fallback (:mod:`gradhooks.rules.fallback`, with one
@@ -484,6 +487,15 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
             its contribution to the batch gradient (they still sum to ``param.grad``, with the
             ``loss_reduction`` scale), not the gradient of its own loss; layers after the last
             mixing op still get exact own-loss gradients.
+        unsafe_skip_replay_check: do not verify the ``torch.func`` fallback's replays. By default
+            the first read of each new call structure of each module the fallback replays
+            compares the replay's per-sample gradients, summed, with autograd's gradient of the
+            module's parameters through its batched call, and refuses a replay that computes
+            something else (:class:`~gradhooks.base.errors.ReplayMismatchError`;
+            :mod:`gradhooks.rules.fallback_replay`). ``check=False`` does **not** skip that
+            verification; only this switch does, and a module whose replay is wrong then gets
+            wrong per-sample gradients without an error. Its cost is one batched forward and
+            backward of the module per new structure.
 
         forwards: ``"one"`` (default): one forward of the model per backward; the records of
             several top-level forwards reached by one backward are refused at the read (their
@@ -526,4 +538,5 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
     return GradHooks(model, loss_reduction=loss_reduction, batch_first=batch_first, check=check,
                      strict=strict, allow_batchnorm_train=allow_batchnorm_train,
                      forwards=forwards, grad_scaler=grad_scaler, differentiable=differentiable,
-                     allow_sample_mixing=allow_sample_mixing)
+                     allow_sample_mixing=allow_sample_mixing,
+                     unsafe_skip_replay_check=unsafe_skip_replay_check)

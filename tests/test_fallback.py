@@ -171,10 +171,11 @@ class MixesSamples(nn.Module):
 
 
 @pytest.mark.filterwarnings("ignore::gradhooks.FallbackWarning")
-def test_module_mixing_samples_is_refused_and_else_caught_by_the_sum_check():
+def test_module_mixing_samples_is_refused_and_else_caught_by_the_replay_check():
     """A fallback module that mixes samples (x - x.mean(0) after a Linear): provenance sees the
-    mixing op and the read refuses it; accepted with allow_sample_mixing=True, the sum check
-    still sees that the fallback's own weight has no per-sample split."""
+    mixing op and the read refuses it; accepted with allow_sample_mixing=True, the replay's
+    verification (tests/test_fallback_replay.py) still sees that the fallback's own weight has no
+    per-sample split: ReplayMismatchError, a GradientMismatchError."""
     model = nn.Sequential(nn.Linear(3, 3), MixesSamples()).double()
     x = torch.randn(5, 3, dtype=torch.float64)
     with gradhooks.attach(model) as gh:
@@ -183,7 +184,7 @@ def test_module_mixing_samples_is_refused_and_else_caught_by_the_sum_check():
             gh.per_sample_grads()
     with gradhooks.attach(model, allow_sample_mixing=True) as gh:
         (model(x) ** 2).sum().backward()
-        with pytest.raises(gradhooks.GradientMismatchError, match="'1.w'"):
+        with pytest.raises(gradhooks.ReplayMismatchError, match="'1.w'"):
             gh.per_sample_grads()
 
 

@@ -11,10 +11,12 @@ __all__ = [
     "UnsupportedModuleError",
     "BatchSizeError",
     "UnsupportedCallError",
+    "ReplayError",
     "HigherOrderGradError",
     "NoBackwardError",
     "RecordsReleasedError",
     "GradientMismatchError",
+    "ReplayMismatchError",
     "UnsupportedLossError",
     "FallbackWarning",
     "NotDetachedWarning",
@@ -42,6 +44,18 @@ class UnsupportedCallError(GradHooksError, ValueError):
     Raised at the forward, naming the module: ``BatchNorm`` in training mode (batch statistics
     mix the samples), a recurrent layer with inter-layer dropout in training mode (the dropout
     masks cannot be replayed). The message says what to do instead.
+    """
+
+
+class ReplayError(UnsupportedCallError):
+    """The ``torch.func`` fallback cannot replay a module per sample: neither vectorised
+    (``torch.func.vmap``) nor sample by sample (plain autograd on each sample's slice,
+    :mod:`gradhooks.rules.fallback_replay`).
+
+    Raised at the read, never as the raw torch error from inside the replay. The message names
+    the module (path and class), both causes (exception type and first line) and the ways out:
+    a dedicated rule (:func:`gradhooks.register_rule`), ``attach(..., strict=True)`` to refuse
+    the module at attach, or freezing its parameters.
     """
 
 
@@ -79,6 +93,20 @@ class GradientMismatchError(GradHooksError):
     difference far above rounding is what a parameter that also receives gradient outside the
     module that owns it (``x @ layer.weight.T``), a module that mixes the samples, or a captured
     input modified in place after the forward give. The result would be wrong, so it is refused.
+    """
+
+
+class ReplayMismatchError(GradientMismatchError):
+    """A ``torch.func`` fallback replay computed something else than the module's batched
+    forward: its per-sample gradients do not sum to the gradient of the module's own parameters
+    through its batched call on the recorded inputs, or that call run again does not give the
+    output the forward gave (:mod:`gradhooks.rules.fallback_replay`).
+
+    Checked on the first read of each new call structure of each replayed module, whatever
+    ``check`` says (``check=False`` skips only the sum check); skipped only with
+    ``attach(..., unsafe_skip_replay_check=True)``. The message names the module, the
+    parameter, the difference and its tolerance, the likely causes (the module reads the batch
+    size or statistics over the batch, keeps state between calls, or is random) and what to do.
     """
 
 

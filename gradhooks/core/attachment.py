@@ -22,7 +22,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 
 from ..base import utils
 from ..base.errors import FallbackWarning, FrozenModelWarning, GradHooksError, UnsupportedModuleError
-from ..rules.fallback import FALLBACK, FallbackRule
+from ..rules.fallback import FallbackRule, note_path
 from .records import Layer, find_layers, plain_state
 
 __all__ = ["Attachment", "is_hooked", "hooker", "unwrap_compiled"]
@@ -159,7 +159,8 @@ class Attachment:
         recorder.names = {id(p): name for name, p in model.named_parameters()}
         recorder.order = {pid: i for i, pid in enumerate(recorder.names)}  # results in this order
         layers = recorder.layers = find_layers(
-            model, recorder.strict, lambda m: hooker(m) not in (None, recorder), self._demoted)
+            model, recorder.strict, lambda m: hooker(m) not in (None, recorder), self._demoted,
+            recorder.fallback)
         recorder._layer_of = {id(layer.module): layer for layer in layers}
         self.raw_params = {id(p): (layer, name) for layer in layers
                            if isinstance(layer.rule, FallbackRule)
@@ -280,7 +281,8 @@ class Attachment:
         params = dict(old.params) if old is not None else {}
         rel = layer.path[len(parent_path) + 1:] if parent_path else layer.path
         params.update((f"{rel}.{n}", p) for n, p in layer.params.items())
-        new = Layer(parent_path, parent, FALLBACK, params)
+        new = Layer(parent_path, parent, recorder.fallback, params)
+        note_path(parent, parent_path)
         recorder.layers = [new if x is old else x for x in recorder.layers if x is not layer]
         if old is None:
             recorder.layers.append(new)

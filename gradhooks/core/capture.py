@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from ..base._pool import BufferPool
 from ..base.utils import check_loss_reduction
+from ..rules.fallback import FALLBACK, UNVERIFIED_FALLBACK
 from .attachment import Attachment, is_hooked, unwrap_compiled
 from .backward_pass import BackwardPass
 from .batch_reads import BatchReads
@@ -88,7 +89,7 @@ class Recorder:
     def __init__(self, model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
                  check=True, strict: bool = False, allow_batchnorm_train: bool = False,
                  forwards: str = "one", grad_scaler=None, differentiable: bool = False,
-                 allow_sample_mixing: bool = False):
+                 allow_sample_mixing: bool = False, unsafe_skip_replay_check: bool = False):
         check_loss_reduction(loss_reduction)
         if forwards not in FORWARDS:
             raise ValueError(f"forwards must be one of {FORWARDS}, got {forwards!r}")
@@ -109,6 +110,8 @@ class Recorder:
         self.strict = bool(strict)
         self._options = {"allow_batchnorm_train": bool(allow_batchnorm_train)}
         self.allow_sample_mixing = bool(allow_sample_mixing)  # (read by placement.mixing)
+        # The rule of modules without one: its replays verified, unless the user said not to
+        self.fallback = UNVERIFIED_FALLBACK if unsafe_skip_replay_check else FALLBACK
         self.layers: List[Layer] = []
         self.names: Dict[int, str] = {}  # id(param) -> name in model.named_parameters()
         self.order: Dict[int, int] = {}

@@ -19,7 +19,7 @@ from .. import rules as _rules  # noqa: F401  (registers the built-in rules)
 from ..base.errors import FallbackWarning, GradHooksError, GradientMismatchError, UnsupportedModuleError
 from ..base.registry import LayerRule, find_rule, supported_types
 from ..base.utils import own_loss_scale, tensors
-from ..rules.fallback import FALLBACK, note_container
+from ..rules.fallback import FALLBACK, note_path
 from .checks import check_unrecorded
 from .provenance import as_batch
 
@@ -152,7 +152,7 @@ class Record:
 
 
 def find_layers(model: nn.Module, strict: bool, hooked: Callable[[nn.Module], bool],
-                demoted: Iterable[str] = ()) -> List[Layer]:
+                demoted: Iterable[str] = (), fallback: LayerRule = FALLBACK) -> List[Layer]:
     """The modules of ``model`` to hook, in ``named_modules()`` order, with their rules.
 
     A module with trainable parameters gets its rule (exact type, then parents:
@@ -175,6 +175,8 @@ def find_layers(model: nn.Module, strict: bool, hooked: Callable[[nn.Module], bo
         demoted: paths of modules whose parameters their parent reads functionally
             (``F.linear(x, self.qkv.weight)``, torchvision's Swin; found by provenance): not
             hooked themselves; the parent's ``torch.func`` replay covers their parameters.
+        fallback: the fallback rule (:data:`~gradhooks.rules.fallback.UNVERIFIED_FALLBACK` for
+            ``attach(..., unsafe_skip_replay_check=True)``).
 
     Raises:
         UnsupportedModuleError: with ``strict``, naming every module without a rule; or for a
@@ -182,7 +184,7 @@ def find_layers(model: nn.Module, strict: bool, hooked: Callable[[nn.Module], bo
         GradHooksError: if a module to hook is already hooked.
     """
     layers: List[Layer] = []
-    unsupported, fallback = [], []
+    unsupported, listed = [], []
     claimed: set = set()  # ids of submodules an ancestor's rule claims (MHA's out_proj)
     registered: Dict[int, List[str]] = {}  # id(param) -> paths of the modules that register it
     for path, module in model.named_modules():
@@ -210,8 +212,8 @@ def find_layers(model: nn.Module, strict: bool, hooked: Callable[[nn.Module], bo
                                module.get_submodule(rel).named_parameters())
             claimed.update(id(module.get_submodule(n.rsplit(".", 1)[0]))
                            for n in handled if "." in n)
-            note_container(module, path)
-            layers.append(Layer(path, module, FALLBACK, handled))
+            note_path(module, path)
+            layers.append(Layer(path, module, fallback, handled))
             continue
         if not own:
             rule = find_rule(module, path)
@@ -233,11 +235,12 @@ def find_layers(model: nn.Module, strict: bool, hooked: Callable[[nn.Module], bo
             if strict:
                 unsupported.append((path, module, extra))
                 continue
-            rule, handled = FALLBACK, FALLBACK.params_of(module)
+            rule, handled = fallback, fallback.params_of(module)
+            note_path(module, path)  # (for the messages of its replays)
             if next(module.children(), None) is None:
-                fallback.append(f"{path or '<root>'!r} ({type(module).__qualname__})")
-            else:  # its raw parameters are usually taken at their own ops (provenance): its
-                note_container(module, path)  # replay warns when it runs (FallbackRule)
+                listed.append(f"{path or '<root>'!r} ({type(module).__qualname__})")
+            # (else its raw parameters are usually taken at their own ops, provenance: its
+            # replay warns when it runs, FallbackRule)
         if handled:
             if hooked(module):
                 raise GradHooksError(
@@ -259,10 +262,10 @@ def find_layers(model: nn.Module, strict: bool, hooked: Callable[[nn.Module], bo
             "the module treats samples independently); or freeze those parameters "
             "(requires_grad_(False)), or register a rule with @gradhooks.register_rule."
         )
-    if fallback:
+    if listed:
         warnings.warn(
             "gradhooks has no dedicated rule for these modules and uses its torch.func "
-            f"fallback (vmap of the module's vjp per sample) for them: {', '.join(fallback)}. "
+            f"fallback (vmap of the module's vjp per sample) for them: {', '.join(listed)}. "
             "It is exact only if each module treats the samples of a batch independently "
             "(see gradhooks.rules.fallback); attach(model, strict=True) refuses such modules.",
             FallbackWarning, stacklevel=6,

@@ -62,6 +62,8 @@ def pass_grads(calls: List[PassCall], batch_first: bool, scale=None,
             got = call_grads(layer.rule, layer.module, call.a, call.grads, batch_first,
                              call.names, scale, differentiable=differentiable)
         except GradHooksError as e:
+            if f"module {layer.describe()}" in str(e):  # (named by the rule)
+                raise
             raise type(e)(f"module {layer.describe()}: {e}") from None
         for local, t in got.items():
             pid = id(layer.params[local])

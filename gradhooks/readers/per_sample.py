@@ -60,6 +60,8 @@ def per_sample_grads(batch: Batch) -> Dict[str, Tensor]:
                                  functools.partial(batch.release, cap) if batch.releasing
                                  else None, differentiable)
             except GradHooksError as e:
+                if f"module {layer.describe()}" in str(e):  # (named by the rule)
+                    raise
                 raise type(e)(f"module {layer.describe()}: {e}") from None
             for local, t in out.items():
                 pid = id(layer.params[local])

@@ -16,7 +16,8 @@ Assumptions (documented in the README):
 * The module treats the samples of a batch independently: output sample ``n`` depends only on
   input sample ``n``. A module that mixes samples (batch statistics, attention across the batch)
   gets each sample's replayed gradient, which then differs from its share of the batch
-  gradient; the sum check (``check=True``) detects this and raises ``GradientMismatchError``.
+  gradient; the replay's verification (:mod:`gradhooks.rules.fallback_replay`, whatever
+  ``check`` says) detects this and raises :class:`~gradhooks.base.errors.ReplayMismatchError`.
 * Every input and output tensor that carries the batch has it on the batch dim (dim 0, or dim 1
   for inputs of 3 or more dims with ``batch_first=False``) with size ``B``; other tensor inputs
   are broadcast to every sample. An output reached by the backward without such a batch dim
@@ -26,24 +27,31 @@ Assumptions (documented in the README):
 * Only the module's own (direct) parameters are differentiated; its submodules are replayed with
   their parameters held fixed and get their per-sample gradients from their own rules.
 
-Cost: one vmapped forward and vjp of the module per read (about what ``torch.func`` costs).
+Where ``vmap`` cannot replay the module (any exception from inside the transform), it is
+replayed sample by sample with plain autograd, or refused with
+:class:`~gradhooks.base.errors.ReplayError` (:mod:`gradhooks.rules.fallback_replay`).
+
+Cost: one vmapped forward and vjp of the module per read (about what ``torch.func`` costs), plus
+one batched forward and backward of the module for each new call structure (the verification).
 """
 from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..base.errors import BatchSizeError, FallbackWarning, UnsupportedCallError
+from ..base.errors import (BatchSizeError, FallbackWarning, GradHooksError, ReplayError,
+                           UnsupportedCallError)
 from ..base.registry import Call, LayerRule
 from ..base.utils import paused
+from .fallback_replay import Replay, cause_of, looped, state_kept, structure, verify, way_out
 
-__all__ = ["FallbackRule", "FALLBACK", "note_container"]
+__all__ = ["FallbackRule", "FALLBACK", "UNVERIFIED_FALLBACK", "note_path"]
 
 
 def _batch_dim(t: Tensor, batch_first: bool) -> int:
@@ -72,87 +80,190 @@ class FallbackRule(LayerRule):
             )
         return x.shape[_batch_dim(x, batch_first)]
 
+    def __init__(self, verify_replay: bool = True):
+        #: Whether the first replay of each call structure is verified
+        #: (:func:`~gradhooks.rules.fallback_replay.verify`); ``False`` only for
+        #: ``attach(..., unsafe_skip_replay_check=True)`` (:data:`UNVERIFIED_FALLBACK`).
+        self.verify_replay = verify_replay
+        # per module: the call structures verified, those vmap cannot replay (-> the cause),
+        # and whether its looped replay was warned of (weak: the rule outlives models)
+        self._memo: "weakref.WeakKeyDictionary[nn.Module, _Memo]" = weakref.WeakKeyDictionary()
+
+    def _memo_of(self, module: nn.Module) -> "_Memo":
+        memo = self._memo.get(module)
+        if memo is None:
+            memo = self._memo[module] = _Memo()
+        return memo
+
+    def internal(self, module: nn.Module, args: tuple, kwargs: dict, output) -> Optional[tuple]:
+        """At the forward of a call whose replay will be verified (a structure not verified
+        yet, or one replayed sample by sample): a copy of its output leaves,
+        ``a.internal["replay_output"]``, for :func:`~gradhooks.rules.fallback_replay.verify` (a
+        call run again must give it). ``None`` otherwise (nothing kept)."""
+        if not self.verify_replay:
+            return None
+        memo = self._memo.get(module)
+        if memo is not None:
+            key = structure(tree_flatten((args, kwargs))[0])
+            if key in memo.verified and key not in memo.looped:
+                return None
+        out_leaves, _ = tree_flatten(output)
+        return None, {"replay_output": [t.detach().clone() if isinstance(t, Tensor) else None
+                                        for t in out_leaves]}
+
     def per_sample_grads(self, module: nn.Module, a: Call, g, batch_first: bool,
                          names: Iterable[str]) -> Dict[str, Tensor]:
+        """Raises:
+            ReplayError: neither vmap nor the loop over samples can replay the module.
+            ReplayMismatchError: a replay (the first of each call structure; every looped
+                one) computes something else than the module's batched call
+                (:func:`~gradhooks.rules.fallback_replay.verify`).
+            UnsupportedCallError: a random forward (dropout in training mode).
+            BatchSizeError: an output the backward reached has no batch dim of size ``B``.
+        """
         names = tuple(names)
         if a.shared == "param":  # a raw parameter's own cotangents (gradhooks.core.provenance)
             return {names[0]: g}
         _warn_container(module, names)
+        r = self._replay(module, a, g, batch_first)
+        own = {n: module.get_parameter(n).detach() for n in names}
+        memo = self._memo_of(module)
+        key = structure(tree_flatten((a.args, a.kwargs))[0])  # (as internal() saw the call)
+        cause = memo.looped.get(key)
+        how = "torch.func replay (vmap)"
+        if cause is None:
+            try:
+                with state_kept(module):
+                    out = self._vmapped(module, own, r)
+            except GradHooksError:  # (a random forward: no replay can draw its masks)
+                raise
+            except Exception as e:  # (any exception from inside the transform: loop instead)
+                cause = memo.looped[key] = cause_of(e)
+        seconds = None
+        if cause is not None:
+            how = "sample-by-sample replay"
+            try:
+                out, seconds = looped(module, own, r)
+            except Exception as e:
+                raise ReplayError(
+                    f"module {describe(module)}: gradhooks cannot replay it per sample for its "
+                    f"parameters {', '.join(names)}: torch.func.vmap fails ({cause}), and so does "
+                    f"one call per sample ({cause_of(e)}). A module that cannot run on one sample "
+                    f"of its batch (state of B rows kept between calls, such as a cache or a "
+                    f"recurrent state set by the forward; B rows it builds itself) cannot be "
+                    f"replayed per sample. {way_out(module)}") from None
+        if self.verify_replay and (key not in memo.verified or cause is not None):
+            # (a looped replay on every read: vmap failing is often Python control flow on
+            # tensor values, which may branch otherwise on a later batch; the batched call
+            # costs about 1/B of the loop)
+            internal = a.internal or {}
+            batched = verify(module, own, r, out, internal.get("replay_output"),
+                             describe(module), _path_prefix(module), how)
+            if r.b >= 2:  # (one sample cannot show a module that mixes samples)
+                memo.verified.add(key)
+        else:
+            batched = None
+        if seconds is not None and not memo.warned:
+            memo.warned = True
+            cost = f"{seconds * 1e3:.3g} ms for {r.b} samples ({seconds * 1e3 / max(r.b, 1):.3g} ms each"
+            if batched:
+                cost += f", {seconds / batched:.3g}x the module's batched forward and backward"
+            verdict = ("are checked against its batched gradient on every read"
+                       if batched is not None else
+                       "are NOT verified (unsafe_skip_replay_check=True)")
+            warnings.warn(
+                f"gradhooks replays the module {describe(module)} sample by sample: "
+                f"torch.func.vmap cannot replay it ({cause}). Its per-sample gradients "
+                f"{verdict} and cost one call of the module per sample: {cost}). A dedicated rule "
+                f"(gradhooks.register_rule) makes it fast.", FallbackWarning, stacklevel=4)
+        return {n: out[n].detach().contiguous() for n in names}
+
+    def _replay(self, module: nn.Module, a: Call, g, batch_first: bool) -> Replay:
+        """How the call ``a`` is sliced per sample (:class:`~gradhooks.rules.fallback_replay.Replay`)."""
         in_leaves, in_spec = tree_flatten((a.args, a.kwargs))
         g_leaves, _ = tree_flatten(g)
         reached = [i for i, t in enumerate(g_leaves) if isinstance(t, Tensor)]
         if a.shared is not None:
             # A call on inputs that are the same for every sample (Call.shared): the one call's
-            # vjp, vmapped over the samples' grad_outputs only; the first input as it was.
+            # vjp, over the samples' grad_outputs only; the first input as it was.
             first = next(i for i, t in enumerate(in_leaves) if isinstance(t, Tensor))
             x = in_leaves[first]
             in_leaves[first] = x[0] if a.shared == "prepend" else x[:1]
-            batched, keep_dims = [], a.shared == "prepend"
-        else:
-            if a.dims is not None:  # (the batch dims provenance followed: Call.dims)
-                in_dim, out_dim = list(a.dims[0]), list(a.dims[1])
-                # A tensor the batch did not reach but sized B on the batched inputs' dim (made
-                # from sizes and expanded, as XLNet's positions are): sample n's call reads its
-                # index n, as in the batched forward.
-                d0 = next(d for d in in_dim if d is not None)
-                b0 = next(t.shape[d] for t, d in zip(in_leaves, in_dim) if d is not None)
+            b = next(g_leaves[i].shape[0] for i in reached)
+            return Replay(in_leaves, in_spec, [], [], g_leaves, reached, [0] * len(reached), b,
+                          a.shared)
+        if a.dims is not None:  # (the batch dims provenance followed: Call.dims)
+            in_dim, out_dim = list(a.dims[0]), list(a.dims[1])
+            # A tensor the batch did not reach but sized B on the batched inputs' dim (made
+            # from sizes and expanded, as XLNet's positions are): sample n's call reads its
+            # index n, as in the batched forward.
+            found = [(d, t.shape[d]) for t, d in zip(in_leaves, in_dim) if d is not None]
+            if found:
+                d0, b0 = found[0]
                 in_dim = [d0 if d is None and isinstance(t, Tensor) and t.dim() > d0
                           and t.shape[d0] == b0 else d for t, d in zip(in_leaves, in_dim)]
-            else:
-                in_dim = [_batch_dim(t, batch_first) if isinstance(t, Tensor) else None
-                          for t in in_leaves]
-                out_dim = [_batch_dim(t, batch_first) if isinstance(t, Tensor) else None
-                           for t in g_leaves]
-            first = next(i for i, t in enumerate(in_leaves) if isinstance(t, Tensor)
-                         and in_dim[i] is not None)
-            if a.dims is None:
-                b = self.batch_size(module, in_leaves[first], batch_first)
-            else:
-                b = in_leaves[first].shape[in_dim[first]]
-            batched = [i for i, t in enumerate(in_leaves) if isinstance(t, Tensor) and t.dim() > 0
-                       and in_dim[i] is not None and t.shape[in_dim[i]] == b]
-            keep_dims = False
-            for i in reached:
-                t = g_leaves[i]
-                if t.dim() == 0 or out_dim[i] is None or t.shape[out_dim[i]] != b:
-                    raise BatchSizeError(
-                        f"output {i} of the module has shape {tuple(t.shape)} without a batch dim "
-                        f"of size {b}; the torch.func fallback needs every output the loss uses to "
-                        f"be batched like the input"
-                    )
-        own = {n: module.get_parameter(n).detach() for n in names}
+        else:
+            in_dim = [_batch_dim(t, batch_first) if isinstance(t, Tensor) else None
+                      for t in in_leaves]
+            out_dim = [_batch_dim(t, batch_first) if isinstance(t, Tensor) else None
+                       for t in g_leaves]
+        first = next((i for i, t in enumerate(in_leaves) if isinstance(t, Tensor)
+                      and in_dim[i] is not None), None)
+        if first is None:
+            raise BatchSizeError(
+                "the torch.func fallback replays a module per sample by slicing its inputs on "
+                "the batch dim, and none of this call's inputs carries the batch")
+        if a.dims is None:
+            b = self.batch_size(module, in_leaves[first], batch_first)
+        else:
+            b = in_leaves[first].shape[in_dim[first]]
+        batched = [i for i, t in enumerate(in_leaves) if isinstance(t, Tensor) and t.dim() > 0
+                   and in_dim[i] is not None and t.shape[in_dim[i]] == b]
+        for i in reached:
+            t = g_leaves[i]
+            if t.dim() == 0 or out_dim[i] is None or t.shape[out_dim[i]] != b:
+                raise BatchSizeError(
+                    f"output {i} of the module has shape {tuple(t.shape)} without a batch dim "
+                    f"of size {b}; the torch.func fallback needs every output the loss uses to "
+                    f"be batched like the input"
+                )
+        return Replay(in_leaves, in_spec, batched, [in_dim[i] for i in batched], g_leaves,
+                      reached, [out_dim[i] for i in reached], b, None)
 
-        def in_dim_of(i: int) -> int:  # (a shared call's samples are on dim 0)
-            return 0 if a.shared is not None else in_dim[i]
+    @staticmethod
+    def _vmapped(module: nn.Module, own: Dict[str, Tensor], r: Replay) -> Dict[str, Tensor]:
+        """``{name: (B, *param.shape)}`` by ``torch.func.vmap`` of the module's vjp per sample.
 
-        def out_dim_of(i: int) -> int:
-            return 0 if a.shared is not None else out_dim[i]
+        Raises:
+            UnsupportedCallError: a random forward (vmap refuses its randomness).
+            Exception: whatever the transform raises (the caller replays sample by sample).
+        """
+        keep_dims = r.shared == "prepend"
 
         def one(params, xs: List[Tensor], gs: List[Tensor]):
-            leaves = list(in_leaves)
-            for i, x in zip(batched, xs):
-                leaves[i] = x.unsqueeze(in_dim_of(i))
-            args, kwargs = tree_unflatten(leaves, in_spec)
+            leaves = list(r.in_leaves)
+            for i, d, x in zip(r.batched, r.in_dims, xs):
+                leaves[i] = x.unsqueeze(d)
+            args, kwargs = tree_unflatten(leaves, r.in_spec)
 
             differentiable = []  # (the reached outputs that can have a gradient: not the
             # indices a router's top-k returns, whose grad_output is zeros at most)
 
             def f(p):
                 out_leaves, _ = tree_flatten(functional_call(module, p, tuple(args), kwargs))
-                differentiable[:] = [k for k, i in enumerate(reached)
+                differentiable[:] = [k for k, i in enumerate(r.reached)
                                      if out_leaves[i].is_floating_point() or out_leaves[i].is_complex()]
-                return [out_leaves[reached[k]] for k in differentiable]
+                return [out_leaves[r.reached[k]] for k in differentiable]
 
             _, pull = vjp(f, params)
-            return pull([gs[k] if keep_dims else gs[k].unsqueeze(out_dim_of(reached[k]))
+            return pull([gs[k] if keep_dims else gs[k].unsqueeze(r.out_dims[k])
                          for k in differentiable])[0]
 
-        xs = [in_leaves[i] for i in batched]
-        gs = [g_leaves[i] for i in reached]
-        in_dims = (None, [in_dim_of(i) for i in batched], [out_dim_of(i) for i in reached])
+        xs = [r.in_leaves[i] for i in r.batched]
+        gs = [r.g_leaves[i] for i in r.reached]
         try:
             with paused(), torch.enable_grad():
-                out = vmap(one, in_dims=in_dims)(own, xs, gs)
+                return vmap(one, in_dims=(None, list(r.in_dims), list(r.out_dims)))(own, xs, gs)
         except RuntimeError as e:
             if "randomness" in str(e):
                 raise UnsupportedCallError(
@@ -160,16 +271,38 @@ class FallbackRule(LayerRule):
                     f"in eval mode or move its dropout out of it"
                 ) from None
             raise
-        return {n: out[n].detach().contiguous() for n in names}
+
+
+class _Memo:
+    """What :class:`FallbackRule` keeps per module across reads."""
+
+    __slots__ = ("verified", "looped", "warned")
+
+    def __init__(self):
+        self.verified: set = set()  # call structures whose replay was verified (B >= 2)
+        self.looped: Dict[tuple, str] = {}  # call structure -> why vmap cannot replay it
+        self.warned = False  # the looped replay's FallbackWarning was issued
 
 
 _WARNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _PATHS: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
 
 
-def note_container(module: nn.Module, path: str) -> None:
-    """Remember a container's path in its model, for the warning of its first replay."""
+def note_path(module: nn.Module, path: str) -> None:
+    """Remember the path in its model of a module the fallback covers, for the messages of its
+    replays (:func:`gradhooks.core.records.find_layers` calls it at attach)."""
     _PATHS[module] = path
+
+
+def describe(module: nn.Module) -> str:
+    """``'path' (Class)`` of a module the fallback covers, as
+    :meth:`~gradhooks.core.records.Layer.describe` writes it."""
+    return f"{_PATHS.get(module, '?') or '<root>'!r} ({type(module).__name__})"
+
+
+def _path_prefix(module: nn.Module) -> str:
+    path = _PATHS.get(module, "")
+    return f"{path}." if path else ""
 
 
 def _warn_container(module: nn.Module, names: tuple) -> None:
@@ -190,5 +323,7 @@ def _warn_container(module: nn.Module, names: tuple) -> None:
         f"gradhooks.rules.fallback).", FallbackWarning, stacklevel=4)
 
 
-#: The one instance the hook manager uses for modules without a rule.
+#: The instance the hook manager uses for modules without a rule.
 FALLBACK = FallbackRule()
+#: The one ``attach(..., unsafe_skip_replay_check=True)`` uses: replays are not verified.
+UNVERIFIED_FALLBACK = FallbackRule(verify_replay=False)
