@@ -160,7 +160,8 @@ def plan(batch: Batch) -> Tuple[Dict[int, PlannedParam], Tuple[int, ...]]:
         GradientMismatchError: (``check`` on) a parameter autograd reached has no record.
     """
     caps = batch.records
-    key = ("norm plan", batch.size, tuple((id(cap.layer), cap.names, (
+    key = ("norm plan", batch.size, None if batch.groups is None else batch.groups.key,
+           tuple((id(cap.layer), cap.names, (
         isinstance(cap.grads[0], Segments)) if cap.spec is not None
         else tuple(cap.grads[0].shape)) for cap in caps))
     template = batch.memo.get(key, lambda: _plan_template(batch))
@@ -186,6 +187,8 @@ def _plan_template(batch: Batch):
             found[pid].entries.append((cap, local, i))
     sizes = {i: canonical_sizes(cap.layer, cap.grads[0], batch.batch_first) for i, cap in enumerate(caps)
              if cap.spec is None and cap.layer.rule.has_linear_form}
+    groups = batch.groups  # (sample_ids: a sample's positions are all its rows' positions)
+    most, samples = (1, batch.size) if groups is None else (groups.most, groups.count)
     for p in found.values():
         locals_ = {local for _, local, _ in p.entries}
         rules = [cap.layer.rule for cap, _, _ in p.entries]
@@ -193,7 +196,7 @@ def _plan_template(batch: Batch):
             p.kind = FORMS
         elif all(rule.has_rows for rule in rules):
             p.kind = ROWS
-        elif _tieable(p, sizes):
+        elif groups is None and _tieable(p, sizes):
             p.kind = TIED
         elif len(locals_) == 1 and all(i in sizes for _, _, i in p.entries):
             p.kind = CLOSED
@@ -202,9 +205,10 @@ def _plan_template(batch: Batch):
                 shapes = {(grp, i, o) for grp, _, i, o in calls}
                 if len(shapes) == 1:
                     grp, i, o = shapes.pop()
-                    if use_gram(sum(s for _, s, _, _ in calls), i, o, batch=batch.size * grp):
+                    if use_gram(most * sum(s for _, s, _, _ in calls), i, o,
+                                batch=samples * grp):
                         p.kind = GRAM
-    units = tuple(0 if not (i in sizes and sizes[i][0] == 1 and sizes[i][1] == 1)
+    units = tuple(0 if groups is not None or not (i in sizes and sizes[i][0] == 1 and sizes[i][1] == 1)
                   else 2 if identity_form(caps[i].layer, caps[i].a, caps[i].grads[0], batch.batch_first)
                   else 1
                   for i in range(len(caps)))
@@ -348,6 +352,7 @@ def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[int
     sq: Dict[int, Tensor] = {}
     probes, projections = [], []
     check = batch.check_key is not None
+    groups = batch.groups  # sample_ids: norms per sample, of its rows' summed gradient
     partial: Dict[int, Tensor] = {}  # materialised params with several calls, summed so far
     left = {pid: len(p.entries) for pid, p in plans.items()
             if p.kind not in (GRAM, FORMS, ROWS, TIED)}
@@ -359,6 +364,8 @@ def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[int
         if left[pid]:
             partial[pid] = t
             return
+        if groups is not None:
+            t = groups.sum_rows(t)
         sq[pid] = sq_norms(t.reshape(t.shape[0], -1), 1)
         if check:
             probes.append(probed(plans[pid].name, t, batch.totals.get(pid), low or t.dtype))
@@ -400,7 +407,7 @@ def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[int
         for local in cap.names:
             pid = id(layer.params[local])
             kind = plans[pid].kind
-            if factored(cap, plans[pid]):  # (a grouped product's weight: per segment)
+            if groups is None and factored(cap, plans[pid]):  # (a grouped product's weight)
                 seg = cap.grads[0]
                 sq[pid] = seg.sq_norms()
                 if check:
@@ -420,9 +427,14 @@ def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[int
             _forms_sq_norm(batch, p, forms, sq, probes, projections, check)
         elif p.kind == ROWS:
             r = forms.rows(p)
-            sq[pid] = rows_sq_norms(r, batch.size, batch.params[pid].shape[0])
-            if check:
-                probes.append(rows_probed(batch, p, r))
+            if groups is None:
+                sq[pid] = rows_sq_norms(r, batch.size, batch.params[pid].shape[0])
+            else:  # entries of a sample's rows: pairs (sample, row of the table)
+                sq[pid] = rows_sq_norms(r._replace(sample=groups.inverse.index_select(0, r.sample)),
+                                        groups.count, batch.params[pid].shape[0])
+            if check:  # (the probes' rows as the other parameters': per sample)
+                name, t, *rest = rows_probed(batch, p, r)
+                probes.append((name, t if groups is None else groups.sum_rows(t), *rest))
         elif p.kind == TIED:
             sq[pid] = _tied_sq_norms(batch, p, forms, probes if check else None)
         if p.kind != GRAM or pid in done:
@@ -434,6 +446,8 @@ def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[int
             dt = compute_dtype(*(t for call in calls for t in call))
             a = torch.cat([c[0].to(dt) for c in calls], 2)
             g = torch.cat([c[1].to(dt) for c in calls], 2)
+        if groups is not None:  # a sample's positions: all its rows' (zero rows padding)
+            a, g = groups.join_positions(a, 2), groups.join_positions(g, 2)
         sq[pid] = gram_sq_norms(a, g)
         if check:
             project(pid, a, g, [cap for cap, _ in p.entries])
@@ -464,8 +478,11 @@ def _forms_sq_norm(batch: Batch, p: PlannedParam, forms: Forms, sq, probes, proj
     low = next((cap.low for cap, _ in p.entries if cap.low is not None), None)
     total = batch.totals.get(pid) if check else None
     blocks = forms.blocks(p)
-    if blocks is None:  # the calls' row blocks differ: materialise, as any other rule
+    if blocks is None or batch.groups is not None:
+        # the calls' row blocks differ, or rows are summed per sample: materialise
         t = forms.materialised(p, batch.params[pid].shape)
+        if batch.groups is not None:
+            t = batch.groups.sum_rows(t)
         sq[pid] = sq_norms(t.reshape(t.shape[0], -1), 1)
         if check:
             probes.append(probed(name, t, total, low or t.dtype))

@@ -1,0 +1,392 @@
+"""Samples made of several rows (``gh.set_sample_ids``): rows sharing an id are one sample.
+
+Every per-sample read that takes ids -- per-sample gradients ``(G, *shape)``, norms ``(G,)``,
+book-keeping clipping (ghost and materialised) and two-pass clipping with ``(G,)`` losses -- is
+compared with a float64 (and float32) loop over the samples: each sample's loss computed from
+its rows alone (one forward of just those rows), its gradient by autograd. Models: an MLP, a
+small conv net on augmented views of images (unequal numbers of views, a view alone), and a tiny
+GPT-2 in TRL's DPO forward: one forward of ``[chosen; rejected]``, a pair the sample, the DPO
+loss per pair. Ids are never sorted; batch sizes 0, 1 and several. Then the errors.
+"""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+from gradhooks import SampleIdsError
+from gradhooks.readers import plan as plan_module
+
+import zoo_imports
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights from configs: never download
+
+RTOL = {torch.float64: 1e-9, torch.float32: 2e-5}
+BETA = 0.5
+
+
+# ---------------------------------------------------------------------------------- the cases
+class Case:
+    """A model, a batch of rows with their ids, and ``losses(model, rows) -> (G_rows,)``: the
+    loss of each sample the rows ``rows`` (an index tensor) hold, in sorted-id order, from one
+    forward of those rows alone; ``batch_loss`` is the loss the user backpropagates."""
+
+    def __init__(self, model, ids, losses):
+        self.model, self.ids, self.losses = model, ids, losses
+
+    def batch_losses(self):
+        return self.losses(self.model, torch.arange(self.ids.shape[0]))
+
+
+def _row_loss_case(model, x, w, ids, within):
+    """Row losses ``w_n * sum(tanh-net(x_n)^2)``; a sample's loss their sum (``within="sum"``)
+    or mean (``"mean"``) over its rows, formed by constant per-row weights (no op over the
+    batch in the forward)."""
+    _, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+    share = torch.ones_like(w) if within == "sum" else 1.0 / counts[inverse].to(w.dtype)
+
+    def losses(model, rows):
+        out = model(x[rows])
+        row = w[rows] * share[rows] * out.pow(2).flatten(1).sum(1)
+        _, inv = torch.unique(ids[rows], return_inverse=True)
+        return row.new_zeros(int(inv.max()) + 1 if rows.numel() else 0).index_add(0, inv, row)
+    return losses
+
+
+def mlp_case(ids, dtype, within="sum"):
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).to(dtype)
+    b = ids.shape[0]
+    x, w = torch.randn(b, 5, dtype=dtype), torch.rand(b, dtype=dtype) + 0.5
+    return Case(model, ids, _row_loss_case(model, x, w, ids, within))
+
+
+def conv_case(ids, dtype, within="sum"):
+    """Augmented views: each id an image, each row one view of it (flipped, noised)."""
+    model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.Tanh(),
+                          nn.Conv2d(4, 4, 3, groups=2), nn.GroupNorm(2, 4), nn.Tanh(),
+                          nn.Flatten(), nn.Linear(4 * 4 * 4, 3)).to(dtype)
+    images = torch.randn(int(ids.max()) + 1 if ids.numel() else 0, 2, 6, 6, dtype=dtype)
+    views = images[ids]
+    views = torch.where(torch.rand(ids.shape[0], 1, 1, 1) < 0.5, views.flip(-1), views)
+    views = views + 0.1 * torch.randn_like(views)
+    w = torch.rand(ids.shape[0], dtype=dtype) + 0.5
+    return Case(model, ids, _row_loss_case(model, views, w, ids, within))
+
+
+V, T = 23, 6
+
+
+def dpo_case(pairs, dtype, perm=None):
+    """TRL's DPO forward: chosen and rejected completions of ``P`` prompts in one forward
+    ``[chosen; rejected]``, the pair ``i`` (id ``perm[i]``) the sample; the loss per pair
+    ``-logsigmoid(beta ((lc - lr) - (ref_c - ref_r)))``, log-probs summed over the completion's
+    tokens (a mask per row), the reference log-probs constants."""
+    model = zoo_imports.tiny_gpt2(V, positions=T).to(dtype)
+    chosen = torch.randint(0, V, (pairs, T))
+    rejected = torch.randint(0, V, (pairs, T))
+    start = torch.randint(1, T - 1, (2 * pairs,))  # the completion starts there (per row)
+    mask = (torch.arange(T - 1)[None] >= start[:, None] - 1).to(dtype)  # over label positions
+    ref = torch.randn(2 * pairs, dtype=dtype)
+    perm = torch.randperm(pairs) if perm is None else perm
+    ids = perm.repeat(2)
+
+    def losses(model, rows):
+        p = rows.numel() // 2
+        pair = rows[:p] % pairs if p else rows[:0]  # rows = [chosen rows; their rejected rows]
+        tokens = torch.cat([chosen[pair], rejected[pair]])
+        logits = model(tokens).logits[:, :-1]
+        logp = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+        logp = (logp * mask[rows]).sum(1)
+        lc, lr = logp[:p], logp[p:]  # as TRL's concatenated_forward splits them
+        rc, rr = ref[rows[:p]], ref[rows[p:]]
+        per_pair = -F.logsigmoid(BETA * ((lc - lr) - (rc - rr)))
+        return per_pair[torch.argsort(ids[rows[:p]])]  # sorted-id order
+    return Case(model, ids, losses)
+
+
+def _groups_of(ids):
+    """The rows of each sample, in sorted-id order; for a DPO pair [chosen; rejected]."""
+    return [torch.nonzero(ids == k).squeeze(1) for k in torch.unique(ids)]
+
+
+def loop_reference(case):
+    """``{name: (G, *shape)}``: each sample's loss from its rows alone, its gradient."""
+    params = {n: p for n, p in case.model.named_parameters() if p.requires_grad}
+    out = {n: [] for n in params}
+    for rows in _groups_of(case.ids):
+        (loss,) = case.losses(case.model, rows)
+        grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+        for (n, p), g in zip(params.items(), grads):
+            out[n].append(torch.zeros_like(p) if g is None else g)
+    return {n: (torch.stack(gs) if gs else params[n].new_zeros(0, *params[n].shape))
+            for n, gs in out.items()}
+
+
+def flat_norms(grads, g):
+    if not grads:
+        return torch.zeros(g)
+    return torch.cat([t.flatten(1) for t in grads.values()], 1).norm(dim=1)
+
+
+def assert_close(ours, ref, dtype, what):
+    scale = ref.abs().max() if ref.numel() else torch.tensor(0.0)
+    diff = (ours - ref).abs().max() if ref.numel() else torch.tensor(0.0)
+    assert ours.shape == ref.shape, (what, ours.shape, ref.shape)
+    assert diff <= RTOL[dtype] * max(float(scale), 1e-30), f"{what}: {diff:.3e} vs {scale:.3e}"
+
+
+def batch_loss(case, reduction):
+    losses = case.batch_losses()
+    return losses.mean() if reduction == "mean" else losses.sum()
+
+
+IDS = {
+    "unequal": torch.tensor([3, 0, 3, 7, 0, 3, 5, 7]),  # sizes 2, 3, 1, 2; unsorted; one alone
+    "one_row": torch.tensor([4]),
+    "all_one": torch.tensor([2, 0, 1]),  # every sample one row, ids a permutation
+    "empty": torch.zeros(0, dtype=torch.long),
+}
+MAKERS = {"mlp": mlp_case, "conv": conv_case}
+
+
+def make(name, ids, dtype, within="sum"):
+    torch.manual_seed(0)
+    if name == "dpo":
+        pairs = {"unequal": 3, "one_row": 1, "all_one": 2, "empty": 0}[ids]
+        return dpo_case(pairs, dtype)
+    return MAKERS[name](IDS[ids], dtype, within)
+
+
+# (transformers' GPT-2 cannot run a batch of 0 rows itself: its attention reshapes with -1)
+CASES = [(m, i) for m in ("mlp", "conv", "dpo") for i in IDS if (m, i) != ("dpo", "empty")]
+
+
+# ----------------------------------------------------------------------- per-sample gradients
+@pytest.mark.parametrize("name,ids", CASES, ids=[f"{m}-{i}" for m, i in CASES])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_per_sample_grads_and_norms(name, ids, reduction, dtype):
+    case = make(name, ids, dtype)
+    ref = loop_reference(case)
+    g = torch.unique(case.ids).numel()
+    with gradhooks.attach(case.model, loss_reduction=reduction) as gh:
+        loss = batch_loss(case, reduction)
+        gh.set_sample_ids(case.ids)
+        if g:
+            loss.backward()
+        else:  # an empty batch: a mean over no sample is NaN; its sum is 0
+            case.batch_losses().sum().backward()
+        norms = gh.per_sample_grad_norms()
+        per_param = gh.per_sample_grad_norms(per_param=True)
+        ours = gh.per_sample_grads()
+        assert gh.per_sample_grad_norms().shape == (g,)  # from the kept result
+    assert list(ours) == list(ref)
+    for n in ref:
+        assert ours[n].dtype == dtype
+        assert_close(ours[n], ref[n], dtype, n)
+        assert_close(per_param[n], ref[n].flatten(1).norm(dim=1), dtype, n + " norm")
+    assert_close(norms, flat_norms(ref, g).to(norms.dtype), dtype, "norms")
+
+
+@pytest.mark.parametrize("name", ["mlp", "conv"])
+@pytest.mark.parametrize("gram", [True, False], ids=["gram", "materialised"])
+def test_norms_both_forms_and_mean_within_sample(name, gram, monkeypatch):
+    """Both forms of a linear layer's norm (the Gram form over the sample's rows' positions,
+    and the materialised one), and a sample's loss the mean over its rows."""
+    monkeypatch.setattr(plan_module, "use_gram", lambda *a, **k: gram)
+    case = make(name, "unequal", torch.float64, within="mean")
+    ref = loop_reference(case)
+    with gradhooks.attach(case.model, loss_reduction="mean") as gh:
+        loss = batch_loss(case, "mean")
+        loss.backward()
+        gh.set_sample_ids(case.ids)  # (after the backward: any time before the first read)
+        norms = gh.per_sample_grad_norms()
+    assert_close(norms, flat_norms(ref, 4), torch.float64, "norms")
+
+
+def test_norm_of_a_sample_is_not_the_sum_of_its_rows_norms():
+    case = make("mlp", "unequal", torch.float64)
+    with gradhooks.attach(case.model, loss_reduction="sum") as gh:
+        case.batch_losses().sum().backward()
+        rows = gh.per_sample_grad_norms()
+    with gradhooks.attach(case.model, loss_reduction="sum") as gh:
+        case.batch_losses().sum().backward()
+        gh.set_sample_ids(case.ids)
+        grouped = gh.per_sample_grad_norms()
+    per_row_sum = torch.zeros(4, dtype=rows.dtype).index_add(
+        0, torch.unique(case.ids, return_inverse=True)[1], rows)
+    assert rows.shape == (8,) and grouped.shape == (4,)
+    assert not torch.allclose(grouped, per_row_sum)
+    assert_close(grouped, flat_norms(loop_reference(case), 4), torch.float64, "norms")
+
+
+def test_statistics_over_samples():
+    case = make("conv", "unequal", torch.float64)
+    ref = loop_reference(case)
+    with gradhooks.attach(case.model, loss_reduction="mean") as gh:
+        batch_loss(case, "mean").backward()
+        gh.set_sample_ids(case.ids)
+        var = gh.variance()
+    for n in ref:
+        assert_close(var[n], ref[n].var(0, correction=0), torch.float64, n)
+
+
+# ---------------------------------------------------------------------------------- clipping
+def clipped_reference(ref, max_norm, divisor):
+    norms = flat_norms(ref, next(iter(ref.values())).shape[0])
+    c = (max_norm / norms).clamp(max=1.0)
+    return {n: torch.tensordot(c.to(t.dtype), t, 1) / divisor for n, t in ref.items()}, norms
+
+
+@pytest.mark.parametrize("name,ids", [c for c in CASES if c[1] != "empty"],
+                         ids=[f"{m}-{i}" for m, i in CASES if i != "empty"])
+@pytest.mark.parametrize("method", ["ghost", "materialize", "two_pass"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_clipping_per_sample(name, ids, method, reduction, dtype):
+    case = make(name, ids, dtype)
+    ref = loop_reference(case)
+    g = torch.unique(case.ids).numel()
+    full = flat_norms(ref, g)
+    max_norm = float(full.median()) if g > 1 else float(full[0]) / 2  # some clipped, some not
+    expected, ref_norms = clipped_reference(ref, max_norm, g if reduction == "mean" else 1)
+    with gradhooks.attach(case.model, loss_reduction=reduction) as gh:
+        if method == "two_pass":
+            losses = case.batch_losses()
+            gh.set_sample_ids(case.ids)
+            norms = gh.clipped_backward(losses, max_norm)
+        else:
+            loss = batch_loss(case, reduction)
+            gh.set_sample_ids(case.ids)
+            gh.backward(loss) if name == "mlp" else loss.backward()
+            norms = gh.clip_and_accumulate(max_norm, method=method)
+    assert_close(norms, ref_norms.to(norms.dtype), dtype, "norms")
+    for n, p in case.model.named_parameters():
+        assert_close(p.grad, expected[n], dtype, n)
+
+
+def test_empty_batch_clipping_with_ids():
+    case = make("mlp", "empty", torch.float64)
+    with gradhooks.attach(case.model, loss_reduction="mean") as gh:
+        losses = case.batch_losses()
+        gh.set_sample_ids(case.ids)
+        norms = gh.clipped_backward(losses, 1.0)
+    assert norms.shape == (0,)
+    assert all(float(p.grad.abs().max()) == 0.0 for p in case.model.parameters())
+
+
+def test_accumulation_counts_samples():
+    """Micro-batches with ids: finish_step divides by the number of samples, not rows."""
+    case = make("mlp", "unequal", torch.float64)
+    ref = loop_reference(case)
+    expected, _ = clipped_reference(ref, 0.3, 2 * 4)
+    with gradhooks.attach(case.model, loss_reduction="mean") as gh:
+        for _ in range(2):  # the same micro-batch twice: 8 samples of 16 rows
+            loss = batch_loss(case, "mean")
+            gh.set_sample_ids(case.ids)
+            loss.backward()
+            gh.clip_and_accumulate(0.3, accumulate=True)
+        assert gh.finish_step() == 8
+    for n, p in case.model.named_parameters():
+        assert_close(p.grad, 2 * expected[n], torch.float64, n)
+
+
+def test_ids_hold_for_one_batch_only():
+    case = make("mlp", "unequal", torch.float64)
+    with gradhooks.attach(case.model, loss_reduction="sum") as gh:
+        case.batch_losses().sum().backward()
+        gh.set_sample_ids(case.ids)
+        assert gh.per_sample_grads()["0.weight"].shape[0] == 4
+        case.batch_losses().sum().backward()  # the next batch: rows are samples again
+        assert gh.per_sample_grads()["0.weight"].shape[0] == 8
+        case.batch_losses().sum().backward()
+        gh.set_sample_ids(case.ids)
+        gh.set_sample_ids(None)
+        assert gh.per_sample_grads()["0.weight"].shape[0] == 8
+
+
+# ------------------------------------------------------------------------------------ errors
+@pytest.mark.parametrize("bad,match", [
+    (torch.tensor([0.0, 1.0, 1.0, 2.0, 0.0, 1.0, 2.0, 2.0]), "integer dtype"),
+    (torch.tensor([True, False] * 4), "integer dtype"),
+    (torch.tensor([0, 1, 2]), r"shape \(B,\) = \(8,\)"),
+    (torch.zeros(8, 1, dtype=torch.long), r"shape \(B,\)"),
+    ([0, 1, 2, 3, 0, 1, 2, 3], "must be a \\(B,\\) integer tensor"),
+    (torch.zeros(8, dtype=torch.long, device="meta"), "ids are on meta"),
+], ids=["float", "bool", "length", "2d", "list", "device"])
+def test_malformed_ids_are_refused(bad, match):
+    case = make("mlp", "unequal", torch.float64)
+    with gradhooks.attach(case.model, loss_reduction="sum") as gh:
+        case.batch_losses().sum()
+        with pytest.raises(SampleIdsError, match=match):
+            gh.set_sample_ids(bad)
+
+
+def test_ids_before_any_forward_are_refused():
+    case = make("mlp", "unequal", torch.float64)
+    with gradhooks.attach(case.model) as gh:
+        with pytest.raises(SampleIdsError, match="no forward has run yet"):
+            gh.set_sample_ids(case.ids)
+
+
+def test_ids_after_a_row_read_are_refused():
+    case = make("mlp", "unequal", torch.float64)
+    with gradhooks.attach(case.model, loss_reduction="sum") as gh:
+        case.batch_losses().sum().backward()
+        gh.per_sample_grads()
+        with pytest.raises(SampleIdsError, match="already formed"):
+            gh.set_sample_ids(case.ids)
+
+
+def test_ids_set_before_their_forward_are_refused_at_the_read():
+    case = make("mlp", "unequal", torch.float64)
+    with gradhooks.attach(case.model, loss_reduction="sum") as gh:
+        case.batch_losses().sum().backward()
+        gh.per_sample_grads()
+        gh.set_sample_ids(None)
+        case.batch_losses().sum().backward()
+        gh.per_sample_grad_norms()  # (this batch read without ids)
+        gh.set_sample_ids(case.ids)  # meant for the next forward: it describes this batch
+        gh.set_sample_ids(case.ids)
+        case.batch_losses().sum().backward()
+        with pytest.raises(SampleIdsError, match="declared for an earlier batch"):
+            gh.per_sample_grads()
+
+
+@pytest.mark.parametrize("read", ["kfac_factors", "ekfac_factors", "gram", "projected_grads",
+                                  "empirical_fisher_diag", "per_sample_jacobians"])
+def test_reads_that_cannot_group_refuse(read):
+    case = make("mlp", "unequal", torch.float64)
+    with gradhooks.attach(case.model, loss_reduction="sum") as gh:
+        x = torch.randn(8, 5, dtype=torch.float64)
+        out = case.model(x)
+        gh.set_sample_ids(case.ids)
+        name = "gradient_features" if read in ("gram", "projected_grads") else read
+        with pytest.raises(SampleIdsError, match=rf"{name}\(\): sample_ids are set"):
+            if read == "per_sample_jacobians":
+                gh.per_sample_jacobians(out)
+            else:
+                out.pow(2).sum().backward()
+                getattr(gh, read)()
+
+
+def test_clipped_backward_wants_one_loss_per_sample():
+    case = make("dpo", "unequal", torch.float64)
+    with gradhooks.attach(case.model, loss_reduction="mean") as gh:
+        tokens = torch.randint(0, V, (6, T))
+        logits = case.model(tokens).logits
+        gh.set_sample_ids(case.ids)
+        with pytest.raises(ValueError, match=r"needs the \(G,\) per-sample losses .*G = 3 samples"):
+            gh.clipped_backward(logits.sum((1, 2)), 1.0)
+
+
+def test_two_forward_refusal_names_sample_ids():
+    """The refusal of two forwards before one backward leads to one concatenated forward with
+    sample_ids, not to a concatenation whose rows would each be a sample."""
+    model = nn.Sequential(nn.Linear(4, 3)).double()
+    a, b = torch.randn(2, 4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)
+    with gradhooks.attach(model) as gh:
+        (model(a) - model(b)).pow(2).sum().backward()
+        with pytest.raises(gradhooks.GradHooksError, match="set_sample_ids") as e:
+            gh.per_sample_grads()
+    assert "without sample_ids would make each row a sample" in str(e.value)
