@@ -4,8 +4,9 @@ Every per-sample read that takes ids -- per-sample gradients ``(G, *shape)``, no
 book-keeping clipping (ghost and materialised) and two-pass clipping with ``(G,)`` losses -- is
 compared with a float64 (and float32) loop over the samples: each sample's loss computed from
 its rows alone (one forward of just those rows), its gradient by autograd. Models: an MLP, a
-small conv net on augmented views of images (unequal numbers of views, a view alone), and a tiny
-GPT-2 in TRL's DPO forward: one forward of ``[chosen; rejected]``, a pair the sample, the DPO
+small conv net on augmented views of images (unequal numbers of views, a view alone), a token
+model (embedding, LSTM, self-attention: row scatters and factored forms) on multiple-choice
+options, and a tiny GPT-2 in TRL's DPO forward: one forward of ``[chosen; rejected]``, a pair the sample, the DPO
 loss per pair. Ids are never sorted; batch sizes 0, 1 and several. Then the errors.
 """
 import os
@@ -73,6 +74,30 @@ def conv_case(ids, dtype, within="sum"):
     views = views + 0.1 * torch.randn_like(views)
     w = torch.rand(ids.shape[0], dtype=dtype) + 0.5
     return Case(model, ids, _row_loss_case(model, views, w, ids, within))
+
+
+class Sequence(nn.Module):
+    """Tokens -> Embedding (row scatters) -> LSTM and self-attention (factored forms) -> Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.lstm = nn.LSTM(6, 6, batch_first=True)
+        self.attn = nn.MultiheadAttention(6, 2, batch_first=True)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, tokens):
+        h, _ = self.lstm(self.embed(tokens))
+        h = h + self.attn(h, h, h, need_weights=False)[0]
+        return self.head(torch.tanh(h).mean(1))
+
+
+def seq_case(ids, dtype, within="sum"):
+    """Multiple-choice style: each id a question, each row one option's tokens."""
+    model = Sequence().to(dtype)
+    tokens = torch.randint(0, 11, (ids.shape[0], 5))
+    w = torch.rand(ids.shape[0], dtype=dtype) + 0.5
+    return Case(model, ids, _row_loss_case(model, tokens, w, ids, within))
 
 
 V, T = 23, 6
@@ -148,7 +173,7 @@ IDS = {
     "all_one": torch.tensor([2, 0, 1]),  # every sample one row, ids a permutation
     "empty": torch.zeros(0, dtype=torch.long),
 }
-MAKERS = {"mlp": mlp_case, "conv": conv_case}
+MAKERS = {"mlp": mlp_case, "conv": conv_case, "seq": seq_case}
 
 
 def make(name, ids, dtype, within="sum"):
@@ -160,7 +185,7 @@ def make(name, ids, dtype, within="sum"):
 
 
 # (transformers' GPT-2 cannot run a batch of 0 rows itself: its attention reshapes with -1)
-CASES = [(m, i) for m in ("mlp", "conv", "dpo") for i in IDS if (m, i) != ("dpo", "empty")]
+CASES = [(m, i) for m in ("mlp", "conv", "seq", "dpo") for i in IDS if (m, i) != ("dpo", "empty")]
 
 
 # ----------------------------------------------------------------------- per-sample gradients
