@@ -49,10 +49,12 @@ def _row_loss_case(model, x, w, ids, within):
     share = torch.ones_like(w) if within == "sum" else 1.0 / counts[inverse].to(w.dtype)
 
     def losses(model, rows):
-        out = model(x[rows])
-        row = w[rows] * share[rows] * out.pow(2).flatten(1).sum(1)
+        dev = next(model.parameters()).device  # (the data stays on the CPU: test_on_cuda)
+        out = model(x[rows].to(dev))
+        row = (w[rows] * share[rows]).to(dev) * out.pow(2).flatten(1).sum(1)
         _, inv = torch.unique(ids[rows], return_inverse=True)
-        return row.new_zeros(int(inv.max()) + 1 if rows.numel() else 0).index_add(0, inv, row)
+        return row.new_zeros(int(inv.max()) + 1 if rows.numel() else 0).index_add(
+            0, inv.to(dev), row)
     return losses
 
 
@@ -328,6 +330,32 @@ def test_ids_hold_for_one_batch_only():
         gh.set_sample_ids(case.ids)
         gh.set_sample_ids(None)
         assert gh.per_sample_grads()["0.weight"].shape[0] == 8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["mlp", "conv", "seq"])
+def test_on_cuda(name, dtype, monkeypatch):
+    """On a GPU: ids on the CPU refused, on the GPU grouped as on the CPU (against the CPU
+    float64 loop), per-sample gradients, norms and book-keeping clipping."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # (float32 tolerances)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    case = make(name, "unequal", torch.float64)
+    ref = loop_reference(case)
+    expected, ref_norms = clipped_reference(ref, 0.5, 4)
+    case.model.to("cuda", dtype)
+    with gradhooks.attach(case.model, loss_reduction="mean") as gh:
+        loss = batch_loss(case, "mean")
+        with pytest.raises(SampleIdsError, match="ids are on cpu"):
+            gh.set_sample_ids(case.ids)
+        gh.set_sample_ids(case.ids.cuda())
+        loss.backward()
+        norms = gh.clip_and_accumulate(0.5)
+        ours = gh.per_sample_grads()
+    assert_close(norms.cpu().double(), ref_norms, dtype, "norms")
+    for n, p in case.model.named_parameters():
+        assert ours[n].is_cuda and ours[n].shape[0] == 4
+        assert_close(ours[n].cpu().double(), ref[n], dtype, n)
+        assert_close(p.grad.cpu().double(), expected[n], dtype, n + " clipped")
 
 
 # ------------------------------------------------------------------------------------ errors
