@@ -292,6 +292,43 @@ def test_clipping_per_sample(name, ids, method, reduction, dtype):
         assert_close(p.grad, expected[n], dtype, n)
 
 
+def test_multiple_choice_softmax_over_a_samples_rows(dtype):
+    """A multiple-choice head: one score per option (row), a softmax over each question's
+    options inside the forward; the question (its options' rows) is the sample. Exact, norms
+    and ghost clipping included (the softmax pairs rows of one sample only)."""
+    q, c = 4, 3
+
+    class MultipleChoice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            # (no bias on the score: a softmax over options cancels it, its gradient is 0)
+            self.score = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1, bias=False))
+
+        def forward(self, x):
+            return self.score(x).view(-1, c).log_softmax(-1)
+
+    model = MultipleChoice().to(dtype)
+    x, label = torch.randn(q * c, 5, dtype=dtype), torch.randint(0, c, (q,))
+    perm = torch.randperm(q)
+    ids = perm.repeat_interleave(c)  # question i's options are rows i c .. i c + c - 1
+    ref = {n: torch.zeros(q, *p.shape, dtype=dtype) for n, p in model.named_parameters()}
+    for i in range(q):
+        loss = -model(x[i * c:(i + 1) * c])[0, label[i]]
+        for (n, p), g in zip(model.named_parameters(), torch.autograd.grad(loss, list(model.parameters()))):
+            ref[n][perm[i]] = g  # sample perm[i]: the ids in increasing order
+    expected, ref_norms = clipped_reference(ref, 0.7, q)
+    with gradhooks.attach(model, loss_reduction="mean") as gh:
+        out = model(x)
+        gh.set_sample_ids(ids)
+        (-out[torch.arange(q), label]).mean().backward()
+        ours = gh.per_sample_grads(retain_records=True)
+        norms = gh.clip_and_accumulate(0.7)
+    assert_close(norms, ref_norms, dtype, "norms")
+    for n, p in model.named_parameters():
+        assert_close(ours[n], ref[n], dtype, n)
+        assert_close(p.grad, expected[n], dtype, n + " clipped")
+
+
 def test_empty_batch_clipping_with_ids():
     case = make("mlp", "empty", torch.float64)
     with gradhooks.attach(case.model, loss_reduction="mean") as gh:
