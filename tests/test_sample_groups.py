@@ -6,7 +6,8 @@ compared with a float64 (and float32) loop over the samples: each sample's loss 
 its rows alone (one forward of just those rows), its gradient by autograd. Models: an MLP, a
 small conv net on augmented views of images (unequal numbers of views, a view alone), a token
 model (embedding, LSTM, self-attention: row scatters and factored forms) on multiple-choice
-options, and a tiny GPT-2 in TRL's DPO forward: one forward of ``[chosen; rejected]``, a pair the sample, the DPO
+options, a message-passing network on a batch of graphs (nodes the rows, messages between
+nodes of one graph), and a tiny GPT-2 in TRL's DPO forward: one forward of ``[chosen; rejected]``, a pair the sample, the DPO
 loss per pair. Ids are never sorted; batch sizes 0, 1 and several. Then the errors.
 """
 import os
@@ -102,6 +103,43 @@ def seq_case(ids, dtype, within="sum"):
     return Case(model, ids, _row_loss_case(model, tokens, w, ids, within))
 
 
+class MessagePassing(nn.Module):
+    """Node rows, messages along edges within each graph (``index_add`` over the node dim),
+    node-level layers only; the graph's loss reads its nodes' outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2, self.out = nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+
+    def forward(self, x, src, dst):
+        h = torch.tanh(self.l1(x))
+        h = h + h.new_zeros(h.shape).index_add(0, dst, h[src])
+        h = torch.tanh(self.l2(h))
+        h = h + h.new_zeros(h.shape).index_add(0, dst, h[src])
+        return self.out(h)
+
+
+def graph_case(ids, dtype, within="sum"):
+    """A batch of graphs: each id a graph, each row a node (the ``batch`` vector of a graph
+    library); edges drawn between nodes of one graph."""
+    model = MessagePassing().to(dtype)
+    x = torch.randn(ids.shape[0], 4, dtype=dtype)
+    same = (ids[:, None] == ids[None, :]) & (torch.rand(ids.shape[0], ids.shape[0]) < 0.6)
+    src, dst = torch.nonzero(same, as_tuple=True)
+
+    def losses(model, rows):
+        dev = next(model.parameters()).device
+        pos = torch.full((ids.shape[0],), -1)
+        pos[rows] = torch.arange(rows.numel())
+        keep = (pos[src] >= 0) & (pos[dst] >= 0)
+        node = model(x[rows].to(dev), pos[src[keep]].to(dev), pos[dst[keep]].to(dev))
+        _, inv = torch.unique(ids[rows], return_inverse=True)
+        pooled = node.new_zeros(int(inv.max()) + 1 if rows.numel() else 0, 2).index_add(
+            0, inv.to(dev), node)  # sum readout per graph
+        return pooled.tanh().pow(2).sum(1)
+    return Case(model, ids, losses)
+
+
 V, T = 23, 6
 
 
@@ -175,7 +213,7 @@ IDS = {
     "all_one": torch.tensor([2, 0, 1]),  # every sample one row, ids a permutation
     "empty": torch.zeros(0, dtype=torch.long),
 }
-MAKERS = {"mlp": mlp_case, "conv": conv_case, "seq": seq_case}
+MAKERS = {"mlp": mlp_case, "conv": conv_case, "seq": seq_case, "graph": graph_case}
 
 
 def make(name, ids, dtype, within="sum"):
@@ -187,7 +225,8 @@ def make(name, ids, dtype, within="sum"):
 
 
 # (transformers' GPT-2 cannot run a batch of 0 rows itself: its attention reshapes with -1)
-CASES = [(m, i) for m in ("mlp", "conv", "seq", "dpo") for i in IDS if (m, i) != ("dpo", "empty")]
+CASES = [(m, i) for m in ("mlp", "conv", "seq", "graph", "dpo") for i in IDS
+         if (m, i) != ("dpo", "empty")]
 
 
 # ----------------------------------------------------------------------- per-sample gradients
