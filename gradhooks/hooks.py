@@ -25,7 +25,8 @@ from .readers.ggn import empirical_fisher_diag, ggn_diag, ggn_sqrt, ggn_vector_p
 from .readers.gram import GradientFeatures, gradient_features, gram, jacobian_features
 from .readers.jacobians import per_sample_jacobians
 from .readers.kfac import DiagonalFactors, KFACFactors, kfac_factors
-from .readers.loss_reduction import check_batch_loss, loss_scale_of
+from .readers.loss_reduction import loss_scale_of
+from .readers.sample_losses import check_backward_loss
 from .readers.norms import per_sample_grad_norms
 from .readers.per_sample import per_sample_grads
 from .readers.projections import projected_grads
@@ -216,7 +217,7 @@ class GradHooks:
             raise GradHooksError(
                 "GradHooks.backward(loss): loss must be a tensor that requires grad (the output of "
                 "a forward of the hooked model, not under torch.no_grad())")
-        check_batch_loss(loss, self.recorder.reads.samples(), self.recorder.loss_reduction, gradient)
+        check_backward_loss(loss, self.recorder, gradient)
         self.recorder.reads.see_scale(loss_scale_of(loss))
         self.recorder.drive(loss, gradient, retain_graph)
 

@@ -509,6 +509,23 @@ def test_clipped_backward_wants_one_loss_per_sample():
             gh.clipped_backward(logits.sum((1, 2)), 1.0)
 
 
+@pytest.mark.parametrize("form", ["cross_entropy_mean", "losses_mean"])
+def test_a_mean_over_rows_is_refused(form):
+    """With ids, a mean over the B rows is not the mean over the G samples: gh.backward refuses
+    it (every result would be G/B times the truth); the sum over rows divided by G passes."""
+    model = nn.Sequential(nn.Linear(5, 3)).double()
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
+    with gradhooks.attach(model, loss_reduction="mean") as gh:
+        out = model(x)
+        gh.set_sample_ids(IDS["unequal"])
+        loss = (F.cross_entropy(out, y) if form == "cross_entropy_mean"
+                else F.cross_entropy(out, y, reduction="none").mean())
+        with pytest.raises(gradhooks.UnsupportedLossError, match=r"mean over the rows .*G/B = 4/8"):
+            gh.backward(loss, retain_graph=True)
+        gh.backward(F.cross_entropy(out, y, reduction="sum") / 4)
+        assert gh.per_sample_grads()["0.weight"].shape == (4, 3, 5)
+
+
 def test_two_forward_refusal_names_sample_ids():
     """The refusal of two forwards before one backward leads to one concatenated forward with
     sample_ids, not to a concatenation whose rows would each be a sample."""
