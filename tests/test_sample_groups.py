@@ -11,6 +11,7 @@ nodes of one graph), and a tiny GPT-2 in TRL's DPO forward: one forward of ``[ch
 loss per pair. Ids are never sorted; batch sizes 0, 1 and several. Then the errors.
 """
 import os
+import warnings
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ import gradhooks
 from gradhooks import SampleIdsError
 from gradhooks.readers import plan as plan_module
 
+import test_every_rule_every_reader as every_rule
 import zoo_imports
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights from configs: never download
@@ -432,6 +434,71 @@ def test_on_cuda(name, dtype, monkeypatch):
         assert ours[n].is_cuda and ours[n].shape[0] == 4
         assert_close(ours[n].cpu().double(), ref[n], dtype, n)
         assert_close(p.grad.cpu().double(), expected[n], dtype, n + " clipped")
+
+
+# ------------------------------------------------------------------ every rule, rows grouped
+ROW_IDS = torch.tensor([2, 0, 2, 1, 0])  # samples of 2, 2 and 1 rows, unsorted
+
+
+def _every_rule(kind, dtype):
+    """A model of :mod:`test_every_rule_every_reader`'s table on 5 rows, and what the grouped
+    reads must equal: the looped rows' gradients (each row alone) summed per sample."""
+    model, x, w = every_rule._setup(kind, ROW_IDS.shape[0], dtype)
+    rows = every_rule._reference(model, x, w)
+    _, inverse = torch.unique(ROW_IDS, return_inverse=True)
+    ref = {n: g.new_zeros(3, *g.shape[1:]).index_add(0, inverse, g) for n, g in rows.items()}
+    return model, x, w, ref
+
+
+def _row_losses(model, x, w):
+    out = model(x)
+    return (w.view((-1,) + (1,) * (out.dim() - 1)) * out ** 2).flatten(1).sum(1)
+
+
+@pytest.mark.parametrize("kind", list(every_rule.MODULES))
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_every_rule_grouped(kind, reduction, dtype):
+    """Per-sample gradients and norms of every rule (the table of
+    tests/test_every_rule_every_reader.py) with rows grouped: each sample's rows' looped
+    gradients summed, their norms."""
+    model, x, w, ref = _every_rule(kind, dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gradhooks.FallbackWarning)
+        with gradhooks.attach(model, loss_reduction=reduction) as gh:
+            loss = _row_losses(model, x, w).sum() / (3 if reduction == "mean" else 1)
+            gh.set_sample_ids(ROW_IDS)
+            loss.backward()
+            norms = gh.per_sample_grad_norms()
+            per_param = gh.per_sample_grad_norms(per_param=True)
+            ours = gh.per_sample_grads()
+    assert list(ours) == list(ref)
+    for n in ref:
+        assert_close(ours[n], ref[n], dtype, n)
+        assert_close(per_param[n], ref[n].flatten(1).norm(dim=1), dtype, n + " norm")
+    assert_close(norms, flat_norms(ref, 3).to(norms.dtype), dtype, "norms")
+
+
+@pytest.mark.parametrize("kind", list(every_rule.MODULES))
+@pytest.mark.parametrize("method", ["ghost", "materialize", "two_pass"])
+def test_every_rule_grouped_clipping(kind, method, dtype):
+    model, x, w, ref = _every_rule(kind, dtype)
+    norms = flat_norms(ref, 3)
+    bound = float(norms.median())
+    expected, ref_norms = clipped_reference(ref, bound, 3)
+    _, inverse = torch.unique(ROW_IDS, return_inverse=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gradhooks.FallbackWarning)
+        with gradhooks.attach(model, loss_reduction="mean") as gh:
+            rows = _row_losses(model, x, w)
+            gh.set_sample_ids(ROW_IDS)
+            if method == "two_pass":
+                got = gh.clipped_backward(rows.new_zeros(3).index_add(0, inverse, rows), bound)
+            else:
+                (rows.sum() / 3).backward()
+                got = gh.clip_and_accumulate(bound, method=method)
+    assert_close(got, ref_norms.to(got.dtype), dtype, "norms")
+    for n, p in model.named_parameters():
+        assert_close(p.grad, expected[n], dtype, n)
 
 
 # ------------------------------------------------------------------------------------ errors
