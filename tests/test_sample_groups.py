@@ -408,6 +408,11 @@ def test_ids_hold_for_one_batch_only():
         gh.set_sample_ids(case.ids)
         gh.set_sample_ids(None)
         assert gh.per_sample_grads()["0.weight"].shape[0] == 8
+        case.batch_losses().sum().backward()
+        gh.set_sample_ids(case.ids)
+        gh.clear()  # drops the batch and its ids
+        case.batch_losses().sum().backward()
+        assert gh.per_sample_grads()["0.weight"].shape[0] == 8
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
