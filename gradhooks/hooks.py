@@ -154,8 +154,8 @@ class GradHooks:
         self.recorder.detach()
 
     def clear(self) -> None:
-        """Drop everything recorded (activations, grad_outputs, results) and set every
-        ``param.grad_sample`` to ``None``. The next forward starts a new batch."""
+        """Drop the records, results and sample_ids, set ``grad_sample`` to ``None``: a new batch."""
+        self.recorder.reads.set_groups(None)
         self.recorder.clear()
 
     def __enter__(self) -> "GradHooks":

@@ -250,7 +250,6 @@ class Recorder:
         """Drop everything recorded (activations, grad_outputs, results) and set every
         ``param.grad_sample`` to ``None``. The next forward starts a new batch."""
         self.reset_batch()
-        self.reads.set_groups(None)  # (sample_ids of the dropped batch: dropped with it)
         for p in self.params.values():
             if "grad_sample" in p.__dict__:
                 p.grad_sample = None
