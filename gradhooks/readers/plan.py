@@ -35,6 +35,14 @@ run once for norms and clipped sum (:class:`Forms`); row scatters (:class:`~grad
 per ``(sample, row)`` pair, no ``(N, V, D)`` tensor; a :data:`TIED` weight (GPT-2's embedding and
 LM head) as ``||R_n + L_n||^2 = ||R_n||^2 + ||L_n||^2 + 2 <R_n, L_n>`` (:mod:`gradhooks.readers.scatters`).
 
+**Samples of several rows** (``batch.groups``, :mod:`gradhooks.base.sample_groups`): the norm
+is that of each sample's rows' summed gradient. Gram form: the rows of a sample joined as one
+sample whose positions are all its rows' (:meth:`~gradhooks.base.sample_groups.SampleGroups.join_positions`,
+zero rows padding the smaller samples; ``S`` then counts ``m S`` in :func:`use_gram`); row
+scatters: the entries keyed by ``(sample, row)``; materialised parameters (factored forms and
+tied weights too): the per-row tensors summed per sample first (one ``index_add``). The
+clipped sums need nothing of this: the readers weigh each row by its sample's factor.
+
 **Checks** (``batch.check_key`` set: due): the per-sample gradients must sum to autograd's:
 materialised parameters on 256 probe coordinates (:func:`gradhooks.core.checks.check_sums`),
 Gram-form parameters on a fixed random rank-one projection computed from the records
@@ -478,7 +486,7 @@ def _forms_sq_norm(batch: Batch, p: PlannedParam, forms: Forms, sq, probes, proj
     low = next((cap.low for cap, _ in p.entries if cap.low is not None), None)
     total = batch.totals.get(pid) if check else None
     blocks = forms.blocks(p)
-    if blocks is None or batch.groups is not None:
+    if blocks is None or (batch.groups is not None and blocks):
         # the calls' row blocks differ, or rows are summed per sample: materialise
         t = forms.materialised(p, batch.params[pid].shape)
         if batch.groups is not None:
@@ -513,7 +521,7 @@ def _forms_sq_norm(batch: Batch, p: PlannedParam, forms: Forms, sq, probes, proj
         acc = part if acc is None else acc + part
     if acc is None:  # no block: a path of the layer no backward reached (norm 0)
         param = batch.params[pid]
-        acc = torch.zeros(batch.size, dtype=compute_dtype(param), device=param.device)
+        acc = torch.zeros(batch.samples, dtype=compute_dtype(param), device=param.device)
     sq[pid] = acc
 
 
