@@ -257,20 +257,24 @@ def test_per_sample_grads_and_norms(name, ids, reduction, dtype):
     assert_close(norms, flat_norms(ref, g).to(norms.dtype), dtype, "norms")
 
 
-@pytest.mark.parametrize("name", ["mlp", "conv"])
+@pytest.mark.parametrize("name", ["mlp", "conv", "dpo"])
 @pytest.mark.parametrize("gram", [True, False], ids=["gram", "materialised"])
 def test_norms_both_forms_and_mean_within_sample(name, gram, monkeypatch):
     """Both forms of a linear layer's norm (the Gram form over the sample's rows' positions,
-    and the materialised one), and a sample's loss the mean over its rows."""
+    and the materialised one; for GPT-2's tied embedding and LM head, with the cross term of
+    the joined forms), and a sample's loss the mean over its rows."""
     monkeypatch.setattr(plan_module, "use_gram", lambda *a, **k: gram)
     case = make(name, "unequal", torch.float64, within="mean")
     ref = loop_reference(case)
-    with gradhooks.attach(case.model, loss_reduction="mean") as gh:
+    with gradhooks.attach(case.model, loss_reduction="mean", check="always") as gh:
         loss = batch_loss(case, "mean")
         loss.backward()
         gh.set_sample_ids(case.ids)  # (after the backward: any time before the first read)
         norms = gh.per_sample_grad_norms()
-    assert_close(norms, flat_norms(ref, 4), torch.float64, "norms")
+        plans, _ = plan_module.plan(gh.recorder.snapshot("per_sample_grad_norms()"))
+    assert_close(norms, flat_norms(ref, norms.shape[0]), torch.float64, "norms")
+    if name == "dpo":  # (the tied weight keeps its factored form)
+        assert {p.name: p.kind for p in plans.values()}["transformer.wte.weight"] == plan_module.TIED
 
 
 def test_norm_of_a_sample_is_not_the_sum_of_its_rows_norms():

@@ -115,6 +115,12 @@ class SampleGroups:
         factor ``c_k`` per sample, handed to a reader that weighs rows)."""
         return c.index_select(0, self.inverse)
 
+    def regroup(self, r):
+        """A row scatter (:class:`~gradhooks.base.forms.Rows`, entries keyed by row ``n``) with
+        its entries keyed by sample ``k`` instead: the scatter of the samples' summed
+        gradients (entries of one sample's rows at one table row add up)."""
+        return r._replace(sample=self.inverse.index_select(0, r.sample))
+
     def join_positions(self, t: Tensor, dim: int) -> Tensor:
         """The rows of ``t`` ``(B, ..., S, ...)`` (``S`` at ``dim >= 1``) as ``G`` samples whose
         positions are all their rows' positions: ``(G, ..., m S, ...)``, a group of fewer than

@@ -39,9 +39,10 @@ LM head) as ``||R_n + L_n||^2 = ||R_n||^2 + ||L_n||^2 + 2 <R_n, L_n>`` (:mod:`gr
 is that of each sample's rows' summed gradient. Gram form: the rows of a sample joined as one
 sample whose positions are all its rows' (:meth:`~gradhooks.base.sample_groups.SampleGroups.join_positions`,
 zero rows padding the smaller samples; ``S`` then counts ``m S`` in :func:`use_gram`); row
-scatters: the entries keyed by ``(sample, row)``; materialised parameters (factored forms and
-tied weights too): the per-row tensors summed per sample first (one ``index_add``). The
-clipped sums need nothing of this: the readers weigh each row by its sample's factor.
+scatters: the entries keyed by ``(sample, row)``; tied weights: both, and their cross term of
+the joined forms; materialised parameters (factored forms too): the per-row tensors summed per
+sample first (one ``index_add``). The clipped sums need nothing of this: the readers weigh each
+row by its sample's factor.
 
 **Checks** (``batch.check_key`` set: due): the per-sample gradients must sum to autograd's:
 materialised parameters on 256 probe coordinates (:func:`gradhooks.core.checks.check_sums`),
@@ -204,7 +205,7 @@ def _plan_template(batch: Batch):
             p.kind = FORMS
         elif all(rule.has_rows for rule in rules):
             p.kind = ROWS
-        elif groups is None and _tieable(p, sizes):
+        elif _tieable(p, sizes):
             p.kind = TIED
         elif len(locals_) == 1 and all(i in sizes for _, _, i in p.entries):
             p.kind = CLOSED
@@ -438,8 +439,8 @@ def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[int
             if groups is None:
                 sq[pid] = rows_sq_norms(r, batch.size, batch.params[pid].shape[0])
             else:  # entries of a sample's rows: pairs (sample, row of the table)
-                sq[pid] = rows_sq_norms(r._replace(sample=groups.inverse.index_select(0, r.sample)),
-                                        groups.count, batch.params[pid].shape[0])
+                sq[pid] = rows_sq_norms(groups.regroup(r), groups.count,
+                                        batch.params[pid].shape[0])
             if check:  # (the probes' rows as the other parameters': per sample)
                 name, t, *rest = rows_probed(batch, p, r)
                 probes.append((name, t if groups is None else groups.sum_rows(t), *rest))
@@ -534,17 +535,25 @@ def _tied_sq_norms(batch: Batch, p: PlannedParam, forms: Forms, probes: Optional
     r = forms.rows(p)
     shape = batch.params[p.pid].shape
     a, g, pp, qq = tied_linear(batch, p)
-    rows_sq = rows_sq_norms(r, batch.size, shape[0])
+    groups, n = batch.groups, batch.samples
+    if groups is None:
+        rn, an, gn, pn, qn = r, a, g, pp, qq
+    else:  # a sample's rows as one sample: entries re-keyed, positions joined
+        rn = groups.regroup(r)
+        an, gn = groups.join_positions(a, 2), groups.join_positions(g, 2)
+        pn, qn = groups.join_positions(pp, 1), groups.join_positions(qq, 1)
+    rows_sq = rows_sq_norms(rn, n, shape[0])
     dt = compute_dtype(a, r.values)
-    if use_gram(a.shape[2], a.shape[3], g.shape[3], batch=batch.size):
-        lin_sq = gram_sq_norms(a, g)
+    if use_gram(an.shape[2], an.shape[3], gn.shape[3], batch=n):
+        lin_sq = gram_sq_norms(an, gn)
     else:
-        lin_sq = sq_norms(torch.bmm(pp.transpose(1, 2), qq).view(batch.size, -1), 1)
-    sq = rows_sq.to(dt) + lin_sq.to(dt) + 2 * tied_cross(r, pp.to(dt), qq.to(dt))
+        lin_sq = sq_norms(torch.bmm(pn.transpose(1, 2), qn).view(n, -1), 1)
+    sq = rows_sq.to(dt) + lin_sq.to(dt) + 2 * tied_cross(rn, pn.to(dt), qn.to(dt))
     if probes is not None:
         name, rows_part, ref, low = rows_probed(batch, p, r)
         idx = batch.totals[p.pid].probe_index()
         prow, pcol = idx // shape[1], idx % shape[1]
         lin_part = (pp.index_select(2, prow) * qq.index_select(2, pcol)).sum(1)  # (N, K)
-        probes.append((name, rows_part.to(dt) + lin_part.to(dt), ref, low))
+        part = rows_part.to(dt) + lin_part.to(dt)
+        probes.append((name, part if groups is None else groups.sum_rows(part), ref, low))
     return sq
