@@ -155,8 +155,8 @@ class GradHooks:
 
     def clear(self) -> None:
         """Drop the records, results and sample_ids, set ``grad_sample`` to ``None``: a new batch."""
-        self.recorder.reads.set_groups(None)
         self.recorder.clear()
+        self.recorder.reads.set_groups(None)
 
     def __enter__(self) -> "GradHooks":
         return self

@@ -539,8 +539,14 @@ def test_ids_after_a_row_read_are_refused():
     with gradhooks.attach(case.model, loss_reduction="sum") as gh:
         case.batch_losses().sum().backward()
         gh.per_sample_grads()
-        with pytest.raises(SampleIdsError, match="already formed"):
+        with pytest.raises(SampleIdsError, match="already formed .* row by row"):
             gh.set_sample_ids(case.ids)
+        case.batch_losses().sum().backward()
+        gh.set_sample_ids(case.ids)
+        gh.per_sample_grads()
+        with pytest.raises(SampleIdsError, match=r"set_sample_ids\(None\): .* per sample"):
+            gh.set_sample_ids(None)  # (the kept result is per sample: later reads read it)
+        assert gh.per_sample_grad_norms().shape == (4,)
 
 
 def test_ids_set_before_their_forward_are_refused_at_the_read():

@@ -257,19 +257,24 @@ class BatchReads:
         Raises:
             SampleIdsError: as :meth:`gradhooks.base.sample_groups.SampleGroups.of` (no forward
                 yet, not a ``(B,)`` integer tensor on the batch's device); or
-                ``per_sample_grads()`` already read this batch row by row. Ids set for a batch
+                ``per_sample_grads()`` already read this batch (also for ``None``). Ids set for a batch
                 no read used (set before the forward they were meant for) are refused at the
                 next batch's first read (:meth:`groups`).
         """
         recorder = self._recorder
-        if sample_ids is None:
+        grouped = self._groups is not None and self._groups[0] == recorder.batch_id
+        if sample_ids is None and not grouped:  # (none for this batch: nothing to drop)
             self._groups = None
             return
         if recorder.result is not None or recorder._released:
             raise SampleIdsError(
-                "set_sample_ids(ids): per_sample_grads() already formed this batch's per-sample "
-                "gradients row by row; declare the ids after the forward and before the batch's "
-                "first read")
+                f"set_sample_ids({'None' if sample_ids is None else 'ids'}): per_sample_grads() "
+                f"already formed this batch's per-sample gradients "
+                f"{'per sample' if grouped else 'row by row'}; declare the ids after the forward "
+                f"and before the batch's first read")
+        if sample_ids is None:
+            self._groups = None
+            return
         device = next((p.device for p in recorder.params.values()), None)
         groups = SampleGroups.of(sample_ids, recorder.batch_size, device)
         self._groups = (recorder.batch_id, groups, False)
