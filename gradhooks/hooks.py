@@ -25,7 +25,8 @@ from .readers.ggn import empirical_fisher_diag, ggn_diag, ggn_sqrt, ggn_vector_p
 from .readers.gram import GradientFeatures, gradient_features, gram, jacobian_features
 from .readers.jacobians import per_sample_jacobians
 from .readers.kfac import DiagonalFactors, KFACFactors, kfac_factors
-from .readers.loss_reduction import check_batch_loss, check_per_sample_losses, loss_scale_of
+from .readers.loss_reduction import loss_scale_of
+from .readers.sample_losses import check_backward_loss
 from .readers.norms import per_sample_grad_norms
 from .readers.per_sample import per_sample_grads
 from .readers.projections import projected_grads
@@ -154,15 +155,19 @@ class GradHooks:
         self.recorder.detach()
 
     def clear(self) -> None:
-        """Drop everything recorded (activations, grad_outputs, results) and set every
-        ``param.grad_sample`` to ``None``. The next forward starts a new batch."""
+        """Drop the records, results and sample_ids, set ``grad_sample`` to ``None``: a new batch."""
         self.recorder.clear()
+        self.recorder.reads.set_groups(None)
 
     def __enter__(self) -> "GradHooks":
         return self
 
     def __exit__(self, *exc) -> None:
         self.detach()
+
+    def set_sample_ids(self, sample_ids: Optional[Tensor]) -> None:
+        """Rows sharing an id are one sample: :meth:`~gradhooks.core.batch_reads.BatchReads.set_groups`."""
+        self.recorder.reads.set_groups(sample_ids)
 
     def backward(self, loss: Tensor, gradient: Optional[Tensor] = None, *,
                  retain_graph: bool = False) -> None:
@@ -213,7 +218,7 @@ class GradHooks:
             raise GradHooksError(
                 "GradHooks.backward(loss): loss must be a tensor that requires grad (the output of "
                 "a forward of the hooked model, not under torch.no_grad())")
-        check_batch_loss(loss, self.recorder.batch_size, self.recorder.loss_reduction, gradient)
+        check_backward_loss(loss, self.recorder, gradient)
         self.recorder.reads.see_scale(loss_scale_of(loss))
         self.recorder.drive(loss, gradient, retain_graph)
 
@@ -283,16 +288,13 @@ class GradHooks:
                                    accumulate=accumulate, accumulation=self.accumulation)
 
     def clipped_backward(self, losses: Tensor, max_norm: float, *, noise_multiplier: float = 0.0,
-                         generator: Optional[torch.Generator] = None,
-                         accumulate: bool = False) -> Tensor:
+                         generator: Optional[torch.Generator] = None, accumulate: bool = False) -> Tensor:
         """DP-SGD by two-pass ghost clipping (Li et al. 2022, sec. 4): instead of
         ``loss.backward()``, from the ``(B,)`` per-sample losses, overwrite ``param.grad`` with
         the clipped sum plus noise, keeping memory close to plain training; returns the ``(B,)``
-        norms. ``accumulate=True``: add the clipped sum to :attr:`accumulation` instead, as
-        :meth:`clip_and_accumulate`. Arguments and errors:
-        :func:`gradhooks.readers.clipping.clipped_backward`."""
-        check_per_sample_losses(losses, self.recorder.batch_size)
-        self.recorder.reads.see_scale(loss_scale_of(losses))
+        norms (``(G,)`` losses and norms with :meth:`set_sample_ids`). ``accumulate=True``: add
+        the clipped sum to :attr:`accumulation` instead, as :meth:`clip_and_accumulate`.
+        Arguments and errors: :func:`gradhooks.readers.clipped_backward.clipped_backward`."""
         return clipped_backward(self.recorder, losses, max_norm,
                                 noise_multiplier=noise_multiplier, generator=generator,
                                 accumulate=accumulate, accumulation=self.accumulation)

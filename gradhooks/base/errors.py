@@ -21,6 +21,7 @@ __all__ = [
     "FallbackWarning",
     "NotDetachedWarning",
     "SampleMixingError",
+    "SampleIdsError",
     "LossScaleWarning",
     "FrozenModelWarning",
 ]
@@ -137,6 +138,13 @@ class SampleMixingError(GradHooksError):
     statistic outside the forward, ``.detach()`` it, or ``attach(..., allow_sample_mixing=True)``
     to accept the contributions).
     """
+
+
+class SampleIdsError(GradHooksError, ValueError):
+    """``sample_ids`` (:meth:`gradhooks.GradHooks.set_sample_ids`: rows sharing an id are one
+    sample) are malformed (not a ``(B,)`` integer tensor on the batch's device), were set for a
+    batch no read used, or were set for a read that cannot group rows (KFAC, Jacobians, GGN,
+    Gram / NTK, projections)."""
 
 
 class FallbackWarning(UserWarning):

@@ -19,11 +19,18 @@ import torch
 from torch import Tensor
 
 from ..base.errors import (GradHooksError, GradientMismatchError, HigherOrderGradError,
-                           LossScaleWarning, NoBackwardError, RecordsReleasedError)
+                           LossScaleWarning, NoBackwardError, RecordsReleasedError,
+                           SampleIdsError)
+from ..base.sample_groups import SampleGroups
 from .checks import module_precision
 from .records import Batch, Record
 
-__all__ = ["BatchReads", "is_loss_scale", "refusal"]
+__all__ = ["BatchReads", "is_loss_scale", "refusal", "GROUPED_READS"]
+
+#: The reads that take ``sample_ids`` (:meth:`BatchReads.groups`): their results are per
+#: sample, the rows of a sample summed; every other read refuses a batch with ``sample_ids``.
+GROUPED_READS = ("per_sample_grads()", "per_sample_grad_norms()", "clip_and_accumulate()",
+                 "clipped_backward()")
 
 
 def is_loss_scale(value: float) -> bool:
@@ -100,9 +107,14 @@ def refusal(read: str, *, attached: bool, changed: Optional[str], stale: Optiona
             f"model(view1) and model(view2), a siamese or triplet loss). If every forward saw "
             f"the same samples in the same order (two views or augmentations of one batch, sample "
             f"n's own loss depending on both), declare it: attach(model, forwards='same_samples'), "
-            f"and the per-sample results sum over the forwards. Otherwise (different samples in "
-            f"each forward, or negatives drawn from other samples) run one forward per backward: "
-            f"concatenate the inputs, model(torch.cat([x1, x2])), and split the output")
+            f"and the per-sample results sum over the forwards. If a sample is made of rows of "
+            f"several forwards (a DPO pair: its chosen and its rejected completion), run one "
+            f"forward of their concatenation, model(torch.cat([x_chosen, x_rejected])), and "
+            f"declare which rows make one sample: gh.set_sample_ids(torch.arange(P).repeat(2)) "
+            f"after the forward (rows sharing an id are one sample, clipped as one). Concatenating "
+            f"without sample_ids would make each row a sample of its own. Per-sample gradients "
+            f"of a loss that pairs a sample with other samples (negatives drawn from the batch) "
+            f"are not defined")
     if higher_order is not None:
         return HigherOrderGradError(
             f"a backward pass with create_graph=True reached module {higher_order}: the loss "
@@ -123,6 +135,8 @@ class BatchReads:
         self._recorder = recorder
         self._scale_warned = False  # LossScaleWarning: once per attachment
         self._seen_warned = False  # the same, for a scale read from the loss
+        # set_groups: (batch_id it was set for, SampleGroups, whether a read used them)
+        self._groups: Optional[tuple] = None
         #: The loss scale seen on this batch's loss (:meth:`see_scale`), or ``None``.
         self.seen: Optional[Tensor] = None
 
@@ -155,8 +169,9 @@ class BatchReads:
             GradientMismatchError: if a recorded input was modified in place since its forward.
         """
         recorder = self._recorder
+        groups = self.groups(read)
         if result and recorder._released and recorder.result is not None:
-            return Batch.of(recorder, (), None, False, self.grad_scale())
+            return Batch.of(recorder, (), None, False, self.grad_scale(), groups=groups)
         reached = recorder._records
         # (A model that is itself a hooked layer, a cell called per time step, is a layer
         # called several times: its calls see the same samples.)
@@ -197,10 +212,110 @@ class BatchReads:
                 key = structure
                 self._precision(reached)
         releasing = release and recorder.result is None  # (a kept result: nothing is formed)
-        batch = Batch.of(recorder, records, key, checking, scale, releasing)
+        batch = Batch.of(recorder, records, key, checking, scale, releasing, groups)
         if releasing:
             recorder._released = True
         return batch
+
+    def set_groups(self, sample_ids: Optional[Tensor]) -> None:
+        """Declare which rows of the current batch make one sample (``gh.set_sample_ids``):
+        rows sharing an id are one sample.
+
+        For a sample made of several rows of one forward: TRL's DPO runs one forward of
+        ``[chosen; rejected]`` (``P`` pairs, ``2P`` rows) and a pair is the sample (ids
+        ``torch.arange(P).repeat(2)``); augmented views of one image; the options of one
+        multiple-choice question; the nodes of one graph (the ``batch`` vector of a batch of
+        graphs whose rows are nodes). Call it after the batch's forward and before its reads
+        (before ``gh.backward`` / ``gh.clipped_backward`` too, whose loss checks then count
+        samples); it holds for this batch only (the next batch starts without ids).
+
+        **Conventions.** The ``G`` samples are the distinct ids in increasing order (sample
+        ``k`` is the ``k``-th smallest id, whatever the order of the rows). Sample ``k``'s loss
+        is the sum of its rows' terms; with ``loss_reduction="mean"`` the batch loss is the mean
+        over the ``G`` samples, ``(1/G) sum_k l_k`` (results are multiplied by ``G``). Its
+        per-sample gradient is the gradient of ``l_k``, the sum of its rows' gradients. Then
+        (:data:`GROUPED_READS`):
+
+        * ``per_sample_grads()``: ``{name: (G, *param.shape)}``;
+        * ``per_sample_grad_norms()``: ``(G,)``, norms of each sample's summed gradient (not
+          sums of its rows' norms: the Gram form takes the sample's rows as one sample whose
+          weight-sharing positions are all its rows' positions);
+        * ``clip_and_accumulate()``: clips each sample (``(G,)`` norms, ``D = G``; micro-batches
+          count ``G`` samples each for ``finish_step``);
+        * ``clipped_backward(losses)``: ``losses`` ``(G,)``, one per sample in id order;
+        * ``sum_grad_squared()``, ``variance()``: over the ``G`` samples.
+
+        Every other read (KFAC, EKFAC, Jacobians, GGN, Gram / NTK, gradient features,
+        projections, the empirical Fisher, ``check_samples``) raises
+        :class:`~gradhooks.base.errors.SampleIdsError` while ids are set (:meth:`groups`).
+
+        Args:
+            sample_ids: ``(B,)`` integer tensor (``torch.int64``; never float or bool) on the
+                batch's device, one id per row of dim 0 of the forward's inputs; ``None``
+                drops the ids.
+
+        Raises:
+            SampleIdsError: as :meth:`gradhooks.base.sample_groups.SampleGroups.of` (no forward
+                yet, not a ``(B,)`` integer tensor on the batch's device); or
+                ``per_sample_grads()`` already read this batch (also for ``None``). Ids set for a batch
+                no read used (set before the forward they were meant for) are refused at the
+                next batch's first read (:meth:`groups`).
+        """
+        recorder = self._recorder
+        grouped = self._groups is not None and self._groups[0] == recorder.batch_id
+        if sample_ids is None and not grouped:  # (none for this batch: nothing to drop)
+            self._groups = None
+            return
+        if recorder.result is not None or recorder._released:
+            raise SampleIdsError(
+                f"set_sample_ids({'None' if sample_ids is None else 'ids'}): per_sample_grads() "
+                f"already formed this batch's per-sample gradients "
+                f"{'per sample' if grouped else 'row by row'}; declare the ids after the forward "
+                f"and before the batch's first read")
+        if sample_ids is None:
+            self._groups = None
+            return
+        device = next((p.device for p in recorder.params.values()), None)
+        groups = SampleGroups.of(sample_ids, recorder.batch_size, device)
+        self._groups = (recorder.batch_id, groups, False)
+
+    def groups(self, read: str) -> Optional[SampleGroups]:
+        """The :class:`~gradhooks.base.sample_groups.SampleGroups` the read ``read`` of the current
+        batch takes (:meth:`set_groups`), or ``None`` (none declared for this batch).
+
+        Raises:
+            SampleIdsError: ids were declared for an earlier batch and no read of it used them
+                (declared before the forward they were meant for: the batch started with that
+                forward); or ``read`` is not one of :data:`GROUPED_READS` (it cannot group rows).
+        """
+        held = self._groups
+        if held is None:
+            return None
+        batch_id, groups, used = held
+        if batch_id != self._recorder.batch_id:
+            self._groups = None
+            if used:
+                return None  # (the ids of an earlier batch, read there: not this batch's)
+            raise SampleIdsError(
+                f"{read}: sample_ids were declared for an earlier batch (its forward had run "
+                f"when gh.set_sample_ids was called) and no read of that batch used them; the "
+                f"current batch has none. Declare the ids after the forward of the batch they "
+                f"describe: out = model(x); gh.set_sample_ids(ids); then the backward and reads")
+        if read not in GROUPED_READS:
+            raise SampleIdsError(
+                f"{read}: sample_ids are set for this batch (gh.set_sample_ids: rows sharing an id "
+                f"are one sample), and {read} cannot group rows into samples; it reads "
+                f"{', '.join(GROUPED_READS)} only. Drop the ids (gh.set_sample_ids(None)) to read "
+                f"it per row, or run it on a batch of one row per sample")
+        if not used:
+            self._groups = (batch_id, groups, True)
+        return groups
+
+    def samples(self, read: str = "per_sample_grads()") -> Optional[int]:
+        """The number of samples of the current batch as ``read`` counts them: ``G`` with
+        ``sample_ids`` (:meth:`groups`), else ``B`` (``None`` before the first forward)."""
+        groups = self.groups(read)
+        return self._recorder.batch_size if groups is None else groups.count
 
     def _precision(self, reached: List[Record]) -> None:
         # The sum check is due: the precision each reached module computes in, from its

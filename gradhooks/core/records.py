@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_unflatten
 from .. import rules as _rules  # noqa: F401  (registers the built-in rules)
 from ..base.errors import FallbackWarning, GradHooksError, GradientMismatchError, UnsupportedModuleError
 from ..base.registry import LayerRule, find_rule, supported_types
+from ..base.sample_groups import SampleGroups
 from ..base.utils import own_loss_scale, tensors
 from ..rules.fallback import FALLBACK, note_path
 from .checks import check_unrecorded
@@ -350,6 +351,9 @@ class Batch(NamedTuple):
         pool: the recorder's :class:`~gradhooks.base._pool.BufferPool` (buffers a read may reuse).
         asks: the recorder, for the three requests of :meth:`release`, :meth:`keep` and
             :meth:`check_passed` (readers call those, not it).
+        groups: the batch's :class:`~gradhooks.base.sample_groups.SampleGroups` when
+            ``sample_ids`` were declared (rows sharing an id are one sample: :attr:`scale` and
+            :attr:`divisor` then count the ``G`` samples), else ``None``.
     """
 
     records: Tuple[Record, ...]
@@ -377,14 +381,22 @@ class Batch(NamedTuple):
     memo: Memo
     pool: object
     asks: object  # the recorder's release_record / keep_result / sum_check_passed
+    groups: Optional[SampleGroups] = None
+
+    @property
+    def samples(self) -> int:
+        """The number of samples: ``G`` with :attr:`groups`, else ``B`` (:attr:`size`)."""
+        return self.size if self.groups is None else self.groups.count
 
     @classmethod
     def of(cls, recorder, records: Tuple[Record, ...], check_key: Optional[tuple],
-           checking: bool, grad_scale: float = 1.0, releasing: bool = False) -> "Batch":
+           checking: bool, grad_scale: float = 1.0, releasing: bool = False,
+           groups: Optional[SampleGroups] = None) -> "Batch":
         """The snapshot of ``recorder`` (the :class:`~gradhooks.core.capture.Recorder`: its
-        public attributes) with ``records``; the scales are computed here, once."""
+        public attributes) with ``records``; the scales are computed here, once (over the
+        ``G`` samples of ``groups`` when given)."""
         size = recorder.batch_size
-        own = own_loss_scale(recorder.loss_reduction, size)
+        own = own_loss_scale(recorder.loss_reduction, size if groups is None else groups.count)
         divisor = 1.0 if own is None else own
         scale = own if grad_scale == 1.0 else divisor / grad_scale
         return cls(records, size, scale, 1.0 if scale is None else scale, divisor, grad_scale,
@@ -392,7 +404,7 @@ class Batch(NamedTuple):
                    recorder.check, recorder.model, recorder.names, recorder.order,
                    recorder.params, recorder.layers, recorder.totals, checking, check_key,
                    recorder.batch_id, recorder.result, recorder.released, releasing,
-                   recorder.memo, recorder.pool, recorder)
+                   recorder.memo, recorder.pool, recorder, groups)
 
     @property
     def low(self) -> Optional[torch.dtype]:

@@ -24,6 +24,7 @@ from .accumulation import Accumulation
 from .clip_setup import (add_noise, check_accumulation, check_clip, clip_ranks, empty_norms,
                          overflowed, skip_if_not_finite)
 from .distributed import Ranks
+from .loss_reduction import check_per_sample_losses, loss_scale_of
 from .plan import Forms, add_up, plan, squared_norms
 
 __all__ = ["clipped_backward"]
@@ -144,7 +145,12 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *,
         recorder: the :class:`~gradhooks.core.capture.Recorder` of a :class:`~gradhooks.GradHooks`
             (called as ``gh.clipped_backward(...)``).
         losses: ``(B,)`` per-sample losses of the current batch (``reduction="none"``), sample
-            ``n``'s own loss, whose gradient is the per-sample gradient ``g_n``.
+            ``n``'s own loss, whose gradient is the per-sample gradient ``g_n``. With
+            ``sample_ids`` (``gh.set_sample_ids``): ``(G,)``, the loss of each sample (group of
+            rows), in the order of the sorted unique ids (a DPO loss per pair); the norms are
+            then ``(G,)``, ``D = G`` for ``"mean"``. Row losses ``r`` ``(B,)`` become these by
+            ``r.new_zeros(G).index_add(0, inverse, r)``, ``inverse`` from
+            ``torch.unique(ids, return_inverse=True)``.
         max_norm: ``C > 0``.
         noise_multiplier: ``sigma >= 0``; the noise ``sigma C z / D`` is added as in
             :func:`~gradhooks.readers.clipping.clip_and_accumulate` (``D = B`` for
@@ -178,6 +184,9 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *,
         ``(B,)``: the per-sample gradient norms ``||g_n||`` before clipping.
 
     Raises:
+        UnsupportedLossError: ``losses`` are one batch loss broadcast to ``B`` entries
+            (:func:`gradhooks.readers.loss_reduction.check_per_sample_losses`).
+        SampleIdsError: ids set for an earlier batch no read used (:meth:`~gradhooks.core.batch_reads.BatchReads.groups`).
         ValueError: bad ``max_norm`` or ``noise_multiplier``, or ``losses`` not a ``(B,)`` tensor
             that requires grad, ``B`` the batch size the hooks recorded; with ``accumulate=True``
             as :func:`~gradhooks.readers.clipping.clip_and_accumulate`.
@@ -187,8 +196,11 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *,
             with the sum check on.
         NoBackwardError, GradientMismatchError: as :func:`gradhooks.readers.norms.per_sample_grad_norms`.
     """
+    rows = recorder.batch_size
+    batch = recorder.reads.samples("clipped_backward()")  # G with sample_ids, else B
+    check_per_sample_losses(losses, batch)
+    recorder.reads.see_scale(loss_scale_of(losses))
     trainable = check_clip(recorder, max_norm, noise_multiplier)
-    batch = recorder.batch_size
     ranks = clip_ranks(recorder)
     key = ((max_norm,), None)
     check_accumulation(accumulation, accumulate, "clipped_backward()", trainable,
@@ -196,9 +208,11 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *,
     if not (isinstance(losses, Tensor) and losses.dim() == 1 and losses.requires_grad
             and losses.shape[0] == batch):
         shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+        what = "B" if recorder.reads.groups("clipped_backward()") is None else "G"
         raise ValueError(
-            f"clipped_backward needs the (B,) per-sample losses of the current batch (B = "
-            f"{batch}, e.g. F.cross_entropy(out, y, reduction='none')) that require grad; got "
+            f"clipped_backward needs the ({what},) per-sample losses of the current batch ({what} = "
+            f"{batch}{'' if what == 'B' else ' samples: rows sharing a sample_id'}, e.g. "
+            f"F.cross_entropy(out, y, reduction='none')) that require grad; got "
             f"{shape}" + ("" if not isinstance(losses, Tensor) or losses.requires_grad
                           else " not requiring grad"))
     # (accumulating: the second pass gives the clipped sum itself, D comes at finish_step)
@@ -207,7 +221,7 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *,
     total = losses.sum() if scaler is None else scaler.scale(losses.sum())
     scale = recorder.grad_scale()  # S: both passes backpropagate S times the losses
     seen = recorder.reads.seen  # (scaler.scale(losses) given: kept past the records, finish_step)
-    if batch == 0 and ranks is None:  # an empty (Poisson) batch: the sum is 0, the noise is not
+    if rows == 0 and ranks is None:  # an empty (Poisson) batch: the sum is 0, the noise is not
         recorder.reset_batch()
         for _, p in trainable:
             p.grad = None

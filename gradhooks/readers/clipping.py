@@ -140,6 +140,12 @@ def clip_and_accumulate(batch: Batch, max_norm: Union[float, Sequence[float]], *
             :class:`~gradhooks.GradHooks` (passed by ``gh.clip_and_accumulate``): needed for
             ``accumulate=True``; also watches for a ``.grad`` this call would drop.
 
+    **Samples of several rows** (``gh.set_sample_ids(ids)``): the samples are the ``G``
+    groups of rows sharing an id, in the order of the sorted unique ids; ``dtheta_k`` is the
+    sum of its rows' gradients (the gradient of the group's loss), clipped as one, ``D = G``
+    for ``"mean"``; the norms are ``(G,)`` (or ``(G, K)``). Book-keeping weighs each row by its
+    group's factor (the clipped sum is linear in the rows).
+
     Returns:
         ``(B,)``: the per-sample gradient norms before clipping (the clip factors are
         ``(max_norm / norms).clamp(max=1)``).
@@ -167,7 +173,7 @@ def clip_and_accumulate(batch: Batch, max_norm: Union[float, Sequence[float]], *
         for _, p in clip.trainable:
             if id(p) not in sums.assigned:
                 p.grad = None  # (a parameter the backward did not reach: 0)
-        accumulation.add(clip.trainable, 1.0 / found.scale, batch.size or 0,
+        accumulation.add(clip.trainable, 1.0 / found.scale, batch.samples or 0,
                          bound=clip.max_norm, key=clip.key, batch=batch.batch_id,
                          overflow=overflowed(batch.grad_scale, found.norms))
         return found.norms
@@ -241,6 +247,10 @@ def _norms(batch: Batch, clip: _Clip) -> _Norms:
         forms = Forms(batch, plans, keep=keep_budget(batch))
         sq = squared_norms(batch, plans, units, forms)
         norms, factors = _factors(sq, clip.group_of, clip.bounds, batch.factor)
+        if batch.groups is not None:  # sample_ids: each row weighs as its sample (linear)
+            to_rows = batch.groups.to_rows
+            factors = (to_rows(factors) if isinstance(factors, Tensor)
+                       else {pid: to_rows(c) for pid, c in factors.items()})
         # The records are S / D times the per-sample gradients: weighting them gives the
         # clipped sum times S / D.
         return _Norms(norms, factors, batch.grad_scale / batch.divisor, (plans, forms))
@@ -312,8 +322,8 @@ def _noise(batch: Batch, clip: _Clip, sums: _Target, scale: float, noise_multipl
         add_noise(clip.trainable, sums.assigned, noise_multiplier * clip.max_norm * scale,
                   generator)
         return
-    local = own_loss_scale(batch.loss_reduction, batch.size or 0) or 1.0
-    total = ranks.global_divisor(batch.loss_reduction, batch.size or 0)
+    local = own_loss_scale(batch.loss_reduction, batch.samples or 0) or 1.0
+    total = ranks.global_divisor(batch.loss_reduction, batch.samples or 0)
     std = noise_multiplier * clip.max_norm * scale * local / total
     for _, p in clip.trainable:
         t = sums.summand(p).mul_(local / total)

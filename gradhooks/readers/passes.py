@@ -54,7 +54,9 @@ class PassCall(NamedTuple):
 def check_output(recorder: Recorder, output: Tensor, read: str) -> None:
     """Refuse an ``output`` the per-pass readers cannot differentiate: not a tensor of the
     current batch's forward that requires grad, not batched on dim 0, or a forward that a
-    backward pass already reached (its records hold that pass's grad_outputs)."""
+    backward pass already reached (its records hold that pass's grad_outputs); a batch with
+    ``sample_ids`` (:class:`~gradhooks.base.errors.SampleIdsError`: these reads are per row)."""
+    recorder.reads.groups(read)  # (refuses sample_ids: not one of the reads that group rows)
     if not isinstance(output, Tensor) or not output.requires_grad:
         raise GradHooksError(f"{read}: output must be a tensor that requires grad, the output of "
                              f"a forward of the hooked model (not under torch.no_grad())")

@@ -34,6 +34,11 @@ def per_sample_grads(batch: Batch) -> Dict[str, Tensor]:
         batch: ``recorder.snapshot(read, release=..., result=True)``: a result kept by an
             earlier read (:attr:`~gradhooks.core.records.Batch.result`) is returned as it is.
 
+    With ``sample_ids`` (:attr:`~gradhooks.core.records.Batch.groups`) each parameter's rows are
+    summed per sample (:meth:`~gradhooks.base.sample_groups.SampleGroups.sum_rows`): ``(G,
+    *param.shape)``, samples in the order of the sorted unique ids, scaled by ``G`` for
+    ``loss_reduction="mean"``.
+
     The result is kept by the recorder (:meth:`~gradhooks.core.records.Batch.keep`) until the next
     backward pass or batch, and set as ``param.grad_sample``. When the batch is
     :attr:`~gradhooks.core.records.Batch.releasing`, each record is released as soon as its rule has
@@ -72,6 +77,8 @@ def per_sample_grads(batch: Batch) -> Dict[str, Tensor]:
                 else:
                     raw[pid] = t
     batch.check_unrecorded(raw)
+    if batch.groups is not None:  # rows sharing a sample id: one sample, its rows summed
+        raw = {pid: batch.groups.sum_rows(t) for pid, t in raw.items()}
     if batch.check_key is not None and batch.size:
         check_sums([(batch.names[pid], t, batch.totals.get(pid), low.get(pid, t.dtype))
                     for pid, t in raw.items()], batch.scale)

@@ -35,6 +35,15 @@ run once for norms and clipped sum (:class:`Forms`); row scatters (:class:`~grad
 per ``(sample, row)`` pair, no ``(N, V, D)`` tensor; a :data:`TIED` weight (GPT-2's embedding and
 LM head) as ``||R_n + L_n||^2 = ||R_n||^2 + ||L_n||^2 + 2 <R_n, L_n>`` (:mod:`gradhooks.readers.scatters`).
 
+**Samples of several rows** (``batch.groups``, :mod:`gradhooks.base.sample_groups`): the norm
+is that of each sample's rows' summed gradient. Gram form: the rows of a sample joined as one
+sample whose positions are all its rows' (:meth:`~gradhooks.base.sample_groups.SampleGroups.join_positions`,
+zero rows padding the smaller samples; ``S`` then counts ``m S`` in :func:`use_gram`); row
+scatters: the entries keyed by ``(sample, row)``; tied weights: both, and their cross term of
+the joined forms; materialised parameters (factored forms too): the per-row tensors summed per
+sample first (one ``index_add``). The clipped sums need nothing of this: the readers weigh each
+row by its sample's factor.
+
 **Checks** (``batch.check_key`` set: due): the per-sample gradients must sum to autograd's:
 materialised parameters on 256 probe coordinates (:func:`gradhooks.core.checks.check_sums`),
 Gram-form parameters on a fixed random rank-one projection computed from the records
@@ -178,7 +187,8 @@ def plan(batch: Batch) -> Tuple[Dict[int, PlannedParam], Tuple[int, ...]]:
         GradientMismatchError: (``check`` on) a parameter autograd reached has no record.
     """
     caps = batch.records
-    key = ("norm plan", batch.size, tuple((id(cap.layer), cap.names, (
+    key = ("norm plan", batch.size, None if batch.groups is None else batch.groups.key,
+           tuple((id(cap.layer), cap.names, (
         isinstance(cap.grads[0], Segments)) if cap.spec is not None
         else tuple(cap.grads[0].shape)) for cap in caps))
     template = batch.memo.get(key, lambda: _plan_template(batch))
@@ -204,6 +214,8 @@ def _plan_template(batch: Batch):
             found[pid].entries.append((cap, local, i))
     sizes = {i: canonical_sizes(cap.layer, cap.grads[0], batch.batch_first) for i, cap in enumerate(caps)
              if cap.spec is None and cap.layer.rule.has_linear_form}
+    groups = batch.groups  # (sample_ids: a sample's positions are all its rows' positions)
+    most, samples = (1, batch.size) if groups is None else (groups.most, groups.count)
     for p in found.values():
         locals_ = {local for _, local, _ in p.entries}
         rules = [cap.layer.rule for cap, _, _ in p.entries]
@@ -220,9 +232,10 @@ def _plan_template(batch: Batch):
                 shapes = {(grp, i, o) for grp, _, i, o in calls}
                 if len(shapes) == 1:
                     grp, i, o = shapes.pop()
-                    if use_gram(sum(s for _, s, _, _ in calls), i, o, batch=batch.size * grp):
+                    if use_gram(most * sum(s for _, s, _, _ in calls), i, o,
+                                batch=samples * grp):
                         p.kind = GRAM
-    units = tuple(0 if not (i in sizes and sizes[i][0] == 1 and sizes[i][1] == 1)
+    units = tuple(0 if groups is not None or not (i in sizes and sizes[i][0] == 1 and sizes[i][1] == 1)
                   else 2 if identity_form(caps[i].layer, caps[i].a, caps[i].grads[0], batch.batch_first)
                   else 1
                   for i in range(len(caps)))
@@ -383,6 +396,7 @@ def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[int
     sq: Dict[int, Tensor] = {}
     probes, projections = [], []
     check = batch.check_key is not None
+    groups = batch.groups  # sample_ids: norms per sample, of its rows' summed gradient
     partial: Dict[int, Tensor] = {}  # materialised params with several calls, summed so far
     left = {pid: len(p.entries) for pid, p in plans.items()
             if p.kind not in (GRAM, FORMS, ROWS, TIED)}
@@ -394,10 +408,12 @@ def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[int
         if left[pid]:
             partial[pid] = t
             return
+        forms.offer(pid, t)  # (per row: the clipped sum weighs rows by their sample's factor)
+        if groups is not None:
+            t = groups.sum_rows(t)
         sq[pid] = sq_norms(t.reshape(t.shape[0], -1), 1)
         if check:
             probes.append(probed(plans[pid].name, t, batch.totals.get(pid), low or t.dtype))
-        forms.offer(pid, t)
 
     def project(pid: int, a: Tensor, g: Tensor, caps) -> None:
         low = next((cap.low for cap in caps if cap.low is not None), a.dtype)
@@ -436,7 +452,7 @@ def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[int
         for local in cap.names:
             pid = id(layer.params[local])
             kind = plans[pid].kind
-            if factored(cap, plans[pid]):  # (a grouped product's weight: per segment)
+            if groups is None and factored(cap, plans[pid]):  # (a grouped product's weight)
                 seg = cap.grads[0]
                 sq[pid] = seg.sq_norms()
                 if check:
@@ -456,9 +472,14 @@ def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[int
             _forms_sq_norm(batch, p, forms, sq, probes, projections, check)
         elif p.kind == ROWS:
             r = forms.rows(p)
-            sq[pid] = rows_sq_norms(r, batch.size, batch.params[pid].shape[0])
-            if check:
-                probes.append(rows_probed(batch, p, r))
+            if groups is None:
+                sq[pid] = rows_sq_norms(r, batch.size, batch.params[pid].shape[0])
+            else:  # entries of a sample's rows: pairs (sample, row of the table)
+                sq[pid] = rows_sq_norms(groups.regroup(r), groups.count,
+                                        batch.params[pid].shape[0])
+            if check:  # (the probes' rows as the other parameters': per sample)
+                name, t, *rest = rows_probed(batch, p, r)
+                probes.append((name, t if groups is None else groups.sum_rows(t), *rest))
         elif p.kind == TIED:
             sq[pid] = _tied_sq_norms(batch, p, forms, probes if check else None)
         if p.kind != GRAM or pid in done:
@@ -470,6 +491,8 @@ def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[int
             dt = compute_dtype(*(t for call in calls for t in call))
             a = torch.cat([c[0].to(dt) for c in calls], 2)
             g = torch.cat([c[1].to(dt) for c in calls], 2)
+        if groups is not None:  # a sample's positions: all its rows' (zero rows padding)
+            a, g = groups.join_positions(a, 2), groups.join_positions(g, 2)
         sq[pid] = gram_sq_norms(a, g)
         if check:
             project(pid, a, g, [cap for cap, _ in p.entries])
@@ -500,8 +523,11 @@ def _forms_sq_norm(batch: Batch, p: PlannedParam, forms: Forms, sq, probes, proj
     low = next((cap.low for cap, _ in p.entries if cap.low is not None), None)
     total = batch.totals.get(pid) if check else None
     blocks = forms.blocks(p)
-    if blocks is None:  # the calls' row blocks differ: materialise, as any other rule
+    if blocks is None or (batch.groups is not None and blocks):
+        # the calls' row blocks differ, or rows are summed per sample: materialise
         t = forms.materialised(p, batch.params[pid].shape)
+        if batch.groups is not None:
+            t = batch.groups.sum_rows(t)
         sq[pid] = sq_norms(t.reshape(t.shape[0], -1), 1)
         if check:
             probes.append(probed(name, t, total, low or t.dtype))
@@ -532,7 +558,7 @@ def _forms_sq_norm(batch: Batch, p: PlannedParam, forms: Forms, sq, probes, proj
         acc = part if acc is None else acc + part
     if acc is None:  # no block: a path of the layer no backward reached (norm 0)
         param = batch.params[pid]
-        acc = torch.zeros(batch.size, dtype=compute_dtype(param), device=param.device)
+        acc = torch.zeros(batch.samples, dtype=compute_dtype(param), device=param.device)
     sq[pid] = acc
 
 
@@ -545,17 +571,25 @@ def _tied_sq_norms(batch: Batch, p: PlannedParam, forms: Forms, probes: Optional
     r = forms.rows(p)
     shape = batch.params[p.pid].shape
     a, g, pp, qq = tied_linear(batch, p)
-    rows_sq = rows_sq_norms(r, batch.size, shape[0])
+    groups, n = batch.groups, batch.samples
+    if groups is None:
+        rn, an, gn, pn, qn = r, a, g, pp, qq
+    else:  # a sample's rows as one sample: entries re-keyed, positions joined
+        rn = groups.regroup(r)
+        an, gn = groups.join_positions(a, 2), groups.join_positions(g, 2)
+        pn, qn = groups.join_positions(pp, 1), groups.join_positions(qq, 1)
+    rows_sq = rows_sq_norms(rn, n, shape[0])
     dt = compute_dtype(a, r.values)
-    if use_gram(a.shape[2], a.shape[3], g.shape[3], batch=batch.size):
-        lin_sq = gram_sq_norms(a, g)
+    if use_gram(an.shape[2], an.shape[3], gn.shape[3], batch=n):
+        lin_sq = gram_sq_norms(an, gn)
     else:
-        lin_sq = sq_norms(torch.bmm(pp.transpose(1, 2), qq).view(batch.size, -1), 1)
-    sq = rows_sq.to(dt) + lin_sq.to(dt) + 2 * tied_cross(r, pp.to(dt), qq.to(dt))
+        lin_sq = sq_norms(torch.bmm(pn.transpose(1, 2), qn).view(n, -1), 1)
+    sq = rows_sq.to(dt) + lin_sq.to(dt) + 2 * tied_cross(rn, pn.to(dt), qn.to(dt))
     if probes is not None:
         name, rows_part, ref, low = rows_probed(batch, p, r)
         idx = batch.totals[p.pid].probe_index()
         prow, pcol = idx // shape[1], idx % shape[1]
         lin_part = (pp.index_select(2, prow) * qq.index_select(2, pcol)).sum(1)  # (N, K)
-        probes.append((name, rows_part.to(dt) + lin_part.to(dt), ref, low))
+        part = rows_part.to(dt) + lin_part.to(dt)
+        probes.append((name, part if groups is None else groups.sum_rows(part), ref, low))
     return sq

@@ -58,8 +58,10 @@ def check_samples(recorder: Recorder, loss_fn: Callable[..., Tensor], inputs: Ba
         GradientMismatchError: naming the first sample and parameter whose row differs from the
             recomputed gradient by more than :data:`SPOT_CHECK_RTOL` (relative to the largest
             entry): the loss or the model mixes samples, so per-sample gradients are not defined.
+        SampleIdsError: ``sample_ids`` are set for the batch (rows are not its samples).
         The errors of :meth:`~gradhooks.GradHooks.per_sample_grads`.
     """
+    recorder.reads.groups("check_samples()")  # (refuses sample_ids: it recomputes rows)
     result = per_sample_grads(recorder.snapshot("per_sample_grads()", release=True, result=True))
     batch = recorder.batch_size or 0
     if batch == 0 or samples < 1:

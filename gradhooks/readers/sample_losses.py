@@ -1,0 +1,52 @@
+"""The loss check of ``gh.backward(loss)`` when rows of the batch are grouped into samples
+(``gh.set_sample_ids``): the batch loss must be reduced over the ``G`` samples, not the ``B`` rows.
+
+With ``sample_ids`` a sample's loss is the sum of its rows' terms, and ``loss_reduction="mean"``
+reads the batch loss as ``(1/G) sum_k l_k``: a ``.mean()`` over the ``B`` rows (the default of
+``F.cross_entropy``) would make every result ``G / B`` times the truth. :func:`check_backward_loss`
+judges the loss as :func:`gradhooks.readers.loss_reduction.check_batch_loss` does, over the
+``G`` samples, and with ids also refuses an unscaled mean over the ``B`` rows.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import Tensor
+
+from ..base.errors import UnsupportedLossError
+from .loss_reduction import _MEAN, _read, check_batch_loss
+
+__all__ = ["check_backward_loss"]
+
+
+def check_backward_loss(loss: Tensor, recorder, gradient: Optional[Tensor]) -> None:
+    """Refuse a loss handed to ``gh.backward`` that is not the declared reduction over the
+    batch's samples (:func:`~gradhooks.readers.loss_reduction.check_batch_loss` with ``G``, the
+    number of samples, with ``sample_ids``), or, with ``sample_ids`` grouping ``B`` rows into
+    ``G < B`` samples, a mean over the ``B`` rows not scaled further.
+
+    Args:
+        loss: the tensor handed to :meth:`gradhooks.GradHooks.backward`.
+        recorder: its :class:`~gradhooks.core.capture.Recorder` (batch size, ``sample_ids``).
+        gradient: the ``gradient`` argument (given: no check).
+
+    Raises:
+        UnsupportedLossError: as :func:`~gradhooks.readers.loss_reduction.check_batch_loss`, or
+            the mean over rows above.
+        SampleIdsError: ids declared for an earlier batch that no read used.
+    """
+    rows = recorder.batch_size
+    samples = recorder.reads.samples()
+    check_batch_loss(loss, samples, recorder.loss_reduction, gradient)
+    if (gradient is not None or not rows or samples == rows or not isinstance(loss, Tensor)
+            or loss.dim() != 0):
+        return
+    found = _read(loss, rows, broadcast=False)
+    if found is not None and found[2] == _MEAN and found[1] == 1.0:
+        raise UnsupportedLossError(
+            f"gh.backward(loss): sample_ids group the B = {rows} rows into G = {samples} "
+            f"samples, but the loss is a mean over the rows ({type(found[0]).__name__}): a "
+            f"sample's loss is the sum of its rows' terms, and the batch loss must be their "
+            f"mean over the samples (loss_reduction='mean': row_losses.sum() / {samples}) or "
+            f"their sum ('sum'); as it is, every result would be G/B = {samples}/{rows} times "
+            f"the gradient of the sample's own loss. Use reduction='none' and sum / G")
