@@ -110,8 +110,7 @@ class GradHooks:
         # Dropped while attached: detached, with a warning. (It holds the recorder, not this
         # facade; atexit off: a process that ends with an attachment removes everything.)
         weakref.finalize(self, _dropped, self.recorder).atexit = False
-        #: The DP-SGD accumulator over micro-batches and its ``.grad`` watch
-        #: (:class:`~gradhooks.readers.accumulation.Accumulation`).
+        #: The DP-SGD accumulator (:class:`~gradhooks.readers.accumulation.Accumulation`).
         self.accumulation = Accumulation(self.recorder)
 
     @property
