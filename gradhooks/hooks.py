@@ -25,7 +25,9 @@ from .readers.ggn import empirical_fisher_diag, ggn_diag, ggn_sqrt, ggn_vector_p
 from .readers.gram import GradientFeatures, gradient_features, gram, jacobian_features
 from .readers.jacobians import per_sample_jacobians
 from .readers.kfac import DiagonalFactors, KFACFactors, kfac_factors
-from .readers.loss_reduction import check_batch_loss, check_per_sample_losses, loss_scale_of
+from .core.token_means import check_token_normalisation
+from .readers.loss_reduction import (check_batch_loss, check_per_sample_losses, loss_scale_of,
+                                     unscaled)
 from .readers.norms import per_sample_grad_norms
 from .readers.per_sample import per_sample_grads
 from .readers.projections import projected_grads
@@ -98,13 +100,15 @@ class GradHooks:
     def __init__(self, model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
                  check=True, strict: bool = False, allow_batchnorm_train: bool = False,
                  forwards: str = "one", grad_scaler=None, differentiable: bool = False,
-                 allow_sample_mixing: bool = False):
+                 allow_sample_mixing: bool = False, token_normalisation: str = "sample"):
         #: The :class:`~gradhooks.core.capture.Recorder`: hooks and records (read-only for users).
         self.recorder = Recorder(model, loss_reduction=loss_reduction, batch_first=batch_first,
                                  check=check, strict=strict,
                                  allow_batchnorm_train=allow_batchnorm_train, forwards=forwards,
                                  grad_scaler=grad_scaler, differentiable=differentiable,
                                  allow_sample_mixing=allow_sample_mixing)
+        # (read by core.token_means: whether a loss normalised over the batch's tokens is wanted)
+        self.recorder.token_normalisation = check_token_normalisation(token_normalisation)
         # Dropped while attached: detached, with a warning. (It holds the recorder, not this
         # facade; atexit off: a process that ends with an attachment removes everything.)
         weakref.finalize(self, _dropped, self.recorder).atexit = False
@@ -212,9 +216,12 @@ class GradHooks:
             raise GradHooksError(
                 "GradHooks.backward(loss): loss must be a tensor that requires grad (the output of "
                 "a forward of the hooked model, not under torch.no_grad())")
-        check_batch_loss(loss, self.recorder.batch_size, self.recorder.loss_reduction, gradient)
+        tokens = self.recorder.placement.mixing.tokens
+        split = check_batch_loss(loss, self.recorder.batch_size, self.recorder.loss_reduction,
+                                 gradient, tokens)
         self.recorder.reads.see_scale(loss_scale_of(loss))
-        self.recorder.drive(loss, gradient, retain_graph)
+        with self.recorder.backward_pass.expecting(split):
+            self.recorder.drive(loss, gradient, retain_graph)
 
     def per_sample_grads(self, *, retain_records: bool = False) -> Dict[str, Tensor]:
         """Per-sample gradients of every trainable parameter the backward reached.
@@ -276,6 +283,8 @@ class GradHooks:
         batch = self.recorder.snapshot(
             "per_sample_grads()" if materialize else "clip_and_accumulate()", result=True,
             release=materialize)
+        batch = unscaled(batch, self.recorder.placement.mixing.tokens.dp_factor(
+            "clip_and_accumulate()", materialize))
         return clip_and_accumulate(batch, max_norm, method=method,
                                    noise_multiplier=noise_multiplier, generator=generator,
                                    groups=None if groups is None else [list(g) for g in groups],
@@ -446,7 +455,7 @@ def _dropped(recorder: Recorder) -> None:
 def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
            check=True, strict: bool = False, allow_batchnorm_train: bool = False,
            forwards: str = "one", grad_scaler=None, differentiable: bool = False,
-           allow_sample_mixing: bool = False) -> GradHooks:
+           allow_sample_mixing: bool = False, token_normalisation: str = "sample") -> GradHooks:
     """Attach per-sample-gradient hooks to every supported layer of an existing model.
 
     Registers a forward hook on each module that has a rule (``nn.Linear``, ``nn.Conv1d/2d/3d``;
@@ -484,6 +493,15 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
             its contribution to the batch gradient (they still sum to ``param.grad``, with the
             ``loss_reduction`` scale), not the gradient of its own loss; layers after the last
             mixing op still get exact own-loss gradients.
+        token_normalisation: ``"sample"`` (default): a loss whose split into per-sample terms
+            its graph does not prove (anything but ``.mean()`` / ``.sum()`` of ``(B,)``
+            per-sample losses: a token mean, class weights, label smoothing, a z-loss, a sum
+            over ``num_items_in_batch``) is refused where the samples' valid-token counts
+            differ (:class:`UnsupportedLossError`; use
+            :func:`gradhooks.per_sample_token_loss`). ``"batch"``: the batch's token
+            normalisation is wanted; sample ``n``'s result is then its contribution to the
+            batch gradient (with the ``loss_reduction`` scale), which under DP-SGD depends on
+            the batch's token count.
 
         forwards: ``"one"`` (default): one forward of the model per backward; the records of
             several top-level forwards reached by one backward are refused at the read (their
@@ -526,4 +544,5 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
     return GradHooks(model, loss_reduction=loss_reduction, batch_first=batch_first, check=check,
                      strict=strict, allow_batchnorm_train=allow_batchnorm_train,
                      forwards=forwards, grad_scaler=grad_scaler, differentiable=differentiable,
-                     allow_sample_mixing=allow_sample_mixing)
+                     allow_sample_mixing=allow_sample_mixing,
+                     token_normalisation=token_normalisation)

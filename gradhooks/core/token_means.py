@@ -44,7 +44,24 @@ from torch.overrides import TorchFunctionMode
 
 from ..base.errors import UnsupportedLossError
 
-__all__ = ["TOKEN_OPS", "ForwardLosses", "Watch", "TokenMeans"]
+__all__ = ["TOKEN_OPS", "TOKEN_NORMALISATIONS", "ForwardLosses", "Watch", "TokenMeans",
+           "check_token_normalisation"]
+
+#: The values of ``attach(..., token_normalisation=)``: ``"sample"`` (default: a loss whose
+#: split into per-sample terms is not proven is refused where the samples' token counts differ)
+#: or ``"batch"`` (the batch's token normalisation is wanted: results are contributions).
+TOKEN_NORMALISATIONS = ("sample", "batch")
+
+
+def check_token_normalisation(value: str) -> str:
+    """``value`` if it is one of :data:`TOKEN_NORMALISATIONS`.
+
+    Raises:
+        ValueError: another value."""
+    if value not in TOKEN_NORMALISATIONS:
+        raise ValueError(f"token_normalisation must be one of {TOKEN_NORMALISATIONS}, got "
+                         f"{value!r}")
+    return value
 
 _LOSSES = {F.cross_entropy: "cross_entropy", F.nll_loss: "nll_loss"}
 _DIVS = {torch.div, torch.true_divide, Tensor.div, Tensor.true_divide, Tensor.__truediv__}
@@ -117,6 +134,24 @@ class _Contradiction(NamedTuple):
     """A batch loss whose reduction over the batch is not the declared one (its message,
     ``{read}`` to fill in)."""
     message: str
+
+
+class _Unsplit(NamedTuple):
+    """A backward pass's loss whose split into per-sample terms its graph does not prove
+    (:func:`gradhooks.core.backward_losses.split_of`): ``counts`` ``(B,)`` the valid-token rows
+    per sample (or the class-weight sums of a weighted mean; ``None``: not known), ``source``
+    where they come from."""
+    what: str
+    counts: Optional[Tensor]
+    weighted: bool
+    source: str
+
+
+class _Factor(NamedTuple):
+    """A constant factor on a backward pass's loss relative to the declared reduction
+    (``None``: not readable), and the loss in words."""
+    factor: Optional[float]
+    what: str
 
 
 class Watch(TorchFunctionMode):
@@ -199,6 +234,55 @@ class TokenMeans:
         sample; refused at the read like one of the forward's."""
         self.batch.append([what, counts, "mean", None, True])
 
+    def unsplit(self, what: str, counts: Optional[Tensor], weighted: bool, source: str) -> None:
+        """A backward pass's loss is not proven to split into per-sample terms
+        (:class:`_Unsplit`): refused at the read where ``counts`` differ, or it is a class-
+        weighted mean whose per-sample weight sums are not known to be equal."""
+        self.batch.append(_Unsplit(what, counts, weighted, source))
+
+    def scaled(self, factor: Optional[float], what: str) -> None:
+        """A backward pass's loss is ``factor`` times the declared reduction of per-sample
+        losses (``None``: a constant factor was seen that could not be read): the DP reads
+        divide it out (:meth:`dp_factor`)."""
+        self.batch.append(_Factor(factor, what))
+
+    def dp_factor(self, read: str, materialize: bool = False) -> float:
+        """The constant factor ``c`` on this batch's loss (``1.0`` where none was seen), which
+        a DP read divides out so that clipping acts on the gradient of each sample's own
+        unscaled loss.
+
+        Raises:
+            UnsupportedLossError: a factor was seen that could not be read, backward passes
+                of the batch had different factors, or ``materialize`` (clipping the per-sample
+                gradients ``per_sample_grads()`` returns, which are of the loss as given)."""
+        found = {entry.factor: entry.what for entry in self.batch if isinstance(entry, _Factor)}
+        if not found:
+            return 1.0
+        if None in found:
+            raise UnsupportedLossError(
+                f"{read}: the loss of this batch's backward ({found[None]}) is multiplied by a "
+                f"constant (loss / gradient_accumulation_steps, loss * c) that gradhooks cannot "
+                f"read: loss.backward() frees it before any hook runs. Clipping would act on c "
+                f"times each sample's gradient, at the wrong scale. Call gh.backward(loss) "
+                f"instead of loss.backward() (gradhooks then reads the factor and clips the "
+                f"gradient of each sample's own unscaled loss), or backward the unscaled loss "
+                f"and let gh.clip_and_accumulate(C, accumulate=True) with gh.finish_step() do "
+                f"the accumulation")
+        if len(found) > 1:
+            raise UnsupportedLossError(
+                f"{read}: the backward passes of this batch scaled their losses by different "
+                f"constants ({', '.join(f'{c:g}' for c in found)}): no one scale to clip at. "
+                f"Clip after each backward, or use one factor")
+        factor = next(iter(found))
+        if materialize:
+            raise UnsupportedLossError(
+                f"{read} with method='materialize': the loss ({found[factor]}) is {factor:g} "
+                f"times the declared reduction of per-sample losses, and the per-sample "
+                f"gradients it would clip are those of the loss as given. Use method='ghost' "
+                f"(it clips the gradient of each sample's own unscaled loss) or backward the "
+                f"unscaled loss")
+        return factor
+
     def contradicts(self, what: str, reduction: str, size: int) -> None:
         """A backward pass's loss is ``what``, a ``reduction`` (``"sum"`` / ``"mean"``) over the
         batch's ``size`` rows (:mod:`gradhooks.core.backward_losses`): refused at the read when
@@ -218,9 +302,17 @@ class TokenMeans:
     def refusal(self, read: str) -> Optional[UnsupportedLossError]:
         """The error a read (``read``) of this batch raises when a token-level loss of its
         forward weighs the samples unequally (module docstring), or ``None``."""
+        batch_wide = getattr(self._recorder, "token_normalisation", "sample") == "batch"
         for entry in self.batch:
             if isinstance(entry, _Contradiction):
                 return UnsupportedLossError(entry.message.replace("{read}", read))
+            if isinstance(entry, _Factor) or batch_wide:
+                continue  # (token_normalisation="batch": contributions are wanted)
+            if isinstance(entry, _Unsplit):
+                error = _unsplit_error(entry, read)
+                if error is not None:
+                    return error
+                continue
             what, counts, reduction, divisor, used = entry
             if not used:
                 continue  # (no backward reached this loss: it is not what the results are of)
@@ -247,5 +339,39 @@ class TokenMeans:
                 f"{'N' if reduction == 'mean' else f'{d:g}'} = ({factors}), not the gradient "
                 f"of its own loss. Compute one loss per sample and hand it to gradhooks: "
                 f"losses = gradhooks.per_sample_token_loss(out.logits, labels); then "
-                f"gh.backward(losses.mean()) or gh.clipped_backward(losses, C)")
+                f"gh.backward(losses.mean()) or gh.clipped_backward(losses, C); or attach with "
+                f"token_normalisation='batch' if each sample's contribution to the batch "
+                f"gradient is wanted")
         return None
+
+
+def _unsplit_error(entry: _Unsplit, read: str) -> Optional[UnsupportedLossError]:
+    # The refusal of a loss whose split is not proven (TokenMeans.unsplit), or None.
+    n = None if entry.counts is None else entry.counts.tolist()
+    if n is not None and (len(n) < 2 or (len(set(n)) <= 1)):
+        return None
+    if n is None and not entry.weighted:
+        return None
+    if n is None:
+        shown = "the per-sample sums of the targets' class weights are not known"
+        how = "is a class-weighted mean: it divides by the total class weight of the batch's "
+        how += "targets, so each sample's term depends on the other samples' targets"
+    else:
+        shown = ", ".join(f"{k:g}" for k in n[:8]) + (", ..." if len(n) > 8 else "")
+        shown = (f"{'class-weight sums' if entry.weighted else 'N_n'} = [{shown}] "
+                 f"(B = {len(n)}, from {entry.source})")
+        how = ("is not proven to split into per-sample terms (only .mean() / .sum() of (B,) "
+               "per-sample losses is), and the samples' valid tokens differ")
+    return UnsupportedLossError(
+        f"{read}: the loss ({entry.what}) {how}: {shown}. A loss normalised over the batch's "
+        f"tokens (a token mean, class weights, label smoothing, a z-loss or other auxiliary "
+        f"term, a sum divided by num_items_in_batch, a masked mean) weighs each sample by the "
+        f"batch's counts, so {read} would not be the gradient of each sample's own loss. Ways "
+        f"out: (a) compute one loss per sample, losses = gradhooks.per_sample_token_loss("
+        f"logits, labels, weight=..., label_smoothing=..., z_loss=...) (or "
+        f"per_sample_token_loss(token_losses=l, mask=m) for any (B, T) token-loss tensor), then "
+        f"gh.backward(losses.mean()) or gh.clipped_backward(losses, C); or (b) declare that the "
+        f"batch's token normalisation is wanted, gradhooks.attach(..., "
+        f"token_normalisation='batch'): results are then each sample's contribution to the "
+        f"batch gradient (under DP-SGD each sample's clipped term then depends on the batch's "
+        f"token count)")
