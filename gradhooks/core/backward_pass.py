@@ -111,7 +111,7 @@ class BackwardPass:
             counts = row_counts(grad, recorder.batch_size)
             if counts is not None:
                 self._split = None
-                tokens.unsplit(split.what, counts, False,
+                tokens.unsplit(split.what, counts, split.weighted,
                                f"the zero rows of the {tuple(grad.shape)} grad_output of module "
                                f"{record.layer.describe()}")
         found = self._loss
@@ -132,9 +132,9 @@ class BackwardPass:
 
     def _judge_split(self, split, tokens):
         """What a plain ``loss.backward()``'s loss split (``split``) leaves to count: ``None``
-        where it is proven, refused at once (a class-weighted mean, whose weight sums the freed
-        target no longer gives) or left to the token-level mean of :func:`loss_of`; a constant
-        factor on it is noted (not readable there: the DP reads refuse)."""
+        where it is proven or left to the token-level mean of :func:`loss_of`; a class-weighted
+        mean (whose weight sums the freed target no longer gives) is refused at once; a
+        constant factor on it is noted (not readable there: the DP reads refuse)."""
         if split is None:
             return None
         if split.scaled:
@@ -146,9 +146,8 @@ class BackwardPass:
                 tokens.scaled(None, split.what)  # (a sum scaled under "mean": taken as sum / B)
         if split.proven:
             return None
-        if split.weighted:
+        if split.weighted:  # (refused even where no (B, T, D) grad_output gives the counts)
             tokens.unsplit(split.what, None, True, "")
-            return None
         if self._loss is not None and self._loss.kind == "tokens":
             return None  # (the token-level mean's own message names its counts)
         return split

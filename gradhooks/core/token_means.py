@@ -146,6 +146,16 @@ class _Unsplit(NamedTuple):
     weighted: bool
     source: str
 
+    @property
+    def decisive(self) -> bool:
+        """Whether :attr:`counts` are the normaliser's per-sample parts (read from the loss's
+        saved targets: a weighted mean's weight sums), not only its valid rows."""
+        return self.source == TARGETS
+
+
+#: The source of counts read from a loss's saved targets (:attr:`_Unsplit.decisive`).
+TARGETS = "the loss's saved targets"
+
 
 class _Factor(NamedTuple):
     """A constant factor on a backward pass's loss relative to the declared reduction
@@ -237,8 +247,14 @@ class TokenMeans:
     def unsplit(self, what: str, counts: Optional[Tensor], weighted: bool, source: str) -> None:
         """A backward pass's loss is not proven to split into per-sample terms
         (:class:`_Unsplit`): refused at the read where ``counts`` differ, or it is a class-
-        weighted mean whose per-sample weight sums are not known to be equal."""
-        self.batch.append(_Unsplit(what, counts, weighted, source))
+        weighted mean whose per-sample weight sums are not known to be equal. Counts for a
+        weighted mean noted earlier without them take its place."""
+        entry = _Unsplit(what, counts, weighted, source)
+        for i, old in enumerate(self.batch):
+            if isinstance(old, _Unsplit) and old.counts is None and old.what == what:
+                self.batch[i] = entry
+                return
+        self.batch.append(entry)
 
     def scaled(self, factor: Optional[float], what: str) -> None:
         """A backward pass's loss is ``factor`` times the declared reduction of per-sample
@@ -348,18 +364,21 @@ class TokenMeans:
 def _unsplit_error(entry: _Unsplit, read: str) -> Optional[UnsupportedLossError]:
     # The refusal of a loss whose split is not proven (TokenMeans.unsplit), or None.
     n = None if entry.counts is None else entry.counts.tolist()
-    if n is not None and (len(n) < 2 or (len(set(n)) <= 1)):
+    weights = entry.weighted and not entry.decisive  # (weight sums not known: always refused)
+    if n is not None and len(n) < 2:
         return None
-    if n is None and not entry.weighted:
+    if not weights and (n is None or len(set(n)) <= 1):
         return None
     if n is None:
         shown = "the per-sample sums of the targets' class weights are not known"
-        how = "is a class-weighted mean: it divides by the total class weight of the batch's "
-        how += "targets, so each sample's term depends on the other samples' targets"
     else:
         shown = ", ".join(f"{k:g}" for k in n[:8]) + (", ..." if len(n) > 8 else "")
-        shown = (f"{'class-weight sums' if entry.weighted else 'N_n'} = [{shown}] "
-                 f"(B = {len(n)}, from {entry.source})")
+        shown = (f"{'class-weight sums' if entry.decisive and entry.weighted else 'N_n'} = "
+                 f"[{shown}] (B = {len(n)}, from {entry.source})")
+    if entry.weighted:
+        how = ("is a class-weighted mean: it divides by the total class weight of the batch's "
+               "targets, so each sample's term depends on the other samples' targets")
+    else:
         how = ("is not proven to split into per-sample terms (only .mean() / .sum() of (B,) "
                "per-sample losses is), and the samples' valid tokens differ")
     return UnsupportedLossError(

@@ -51,6 +51,7 @@ from ..base.errors import UnsupportedLossError
 from ..core.backward_losses import (Split, constant_of, flattened_logits, ignore_index_of,
                                     split_of, target_counts)
 from ..core.batch_reads import is_loss_scale
+from ..core.token_means import TARGETS
 
 __all__ = ["check_batch_loss", "check_per_sample_losses", "loss_scale_of", "unscaled"]
 
@@ -146,7 +147,7 @@ def check_batch_loss(loss: Tensor, batch_size: Optional[int], loss_reduction: st
             counts.append(None)
     if split.weighted or counts:
         total = None if any(c is None for c in counts) else sum(counts)
-        tokens.unsplit(split.what, total, split.weighted, "the loss's saved targets")
+        tokens.unsplit(split.what, total, split.weighted, "" if total is None else TARGETS)
     return None if split.weighted else split
 
 
