@@ -308,3 +308,111 @@ def test_helper_errors():
     out = gradhooks.per_sample_token_loss(token_losses=torch.ones(2, T),
                                           mask=torch.zeros(2, T, dtype=torch.bool))
     assert out.tolist() == [0.0, 0.0]  # (no valid token: 0, as for the logits path)
+
+
+# ------------------------------------------------------------------ a constant factor on the loss
+def mlp(dtype):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
+
+
+def lot(dtype, b=6):
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(b, 5, generator=g).to(dtype), torch.randint(0, 3, (b,), generator=g)
+
+
+def clipped_mean(model, x, y, max_norm):
+    """(norms, {name: sum_n min(1, C / |g_n|) g_n / B}) of each sample's own cross-entropy."""
+    ref = loop_grads(model, F.cross_entropy, x, y)
+    norms = sum(g.flatten(1).pow(2).sum(1) for g in ref.values()).sqrt()
+    factors = (max_norm / norms).clamp(max=1.0)
+    return norms, {n: torch.einsum("n,n...->...", factors, g) / x.shape[0]
+                   for n, g in ref.items()}
+
+
+def between(norms):
+    s = norms.sort().values
+    return float(s[len(s) // 2 - 1] + s[len(s) // 2]) / 2  # (a bound between two norms)
+
+
+SCALED = {"loss / steps": lambda loss, k: loss / k,
+          "loss * (1 / steps)": lambda loss, k: loss * (1.0 / k),
+          "loss / tensor(steps)": lambda loss, k: loss / torch.tensor(float(k))}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("scaled", list(SCALED))
+def test_accumulation_factor_read_and_divided_out(scaled, dtype):
+    # The Trainer's loss / gradient_accumulation_steps over DP micro-batches: clipping acts on
+    # each sample's own (unscaled) loss gradient, whatever the micro-batch.
+    dtype = DTYPES[dtype]
+    model = mlp(dtype)
+    x, y = lot(dtype)
+    norms_ref, ref = clipped_mean(model, x, y, 1.0)
+    max_norm = between(norms_ref)
+    norms_ref, ref = clipped_mean(model, x, y, max_norm)
+    steps = 3
+    with gradhooks.attach(model) as gh:
+        norms = []
+        for xb, yb in gradhooks.micro_batches((x, y), 2):
+            gh.backward(SCALED[scaled](F.cross_entropy(model(xb), yb), steps))
+            norms.append(gh.clip_and_accumulate(max_norm, accumulate=True))
+        gh.finish_step()
+    tol = dict(rtol=RTOL[dtype] * 10, atol=0)
+    torch.testing.assert_close(torch.cat(norms), norms_ref, **tol)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[name], rtol=RTOL[dtype] * 10,
+                                   atol=RTOL[dtype] * ref[name].abs().max())
+
+
+@pytest.mark.parametrize("b", [1, 4])
+def test_constant_factor_in_one_batch(b):
+    # A plain clip of c times the mean: the gradient of each sample's own loss is clipped, and
+    # .grad is written at the loss's scale (c times the clipped mean), as for a GradScaler.
+    model = mlp(torch.float64)
+    x, y = lot(torch.float64, b)
+    norms_ref, ref = clipped_mean(model, x, y, 0.3)
+    own = loop_grads(model, F.cross_entropy, x, y)
+    with gradhooks.attach(model) as gh:
+        gh.backward(F.cross_entropy(model(x), y) * 0.5)
+        per_sample = gh.per_sample_grads(retain_records=True)  # (of the loss as given)
+        norms = gh.clip_and_accumulate(0.3)
+        assert_close_to_loop({n: g * 2 for n, g in per_sample.items()}, own, torch.float64)
+    torch.testing.assert_close(norms, norms_ref, rtol=1e-10, atol=0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, 0.5 * ref[name], rtol=1e-10, atol=1e-14)
+
+
+def test_sum_over_b_is_the_mean_not_a_factor():
+    model = mlp(torch.float64)
+    x, y = lot(torch.float64, 4)
+    norms_ref, ref = clipped_mean(model, x, y, 0.3)
+    with gradhooks.attach(model) as gh:
+        gh.backward(F.cross_entropy(model(x), y, reduction="none").sum() / 4)
+        torch.testing.assert_close(gh.clip_and_accumulate(0.3), norms_ref, rtol=1e-10, atol=0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[name], rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("scaled", list(SCALED))
+def test_unreadable_factor_refused_by_dp_reads(scaled):
+    # loss.backward() frees the factor before any hook runs: the DP reads refuse, the others
+    # read the gradients of the loss as given.
+    model = mlp(torch.float64)
+    x, y = lot(torch.float64, 4)
+    with gradhooks.attach(model) as gh:
+        SCALED[scaled](F.cross_entropy(model(x), y), 3).backward()
+        with pytest.raises(UnsupportedLossError, match="cannot read.*gh.backward"):
+            gh.clip_and_accumulate(1.0, accumulate=True)
+        ours = gh.per_sample_grads()
+    own = loop_grads(model, F.cross_entropy, x, y)
+    assert_close_to_loop({n: g * 3 for n, g in ours.items()}, own, torch.float64)
+
+
+def test_factor_with_materialize_refused():
+    model = mlp(torch.float64)
+    x, y = lot(torch.float64, 4)
+    with gradhooks.attach(model) as gh:
+        gh.backward(F.cross_entropy(model(x), y) / 3)
+        with pytest.raises(UnsupportedLossError, match="method='ghost'"):
+            gh.clip_and_accumulate(1.0, method="materialize")

@@ -101,7 +101,7 @@ class BackwardPass:
             if self._judged:
                 self._split = self.expected
             else:
-                roots = backward_roots() if size and size > 1 else None
+                roots = backward_roots() if size else None
                 self._loss = None if roots is None else loss_of(roots, size)
                 if roots is not None and len(roots) == 1 and roots[0].dim() == 0:
                     self._split = self._judge_split(

@@ -98,11 +98,11 @@ def check_batch_loss(loss: Tensor, batch_size: Optional[int], loss_reduction: st
             ``token_normalisation="batch"``), or a reduction over the batch that contradicts
             ``loss_reduction``.
     """
-    if gradient is not None or not batch_size or batch_size < 2 or loss.dim() != 0:
+    if gradient is not None or not batch_size or loss.dim() != 0:
         return None
     batch_wide = getattr(getattr(tokens, "_recorder", None), "token_normalisation",
                          "sample") == "batch"
-    found = _read(loss, batch_size, broadcast=False)
+    found = _read(loss, batch_size, broadcast=False) if batch_size > 1 else None
     kind = factor = None
     if found is not None:
         node, factor, kind, counts = found
