@@ -26,7 +26,7 @@ from .readers.gram import GradientFeatures, gradient_features, gram, jacobian_fe
 from .readers.jacobians import per_sample_jacobians
 from .readers.kfac import DiagonalFactors, KFACFactors, kfac_factors
 from .core.token_means import check_token_normalisation
-from .readers.loss_reduction import (check_batch_loss, check_per_sample_losses, loss_scale_of,
+from .readers.loss_reduction import (check_per_sample_losses, judged_backward, loss_scale_of,
                                      unscaled)
 from .readers.norms import per_sample_grad_norms
 from .readers.per_sample import per_sample_grads
@@ -107,7 +107,6 @@ class GradHooks:
                                  allow_batchnorm_train=allow_batchnorm_train, forwards=forwards,
                                  grad_scaler=grad_scaler, differentiable=differentiable,
                                  allow_sample_mixing=allow_sample_mixing)
-        # (read by core.token_means: whether a loss normalised over the batch's tokens is wanted)
         self.recorder.token_normalisation = check_token_normalisation(token_normalisation)
         # Dropped while attached: detached, with a warning. (It holds the recorder, not this
         # facade; atexit off: a process that ends with an attachment removes everything.)
@@ -216,12 +215,7 @@ class GradHooks:
             raise GradHooksError(
                 "GradHooks.backward(loss): loss must be a tensor that requires grad (the output of "
                 "a forward of the hooked model, not under torch.no_grad())")
-        tokens = self.recorder.placement.mixing.tokens
-        split = check_batch_loss(loss, self.recorder.batch_size, self.recorder.loss_reduction,
-                                 gradient, tokens)
-        self.recorder.reads.see_scale(loss_scale_of(loss))
-        with self.recorder.backward_pass.expecting(split):
-            self.recorder.drive(loss, gradient, retain_graph)
+        judged_backward(self.recorder, loss, gradient, retain_graph)
 
     def per_sample_grads(self, *, retain_records: bool = False) -> Dict[str, Tensor]:
         """Per-sample gradients of every trainable parameter the backward reached.
@@ -283,8 +277,7 @@ class GradHooks:
         batch = self.recorder.snapshot(
             "per_sample_grads()" if materialize else "clip_and_accumulate()", result=True,
             release=materialize)
-        batch = unscaled(batch, self.recorder.placement.mixing.tokens.dp_factor(
-            "clip_and_accumulate()", materialize))
+        batch = unscaled(batch, self.recorder, materialize)  # (a constant factor on the loss)
         return clip_and_accumulate(batch, max_norm, method=method,
                                    noise_multiplier=noise_multiplier, generator=generator,
                                    groups=None if groups is None else [list(g) for g in groups],

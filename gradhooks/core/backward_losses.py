@@ -38,11 +38,22 @@ looks back at the pass's roots:
    the device (no sync in the backward); the read compares
    (:meth:`gradhooks.core.token_means.TokenMeans.refusal`), and equal counts pass.
 
-Cost: one frame walk (some tens of frames) and a walk of at most :data:`_CAP` nodes per
-backward pass, and one compare-and-sum over the output layer's grad_output where a token mean
-was found. Not seen (nothing said, as before): ``reduction="sum"`` divided by a count
-(``num_items_in_batch``; the divisor is freed by then), class weights, label smoothing, sums of
-loss terms, a 2-D ``(B, V, T)`` loss input, an output layer that is not hooked.
+4. **Any other loss** (:func:`split_of`, issue 38): its split into per-sample terms is proven
+   only where its top op (below constant scalings) is ``.mean()`` / ``.sum()`` of a ``(B,)``
+   tensor. Otherwise (class weights, label smoothing, a z-loss or other auxiliary term, a sum
+   divided by ``num_items_in_batch``, a masked mean, an MSE over tokens ...) the first hooked
+   grad_output of the pass that is ``(B, T, D)`` batch first gives the counts of nonzero token
+   rows per sample (:func:`row_counts`; padding's rows are exactly zero), refused at the read
+   where they differ; a class-weighted ``nll_loss`` mean is refused whatever the counts (it
+   divides by the batch's total target weight, which the freed target no longer gives). A
+   constant scaling above the reduction is noted: its factor is freed, so the DP reads refuse
+   (:meth:`gradhooks.core.token_means.TokenMeans.dp_factor`).
+
+Cost: one frame walk (some tens of frames) and a walk of at most :data:`_CAP` nodes (plus
+:data:`_SEARCH` below a loss that is not a proven split) per backward pass, and one
+compare-and-sum over one grad_output where the split is not proven. Not seen (nothing said): a
+model whose output layer is not hooked, or whose first hooked grad_output is not ``(B, T, D)``
+batch first (a ``(B, V, T)`` layout, merged ``(B * T, D)`` rows, ``batch_first=False``).
 """
 from __future__ import annotations
 
@@ -234,7 +245,16 @@ def valid_rows(grad: Tensor, batch_size: int, tokens: int, classes: int) -> Opti
 
 # ---------------------------------------------------------------------- the split, in general
 #: Nodes searched at most below a loss whose split is not proven, for its loss functions.
-_SEARCH = 64
+_SEARCH = 16
+#: The nodes that search descends through: those that combine loss terms (a model's own ops end
+#: it, so a pseudo-loss such as ``model(x).sum()`` costs a node or two per backward pass).
+_TERMS = frozenset({"AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1",
+                    "RsubBackward1", "MulBackward0", "MulBackward1", "DivBackward0",
+                    "DivBackward1", "NegBackward0", "SumBackward0", "SumBackward1",
+                    "MeanBackward0", "MeanBackward1", "ToCopyBackward0", "CloneBackward0",
+                    "ViewBackward0", "UnsafeViewBackward0", "SqueezeBackward0",
+                    "SqueezeBackward1", "UnsqueezeBackward0", "IndexBackward0",
+                    "WhereBackward0", "MaskedSelectBackward0"})
 #: Scalings by a Python number that autograd keeps as a non-tensor attribute (still readable
 #: after the node ran).
 _SCALAR = frozenset({"MulBackward1", "DivBackward1"})
@@ -349,8 +369,8 @@ def split_of(node, batch_size: int, scaler: bool = False) -> Optional[Split]:
             continue
         if kind in _LOSS_FUNCTIONS:
             found.append(n)
-            continue
-        todo.extend(m for m, _ in n.next_functions)
+        elif kind in _TERMS:
+            todo.extend(m for m, _ in n.next_functions)
     below = sorted({_CALLS.get(type(n).__name__, type(n).__name__) for n in found})
     what = (f"{name}" + (f" over {', '.join(below)}" if below else "")
             + (", class-weighted" if weighted else "")

@@ -30,8 +30,15 @@ such a loss pay nothing.
 
 Not seen here: a loss computed outside the forward (``gh.backward`` refuses one from its
 graph; :mod:`gradhooks.core.backward_losses` finds one that ``loss.backward()`` differentiates,
-refused at the read through :meth:`TokenMeans.seen_after_forward`), ``weight=``
-(a weighted mean also divides by a batch-wide total), losses other than these two.
+refused at the read through :meth:`TokenMeans.seen_after_forward`), losses other than these two
+(``weight=``, label smoothing, auxiliary terms: their backward pass finds them whether they were
+computed inside the forward or not, :meth:`TokenMeans.unsplit`).
+
+Also kept here, per batch: the losses whose split into per-sample terms is not proven
+(:meth:`TokenMeans.unsplit`) and the constant factors on the losses (:meth:`TokenMeans.scaled`,
+divided out by the DP reads: :meth:`TokenMeans.dp_factor`). With
+``attach(..., token_normalisation="batch")`` none of the token-count refusals is made: the
+results are each sample's contribution to the batch gradient.
 """
 from __future__ import annotations
 

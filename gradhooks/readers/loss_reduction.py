@@ -34,9 +34,22 @@ Refused (:class:`~gradhooks.base.errors.UnsupportedLossError`), the rest is said
     reads this batch at it where no ``grad_scaler`` was given to ``attach``
     (:meth:`gradhooks.core.batch_reads.BatchReads.see_scale`); (a) and (b) judge the loss below it.
 
-Not recognised (nothing said): sums of loss terms (``loss + aux``), scalings by a tensor that
-lives on an accelerator (its value would need a device sync) or that requires grad, class
-weights (``weight=``), label smoothing, reductions over dimensions, any other node on the way.
+(e) a loss whose split into per-sample terms the graph does not prove (issue 38; anything but
+    ``.mean()`` / ``.sum()`` of a ``(B,)`` tensor below constant scalings: class weights, label
+    smoothing, ``loss + aux``, ``/ num_items_in_batch``, a masked mean): the valid-target counts
+    of the ``nll_loss`` nodes below it (their saved targets; a class-weighted mean's per-sample
+    weight sums) are noted, and the pass's first ``(B, T, D)`` grad_output gives the nonzero
+    token rows per sample (:meth:`gradhooks.core.backward_pass.BackwardPass.expecting`); the
+    reads refuse unequal counts (:meth:`gradhooks.core.token_means.TokenMeans.unsplit`) unless
+    ``token_normalisation="batch"``.
+(f) a constant factor ``c`` (``loss / k``, ``loss * c``, a Python number or a CPU tensor) above
+    the reduction, relative to the declared ``loss_reduction`` (``losses.sum() / B`` under
+    ``"mean"`` is ``c = 1``): noted for the DP reads, which divide it out (:func:`unscaled`); a
+    factor that cannot be read (on an accelerator; a pseudo-loss whose reduction is not known)
+    makes them refuse.
+
+Not recognised (nothing said): scalings by a tensor that requires grad, reductions over
+dimensions, any other node on the way.
 The walk reads only node attributes (and, for (a), the saved target once); it keeps no
 reference to the graph or its tensors.
 """
@@ -53,7 +66,8 @@ from ..core.backward_losses import (Split, constant_of, flattened_logits, ignore
 from ..core.batch_reads import is_loss_scale
 from ..core.token_means import TARGETS
 
-__all__ = ["check_batch_loss", "check_per_sample_losses", "loss_scale_of", "unscaled"]
+__all__ = ["check_batch_loss", "check_per_sample_losses", "judged_backward", "loss_scale_of",
+           "unscaled"]
 
 #: Nodes followed when at most this many lie above the reduction.
 _CAP = 16
@@ -171,12 +185,33 @@ def _note_factor(split: Split, kind, factor, seen, batch_size: int, loss_reducti
         tokens.scaled(c, split.what)
 
 
-def unscaled(batch, factor: float):
-    """The batch snapshot ``batch`` (:class:`~gradhooks.core.records.Batch`) read as if its
-    loss had not been multiplied by the constant ``factor`` (case (f)): the factor joins the
-    grad scale that the readers divide out, so that norms and clipping are those of each
-    sample's own unscaled loss and ``.grad`` is written at the loss's scale (as for a
-    ``GradScaler``'s)."""
+def judged_backward(recorder, loss: Tensor, gradient: Optional[Tensor],
+                    retain_graph: bool) -> None:
+    """The backward pass of :meth:`gradhooks.GradHooks.backward` on ``loss``, judged first
+    (:func:`check_batch_loss`; the GradScaler's scale: :func:`loss_scale_of`) and counted in
+    the pass where its split is not proven (``recorder``: the
+    :class:`~gradhooks.core.capture.Recorder`).
+
+    Raises:
+        UnsupportedLossError: as :func:`check_batch_loss`."""
+    split = check_batch_loss(loss, recorder.batch_size, recorder.loss_reduction, gradient,
+                             recorder.placement.mixing.tokens)
+    recorder.reads.see_scale(loss_scale_of(loss))
+    with recorder.backward_pass.expecting(split):
+        recorder.drive(loss, gradient, retain_graph)
+
+
+def unscaled(batch, recorder, materialize: bool = False):
+    """The batch snapshot ``batch`` (:class:`~gradhooks.core.records.Batch`) of a DP read, read
+    as if its loss had not been multiplied by the constant factor its backward passes noted
+    (case (f); :meth:`gradhooks.core.token_means.TokenMeans.dp_factor` of ``recorder``'s): the
+    factor joins the grad scale that the readers divide out, so that norms and clipping are
+    those of each sample's own unscaled loss and ``.grad`` is written at the loss's scale (as
+    for a ``GradScaler``'s).
+
+    Raises:
+        UnsupportedLossError: a factor that could not be read, or ``materialize`` with one."""
+    factor = recorder.placement.mixing.tokens.dp_factor("clip_and_accumulate()", materialize)
     if factor == 1.0:
         return batch
     grad_scale = batch.grad_scale * factor
