@@ -416,3 +416,31 @@ def test_factor_with_materialize_refused():
         gh.backward(F.cross_entropy(model(x), y) / 3)
         with pytest.raises(UnsupportedLossError, match="method='ghost'"):
             gh.clip_and_accumulate(1.0, method="materialize")
+
+
+class Head(nn.Module):
+    """One hooked layer on one-hot tokens: its grad_output is captured by gh.backward's
+    output-edges pass (no pre-hook of a later layer runs)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(V, V)
+
+    def forward(self, ids):
+        return self.head(F.one_hot(ids, V).to(self.head.weight.dtype))
+
+
+@pytest.mark.parametrize("model_fn", [lambda: model_of(torch.float64), lambda: Head().double()],
+                         ids=["three-layers", "one-layer"])
+def test_masked_mean_without_cross_entropy_refused_by_gh_backward(model_fn):
+    # No nll_loss whose targets give the counts: the first grad_output's zero rows do, also when
+    # it is one the output-edges pass captures.
+    model = model_fn()
+    ids, labels = batch(VALID)
+    mask = (labels != -100).double()
+    with gradhooks.attach(model, check=False) as gh:
+        for _ in range(3):  # (the first pass computes parameter gradients; then edges)
+            gh.backward(((model(ids) ** 2).sum(-1) * mask).sum() / mask.sum())
+            with pytest.raises(UnsupportedLossError, match=r"N_n = \[5, 3, 2\]"):
+                gh.per_sample_grads()

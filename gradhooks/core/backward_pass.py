@@ -106,14 +106,7 @@ class BackwardPass:
                 if roots is not None and len(roots) == 1 and roots[0].dim() == 0:
                     self._split = self._judge_split(
                         split_of(roots[0].grad_fn, size, _scaling(recorder)), tokens)
-        split = self._split
-        if split is not None and recorder.batch_first:
-            counts = row_counts(grad, recorder.batch_size)
-            if counts is not None:
-                self._split = None
-                tokens.unsplit(split.what, counts, split.weighted,
-                               f"the zero rows of the {tuple(grad.shape)} grad_output of module "
-                               f"{record.layer.describe()}")
+        self._count(grad, record)
         found = self._loss
         if found is None:
             return
@@ -129,6 +122,20 @@ class BackwardPass:
             return  # (the loss's rows are not yet known to be the batch's)
         self._loss = None
         tokens.contradicts(found.what, found.kind, size)
+
+    def _count(self, grad: Tensor, record: Record) -> None:
+        # The pass's first hooked grad_output (the output layer's: closest to the loss) gives
+        # the valid-token counts of a loss whose split is not proven, if it is (B, T, D); the
+        # later ones (inner layers, whose zero rows a ReLU may make) never do.
+        split, self._split = self._split, None
+        recorder = self._recorder
+        if split is None or grad is None or not recorder.batch_first:
+            return
+        counts = row_counts(grad, recorder.batch_size)
+        if counts is not None:
+            recorder.placement.mixing.tokens.unsplit(
+                split.what, counts, split.weighted, f"the zero rows of the {tuple(grad.shape)} "
+                f"grad_output of module {record.layer.describe()}")
 
     def _judge_split(self, split, tokens):
         """What a plain ``loss.backward()``'s loss split (``split``) leaves to count: ``None``
@@ -293,9 +300,14 @@ class BackwardPass:
             self.captured = {(id(record), leaf) for _, record, leaf in captures}
             self.listener = None if listen is None else listen(records, events)
             try:
+                self._task = None
                 grads = torch.autograd.grad(loss, [e for e, _, _ in captures], gradient,
                                             retain_graph=retain_graph, allow_unused=True,
                                             create_graph=create_graph)
+                if self._task is None and self.expected is not None:  # (no pre-hook ran:
+                    self._split = self.expected  # the first captured grad_output counts)
+                    self._count(*next(((g, r) for (_, r, leaf), g in zip(captures, grads)
+                                       if g is not None and leaf is None), (None, None)))
                 for (_, record, leaf), grad in zip(captures, grads):
                     if grad is not None and leaf != -1:
                         self.receive(record, leaf, grad)
