@@ -114,11 +114,12 @@ def backward(gh, loss, how):
 HOW = ["loss.backward", "gh.backward"]
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("how", HOW)
 @pytest.mark.parametrize("form", list(FORMS))
-def test_padded_token_losses_refused(form, how):
+def test_padded_token_losses_refused(form, how, dtype):
     batch_loss = FORMS[form][0]
-    model = model_of(torch.float64)
+    model = model_of(DTYPES[dtype])
     ids, labels = batch(VALID)
     with gradhooks.attach(model) as gh:
         backward(gh, batch_loss(model(ids), labels), how)
@@ -444,3 +445,23 @@ def test_masked_mean_without_cross_entropy_refused_by_gh_backward(model_fn):
             gh.backward(((model(ids) ** 2).sum(-1) * mask).sum() / mask.sum())
             with pytest.raises(UnsupportedLossError, match=r"N_n = \[5, 3, 2\]"):
                 gh.per_sample_grads()
+
+
+class WithLoss(TokenModel):
+    """A model that computes its (class-weighted) loss in its forward, as a custom
+    ``*ForCausalLM`` does."""
+
+    def forward(self, ids, labels):
+        return weighted_ce(super().forward(ids), labels)
+
+
+def test_loss_computed_in_the_forward_refused():
+    torch.manual_seed(0)
+    model = WithLoss().double()
+    ids, labels = batch(VALID)
+    with gradhooks.attach(model) as gh:
+        for _ in range(2):  # the tracked first forward, then an untracked one
+            model(ids, labels).backward()
+            with pytest.raises(UnsupportedLossError, match="class-weighted"):
+                gh.per_sample_grads()
+            model.zero_grad()

@@ -12,7 +12,8 @@ means: exact, allowed. ``gh.backward(loss)`` sees such a loss in its graph
 (:mod:`gradhooks.readers.loss_reduction`); a plain ``loss.backward()`` does not, so the forward
 is watched instead.
 
-What counts as such a loss: ``cross_entropy`` / ``nll_loss`` whose input requires grad and
+What counts as such a loss: ``cross_entropy`` / ``nll_loss`` without ``weight=`` (a weighted
+mean is refused by its backward pass whatever the counts) whose input requires grad and
 whose target carries the batch (provenance follows it through the label shift: ``F.pad``,
 slicing, ``view``; rows ``(B * T,)`` or ``(B, T)``) with ``reduction="mean"``, or
 ``reduction="sum"`` then divided by something other than ``B`` (``num_items_in_batch``). Each
@@ -121,6 +122,8 @@ class ForwardLosses:
         self.dims.append(d)
         reduction = _option(args, kwargs, "reduction", 6, "mean")
         if (d is None or not isinstance(x, Tensor) or not x.requires_grad or size <= 0
+                or _option(args, kwargs, "weight", 2, None) is not None  # (its backward pass
+                # refuses a weighted mean: gradhooks.core.backward_losses.split_of)
                 or reduction not in ("mean", "sum") or target.dim() <= d
                 or target.numel() % size or target.is_floating_point()):
             return
