@@ -25,8 +25,9 @@ from .readers.ggn import empirical_fisher_diag, ggn_diag, ggn_sqrt, ggn_vector_p
 from .readers.gram import GradientFeatures, gradient_features, gram, jacobian_features
 from .readers.jacobians import per_sample_jacobians
 from .readers.kfac import DiagonalFactors, KFACFactors, kfac_factors
-from .readers.loss_reduction import loss_scale_of
-from .readers.sample_losses import check_backward_loss
+from .core.token_means import check_token_normalisation
+from .readers.loss_reduction import unscaled
+from .readers.sample_losses import judged_backward
 from .readers.norms import per_sample_grad_norms
 from .readers.per_sample import per_sample_grads
 from .readers.projections import projected_grads
@@ -99,7 +100,8 @@ class GradHooks:
     def __init__(self, model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
                  check=True, strict: bool = False, allow_batchnorm_train: bool = False,
                  forwards: str = "one", grad_scaler=None, differentiable: bool = False,
-                 allow_sample_mixing: bool = False, unsafe_skip_replay_check: bool = False):
+                 allow_sample_mixing: bool = False, unsafe_skip_replay_check: bool = False,
+                 token_normalisation: str = "sample"):
         #: The :class:`~gradhooks.core.capture.Recorder`: hooks and records (read-only for users).
         self.recorder = Recorder(model, loss_reduction=loss_reduction, batch_first=batch_first,
                                  check=check, strict=strict,
@@ -107,6 +109,7 @@ class GradHooks:
                                  grad_scaler=grad_scaler, differentiable=differentiable,
                                  allow_sample_mixing=allow_sample_mixing,
                                  unsafe_skip_replay_check=unsafe_skip_replay_check)
+        self.recorder.token_normalisation = check_token_normalisation(token_normalisation)
         # Dropped while attached: detached, with a warning. (It holds the recorder, not this
         # facade; atexit off: a process that ends with an attachment removes everything.)
         weakref.finalize(self, _dropped, self.recorder).atexit = False
@@ -217,9 +220,7 @@ class GradHooks:
             raise GradHooksError(
                 "GradHooks.backward(loss): loss must be a tensor that requires grad (the output of "
                 "a forward of the hooked model, not under torch.no_grad())")
-        check_backward_loss(loss, self.recorder, gradient)
-        self.recorder.reads.see_scale(loss_scale_of(loss))
-        self.recorder.drive(loss, gradient, retain_graph)
+        judged_backward(self.recorder, loss, gradient, retain_graph)
 
     def per_sample_grads(self, *, retain_records: bool = False) -> Dict[str, Tensor]:
         """Per-sample gradients of every trainable parameter the backward reached.
@@ -281,6 +282,7 @@ class GradHooks:
         batch = self.recorder.snapshot(
             "per_sample_grads()" if materialize else "clip_and_accumulate()", result=True,
             release=materialize)
+        batch = unscaled(batch, self.recorder, materialize)  # (a constant factor on the loss)
         return clip_and_accumulate(batch, max_norm, method=method,
                                    noise_multiplier=noise_multiplier, generator=generator,
                                    groups=None if groups is None else [list(g) for g in groups],
@@ -448,7 +450,8 @@ def _dropped(recorder: Recorder) -> None:
 def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
            check=True, strict: bool = False, allow_batchnorm_train: bool = False,
            forwards: str = "one", grad_scaler=None, differentiable: bool = False,
-           allow_sample_mixing: bool = False, unsafe_skip_replay_check: bool = False) -> GradHooks:
+           allow_sample_mixing: bool = False, unsafe_skip_replay_check: bool = False,
+           token_normalisation: str = "sample") -> GradHooks:
     """Attach per-sample-gradient hooks to every supported layer of an existing model.
 
     Registers a forward hook on each module that has a rule (``nn.Linear``, ``nn.Conv1d/2d/3d``;
@@ -497,6 +500,15 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
             verification; only this switch does, and a module whose replay is wrong then gets
             wrong per-sample gradients without an error. Its cost is one batched forward and
             backward of the module per new structure.
+        token_normalisation: ``"sample"`` (default): a loss whose split into per-sample terms
+            its graph does not prove (anything but ``.mean()`` / ``.sum()`` of ``(B,)``
+            per-sample losses: a token mean, class weights, label smoothing, a z-loss, a sum
+            over ``num_items_in_batch``) is refused where the samples' valid-token counts
+            differ (:class:`UnsupportedLossError`; use
+            :func:`gradhooks.per_sample_token_loss`). ``"batch"``: the batch's token
+            normalisation is wanted; sample ``n``'s result is then its contribution to the
+            batch gradient (with the ``loss_reduction`` scale), which under DP-SGD depends on
+            the batch's token count.
 
         forwards: ``"one"`` (default): one forward of the model per backward; the records of
             several top-level forwards reached by one backward are refused at the read (their
@@ -540,4 +552,5 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
                      strict=strict, allow_batchnorm_train=allow_batchnorm_train,
                      forwards=forwards, grad_scaler=grad_scaler, differentiable=differentiable,
                      allow_sample_mixing=allow_sample_mixing,
-                     unsafe_skip_replay_check=unsafe_skip_replay_check)
+                     unsafe_skip_replay_check=unsafe_skip_replay_check,
+                     token_normalisation=token_normalisation)

@@ -180,4 +180,8 @@ class UnsupportedLossError(GradHooksError, TypeError):
     :meth:`~gradhooks.GradHooks.clipped_backward` is not a mean (or sum) over samples as
     ``loss_reduction`` declares: a token mean over a padded batch, a contradicting reduction,
     one batch loss broadcast to ``B`` "per-sample" losses
-    (:mod:`gradhooks.readers.loss_reduction`)."""
+    (:mod:`gradhooks.readers.loss_reduction`); or, at a read, a loss whose split into
+    per-sample terms its graph does not prove while the samples' valid-token counts differ (a
+    class-weighted mean whatever the counts; :mod:`gradhooks.core.backward_losses`), or a
+    constant factor on the loss that a DP read cannot read (the message names the counts or the
+    loss's ops and the ways out)."""

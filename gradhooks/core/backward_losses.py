@@ -38,11 +38,22 @@ looks back at the pass's roots:
    the device (no sync in the backward); the read compares
    (:meth:`gradhooks.core.token_means.TokenMeans.refusal`), and equal counts pass.
 
-Cost: one frame walk (some tens of frames) and a walk of at most :data:`_CAP` nodes per
-backward pass, and one compare-and-sum over the output layer's grad_output where a token mean
-was found. Not seen (nothing said, as before): ``reduction="sum"`` divided by a count
-(``num_items_in_batch``; the divisor is freed by then), class weights, label smoothing, sums of
-loss terms, a 2-D ``(B, V, T)`` loss input, an output layer that is not hooked.
+4. **Any other loss** (:func:`split_of`, issue 38): its split into per-sample terms is proven
+   only where its top op (below constant scalings) is ``.mean()`` / ``.sum()`` of a ``(B,)``
+   tensor. Otherwise (class weights, label smoothing, a z-loss or other auxiliary term, a sum
+   divided by ``num_items_in_batch``, a masked mean, an MSE over tokens ...) the first hooked
+   grad_output of the pass that is ``(B, T, D)`` batch first gives the counts of nonzero token
+   rows per sample (:func:`row_counts`; padding's rows are exactly zero), refused at the read
+   where they differ; a class-weighted ``nll_loss`` mean is refused whatever the counts (it
+   divides by the batch's total target weight, which the freed target no longer gives). A
+   constant scaling above the reduction is noted: its factor is freed, so the DP reads refuse
+   (:meth:`gradhooks.core.token_means.TokenMeans.dp_factor`).
+
+Cost: one frame walk (some tens of frames) and a walk of at most :data:`_CAP` nodes (plus
+:data:`_SEARCH` below a loss that is not a proven split) per backward pass, and one
+compare-and-sum over one grad_output where the split is not proven. Not seen (nothing said): a
+model whose output layer is not hooked, or whose first hooked grad_output is not ``(B, T, D)``
+batch first (a ``(B, V, T)`` layout, merged ``(B * T, D)`` rows, ``batch_first=False``).
 """
 from __future__ import annotations
 
@@ -52,8 +63,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["Finding", "backward_roots", "flattened_logits", "ignore_index_of", "loss_of",
-           "valid_rows"]
+__all__ = ["Finding", "Split", "backward_roots", "constant_of", "flattened_logits",
+           "ignore_index_of", "loss_of", "row_counts", "split_of", "valid_rows"]
 
 #: The function whose frame holds a backward pass's root tensors (argument ``t_outputs``).
 ENGINE_FRAME = "_engine_run_backward"
@@ -230,3 +241,181 @@ def valid_rows(grad: Tensor, batch_size: int, tokens: int, classes: int) -> Opti
         return None
     with torch.no_grad():  # (one reduction over the logits' gradient, no (B, T, V) temporary)
         return (torch.linalg.vector_norm(grad, float("inf"), dim=2) != 0).sum(1)
+
+
+# ---------------------------------------------------------------------- the split, in general
+#: Nodes searched at most below a loss whose split is not proven, for its loss functions.
+_SEARCH = 16
+#: The nodes that search descends through: those that combine loss terms (a model's own ops end
+#: it, so a pseudo-loss such as ``model(x).sum()`` costs a node or two per backward pass).
+_TERMS = frozenset({"AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1",
+                    "RsubBackward1", "MulBackward0", "MulBackward1", "DivBackward0",
+                    "DivBackward1", "NegBackward0", "SumBackward0", "SumBackward1",
+                    "MeanBackward0", "MeanBackward1", "ToCopyBackward0", "CloneBackward0",
+                    "ViewBackward0", "UnsafeViewBackward0", "SqueezeBackward0",
+                    "SqueezeBackward1", "UnsqueezeBackward0", "IndexBackward0",
+                    "WhereBackward0", "MaskedSelectBackward0"})
+#: Scalings by a Python number that autograd keeps as a non-tensor attribute (still readable
+#: after the node ran).
+_SCALAR = frozenset({"MulBackward1", "DivBackward1"})
+_NLL = frozenset({"NllLossBackward0", "NllLoss2DBackward0"})
+
+
+class Split(NamedTuple):
+    """How a 0-dim loss splits into per-sample terms, as its graph shows (:func:`split_of`).
+
+    Attributes:
+        proven: the loss is, through constant scalings, ``.mean()`` / ``.sum()`` of a ``(B,)``
+            tensor (per-sample losses: each entry is one sample's term).
+        what: the loss in words (its top op and the loss functions below it), for messages.
+        reduction: ``"mean"`` / ``"sum"`` of the ``(B,)`` tensor where ``proven``, else ``None``.
+        scaled: constant scalings (``loss / k``, ``loss * c``) lie above the reduction.
+        factor: their product; ``None`` where one is not readable (``loss.backward()``: autograd
+            freed the saved operand before any hook runs; a scalar on an accelerator).
+        weighted: a class-weighted ``nll_loss`` / ``cross_entropy`` with ``reduction="mean"``
+            lies below (it divides by the batch's total weight of the targets).
+        losses: the ``nll_loss`` nodes below (their saved targets give the valid-token counts
+            while the graph is alive: :func:`target_counts`).
+        top: ``"mean"`` / ``"sum"`` where the top op is a reduction of that kind (``.mean()``,
+            ``.sum()``, a loss function's ``reduction``), else ``None``.
+    """
+    proven: bool
+    what: str
+    reduction: Optional[str] = None
+    scaled: bool = False
+    factor: Optional[float] = 1.0
+    weighted: bool = False
+    losses: tuple = ()
+    top: Optional[str] = None
+
+
+def constant_of(node, name: str):
+    """The constant ``c`` of a scaling node (``MulBackward0/1``, ``DivBackward0/1``) as a factor
+    (``c``, or ``1/c`` for a division); ``None`` if not readable (freed, or on an accelerator:
+    no device sync), ``False`` if the node is no scaling by one number."""
+    first, second = (list(n for n, _ in node.next_functions) + [None])[:2]
+    if name in _SCALAR:
+        c = node._saved_other
+        if not isinstance(c, (int, float)):
+            return False
+        v = float(c)
+    else:
+        if name == "DivBackward0" and second is not None:
+            return False
+        try:
+            c = node._saved_other if second is None else node._saved_self
+        except RuntimeError:  # (freed by the pass that is running)
+            return None
+        if not isinstance(c, Tensor) or c.numel() != 1 or c.requires_grad:
+            return False
+        if c.device.type != "cpu":
+            return None
+        v = float(c.item())
+    if name.startswith("Div"):
+        return 1.0 / v if v != 0 else False
+    return v
+
+
+def split_of(node, batch_size: int, scaler: bool = False) -> Optional[Split]:
+    """How the loss whose ``grad_fn`` is ``node`` splits into per-sample terms: down through
+    casts, copies and constant scalings to its top op, which proves the split where it is
+    ``.mean()`` / ``.sum()`` of a ``(B,)`` tensor; else the loss functions below it are looked
+    for (at most :data:`_SEARCH` nodes). Reads node types and what autograd keeps of nodes that
+    ran (saved tensors only while alive). ``scaler``: a ``GradScaler`` was declared, so a
+    ``MulBackward0`` at the top is its ``scaler.scale(loss)`` (the reads divide it out), not a
+    factor. ``None`` for no graph."""
+    factor: Optional[float] = 1.0
+    scaled = False
+    for _ in range(_CAP):
+        if node is None:
+            return None
+        name = type(node).__name__
+        nexts = [n for n, _ in node.next_functions if n is not None]
+        if len(nexts) != 1 or (name not in _PASS and name not in _SCALAR):
+            break
+        if scaler and name == "MulBackward0":
+            pass  # (the top node: GradScaler.scale's loss * S)
+        elif name in _SCALE or name in _SCALAR:
+            c = constant_of(node, name)
+            if c is False:
+                break
+            scaled = True
+            factor = None if c is None or factor is None else factor * c
+        node, scaler = nexts[0], False
+    name = type(node).__name__
+    if name in _FULL:
+        try:
+            sizes = tuple(node._saved_self_sym_sizes)
+        except (RuntimeError, AttributeError):
+            sizes = ()
+        if sizes == (batch_size,):
+            return Split(True, f"{name[:-len('Backward0')].lower()}() of a (B,) = "
+                               f"({batch_size},) tensor of per-sample losses",
+                         _FULL[name], scaled, factor, top=_FULL[name])
+    found, weighted, seen, todo = [], False, set(), [node]
+    while todo and len(seen) < _SEARCH:
+        n = todo.pop(0)
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        kind = type(n).__name__
+        if kind in _NLL:
+            found.append(n)
+            try:
+                w = n._saved_weight is not None
+            except RuntimeError:  # (a weight tensor, freed)
+                w = True
+            weighted = weighted or (w and n._saved_reduction == 1)
+            continue
+        if kind in _LOSS_FUNCTIONS:
+            found.append(n)
+        elif kind in _TERMS:
+            todo.extend(m for m, _ in n.next_functions)
+    below = sorted({_CALLS.get(type(n).__name__, type(n).__name__) for n in found})
+    what = (f"{name}" + (f" over {', '.join(below)}" if below else "")
+            + (", class-weighted" if weighted else "")
+            + (", scaled by a constant" if scaled else ""))
+    top = _FULL.get(name)
+    if name in _LOSS_FUNCTIONS:
+        try:
+            top = {1: "mean", 2: "sum"}.get(node._saved_reduction)
+        except (RuntimeError, AttributeError):
+            top = None
+    return Split(False, what, None, scaled, factor, weighted, tuple(found), top)
+
+
+def row_counts(grad: Tensor, batch_size: int) -> Optional[Tensor]:
+    """Per-sample counts of the token rows with a nonzero gradient, ``(B,)`` int64, from a
+    batch-first grad_output ``grad`` of shape ``(B, T, D)`` (a padded row, whose loss terms are
+    masked out, gets an exactly zero gradient); ``None`` for any other shape. Stays on the
+    device (the read compares)."""
+    if grad.dim() != 3 or grad.shape[0] != batch_size or grad.shape[1] < 1:
+        return None
+    with torch.no_grad():
+        return (torch.linalg.vector_norm(grad, float("inf"), dim=2) != 0).sum(1)
+
+
+def target_counts(node, batch_size: int) -> Optional[Tensor]:
+    """The valid-target counts per sample ``(B,)`` of an ``nll_loss`` node whose saved target
+    is alive and holds batch-first rows (``(B,)``, ``(B, T)`` or ``(B * T,)`` flattened from
+    ``(B, T, V)`` logits); for a class-weighted mean, the sums of the targets' class weights
+    instead (its normaliser). ``None`` where that is not established."""
+    try:
+        target, weight = node._saved_target, node._saved_weight
+    except RuntimeError:
+        return None
+    if not isinstance(target, Tensor) or target.numel() % max(batch_size, 1):
+        return None
+    if target.dim() == 1 and target.numel() != batch_size:
+        sizes = flattened_logits(node)
+        if sizes is None or sizes[0] != batch_size:
+            return None
+    elif target.dim() > 1 and target.shape[0] != batch_size:
+        return None
+    ignore = ignore_index_of(node)
+    with torch.no_grad():
+        rows = target.reshape(batch_size, -1)
+        valid = rows != ignore
+        if weight is None or node._saved_reduction != 1:
+            return valid.sum(1)
+        return torch.where(valid, weight[torch.where(valid, rows, 0)], 0).sum(1)

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..base import utils
 from ..base.errors import GradHooksError
-from .backward_losses import backward_roots, loss_of, valid_rows
+from .backward_losses import backward_roots, loss_of, row_counts, split_of, valid_rows
 from .checks import GradTotal
 from .graph import walk
 from .placement import relayout
@@ -43,6 +43,8 @@ class BackwardPass:
         self._task = None  # the backward pass (graph task id) whose roots were looked at
         self._loss = None  # what its root is (backward_losses.Finding), until judged
         self._judged = 0  # > 0: inside passes on a loss gradhooks judged itself (judged())
+        self._split = None  # the pass's loss split (backward_losses.Split) awaiting its counts
+        self.expected = None  # the Split gh.backward read from its loss (expecting())
 
     def on_grad_output(self, record: Record, leaf: Optional[int], grads: tuple,
                        nr: int) -> None:
@@ -54,7 +56,7 @@ class BackwardPass:
         if (utils.PAUSED or grad is None or recorder._muted or not recorder._attached
                 or (id(record), leaf) in self.captured):
             return None
-        self._see_loss(grad)
+        self._see_loss(grad, record)
         self.receive(record, leaf, grad)
         return None
 
@@ -69,20 +71,42 @@ class BackwardPass:
         finally:
             self._judged -= 1
 
-    def _see_loss(self, grad: Tensor) -> None:
+    @contextlib.contextmanager
+    def expecting(self, split):
+        """The judged pass inside (``gh.backward``) runs on a loss whose split ``split``
+        (:class:`~gradhooks.core.backward_losses.Split`, or ``None``: nothing to count) was
+        read from its graph before the pass: its first token-shaped grad_output gives the
+        counts (:meth:`_see_loss`)."""
+        self.expected = split
+        try:
+            yield
+        finally:
+            self.expected = None
+
+    def _see_loss(self, grad: Tensor, record: Record) -> None:
         """The first hooked grad_output of a backward pass looks at its roots for a loss that is
         not the declared mean (or sum) over samples (:mod:`gradhooks.core.backward_losses`): a
-        token-level mean, whose valid-token counts the logits' grad_output gives, or a reduction
-        over the batch that contradicts ``loss_reduction``; refused at the read."""
-        if self._judged:
+        token-level mean, whose valid-token counts the logits' grad_output gives, a loss whose
+        split into per-sample terms is not proven (counted from the first ``(B, T, D)``
+        grad_output: :func:`~gradhooks.core.backward_losses.row_counts`), a constant factor, or
+        a reduction over the batch that contradicts ``loss_reduction``; refused at the read."""
+        if self._judged and self.expected is None:
             return
         task = torch._C._current_graph_task_id()
         recorder = self._recorder
+        tokens = recorder.placement.mixing.tokens
         if task != self._task:
-            self._task, self._loss = task, None
+            self._task, self._loss, self._split = task, None, None
             size = recorder.batch_size
-            roots = backward_roots() if size and size > 1 else None
-            self._loss = None if roots is None else loss_of(roots, size)
+            if self._judged:
+                self._split = self.expected
+            else:
+                roots = backward_roots() if size else None
+                self._loss = None if roots is None else loss_of(roots, size)
+                if roots is not None and len(roots) == 1 and roots[0].dim() == 0:
+                    self._split = self._judge_split(
+                        split_of(roots[0].grad_fn, size, _scaling(recorder)), tokens)
+        self._count(grad, record)
         found = self._loss
         if found is None:
             return
@@ -98,6 +122,42 @@ class BackwardPass:
             return  # (the loss's rows are not yet known to be the batch's)
         self._loss = None
         tokens.contradicts(found.what, found.kind, size)
+
+    def _count(self, grad: Tensor, record: Record) -> None:
+        # The pass's first hooked grad_output (the output layer's: closest to the loss) gives
+        # the valid-token counts of a loss whose split is not proven, if it is (B, T, D); the
+        # later ones (inner layers, whose zero rows a ReLU may make) never do.
+        split, self._split = self._split, None
+        recorder = self._recorder
+        if split is None or grad is None or not recorder.batch_first:
+            return
+        counts = row_counts(grad, recorder.batch_size)
+        if counts is not None:
+            recorder.placement.mixing.tokens.unsplit(
+                split.what, counts, split.weighted, f"the zero rows of the {tuple(grad.shape)} "
+                f"grad_output of module {record.layer.describe()}")
+
+    def _judge_split(self, split, tokens):
+        """What a plain ``loss.backward()``'s loss split (``split``) leaves to count: ``None``
+        where it is proven or left to the token-level mean of :func:`loss_of`; a class-weighted
+        mean (whose weight sums the freed target no longer gives) is refused at once; a
+        constant factor on it is noted (not readable there: the DP reads refuse)."""
+        if split is None:
+            return None
+        if split.scaled:
+            declared, size = self._recorder.loss_reduction, self._recorder.batch_size
+            if split.factor is not None and split.top is not None:  # (a Python-number scale)
+                tokens.scaled(split.factor * {("sum", "mean"): size, ("mean", "sum"): 1 / size}
+                              .get((split.top, declared), 1.0), split.what)
+            elif not (split.top == "sum" and declared == "mean"):
+                tokens.scaled(None, split.what)  # (a sum scaled under "mean": taken as sum / B)
+        if split.proven:
+            return None
+        if split.weighted:  # (refused even where no (B, T, D) grad_output gives the counts)
+            tokens.unsplit(split.what, None, True, "")
+        if self._loss is not None and self._loss.kind == "tokens":
+            return None  # (the token-level mean's own message names its counts)
+        return split
 
     def receive(self, record: Record, leaf: Optional[int], grad: Tensor) -> None:
         """Add a grad_output ``grad`` of ``record`` (of output leaf ``leaf`` for ``multi_io``
@@ -240,9 +300,14 @@ class BackwardPass:
             self.captured = {(id(record), leaf) for _, record, leaf in captures}
             self.listener = None if listen is None else listen(records, events)
             try:
+                self._task = None
                 grads = torch.autograd.grad(loss, [e for e, _, _ in captures], gradient,
                                             retain_graph=retain_graph, allow_unused=True,
                                             create_graph=create_graph)
+                if self._task is None and self.expected is not None:  # (no pre-hook ran:
+                    self._split = self.expected  # the first captured grad_output counts)
+                    self._count(*next(((g, r) for (_, r, leaf), g in zip(captures, grads)
+                                       if g is not None and leaf is None), (None, None)))
                 for (_, record, leaf), grad in zip(captures, grads):
                     if grad is not None and leaf != -1:
                         self.receive(record, leaf, grad)
@@ -261,3 +326,9 @@ class BackwardPass:
                 recorder._sum_check = "due"
                 recorder._drive_key = key if recorder._edges_complete else None
         return edges_mode
+
+
+def _scaling(recorder) -> bool:
+    # Whether a declared GradScaler scales the loss of a plain backward (its top Mul).
+    scaler = recorder.grad_scaler
+    return scaler is not None and scaler.is_enabled()

@@ -12,7 +12,8 @@ means: exact, allowed. ``gh.backward(loss)`` sees such a loss in its graph
 (:mod:`gradhooks.readers.loss_reduction`); a plain ``loss.backward()`` does not, so the forward
 is watched instead.
 
-What counts as such a loss: ``cross_entropy`` / ``nll_loss`` whose input requires grad and
+What counts as such a loss: ``cross_entropy`` / ``nll_loss`` without ``weight=`` (a weighted
+mean is refused by its backward pass whatever the counts) whose input requires grad and
 whose target carries the batch (provenance follows it through the label shift: ``F.pad``,
 slicing, ``view``; rows ``(B * T,)`` or ``(B, T)``) with ``reduction="mean"``, or
 ``reduction="sum"`` then divided by something other than ``B`` (``num_items_in_batch``). Each
@@ -30,8 +31,15 @@ such a loss pay nothing.
 
 Not seen here: a loss computed outside the forward (``gh.backward`` refuses one from its
 graph; :mod:`gradhooks.core.backward_losses` finds one that ``loss.backward()`` differentiates,
-refused at the read through :meth:`TokenMeans.seen_after_forward`), ``weight=``
-(a weighted mean also divides by a batch-wide total), losses other than these two.
+refused at the read through :meth:`TokenMeans.seen_after_forward`), losses other than these two
+(``weight=``, label smoothing, auxiliary terms: their backward pass finds them whether they were
+computed inside the forward or not, :meth:`TokenMeans.unsplit`).
+
+Also kept here, per batch: the losses whose split into per-sample terms is not proven
+(:meth:`TokenMeans.unsplit`) and the constant factors on the losses (:meth:`TokenMeans.scaled`,
+divided out by the DP reads: :meth:`TokenMeans.dp_factor`). With
+``attach(..., token_normalisation="batch")`` none of the token-count refusals is made: the
+results are each sample's contribution to the batch gradient.
 """
 from __future__ import annotations
 
@@ -44,7 +52,24 @@ from torch.overrides import TorchFunctionMode
 
 from ..base.errors import UnsupportedLossError
 
-__all__ = ["TOKEN_OPS", "ForwardLosses", "Watch", "TokenMeans"]
+__all__ = ["TOKEN_OPS", "TOKEN_NORMALISATIONS", "ForwardLosses", "Watch", "TokenMeans",
+           "check_token_normalisation"]
+
+#: The values of ``attach(..., token_normalisation=)``: ``"sample"`` (default: a loss whose
+#: split into per-sample terms is not proven is refused where the samples' token counts differ)
+#: or ``"batch"`` (the batch's token normalisation is wanted: results are contributions).
+TOKEN_NORMALISATIONS = ("sample", "batch")
+
+
+def check_token_normalisation(value: str) -> str:
+    """``value`` if it is one of :data:`TOKEN_NORMALISATIONS`.
+
+    Raises:
+        ValueError: another value."""
+    if value not in TOKEN_NORMALISATIONS:
+        raise ValueError(f"token_normalisation must be one of {TOKEN_NORMALISATIONS}, got "
+                         f"{value!r}")
+    return value
 
 _LOSSES = {F.cross_entropy: "cross_entropy", F.nll_loss: "nll_loss"}
 _DIVS = {torch.div, torch.true_divide, Tensor.div, Tensor.true_divide, Tensor.__truediv__}
@@ -97,6 +122,8 @@ class ForwardLosses:
         self.dims.append(d)
         reduction = _option(args, kwargs, "reduction", 6, "mean")
         if (d is None or not isinstance(x, Tensor) or not x.requires_grad or size <= 0
+                or _option(args, kwargs, "weight", 2, None) is not None  # (its backward pass
+                # refuses a weighted mean: gradhooks.core.backward_losses.split_of)
                 or reduction not in ("mean", "sum") or target.dim() <= d
                 or target.numel() % size or target.is_floating_point()):
             return
@@ -117,6 +144,34 @@ class _Contradiction(NamedTuple):
     """A batch loss whose reduction over the batch is not the declared one (its message,
     ``{read}`` to fill in)."""
     message: str
+
+
+class _Unsplit(NamedTuple):
+    """A backward pass's loss whose split into per-sample terms its graph does not prove
+    (:func:`gradhooks.core.backward_losses.split_of`): ``counts`` ``(B,)`` the valid-token rows
+    per sample (or the class-weight sums of a weighted mean; ``None``: not known), ``source``
+    where they come from."""
+    what: str
+    counts: Optional[Tensor]
+    weighted: bool
+    source: str
+
+    @property
+    def decisive(self) -> bool:
+        """Whether :attr:`counts` are the normaliser's per-sample parts (read from the loss's
+        saved targets: a weighted mean's weight sums), not only its valid rows."""
+        return self.source == TARGETS
+
+
+#: The source of counts read from a loss's saved targets (:attr:`_Unsplit.decisive`).
+TARGETS = "the loss's saved targets"
+
+
+class _Factor(NamedTuple):
+    """A constant factor on a backward pass's loss relative to the declared reduction
+    (``None``: not readable), and the loss in words."""
+    factor: Optional[float]
+    what: str
 
 
 class Watch(TorchFunctionMode):
@@ -199,6 +254,61 @@ class TokenMeans:
         sample; refused at the read like one of the forward's."""
         self.batch.append([what, counts, "mean", None, True])
 
+    def unsplit(self, what: str, counts: Optional[Tensor], weighted: bool, source: str) -> None:
+        """A backward pass's loss is not proven to split into per-sample terms
+        (:class:`_Unsplit`): refused at the read where ``counts`` differ, or it is a class-
+        weighted mean whose per-sample weight sums are not known to be equal. Counts for a
+        weighted mean noted earlier without them take its place."""
+        entry = _Unsplit(what, counts, weighted, source)
+        for i, old in enumerate(self.batch):
+            if isinstance(old, _Unsplit) and old.counts is None and old.what == what:
+                self.batch[i] = entry
+                return
+        self.batch.append(entry)
+
+    def scaled(self, factor: Optional[float], what: str) -> None:
+        """A backward pass's loss is ``factor`` times the declared reduction of per-sample
+        losses (``None``: a constant factor was seen that could not be read): the DP reads
+        divide it out (:meth:`dp_factor`)."""
+        self.batch.append(_Factor(factor, what))
+
+    def dp_factor(self, read: str, materialize: bool = False) -> float:
+        """The constant factor ``c`` on this batch's loss (``1.0`` where none was seen), which
+        a DP read divides out so that clipping acts on the gradient of each sample's own
+        unscaled loss.
+
+        Raises:
+            UnsupportedLossError: a factor was seen that could not be read, backward passes
+                of the batch had different factors, or ``materialize`` (clipping the per-sample
+                gradients ``per_sample_grads()`` returns, which are of the loss as given)."""
+        found = {entry.factor: entry.what for entry in self.batch if isinstance(entry, _Factor)}
+        if not found:
+            return 1.0
+        if None in found:
+            raise UnsupportedLossError(
+                f"{read}: the loss of this batch's backward ({found[None]}) is multiplied by a "
+                f"constant (loss / gradient_accumulation_steps, loss * c) that gradhooks cannot "
+                f"read: loss.backward() frees it before any hook runs. Clipping would act on c "
+                f"times each sample's gradient, at the wrong scale. Call gh.backward(loss) "
+                f"instead of loss.backward() (gradhooks then reads the factor and clips the "
+                f"gradient of each sample's own unscaled loss), or backward the unscaled loss "
+                f"and let gh.clip_and_accumulate(C, accumulate=True) with gh.finish_step() do "
+                f"the accumulation")
+        if len(found) > 1:
+            raise UnsupportedLossError(
+                f"{read}: the backward passes of this batch scaled their losses by different "
+                f"constants ({', '.join(f'{c:g}' for c in found)}): no one scale to clip at. "
+                f"Clip after each backward, or use one factor")
+        factor = next(iter(found))
+        if materialize:
+            raise UnsupportedLossError(
+                f"{read} with method='materialize': the loss ({found[factor]}) is {factor:g} "
+                f"times the declared reduction of per-sample losses, and the per-sample "
+                f"gradients it would clip are those of the loss as given. Use method='ghost' "
+                f"(it clips the gradient of each sample's own unscaled loss) or backward the "
+                f"unscaled loss")
+        return factor
+
     def contradicts(self, what: str, reduction: str, size: int) -> None:
         """A backward pass's loss is ``what``, a ``reduction`` (``"sum"`` / ``"mean"``) over the
         batch's ``size`` rows (:mod:`gradhooks.core.backward_losses`): refused at the read when
@@ -218,9 +328,17 @@ class TokenMeans:
     def refusal(self, read: str) -> Optional[UnsupportedLossError]:
         """The error a read (``read``) of this batch raises when a token-level loss of its
         forward weighs the samples unequally (module docstring), or ``None``."""
+        batch_wide = getattr(self._recorder, "token_normalisation", "sample") == "batch"
         for entry in self.batch:
             if isinstance(entry, _Contradiction):
                 return UnsupportedLossError(entry.message.replace("{read}", read))
+            if isinstance(entry, _Factor) or batch_wide:
+                continue  # (token_normalisation="batch": contributions are wanted)
+            if isinstance(entry, _Unsplit):
+                error = _unsplit_error(entry, read)
+                if error is not None:
+                    return error
+                continue
             what, counts, reduction, divisor, used = entry
             if not used:
                 continue  # (no backward reached this loss: it is not what the results are of)
@@ -247,5 +365,42 @@ class TokenMeans:
                 f"{'N' if reduction == 'mean' else f'{d:g}'} = ({factors}), not the gradient "
                 f"of its own loss. Compute one loss per sample and hand it to gradhooks: "
                 f"losses = gradhooks.per_sample_token_loss(out.logits, labels); then "
-                f"gh.backward(losses.mean()) or gh.clipped_backward(losses, C)")
+                f"gh.backward(losses.mean()) or gh.clipped_backward(losses, C); or attach with "
+                f"token_normalisation='batch' if each sample's contribution to the batch "
+                f"gradient is wanted")
         return None
+
+
+def _unsplit_error(entry: _Unsplit, read: str) -> Optional[UnsupportedLossError]:
+    # The refusal of a loss whose split is not proven (TokenMeans.unsplit), or None.
+    n = None if entry.counts is None else entry.counts.tolist()
+    weights = entry.weighted and not entry.decisive  # (weight sums not known: always refused)
+    if n is not None and len(n) < 2:
+        return None
+    if not weights and (n is None or len(set(n)) <= 1):
+        return None
+    if n is None:
+        shown = "the per-sample sums of the targets' class weights are not known"
+    else:
+        shown = ", ".join(f"{k:g}" for k in n[:8]) + (", ..." if len(n) > 8 else "")
+        shown = (f"{'class-weight sums' if entry.decisive and entry.weighted else 'N_n'} = "
+                 f"[{shown}] (B = {len(n)}, from {entry.source})")
+    if entry.weighted:
+        how = ("is a class-weighted mean: it divides by the total class weight of the batch's "
+               "targets, so each sample's term depends on the other samples' targets")
+    else:
+        how = ("is not proven to split into per-sample terms (only .mean() / .sum() of (B,) "
+               "per-sample losses is), and the samples' valid tokens differ")
+    return UnsupportedLossError(
+        f"{read}: the loss ({entry.what}) {how}: {shown}. A loss normalised over the batch's "
+        f"tokens (a token mean, class weights, label smoothing, a z-loss or other auxiliary "
+        f"term, a sum divided by num_items_in_batch, a masked mean) weighs each sample by the "
+        f"batch's counts, so {read} would not be the gradient of each sample's own loss. Ways "
+        f"out: (a) compute one loss per sample, losses = gradhooks.per_sample_token_loss("
+        f"logits, labels, weight=..., label_smoothing=..., z_loss=...) (or "
+        f"per_sample_token_loss(token_losses=l, mask=m) for any (B, T) token-loss tensor), then "
+        f"gh.backward(losses.mean()) or gh.clipped_backward(losses, C); or (b) declare that the "
+        f"batch's token normalisation is wanted, gradhooks.attach(..., "
+        f"token_normalisation='batch'): results are then each sample's contribution to the "
+        f"batch gradient (under DP-SGD each sample's clipped term then depends on the batch's "
+        f"token count)")

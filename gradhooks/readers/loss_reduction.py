@@ -34,9 +34,22 @@ Refused (:class:`~gradhooks.base.errors.UnsupportedLossError`), the rest is said
     reads this batch at it where no ``grad_scaler`` was given to ``attach``
     (:meth:`gradhooks.core.batch_reads.BatchReads.see_scale`); (a) and (b) judge the loss below it.
 
-Not recognised (nothing said): sums of loss terms (``loss + aux``), scalings by a tensor that
-lives on an accelerator (its value would need a device sync) or that requires grad, class
-weights (``weight=``), label smoothing, reductions over dimensions, any other node on the way.
+(e) a loss whose split into per-sample terms the graph does not prove (issue 38; anything but
+    ``.mean()`` / ``.sum()`` of a ``(B,)`` tensor below constant scalings: class weights, label
+    smoothing, ``loss + aux``, ``/ num_items_in_batch``, a masked mean): the valid-target counts
+    of the ``nll_loss`` nodes below it (their saved targets; a class-weighted mean's per-sample
+    weight sums) are noted, and the pass's first ``(B, T, D)`` grad_output gives the nonzero
+    token rows per sample (:meth:`gradhooks.core.backward_pass.BackwardPass.expecting`); the
+    reads refuse unequal counts (:meth:`gradhooks.core.token_means.TokenMeans.unsplit`) unless
+    ``token_normalisation="batch"``.
+(f) a constant factor ``c`` (``loss / k``, ``loss * c``, a Python number or a CPU tensor) above
+    the reduction, relative to the declared ``loss_reduction`` (``losses.sum() / B`` under
+    ``"mean"`` is ``c = 1``): noted for the DP reads, which divide it out (:func:`unscaled`); a
+    factor that cannot be read (on an accelerator; a pseudo-loss whose reduction is not known)
+    makes them refuse.
+
+Not recognised (nothing said): scalings by a tensor that requires grad, reductions over
+dimensions, any other node on the way.
 The walk reads only node attributes (and, for (a), the saved target once); it keeps no
 reference to the graph or its tensors.
 """
@@ -48,10 +61,12 @@ import torch
 from torch import Tensor
 
 from ..base.errors import UnsupportedLossError
-from ..core.backward_losses import flattened_logits, ignore_index_of
+from ..core.backward_losses import (Split, constant_of, flattened_logits, ignore_index_of,
+                                    split_of, target_counts)
 from ..core.batch_reads import is_loss_scale
+from ..core.token_means import TARGETS
 
-__all__ = ["check_batch_loss", "check_per_sample_losses", "loss_scale_of"]
+__all__ = ["check_batch_loss", "check_per_sample_losses", "loss_scale_of", "unscaled"]
 
 #: Nodes followed when at most this many lie above the reduction.
 _CAP = 16
@@ -73,48 +88,118 @@ _MEAN, _SUM = 1, 2
 
 
 def check_batch_loss(loss: Tensor, batch_size: Optional[int], loss_reduction: str,
-                     gradient: Optional[Tensor] = None) -> None:
+                     gradient: Optional[Tensor] = None, tokens=None) -> Optional[Split]:
     """Refuse a scalar batch loss that is not the declared reduction over samples (cases (a)
-    and (b) of the module docstring); say nothing about any loss not recognised.
+    and (b) of the module docstring); note on ``tokens`` what the reads judge (a split not
+    proven, case (e); a constant factor, case (f)); say nothing about any loss not recognised.
 
     Args:
         loss: the tensor handed to :meth:`gradhooks.GradHooks.backward`.
         batch_size: ``B`` of the recorded forward (``None``: nothing recorded, no check).
         loss_reduction: ``"mean"`` or ``"sum"``, as given to :func:`gradhooks.attach`.
         gradient: the ``gradient`` argument (given: the scale is unknown, no check).
+        tokens: the recorder's :class:`~gradhooks.core.token_means.TokenMeans` (``None``: the
+            split and the factor are not judged).
+
+    Returns:
+        The loss's :class:`~gradhooks.core.backward_losses.Split` where its counts are still to
+        be read from the pass's first ``(B, T, D)`` grad_output
+        (:meth:`gradhooks.core.backward_pass.BackwardPass.expecting`), else ``None``.
 
     Raises:
-        UnsupportedLossError: a token-level mean over unequal valid-token counts, or a
-            reduction over the batch that contradicts ``loss_reduction``.
+        UnsupportedLossError: a token-level mean over unequal valid-token counts (unless
+            ``token_normalisation="batch"``), or a reduction over the batch that contradicts
+            ``loss_reduction``.
     """
-    if gradient is not None or not batch_size or batch_size < 2 or loss.dim() != 0:
-        return
-    found = _read(loss, batch_size, broadcast=False)
-    if found is None:
-        return
-    node, factor, kind, counts = found
-    if counts is not None:
-        raise UnsupportedLossError(_token_mean_message(counts, loss_reduction))
+    if gradient is not None or not batch_size or loss.dim() != 0:
+        return None
+    batch_wide = getattr(getattr(tokens, "_recorder", None), "token_normalisation",
+                         "sample") == "batch"
+    found = _read(loss, batch_size, broadcast=False) if batch_size > 1 else None
+    kind = factor = None
+    if found is not None:
+        node, factor, kind, counts = found
+        if counts is not None and not batch_wide:
+            raise UnsupportedLossError(_token_mean_message(counts, loss_reduction))
     scale = loss_scale_of(loss)
-    if scale is not None and factor is not None and scale.device.type == "cpu":
-        seen = float(scale)  # (the GradScaler's scale: the reads divide by it)
-        factor = factor / seen if is_loss_scale(seen) else factor
-    if factor != 1.0:
+    seen = float(scale) if scale is not None and scale.device.type == "cpu" else None
+    if found is not None and factor is not None and seen is not None and is_loss_scale(seen):
+        factor = factor / seen  # (the GradScaler's scale: the reads divide by it)
+    if found is not None and factor == 1.0:
+        if loss_reduction == "mean" and kind == _SUM:
+            raise UnsupportedLossError(
+                f"gh.backward(loss): loss_reduction='mean' was declared, but the loss is a sum "
+                f"over the batch ({type(node).__name__}, B = {batch_size}): every per-sample "
+                f"result would be {batch_size} (B) times the gradient of the sample's own loss. "
+                f"Divide the loss by B (e.g. reduction='mean', or per-sample losses and "
+                f"losses.mean()), or attach with loss_reduction='sum'.")
+        if loss_reduction == "sum" and kind == _MEAN:
+            raise UnsupportedLossError(
+                f"gh.backward(loss): loss_reduction='sum' was declared, but the loss is a mean "
+                f"over the batch ({type(node).__name__}, B = {batch_size}): every per-sample "
+                f"result would be 1/{batch_size} (1/B) times the gradient of the sample's own "
+                f"loss. Sum the losses (reduction='sum', or per-sample losses and "
+                f"losses.sum()), or attach with loss_reduction='mean'.")
+    if tokens is None:
+        return None
+    try:
+        split = split_of(loss.grad_fn, batch_size)
+    except RuntimeError:  # (saved tensors freed: autograd's own backward says so)
+        return None
+    if split is None:
+        return None
+    _note_factor(split, kind, factor, seen, batch_size, loss_reduction, tokens)
+    if split.proven:
+        return None
+    counts = []
+    for n in split.losses:
+        c = target_counts(n, batch_size) if type(n).__name__ in _NLL else None
+        if c is not None:
+            counts.append(c)
+        elif split.weighted and n._saved_weight is not None and n._saved_reduction == _MEAN:
+            counts.append(None)
+    if split.weighted or counts:
+        total = None if any(c is None for c in counts) else sum(counts)
+        tokens.unsplit(split.what, total, split.weighted, "" if total is None else TARGETS)
+    return None if split.weighted else split
+
+
+def _note_factor(split: Split, kind, factor, seen, batch_size: int, loss_reduction: str,
+                 tokens) -> None:
+    # A constant factor on the loss (case (f)): relative to the declared reduction where the
+    # reduction below it is known, else not readable (None) and the DP reads refuse.
+    if not split.scaled:
         return
-    if loss_reduction == "mean" and kind == _SUM:
-        raise UnsupportedLossError(
-            f"gh.backward(loss): loss_reduction='mean' was declared, but the loss is a sum over "
-            f"the batch ({type(node).__name__}, B = {batch_size}): every per-sample result would "
-            f"be {batch_size} (B) times the gradient of the sample's own loss. Divide the loss "
-            f"by B (e.g. reduction='mean', or per-sample losses and losses.mean()), or attach "
-            f"with loss_reduction='sum'.")
-    if loss_reduction == "sum" and kind == _MEAN:
-        raise UnsupportedLossError(
-            f"gh.backward(loss): loss_reduction='sum' was declared, but the loss is a mean over "
-            f"the batch ({type(node).__name__}, B = {batch_size}): every per-sample result would "
-            f"be 1/{batch_size} (1/B) times the gradient of the sample's own loss. Sum the "
-            f"losses (reduction='sum', or per-sample losses and losses.sum()), or attach with "
-            f"loss_reduction='mean'.")
+    c = split.factor
+    if c is not None and seen is not None and is_loss_scale(seen):
+        c = c / seen
+    reduction = split.top or {_MEAN: "mean", _SUM: "sum"}.get(kind)
+    if c is None or reduction is None:
+        if c != 1.0:
+            tokens.scaled(None, split.what)
+        return
+    c *= {("sum", "mean"): batch_size, ("mean", "sum"): 1.0 / batch_size}.get(
+        (reduction, loss_reduction), 1.0)
+    if abs(c - 1.0) > 1e-12:
+        tokens.scaled(c, split.what)
+
+
+def unscaled(batch, recorder, materialize: bool = False):
+    """The batch snapshot ``batch`` (:class:`~gradhooks.core.records.Batch`) of a DP read, read
+    as if its loss had not been multiplied by the constant factor its backward passes noted
+    (case (f); :meth:`gradhooks.core.token_means.TokenMeans.dp_factor` of ``recorder``'s): the
+    factor joins the grad scale that the readers divide out, so that norms and clipping are
+    those of each sample's own unscaled loss and ``.grad`` is written at the loss's scale (as
+    for a ``GradScaler``'s).
+
+    Raises:
+        UnsupportedLossError: a factor that could not be read, or ``materialize`` with one."""
+    factor = recorder.placement.mixing.tokens.dp_factor("clip_and_accumulate()", materialize)
+    if factor == 1.0:
+        return batch
+    grad_scale = batch.grad_scale * factor
+    scale = batch.divisor / grad_scale
+    return batch._replace(grad_scale=grad_scale, scale=scale, factor=scale)
 
 
 def check_per_sample_losses(losses: Tensor, batch_size: Optional[int]) -> None:
@@ -193,7 +278,7 @@ def _reduction(node, broadcast: bool) -> Optional[Tuple[object, Optional[float]]
         if len(nexts) != 1:
             return None
         if name in _SCALE:
-            c = _constant(node, name)
+            c = constant_of(node, name)
             if c is False:
                 return None
             factor = None if c is None or factor is None else factor * c
@@ -201,26 +286,6 @@ def _reduction(node, broadcast: bool) -> Optional[Tuple[object, Optional[float]]
             return None
         node = nexts[0]
     return None
-
-
-def _constant(node, name: str):
-    """The constant ``c`` of a scaling node as a factor (``c``, or ``1/c`` for a division);
-    ``None`` if not known without a device sync, ``False`` if the node is no constant scaling."""
-    first, second = (n for n, _ in node.next_functions)
-    if name == "DivBackward0":
-        if second is not None:
-            return False
-        c = node._saved_other
-    else:
-        c = node._saved_other if second is None else node._saved_self
-    if not isinstance(c, Tensor) or c.numel() != 1 or c.requires_grad:
-        return False
-    if c.device.type != "cpu":
-        return None
-    v = float(c.item())
-    if name == "DivBackward0":
-        return 1.0 / v if v != 0 else False
-    return v
 
 
 def _kind(node, batch_size: int) -> Tuple[Optional[int], Optional[int]]:

@@ -14,12 +14,13 @@ from typing import Optional
 from torch import Tensor
 
 from ..base.errors import UnsupportedLossError
-from .loss_reduction import _MEAN, _read, check_batch_loss
+from ..core.backward_losses import Split
+from .loss_reduction import _MEAN, _read, check_batch_loss, loss_scale_of
 
-__all__ = ["check_backward_loss"]
+__all__ = ["check_backward_loss", "judged_backward"]
 
 
-def check_backward_loss(loss: Tensor, recorder, gradient: Optional[Tensor]) -> None:
+def check_backward_loss(loss: Tensor, recorder, gradient: Optional[Tensor]) -> Optional[Split]:
     """Refuse a loss handed to ``gh.backward`` that is not the declared reduction over the
     batch's samples (:func:`~gradhooks.readers.loss_reduction.check_batch_loss` with ``G``, the
     number of samples, with ``sample_ids``), or, with ``sample_ids`` grouping ``B`` rows into
@@ -37,10 +38,11 @@ def check_backward_loss(loss: Tensor, recorder, gradient: Optional[Tensor]) -> N
     """
     rows = recorder.batch_size
     samples = recorder.reads.samples()
-    check_batch_loss(loss, samples, recorder.loss_reduction, gradient)
+    split = check_batch_loss(loss, samples, recorder.loss_reduction, gradient,
+                             recorder.placement.mixing.tokens)
     if (gradient is not None or not rows or samples == rows or not isinstance(loss, Tensor)
             or loss.dim() != 0):
-        return
+        return split
     found = _read(loss, rows, broadcast=False)
     if found is not None and found[2] == _MEAN and found[1] == 1.0:
         raise UnsupportedLossError(
@@ -50,3 +52,19 @@ def check_backward_loss(loss: Tensor, recorder, gradient: Optional[Tensor]) -> N
             f"mean over the samples (loss_reduction='mean': row_losses.sum() / {samples}) or "
             f"their sum ('sum'); as it is, every result would be G/B = {samples}/{rows} times "
             f"the gradient of the sample's own loss. Use reduction='none' and sum / G")
+    return split
+
+
+def judged_backward(recorder, loss: Tensor, gradient: Optional[Tensor],
+                    retain_graph: bool) -> None:
+    """The backward pass of :meth:`gradhooks.GradHooks.backward` on ``loss``, judged first
+    (:func:`check_backward_loss`; the GradScaler's scale:
+    :func:`~gradhooks.readers.loss_reduction.loss_scale_of`) and counted in the pass where its
+    split is not proven (``recorder``: the :class:`~gradhooks.core.capture.Recorder`).
+
+    Raises:
+        UnsupportedLossError: as :func:`check_backward_loss`."""
+    split = check_backward_loss(loss, recorder, gradient)
+    recorder.reads.see_scale(loss_scale_of(loss))
+    with recorder.backward_pass.expecting(split):
+        recorder.drive(loss, gradient, retain_graph)
