@@ -278,6 +278,9 @@ class Split(NamedTuple):
             while the graph is alive: :func:`target_counts`).
         top: ``"mean"`` / ``"sum"`` where the top op is a reduction of that kind (``.mean()``,
             ``.sum()``, a loss function's ``reduction``), else ``None``.
+        length: ``L`` where the top op reduces an ``(L,)`` tensor of another length than ``B``
+            (``G`` per-sample losses of rows grouped by ``gh.set_sample_ids`` declared after the
+            backward: the reads judge it then), else ``None``.
     """
     proven: bool
     what: str
@@ -287,6 +290,7 @@ class Split(NamedTuple):
     weighted: bool = False
     losses: tuple = ()
     top: Optional[str] = None
+    length: Optional[int] = None
 
 
 def constant_of(node, name: str):
@@ -343,6 +347,7 @@ def split_of(node, batch_size: int, scaler: bool = False) -> Optional[Split]:
             factor = None if c is None or factor is None else factor * c
         node, scaler = nexts[0], False
     name = type(node).__name__
+    sizes: tuple = ()
     if name in _FULL:
         try:
             sizes = tuple(node._saved_self_sym_sizes)
@@ -381,7 +386,8 @@ def split_of(node, batch_size: int, scaler: bool = False) -> Optional[Split]:
             top = {1: "mean", 2: "sum"}.get(node._saved_reduction)
         except (RuntimeError, AttributeError):
             top = None
-    return Split(False, what, None, scaled, factor, weighted, tuple(found), top)
+    return Split(False, what, None, scaled, factor, weighted, tuple(found), top,
+                 int(sizes[0]) if len(sizes) == 1 else None)
 
 
 def row_counts(grad: Tensor, batch_size: int) -> Optional[Tensor]:

@@ -104,8 +104,9 @@ class BackwardPass:
                 roots = backward_roots() if size else None
                 self._loss = None if roots is None else loss_of(roots, size)
                 if roots is not None and len(roots) == 1 and roots[0].dim() == 0:
+                    samples = recorder.reads.declared_samples() or size  # (G with sample_ids)
                     self._split = self._judge_split(
-                        split_of(roots[0].grad_fn, size, _scaling(recorder)), tokens)
+                        split_of(roots[0].grad_fn, samples, _scaling(recorder)), tokens)
         self._count(grad, record)
         found = self._loss
         if found is None:
@@ -135,7 +136,7 @@ class BackwardPass:
         if counts is not None:
             recorder.placement.mixing.tokens.unsplit(
                 split.what, counts, split.weighted, f"the zero rows of the {tuple(grad.shape)} "
-                f"grad_output of module {record.layer.describe()}")
+                f"grad_output of module {record.layer.describe()}", split.length)
 
     def _judge_split(self, split, tokens):
         """What a plain ``loss.backward()``'s loss split (``split``) leaves to count: ``None``

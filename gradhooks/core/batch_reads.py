@@ -279,6 +279,14 @@ class BatchReads:
         groups = SampleGroups.of(sample_ids, recorder.batch_size, device)
         self._groups = (recorder.batch_id, groups, False)
 
+    def declared_samples(self) -> Optional[int]:
+        """``G`` where sample_ids were declared for the current batch, else ``None`` (never
+        raises: the backward pass asks it to judge its loss's split over the samples)."""
+        held = self._groups
+        if held is None or held[0] != self._recorder.batch_id:
+            return None
+        return held[1].count
+
     def groups(self, read: str) -> Optional[SampleGroups]:
         """The :class:`~gradhooks.base.sample_groups.SampleGroups` the read ``read`` of the current
         batch takes (:meth:`set_groups`), or ``None`` (none declared for this batch).

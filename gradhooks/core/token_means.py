@@ -155,6 +155,7 @@ class _Unsplit(NamedTuple):
     counts: Optional[Tensor]
     weighted: bool
     source: str
+    length: Optional[int] = None  # (Split.length: (L,) losses reduced, L != B)
 
     @property
     def decisive(self) -> bool:
@@ -254,12 +255,13 @@ class TokenMeans:
         sample; refused at the read like one of the forward's."""
         self.batch.append([what, counts, "mean", None, True])
 
-    def unsplit(self, what: str, counts: Optional[Tensor], weighted: bool, source: str) -> None:
+    def unsplit(self, what: str, counts: Optional[Tensor], weighted: bool, source: str,
+                length: Optional[int] = None) -> None:
         """A backward pass's loss is not proven to split into per-sample terms
         (:class:`_Unsplit`): refused at the read where ``counts`` differ, or it is a class-
         weighted mean whose per-sample weight sums are not known to be equal. Counts for a
         weighted mean noted earlier without them take its place."""
-        entry = _Unsplit(what, counts, weighted, source)
+        entry = _Unsplit(what, counts, weighted, source, length)
         for i, old in enumerate(self.batch):
             if isinstance(old, _Unsplit) and old.counts is None and old.what == what:
                 self.batch[i] = entry
@@ -335,6 +337,9 @@ class TokenMeans:
             if isinstance(entry, _Factor) or batch_wide:
                 continue  # (token_normalisation="batch": contributions are wanted)
             if isinstance(entry, _Unsplit):
+                if (not entry.weighted and entry.length is not None
+                        and entry.length == self._recorder.reads.declared_samples()):
+                    continue  # (.mean() / .sum() of (G,) losses of the declared samples)
                 error = _unsplit_error(entry, read)
                 if error is not None:
                     return error
