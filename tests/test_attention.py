@@ -33,13 +33,15 @@ class Attn(nn.Module):
 def attn_loss(outputs, w, reduction, batch_dim, use_y=True):
     """reduce_n w_n * (sum y_n^2 [+ sum 3 * P_n^2]): y and the returned weights both enter."""
     y, p = outputs
-    total = 0.0
+    losses = 0.0  # (B,) per-sample losses, then reduced: a split gradhooks can prove (a sum
+    # over every element is refused where a fully padded sample's rows get no gradient)
     if use_y:
         shape = [1] * y.dim()
         shape[batch_dim] = -1
-        total = (w.view(shape) * y ** 2).sum()
+        losses = (w.view(shape) * y ** 2).movedim(batch_dim, 0).flatten(1).sum(1)
     if p is not None:
-        total = total + (w.view(-1, *[1] * (p.dim() - 1)) * 3 * p ** 2).sum()
+        losses = losses + (w.view(-1, *[1] * (p.dim() - 1)) * 3 * p ** 2).flatten(1).sum(1)
+    total = losses.sum()
     return total / w.shape[0] if reduction == "mean" else total
 
 
