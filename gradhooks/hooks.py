@@ -110,8 +110,7 @@ class GradHooks:
                                  allow_sample_mixing=allow_sample_mixing,
                                  unsafe_skip_replay_check=unsafe_skip_replay_check)
         self.recorder.token_normalisation = check_token_normalisation(token_normalisation)
-        # Dropped while attached: detached, with a warning. (It holds the recorder, not this
-        # facade; atexit off: a process that ends with an attachment removes everything.)
+        # Dropped while attached: detached, with a warning (atexit off: the process ends).
         weakref.finalize(self, _dropped, self.recorder).atexit = False
         #: The DP-SGD accumulator (:class:`~gradhooks.readers.accumulation.Accumulation`).
         self.accumulation = Accumulation(self.recorder)

@@ -107,8 +107,8 @@ def ghost_sums(batch: Batch, plans: Dict[int, PlannedParam], c: Union[Tensor, Di
     kept = forms.kept  # materialised for the norms and kept (Forms.offer): one tensordot each
     for pid in list(kept):
         t = kept.pop(pid)
-        offered.add(pid)
-        assign(pid, torch.tensordot(weights(pid).to(t.dtype), t, 1))
+        into = dest(pid, t.dtype)  # (into the existing .grad where it fits, as below)
+        assign(pid, torch.tensordot(weights(pid).to(t.dtype), t, 1, out=into))
         left[pid] = 0
         del t
     for pid, p in plans.items():
