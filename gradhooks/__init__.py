@@ -37,6 +37,7 @@ from .base.errors import (
     NotDetachedWarning,
     RecordsReleasedError,
     SampleMixingError,
+    UnprovenOpError,
     UnsupportedCallError,
     UnsupportedLossError,
     UnsupportedModuleError,
@@ -174,6 +175,7 @@ __all__ = [
     "FallbackWarning",
     "NotDetachedWarning",
     "SampleMixingError",
+    "UnprovenOpError",
     "LossScaleWarning",
     "FrozenModelWarning",
 ]

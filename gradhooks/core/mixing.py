@@ -50,8 +50,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..base.errors import GradHooksError, SampleMixingError
+from ..base.errors import GradHooksError, SampleMixingError, UnprovenOpError
 from .batch_dims import Routed
+from .separation import UNPROVEN
 from .token_means import ForwardLosses, TokenMeans
 
 __all__ = ["MIXING_OPS", "mixing_op", "rows_of_others", "upstream_of", "user_line", "Mixing", "MIXES", "STAT",
@@ -307,10 +308,15 @@ class Mixing:
         if not self.batch or getattr(recorder, "allow_sample_mixing", False):
             return None
         bn = getattr(recorder, "_options", {}).get("allow_batchnorm_train", False)
-        found = [what for kind, what in self.batch if not (kind == BATCH_NORM and bn)]
+        found = [what for kind, what in self.batch
+                 if not (kind == BATCH_NORM and bn) and kind != UNPROVEN]
+        unproven = [what for kind, what in self.batch if kind == UNPROVEN]
+        if not found and unproven:
+            return _unproven(read, unproven)
         if not found:
             return None
-        more = f" (and {len(found) - 1} more such op(s))" if len(found) > 1 else ""
+        more = len(found) - 1 + len(unproven)
+        more = f" (and {more} more such op(s))" if more else ""
         return SampleMixingError(
             f"the forward mixes the samples of the batch: {found[0]}{more}. Each sample's "
             f"output then depends on the other samples through the parameters, so {read} would "
@@ -320,3 +326,23 @@ class Mixing:
             f"meant as a constant, or pass attach(..., allow_sample_mixing=True) to accept "
             f"results that are then each sample's contribution to the batch gradient, not the "
             f"gradient of its own loss")
+
+
+def _unproven(read: str, unproven: list) -> UnprovenOpError:
+    # The refusal of ops no rule proves keep the samples apart whose forward-alone check failed
+    # or was not possible (gradhooks.core.separation, gradhooks.core.alone).
+    more = f" (and {len(unproven) - 1} more such op(s))" if len(unproven) > 1 else ""
+    first = unproven[0]
+    scatter = "moves rows between samples" in first
+    way = ("declare which rows make one sample (a sample index, sample_ids: one id per row "
+           "of the batch, e.g. the graph of each node) so that they are one sample; "
+           if scatter else "")
+    return UnprovenOpError(
+        f"the forward runs an op that gradhooks cannot prove keeps the samples of the batch "
+        f"apart: {first}{more}. If it lets a sample's output depend on the other samples "
+        f"through the parameters, {read} would not be the gradients of each sample's own loss, "
+        f"and the sum check cannot see it. Ways out: {way}rewrite the op with ops that keep "
+        f"the batch dim (a per-sample einsum letter, a reduction over other dims); pass "
+        f"attach(..., allow_sample_mixing=True) to accept results that are each sample's "
+        f"contribution to the batch gradient; verify a batch with gh.check_samples(loss_fn, "
+        f"inputs, targets); or report the op to gradhooks if it keeps the samples apart")

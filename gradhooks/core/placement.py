@@ -52,7 +52,9 @@ from .batch_dims import Routed
 from .layouts import (fallback_dims, layout_swap, partial_batch_hint, reads_batch_at, recomputed_error, relayout,
                       shared_call_layout)
 from .meetings import note_meeting, pull_back
+from .alone import forward_alone
 from .mixing import Mixing
+from .separation import UNPROVEN
 from .provenance import Provenance, as_batch, input_batch_dim, meeting_cotangent
 from .records import Layer, Record
 
@@ -227,13 +229,15 @@ class Placement:
         are read by it, not functionally by another module (:meth:`param_source`)."""
         self.provenance.entered.add(id(layer))
 
-    def end_forward(self, completed: bool, forward_id: int) -> None:
+    def end_forward(self, completed: bool, forward_id: int, call: Optional[tuple] = None) -> None:
         """The model's forward ``forward_id`` returned (``completed``) or raised.
 
         Calls outside the model's forward follow no plan. A tracked forward's outermost call
         stops the tracking; one that returned settles its raw parameters
         (:meth:`_settle_params`) and tells its signature's plan (:meth:`_learn`); one that raised
-        drops its refusals (its records are never read)."""
+        drops its refusals (its records are never read). ``call``: ``(args, kwargs, output)``
+        of the model's forward, for the forward-alone check of ops no rule proves keep the
+        samples apart (:meth:`_verify`)."""
         prov = self.provenance
         if prov is None:
             self.plan = None
@@ -249,6 +253,7 @@ class Placement:
             self.unsplit = [u for u in self.unsplit if u[0] != forward_id]
         else:
             self._settle_params(prov)
+            self._verify(prov, call)
             self._learn(prov)
 
     def stop(self) -> None:
@@ -265,6 +270,22 @@ class Placement:
         name may be others."""
         self.signatures.clear()
         self.mixing.forget()
+
+    def _verify(self, prov: Provenance, call: Optional[tuple]) -> None:
+        # Ops no rule proves keep the samples apart (gradhooks.core.separation) are accepted
+        # when the forward alone reproduces the batch's rows (gradhooks.core.alone); otherwise
+        # they join the signature's verdicts, refused at the reads.
+        if not prov.unproven:
+            return
+        recorder = self._recorder
+        passed, why = False, "no check was possible: the model's forward was not seen whole"
+        if call is not None and not getattr(recorder, "allow_sample_mixing", False):
+            args, kwargs, output = call
+            passed, why = forward_alone(recorder.model, args, kwargs, output, prov.batch_size,
+                                        prov.batch_dim, lambda t: prov.look(t)[2])
+        if not passed:
+            prov.mixing.extend((UNPROVEN, f"{what}. The check of the forward alone: {why}")
+                               for _, what in prov.unproven.values())
 
     def _learn(self, prov: Provenance) -> None:
         # What a tracked forward that returned tells about its signature (see signatures): a
