@@ -180,6 +180,12 @@ def batch_dim_after(func, args, kwargs, ref: Tensor, bd, batched, out):
         joined = _joined(args, kwargs, batched, out)
         if joined is not None:
             return joined
+    if func in _INDEX_ADDS and batched is not None:
+        scattered = _scattered(args, kwargs, batched, out)
+        if scattered is not None:
+            return scattered
+    if func is torch.einsum and batched is not None:
+        return einsum_dim(args, batched, out)
     if isinstance(bd, Routed):
         return _routed_after(func, args, kwargs, ref, bd, batched, out)
     if isinstance(bd, tuple):  # a merged batch: its dim moves as a dim does
@@ -200,6 +206,24 @@ def _dim_after(func, args, kwargs, ref: Tensor, bd: int, batched, out):
     if func in _SAME:
         if isinstance(out, Tensor) and out.dim() >= ref.dim():
             return bd + out.dim() - ref.dim()
+    elif func in _ADDMM and len(args) > 2 and args[1] is ref and isinstance(out, Tensor):
+        return bd if bd == 0 and ref.dim() == out.dim() else None  # (rows of m1 stay rows)
+    elif func in _GATHERS and isinstance(out, Tensor) and batched is not None:
+        # gather(x, dim, index): the output has index's shape; along another dim than the
+        # batch's, row n is read from row n
+        dim = _args(args, kwargs, (("dim", 1),))[0] % max(out.dim(), 1)
+        dims = {b for _, b in batched}
+        if len(dims) == 1 and bd in dims and bd != dim and all(
+                t.dim() == out.dim() for t, _ in batched):
+            return bd
+    elif func is F.scaled_dot_product_attention and isinstance(out, Tensor) and batched:
+        # (a query shared by the batch, its keys and values batched: the batch broadcasts)
+        if all(isinstance(b, int) and b < t.dim() - 2 and b - t.dim() == bd - ref.dim()
+               for t, b in batched):
+            return bd + out.dim() - ref.dim()
+    elif func is F.multi_head_attention_forward and isinstance(out, (tuple, list)):
+        if bd == 1 and ref.dim() == 3:  # ((L, B, E) in, (L, B, E) out, weights (B, L, S))
+            return [1] + [0] * (len(out) - 1)
     elif args and args[0] is ref and isinstance(out, Tensor):
         nd = ref.dim()
         if func in _TRANSPOSE:
@@ -265,6 +289,85 @@ def _dim_after(func, args, kwargs, ref: Tensor, bd: int, batched, out):
             isinstance(o, Tensor) for o in out)):
         return None
     return _on_meta(func, args, kwargs, batched, out)
+
+
+_INDEX_ADDS = _functions(("index_add", "index_add_", "index_copy", "index_copy_"),
+                         (torch, torch.Tensor))
+_ADDMM = _functions(("addmm",), (torch, torch.Tensor))
+_GATHERS = _functions(("gather", "take_along_dim"), (torch, torch.Tensor))
+
+
+def _scattered(args, kwargs, batched, out):
+    # out.index_add_(0, index, source) with source rows gathered from a batch by that index
+    # (Routed, key ``index``: a mixture of experts' outputs added back to their token rows):
+    # row r of the output sums rows of the sample r // inner only, as the batch's B * inner
+    # rows. (The target, when it carries the batch, must be in that layout.)
+    if len(args) < 4 or not isinstance(out, Tensor) or out.dim() == 0:
+        return None
+    dim, index, source = args[1], args[2], args[3]
+    dims = {id(t): b for t, b in batched}
+    routed = dims.get(id(source))
+    if dim != 0 or not isinstance(routed, Routed) or routed.key is not index:
+        return None
+    rows = out.shape[0]
+    if not routed.size or rows % routed.size:
+        return None
+    inner = rows // routed.size
+    if not bool(torch.equal(routed.samples, index // inner)):
+        return None
+    got = 0 if inner == 1 else (0, inner)
+    target = dims.get(id(args[0]), None)
+    return got if target is None or target == got or id(args[0]) not in dims else None
+
+
+def einsum_subscripts(args):
+    """``([subscripts of each operand], output subscripts, operands)`` of ``torch.einsum(equation,
+    *operands)`` (or with the operands in a list), ellipses spelled out as letters not used
+    elsewhere; ``None`` for the sublist form or an equation that does not fit the operands."""
+    if not args or not isinstance(args[0], str):
+        return None
+    eq = args[0].replace(" ", "")
+    ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(
+        args[1:])
+    lhs, arrow, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ops) or not all(isinstance(t, Tensor) for t in ops):
+        return None
+    used = set(c for c in eq if c.isalpha())
+    spare = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz" if c not in used]
+    count = lambda s: sum(c.isalpha() for c in s)
+    ell = "".join(spare[:max([op.dim() - count(s) for s, op in zip(terms, ops) if "..." in s],
+                            default=0)])
+    subs = []
+    for s, op in zip(terms, ops):
+        k = op.dim() - count(s)
+        s = s.replace("...", ell[len(ell) - k:] if k > 0 else "")
+        if len(s) != op.dim():
+            return None
+        subs.append(s)
+    if arrow:
+        out = rhs.replace("...", ell)
+    else:  # (implicit: the ellipsis, then the letters seen once, sorted)
+        joined = "".join(subs)
+        out = ell + "".join(sorted(c for c in set(joined) if joined.count(c) == 1
+                                   and c not in ell))
+    return subs, out, ops
+
+
+def einsum_dim(args, batched, out):
+    """The output's batch dim of an ``einsum`` whose operands that carry the batch all have it
+    at one letter (which the output keeps), else ``None``."""
+    parsed = einsum_subscripts(args)
+    if parsed is None or not isinstance(out, Tensor):
+        return None
+    subs, sub_out, ops = parsed
+    dims = {id(t): b for t, b in batched}
+    letters = {subs[i][dims[id(t)]] if isinstance(dims[id(t)], int) else None
+               for i, t in enumerate(ops) if id(t) in dims}
+    if len(letters) != 1:
+        return None
+    letter = letters.pop()
+    return sub_out.index(letter) if letter is not None and sub_out.count(letter) == 1 else None
 
 
 def _gathered(ref: Tensor, bd, index, out) -> "Routed | None":

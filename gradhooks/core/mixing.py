@@ -55,7 +55,8 @@ from .batch_dims import Routed
 from .separation import UNPROVEN
 from .token_means import ForwardLosses, TokenMeans
 
-__all__ = ["MIXING_OPS", "mixing_op", "rows_of_others", "upstream_of", "user_line", "Mixing", "MIXES", "STAT",
+__all__ = ["MIXING_OPS", "mixing_op", "rows_of_others", "upstream_of", "user_line",
+           "called_by_gradhooks", "Mixing", "MIXES", "STAT",
            "BATCH_NORM"]
 
 #: :func:`mixing_op`'s kinds: an op whose batched output mixes the samples, a reduction over the
@@ -213,6 +214,17 @@ _SKIP = (os.path.dirname(torch.__file__) + os.sep,
          os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
 
 
+def called_by_gradhooks(mode_file: str) -> bool:
+    """Whether the innermost frame outside torch and ``mode_file`` (the provenance mode's own
+    module) is gradhooks' (its hooks' ops on a batch, run under provenance: not the user's
+    forward)."""
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename.startswith(_SKIP[0])
+                                 or frame.f_code.co_filename == mode_file):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.startswith(_SKIP[1])
+
+
 def user_line() -> str:
     """``" (file.py:line in function)"``: the innermost frame of the caller outside torch and
     gradhooks (the user's forward), or ``""``."""
@@ -315,8 +327,7 @@ class Mixing:
             return _unproven(read, unproven)
         if not found:
             return None
-        more = len(found) - 1 + len(unproven)
-        more = f" (and {more} more such op(s))" if more else ""
+        more = f" (and {len(found) - 1} more such op(s))" if len(found) > 1 else ""
         return SampleMixingError(
             f"the forward mixes the samples of the batch: {found[0]}{more}. Each sample's "
             f"output then depends on the other samples through the parameters, so {read} would "

@@ -80,7 +80,7 @@ import torch.nn.functional as F
 from .batch_dims import (JOINS, MATMULS, METADATA, RECURRENT, ROW_ALIGNED, Routed,
                          is_grouped_mm,
                          batch_dim_after, operands)
-from .mixing import (CONTRACTIONS, MIXES, MIXING_OPS, STAT, contraction_mixes, mixing_op,
+from .mixing import (CONTRACTIONS, called_by_gradhooks, MIXES, MIXING_OPS, STAT, contraction_mixes, mixing_op,
                      rows_of_others,
                      upstream_of, user_line)
 from .separation import custom_function, separation_verdict
@@ -425,10 +425,11 @@ class Provenance(TorchFunctionMode):
                                      f"judged)")
                 break
         if why is None:
-            why = separation_verdict(func, args, kwargs, carrying, ref, bd, out, dims,
-                                     self.batch_size)
+            why = separation_verdict(func, args, kwargs, carrying, ref, bd, out, dims, batched)
             if why is None:
                 return
+        if called_by_gradhooks(__file__):
+            return  # (the hooks' own ops: a shared call's input made a batch)
         name = func if isinstance(func, str) else getattr(func, "__name__", repr(func))
         line = user_line()
         if (name, line) in self.unproven:

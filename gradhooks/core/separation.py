@@ -48,7 +48,6 @@ so its ops were not judged), and any op not in the table.
 """
 from __future__ import annotations
 
-import re
 from typing import Optional
 
 import torch
@@ -57,7 +56,7 @@ from torch import Tensor
 from torch.autograd.function import BackwardCFunction
 
 from .batch_dims import (JOINS, MATMULS, RECURRENT, Routed, _CELLS, _ELEMENTWISE, _PIECES,
-                         _SPATIAL, _functions, is_grouped_mm)
+                         _SPATIAL, _functions, einsum_subscripts, is_grouped_mm)
 
 __all__ = ["separation_verdict", "custom_function", "SCATTERS", "UNPROVEN"]
 
@@ -157,13 +156,18 @@ def _dim_of(bd):
     return None
 
 
-def _aligned(carrying, out_nd: int) -> Optional[str]:
-    # Pointwise: every carrying operand's batch dim, right-aligned, is the same output dim.
+def _aligned(carrying, out_nd: int, batched=None) -> Optional[str]:
+    # Pointwise: every carrying operand's batch dim, right-aligned, is the same output dim; and
+    # none that lost it meets an operand that has one (``batched``: every operand carrying the
+    # batch, with or without a gradient).
     where = None
+    known = any(bd is not None for _, bd in (batched or carrying))
     for t, bd in carrying:
         if isinstance(bd, Routed):
             continue  # (rows gathered by an index: mixing.rows_of_others judges them)
         d = _dim_of(bd)
+        if d is None and not known:
+            continue  # (ops among statistics of the batch: mixing.py follows them)
         if d is None:
             return (f"an operand of shape {tuple(t.shape)} depends on the samples but has lost "
                     f"the batch dim (a reduction, an index or a view took it), and is "
@@ -189,45 +193,20 @@ def _dims_arg(func, args, kwargs, pos, default, nd):
     return None
 
 
-_LETTERS = re.compile(r"[A-Za-z]")
-
-
 def _einsum(args, kwargs, carrying) -> Optional[str]:
-    # einsum(equation, *operands) or einsum(equation, [operands]): the batch letter of every
-    # carrying operand (the letter at its batch dim) is one letter, appears once in each of
-    # them, and in the output.
-    if not args or not isinstance(args[0], str):
-        return "einsum called without an equation string (sublist form)"
-    eq = args[0].replace(" ", "")
-    ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(
-        args[1:])
-    lhs, _, rhs = eq.partition("->")
-    terms = lhs.split(",")
-    if len(terms) != len(ops):
-        return f"einsum equation {args[0]!r} does not match its {len(ops)} operands"
-    used = set(_LETTERS.findall(eq))
-    spare = iter(c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
-                 if c not in used)
-    ell_n = max((op.dim() - len(_LETTERS.findall(s)) for s, op in zip(terms, ops)
-                 if "..." in s), default=0)
-    ell = "".join(next(spare) for _ in range(max(ell_n, 0)))
-    subs = []
-    for s, op in zip(terms, ops):
-        k = op.dim() - len(_LETTERS.findall(s))
-        subs.append(s.replace("...", ell[len(ell) - k:] if k > 0 else ""))
-    if "->" in eq:
-        out = rhs.replace("...", ell)
-    else:  # (implicit: the ellipsis, then the letters seen once, sorted)
-        joined = "".join(subs)
-        out = ell + "".join(sorted(c for c in set(joined) if joined.count(c) == 1
-                                   and c not in ell))
+    # The batch letter of every carrying operand (the letter at its batch dim) is one letter,
+    # appears once in each of them, and in the output.
+    parsed = einsum_subscripts(args)
+    if parsed is None:
+        return "einsum in the sublist form or with an equation that does not fit its operands"
+    subs, out, ops = parsed
     dims = {id(t): bd for t, bd in carrying}
     letter = None
     for i, t in enumerate(ops):
         if id(t) not in dims:
             continue
         bd = dims[id(t)]
-        if not isinstance(bd, int) or len(subs[i]) != t.dim():
+        if not isinstance(bd, int):
             return "einsum of an operand whose batch dim provenance could not place"
         mine = subs[i][bd]
         if subs[i].count(mine) != 1:
@@ -276,7 +255,7 @@ def _product(func, args, kwargs, carrying, ref, out_bd) -> Optional[str]:
 
 
 def separation_verdict(func, args, kwargs, carrying, ref: Tensor, bd, out, out_bd,
-                       batch_size: int) -> Optional[str]:
+                       batched: list) -> Optional[str]:
     """Why ``out = func(*args, **kwargs)`` is not proven to keep the samples apart, or ``None``
     where a rule of the table (module docstring) proves it does.
 
@@ -287,12 +266,14 @@ def separation_verdict(func, args, kwargs, carrying, ref: Tensor, bd, out, out_b
         out: the op's output; ``out_bd``: its batch dim (:func:`~gradhooks.core.batch_dims.batch_dim_after`:
             an int, ``(dim, inner)``, a :class:`~gradhooks.core.batch_dims.Routed`, ``None``
             where lost; a list for a tuple output).
-        batch_size: ``B``.
+        batched: ``[(tensor, batch dim)]`` of every operand that carries the batch.
     """
+    if all(b is None for _, b in batched):
+        return None  # (no operand has a batch dim left to keep: where it was lost was judged)
     lost = out_bd is None or (isinstance(out_bd, list) and all(o is None for o in out_bd))
     name = getattr(func, "__name__", None) or repr(func)
     if func in _POINTWISE:
-        return _aligned(carrying, out.dim() if isinstance(out, Tensor) else ref.dim())
+        return _aligned(carrying, out.dim() if isinstance(out, Tensor) else ref.dim(), batched)
     if func in _REDUCTIONS or func in _LOSSES or func in _EMBEDDINGS:
         return None
     if func in _ALONG_OPS:
@@ -358,6 +339,8 @@ def separation_verdict(func, args, kwargs, carrying, ref: Tensor, bd, out, out_b
         ok = all(b == 0 and t.dim() == 2 for t, b in carrying)
         return None if ok else f"{name} of an unbatched input"
     if func in SCATTERS:
+        if not lost and any(isinstance(b, Routed) for _, b in carrying):
+            return None  # (rows gathered by an index, added back to their rows: batch_dims)
         dims = _dims_arg(func, args, kwargs, _INDEXED_DIM[func], None, ref.dim())
         if d is None or dims is None or d[0] in dims or lost or _aligned(carrying, ref.dim()):
             return (f"{name} along the batch dim: it moves rows between samples (a batch of "
