@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .einsum import einsum_dim
+
 __all__ = ["batch_dim_after", "operands", "ROW_ALIGNED", "METADATA", "JOINS", "MATMULS",
            "RECURRENT", "Routed", "is_grouped_mm"]
 
@@ -170,6 +172,12 @@ def batch_dim_after(func, args, kwargs, ref: Tensor, bd, batched, out):
     ``B * inner`` with the samples as its outer factor; views split it back where the flat
     layout allows (``(T, B * H, d) -> (T, B, H * d)``).
     """
+    if func in _INDEX_ADDS and batched is not None:  # (the target may carry no batch dim)
+        scattered = _scattered(args, kwargs, batched, out)
+        if scattered is not None:
+            return scattered
+    if func is torch.einsum and batched is not None:
+        return einsum_dim(args, batched, out)
     if bd is None:
         return None
     if func is _GETITEM and args and args[0] is ref and not isinstance(bd, Routed):
@@ -180,12 +188,6 @@ def batch_dim_after(func, args, kwargs, ref: Tensor, bd, batched, out):
         joined = _joined(args, kwargs, batched, out)
         if joined is not None:
             return joined
-    if func in _INDEX_ADDS and batched is not None:
-        scattered = _scattered(args, kwargs, batched, out)
-        if scattered is not None:
-            return scattered
-    if func is torch.einsum and batched is not None:
-        return einsum_dim(args, batched, out)
     if isinstance(bd, Routed):
         return _routed_after(func, args, kwargs, ref, bd, batched, out)
     if isinstance(bd, tuple):  # a merged batch: its dim moves as a dim does
@@ -211,7 +213,7 @@ def _dim_after(func, args, kwargs, ref: Tensor, bd: int, batched, out):
     elif func in _GATHERS and isinstance(out, Tensor) and batched is not None:
         # gather(x, dim, index): the output has index's shape; along another dim than the
         # batch's, row n is read from row n
-        dim = _args(args, kwargs, (("dim", 1),))[0] % max(out.dim(), 1)
+        dim = _args(args, kwargs, (("dim", _GATHERS[func]),))[0] % max(out.dim(), 1)
         dims = {b for _, b in batched}
         if len(dims) == 1 and bd in dims and bd != dim and all(
                 t.dim() == out.dim() for t, _ in batched):
@@ -236,6 +238,9 @@ def _dim_after(func, args, kwargs, ref: Tensor, bd: int, batched, out):
         if func in _UNSQUEEZE:
             d = _args(args, kwargs, (("dim", 1),))[0] % (nd + 1)
             return bd + (d <= bd)
+        if func in _EXPAND:  # (new dims on the left; the batch dim keeps its size)
+            d = bd + out.dim() - nd
+            return d if out.shape[d] == ref.shape[bd] else None
         if func in _RESHAPE:
             return _flat_batch(ref.shape, bd, 1, out.shape)
         if func is F.linear:
@@ -294,7 +299,9 @@ def _dim_after(func, args, kwargs, ref: Tensor, bd: int, batched, out):
 _INDEX_ADDS = _functions(("index_add", "index_add_", "index_copy", "index_copy_"),
                          (torch, torch.Tensor))
 _ADDMM = _functions(("addmm",), (torch, torch.Tensor))
-_GATHERS = _functions(("gather", "take_along_dim"), (torch, torch.Tensor))
+_GATHERS = {**{f: 1 for f in _functions(("gather",), (torch, torch.Tensor))},
+            **{f: 2 for f in _functions(("take_along_dim",), (torch, torch.Tensor))}}
+_EXPAND = _functions(("expand", "expand_as", "broadcast_to"), (torch, torch.Tensor))
 
 
 def _scattered(args, kwargs, batched, out):
@@ -318,56 +325,6 @@ def _scattered(args, kwargs, batched, out):
     got = 0 if inner == 1 else (0, inner)
     target = dims.get(id(args[0]), None)
     return got if target is None or target == got or id(args[0]) not in dims else None
-
-
-def einsum_subscripts(args):
-    """``([subscripts of each operand], output subscripts, operands)`` of ``torch.einsum(equation,
-    *operands)`` (or with the operands in a list), ellipses spelled out as letters not used
-    elsewhere; ``None`` for the sublist form or an equation that does not fit the operands."""
-    if not args or not isinstance(args[0], str):
-        return None
-    eq = args[0].replace(" ", "")
-    ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(
-        args[1:])
-    lhs, arrow, rhs = eq.partition("->")
-    terms = lhs.split(",")
-    if len(terms) != len(ops) or not all(isinstance(t, Tensor) for t in ops):
-        return None
-    used = set(c for c in eq if c.isalpha())
-    spare = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz" if c not in used]
-    count = lambda s: sum(c.isalpha() for c in s)
-    ell = "".join(spare[:max([op.dim() - count(s) for s, op in zip(terms, ops) if "..." in s],
-                            default=0)])
-    subs = []
-    for s, op in zip(terms, ops):
-        k = op.dim() - count(s)
-        s = s.replace("...", ell[len(ell) - k:] if k > 0 else "")
-        if len(s) != op.dim():
-            return None
-        subs.append(s)
-    if arrow:
-        out = rhs.replace("...", ell)
-    else:  # (implicit: the ellipsis, then the letters seen once, sorted)
-        joined = "".join(subs)
-        out = ell + "".join(sorted(c for c in set(joined) if joined.count(c) == 1
-                                   and c not in ell))
-    return subs, out, ops
-
-
-def einsum_dim(args, batched, out):
-    """The output's batch dim of an ``einsum`` whose operands that carry the batch all have it
-    at one letter (which the output keeps), else ``None``."""
-    parsed = einsum_subscripts(args)
-    if parsed is None or not isinstance(out, Tensor):
-        return None
-    subs, sub_out, ops = parsed
-    dims = {id(t): b for t, b in batched}
-    letters = {subs[i][dims[id(t)]] if isinstance(dims[id(t)], int) else None
-               for i, t in enumerate(ops) if id(t) in dims}
-    if len(letters) != 1:
-        return None
-    letter = letters.pop()
-    return sub_out.index(letter) if letter is not None and sub_out.count(letter) == 1 else None
 
 
 def _gathered(ref: Tensor, bd, index, out) -> "Routed | None":
@@ -544,7 +501,7 @@ def _recurrent_dims(func, args, dims, out):
     # _VF.lstm(input, hx, weights, bias, layers, dropout, train, bidirectional, batch_first):
     # the output keeps the input's layout, the states are (layers * directions, B, H)
     x = args[0]
-    if not isinstance(args[1], (tuple, list)) or len(args) < 9 or x.dim() != 3:
+    if not isinstance(args[1], (tuple, list, Tensor)) or len(args) < 9 or x.dim() != 3:
         return None  # (a PackedSequence's data)
     bd = dims.get(id(x))
     if bd != (0 if args[8] else 1):  # (a merged batch is not an int: None)

@@ -56,7 +56,8 @@ from torch import Tensor
 from torch.autograd.function import BackwardCFunction
 
 from .batch_dims import (JOINS, MATMULS, RECURRENT, Routed, _CELLS, _ELEMENTWISE, _PIECES,
-                         _SPATIAL, _functions, einsum_subscripts, is_grouped_mm)
+                         _SPATIAL, _functions, is_grouped_mm)
+from .einsum import einsum_subscripts
 
 __all__ = ["separation_verdict", "custom_function", "SCATTERS", "UNPROVEN"]
 
@@ -108,11 +109,13 @@ _MOVES = _functions((
     "repeat_interleave", "tile", "atleast_1d", "atleast_2d", "atleast_3d", "as_strided",
     "unfold", "diagonal", "broadcast_tensors", "__iter__", "__reversed__", "resolve_conj",
     "resolve_neg", "__deepcopy__", "new_zeros", "new_ones", "new_empty", "new_full",
-    "new_tensor", "align_to"), (torch, torch.Tensor, F))
+    "new_tensor", "align_to"), (torch, torch.Tensor, F)) | frozenset(
+    getattr(torch.Tensor, n).__get__ for n in ("T", "mT", "H", "mH", "real", "imag"))
 _PRODUCTS = MATMULS | _functions(("mm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot",
                                   "vdot", "inner", "outer", "ger", "kron", "tensordot",
                                   "bilinear", "chain_matmul", "multi_dot", "cross",
                                   "linalg_cross"), _MODS)
+_ADDS_PRODUCT = _functions(("addmm", "baddbmm", "addmv"), (torch, torch.Tensor))
 _LOSSES = frozenset(getattr(F, n) for n in dir(F) if n.endswith("_loss") or n in (
     "cross_entropy", "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div",
     "nll_loss", "mse_loss"))
@@ -133,7 +136,8 @@ SCATTERS = _functions((
     "scatter_add_", "scatter_reduce", "scatter_reduce_", "gather", "take_along_dim",
     "segment_reduce", "_segment_reduce", "index_put", "index_put_", "put", "put_", "take",
     "masked_scatter", "masked_scatter_", "masked_select", "__setitem__"), (torch, torch.Tensor))
-_INDEXED_DIM = {f: 1 for f in SCATTERS}  # (the dim argument: x.index_add(dim, ...))
+# (the dim argument's position: x.index_add(dim, ...), take_along_dim(x, indices, dim))
+_INDEXED_DIM = {f: 2 if getattr(f, "__name__", "") == "take_along_dim" else 1 for f in SCATTERS}
 _ATTENTION = {F.scaled_dot_product_attention}
 _MHA = {F.multi_head_attention_forward}
 _EMBEDDINGS = {F.embedding, F.embedding_bag, F.one_hot}
@@ -220,7 +224,7 @@ def _einsum(args, kwargs, carrying) -> Optional[str]:
     return None
 
 
-def _product(func, args, kwargs, carrying, ref, out_bd) -> Optional[str]:
+def _product(func, args, kwargs, carrying, out, out_bd) -> Optional[str]:
     name = getattr(func, "__name__", "product")
     if func is F.linear:
         for t, bd in carrying:
@@ -229,22 +233,24 @@ def _product(func, args, kwargs, carrying, ref, out_bd) -> Optional[str]:
             if isinstance(bd, int) and bd == t.dim() - 1:
                 return "linear over the batch dim (the batch is the feature dim)"
         return None if out_bd is not None else "linear whose output lost the batch dim"
-    if func in _functions(("addmm", "baddbmm", "addmv"), (torch, torch.Tensor)):
+    dims_of = {id(t): b for t, b in carrying}
+    if func in _ADDS_PRODUCT:  # (addmm(input, m1, m2): input added to the product)
         mats = args[1:3]
+        b = dims_of.get(id(args[0]), 0)
+        if id(args[0]) in dims_of and not (isinstance(b, int) and isinstance(out_bd, int)
+                                           and b + out.dim() - args[0].dim() == out_bd):
+            return f"{name} adding a tensor whose batch dim does not line up with the product's"
     else:
         mats = args[:2]
-    pos = {id(m): i for i, m in enumerate(mats) if isinstance(m, Tensor)}
     dims = []
-    for t, bd in carrying:
-        i = pos.get(id(t))
-        d = _dim_of(bd)
-        if i is None or d is None or t.dim() < 2:
+    for i, t in enumerate(mats):
+        if not isinstance(t, Tensor) or id(t) not in dims_of:
+            continue
+        d = _dim_of(dims_of[id(t)])
+        if d is None or t.dim() < 2:
             return f"{name} of an operand of shape {tuple(t.shape)} whose batch dim is a vector's or unknown"
         nd = t.dim()
-        if func in MATMULS or t.dim() > 2:
-            broadcast = d[0] < nd - 2
-        else:
-            broadcast = False
+        broadcast = d[0] < nd - 2
         contracted = (nd - 1) if i == 0 else (nd - 2)
         if d[0] == contracted:
             return f"{name} contracts the batch dim of an operand of shape {tuple(t.shape)}"
@@ -295,7 +301,7 @@ def separation_verdict(func, args, kwargs, carrying, ref: Tensor, bd, out, out_b
     if func is torch.einsum:
         return _einsum(args, kwargs, carrying)
     if func in _PRODUCTS or func is F.linear:
-        return _product(func, args, kwargs, carrying, ref, out_bd)
+        return _product(func, args, kwargs, carrying, out, out_bd)
     if is_grouped_mm(func):
         return None if not lost else f"{name} whose output lost the batch dim"
     d = _dim_of(bd)
