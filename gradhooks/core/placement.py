@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
+import torch
 from torch import Tensor
 
 from ..base.errors import BatchSizeError, GradHooksError
@@ -51,8 +52,8 @@ from ..rules.fallback import FallbackRule
 from .batch_dims import Routed
 from .layouts import (fallback_dims, layout_swap, partial_batch_hint, reads_batch_at, recomputed_error, relayout,
                       shared_call_layout)
-from .meetings import note_meeting, pull_back
 from .alone import forward_alone
+from .meetings import note_meeting, pull_back
 from .mixing import Mixing
 from .separation import UNPROVEN
 from .provenance import Provenance, as_batch, input_batch_dim, meeting_cotangent
@@ -253,7 +254,8 @@ class Placement:
             self.unsplit = [u for u in self.unsplit if u[0] != forward_id]
         else:
             self._settle_params(prov)
-            self._verify(prov, call)
+            if prov.unproven:
+                self._verify(prov, call)
             self._learn(prov)
 
     def stop(self) -> None:
@@ -271,12 +273,12 @@ class Placement:
         self.signatures.clear()
         self.mixing.forget()
 
+    @torch.compiler.disable
     def _verify(self, prov: Provenance, call: Optional[tuple]) -> None:
         # Ops no rule proves keep the samples apart (gradhooks.core.separation) are accepted
         # when the forward alone reproduces the batch's rows (gradhooks.core.alone); otherwise
-        # they join the signature's verdicts, refused at the reads.
-        if not prov.unproven:
-            return
+        # they join the signature's verdicts, refused at the reads. (Not traced by
+        # torch.compile: it runs the model.)
         recorder = self._recorder
         passed, why = False, "no check was possible: the model's forward was not seen whole"
         if call is not None and not getattr(recorder, "allow_sample_mixing", False):
