@@ -466,7 +466,9 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
             sequence layout ``(T, B, ..., features)`` (a 2-D ``(B, features)`` input is then still
             read as batch-first). Convolutions always take the batch on dim 0.
         check: the sum check of :class:`GradHooks`: ``True`` (each new call structure, and
-            every 100th read), ``"always"`` (every read) or ``False``.
+            every 100th read), ``"always"`` (every read) or ``False``. ``False`` does not skip
+            the forward-alone check of ops no rule proves keep the samples apart
+            (:mod:`gradhooks.core.alone`): without it they are refused.
         strict: refuse modules that own trainable parameters but have no dedicated rule
             (raise :class:`UnsupportedModuleError`) instead of covering them with the
             ``torch.func`` fallback (:mod:`gradhooks.rules.fallback`, with one
