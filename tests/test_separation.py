@@ -24,8 +24,16 @@ from conftest import assert_close_to_loop, loop_grads
 
 F64 = torch.float64
 D = 6
-_M = torch.linspace(-1, 1, D * D, dtype=F64).view(D, D)  # a constant matrix (not a parameter)
-_W = torch.linspace(-1, 1, 3, dtype=F64).view(1, 1, 3)  # a constant conv kernel
+_M64 = torch.linspace(-1, 1, D * D, dtype=F64).view(D, D)
+_W64 = torch.linspace(-1, 1, 3, dtype=F64).view(1, 1, 3)
+
+
+def _M(h):  # a constant matrix (not a parameter) in h's dtype
+    return _M64.to(h.dtype)
+
+
+def _W(h):  # a constant conv kernel
+    return _W64.to(h.dtype)
 _IDX = torch.tensor([5, 3, 1, 0, 2, 4])  # a permutation of the features
 
 
@@ -95,18 +103,18 @@ KEEPS = {
     "amax1": lambda h: h * h.amax(-1, keepdim=True),
     "var1": lambda h: h * h.var(1, keepdim=True),
     # products with the batch dim lined up, or on one operand's rows
-    "matmul_const": lambda h: torch.tanh(h @ _M),
-    "F.linear_const": lambda h: F.linear(h, _M),
-    "torch.mm": lambda h: torch.mm(h, _M),
-    "torch.addmm": lambda h: torch.addmm(h, h, _M),
+    "matmul_const": lambda h: torch.tanh(h @ _M(h)),
+    "F.linear_const": lambda h: F.linear(h, _M(h)),
+    "torch.mm": lambda h: torch.mm(h, _M(h)),
+    "torch.addmm": lambda h: torch.addmm(h, h, _M(h)),
     "torch.bmm": lambda h: torch.bmm(_pair(h), _pair(h).transpose(1, 2)).repeat(1, 1, 2)[:, :2, :3]
     .reshape(h.shape[0], D),
     "matmul_batched": lambda h: (_pair(h).transpose(1, 2) @ _pair(h)).diagonal(dim1=1, dim2=2)
     .repeat(1, 2),
-    "einsum_rows": lambda h: torch.einsum("bi,ij->bj", h, _M),
+    "einsum_rows": lambda h: torch.einsum("bi,ij->bj", h, _M(h)),
     "einsum_outer": lambda h: torch.einsum("bi,bj->bij", h, h).sum(-1),
     "einsum_ellipsis": lambda h: torch.einsum("...i,...i->...", h, h).unsqueeze(1) * h,
-    "einsum_implicit": lambda h: torch.einsum("bi,ij", h, _M),
+    "einsum_implicit": lambda h: torch.einsum("bi,ij", h, _M(h)),
     # moves: views, permutes, basic and feature indexing, joins off the batch dim
     "view.transpose": lambda h: _pair(h).transpose(1, 2).reshape(h.shape[0], D),
     "permute.flatten": lambda h: _pair(h).permute(0, 2, 1).flatten(1),
@@ -125,7 +133,7 @@ KEEPS = {
     "F.group_norm": lambda h: F.group_norm(h.view(-1, D, 1), 2).view(-1, D),
     "F.rms_norm": lambda h: F.rms_norm(h, (D,)),
     # spatial ops with the batch on dim 0
-    "F.conv1d": lambda h: F.conv1d(h.unsqueeze(1), _W, padding=1).squeeze(1),
+    "F.conv1d": lambda h: F.conv1d(h.unsqueeze(1), _W(h), padding=1).squeeze(1),
     "F.avg_pool1d": lambda h: F.avg_pool1d(h.unsqueeze(1), 3, 1, 1).squeeze(1),
     "F.interpolate": lambda h: F.interpolate(h.unsqueeze(1), size=D, mode="linear").squeeze(1),
     # attention over each sample's own rows
@@ -146,18 +154,26 @@ def no_forward_check(monkeypatch):
                         lambda *a, **k: (False, "no check (switched off by the test)"))
 
 
-@pytest.mark.parametrize("b", [1, 4], ids=["B1", "B4"])
+@pytest.mark.parametrize("dtype", [F64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("b", [0, 1, 4], ids=["B0", "B1", "B4"])
 @pytest.mark.parametrize("op", list(KEEPS.values()), ids=list(KEEPS))
-def test_every_op_of_the_whitelist_is_exact(op, b, no_forward_check):
+def test_every_op_of_the_whitelist_is_exact(op, b, dtype, no_forward_check):
     x, y = _batch(b)
+    x = x.to(dtype)
     torch.manual_seed(0)
-    model = Between(op).double()
-    ref = loop_grads(model, F.cross_entropy, x, y)
+    model = Between(op).to(dtype)
+    ref = loop_grads(model, F.cross_entropy, x, y) if b else {
+        n: torch.zeros(0, *p.shape, dtype=dtype) for n, p in model.named_parameters()}
     with gradhooks.attach(model) as gh:
         for step in range(2):  # the tracked forward, then one of its signature
             model.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            assert_close_to_loop(gh.per_sample_grads(), ref, F64)
+            F.cross_entropy(model(x), y, reduction="sum" if b == 0 else "mean").backward()
+            ours = gh.per_sample_grads()
+            if b:
+                assert_close_to_loop(ours, ref, dtype)
+            else:
+                assert {n: t.shape for n, t in ours.items()} == {
+                    n: t.shape for n, t in ref.items()}
 
 
 # ------------------------------------------------------------------ mixing forms
@@ -222,7 +238,7 @@ MIXES = {
     "F.instance_norm": (lambda h: F.instance_norm(h.T.unsqueeze(0)).squeeze(0).T,
                         "instance_norm"),
     "F.group_norm": (lambda h: F.group_norm(h.T.unsqueeze(0), 1).squeeze(0).T, "group_norm"),
-    "F.conv1d_over_batch": (lambda h: F.conv1d(h.T.unsqueeze(1), _W, padding=1)
+    "F.conv1d_over_batch": (lambda h: F.conv1d(h.T.unsqueeze(1), _W(h), padding=1)
                             .squeeze(1).T, "conv1d"),
     "F.avg_pool1d_over_batch": (lambda h: F.avg_pool1d(h.T.unsqueeze(1), 3, 1, 1)
                                 .squeeze(1).T, "avg_pool1d"),

@@ -412,6 +412,8 @@ class Provenance(TorchFunctionMode):
         # The whitelist (gradhooks.core.separation): an op on operands that carry the batch and
         # a gradient, with an output that carries a gradient, is noted as unproven unless a
         # rule of the table proves it keeps the samples apart.
+        if self.batch_size <= 1:
+            return  # (one sample, or none: nothing to mix; a signature's verdict is per B)
         carrying = [(t, d) for t, d in batched if t.requires_grad]
         if not carrying or not any(isinstance(o, Tensor) and o.requires_grad for o in (
                 (out,) if isinstance(out, Tensor) else out)):
