@@ -207,7 +207,7 @@ MIXES = {
     "scatter_add0": (lambda h: torch.zeros_like(h).scatter_add(
         0, _PERM(h).unsqueeze(1).expand(-1, D), h) * h, "scatter_add"),
     "gather0": (lambda h: h.gather(0, _PERM(h).unsqueeze(1).expand(-1, D)) * h, "gather"),
-    "index_select0": (lambda h: h.index_select(0, _PERM(h)) * h, "index_select"),
+    "index_select0": (lambda h: h.index_select(0, _PERM(h)) * h, "index_select|lost the batch"),
     "max0_keepdim": (lambda h: h - h.max(0, keepdim=True).values, "max"),
     "diff0": (lambda h: F.pad(h.diff(dim=0), (0, 0, 1, 0)), "diff"),
     "transpose_reshape": (lambda h: h.t().reshape(h.shape[0], D), "reshape"),
@@ -223,7 +223,8 @@ MIXES = {
     "torch.mm": (lambda h: torch.mm(torch.mm(h, h.T), h), "mm|product"),
     "torch.cdist": (lambda h: torch.cdist(h, h) @ h, "cdist"),
     "torch.tensordot": (lambda h: h @ torch.tensordot(h, h, dims=([0], [0])), "tensordot"),
-    "torch.index_select": (lambda h: torch.index_select(h, 0, _PERM(h)) + h, "index_select"),
+    "torch.index_select": (lambda h: torch.index_select(h, 0, _PERM(h)) + h,
+                           "index_select|lost the batch"),
     "torch.take_along_dim": (lambda h: torch.take_along_dim(
         h, _PERM(h).unsqueeze(1).expand(-1, D), 0) + h, "take_along_dim"),
     "torch.scatter_reduce": (lambda h: torch.zeros_like(h).scatter_reduce(

@@ -143,6 +143,17 @@ _MHA = {F.multi_head_attention_forward}
 _EMBEDDINGS = {F.embedding, F.embedding_bag, F.one_hot}
 
 
+_INDEX_SELECT = _functions(("index_select",), (torch, torch.Tensor))
+
+
+def _permutes(index, size: int) -> bool:
+    # Whether ``index`` is a permutation of range(size) (reads its values).
+    return (isinstance(index, Tensor) and index.dim() == 1 and index.shape[0] == size
+            and not index.is_floating_point() and bool(torch.equal(
+                index.sort().values, torch.arange(size, device=index.device,
+                                                  dtype=index.dtype))))
+
+
 def custom_function(t: Tensor) -> Optional[str]:
     """The name of the custom ``torch.autograd.Function`` whose output ``t`` is, else ``None``."""
     fn = t.grad_fn
@@ -274,8 +285,9 @@ def separation_verdict(func, args, kwargs, carrying, ref: Tensor, bd, out, out_b
             where lost; a list for a tuple output).
         batched: ``[(tensor, batch dim)]`` of every operand that carries the batch.
     """
-    if all(b is None for _, b in batched):
-        return None  # (no operand has a batch dim left to keep: where it was lost was judged)
+    if all(b is None for t, b in batched if t.is_floating_point() or t.is_complex()):
+        return None  # (no operand has a batch dim left to keep: where it was lost was judged;
+        # an index that carries one picks rows, it holds no sample's values)
     lost = out_bd is None or (isinstance(out_bd, list) and all(o is None for o in out_bd))
     name = getattr(func, "__name__", None) or repr(func)
     if func in _POINTWISE:
@@ -348,6 +360,11 @@ def separation_verdict(func, args, kwargs, carrying, ref: Tensor, bd, out, out_b
         if not lost and any(isinstance(b, Routed) for _, b in carrying):
             return None  # (rows gathered by an index, added back to their rows: batch_dims)
         dims = _dims_arg(func, args, kwargs, _INDEXED_DIM[func], None, ref.dim())
+        if func in _INDEX_SELECT and d is not None and dims == {d[0]} and d[1] == 1 and len(
+                carrying) == 1 and _permutes(kwargs.get("index", args[2] if len(args) > 2
+                                                    else None), ref.shape[d[0]]):
+            return None  # (each row one sample's: a PackedSequence's states put back in order;
+            # its batch dim is lost, so where it meets the batch again is judged there)
         if d is None or dims is None or d[0] in dims or lost or _aligned(carrying, ref.dim()):
             return (f"{name} along the batch dim: it moves rows between samples (a batch of "
                     f"graphs pooled by its batch vector makes one row per graph from rows of "
