@@ -5,7 +5,6 @@ seeds and losses (mean, sum, a scaled mean, per-sample losses summed through ``g
 and on every draw the per-sample gradients are exact against a float64 loop, or the read is
 refused (``SampleMixingError``). A draw made only of ops that keep the samples apart is never
 refused. Derandomized: CI runs the same draws every time."""
-import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings

@@ -20,7 +20,7 @@ per input signature with such an op: one batched forward without gradient in tra
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn

@@ -34,10 +34,12 @@ each sample's gradient is still that of its own loss (exact); a ``.detach()``-ed
 (``h - h.mean(0).detach()``) is a constant to autograd, so it is too. Ops that only move samples
 (indexing, ``gather``, ``cat`` / ``stack`` of batches, permutations) and reductions over other
 dims (attention's softmax over keys, ``LayerNorm`` over features, pooling) are not mixing; nor
-is a batched product (``q @ k.transpose(-2, -1)`` with the batch in the broadcast dims). Not
-seen: ops where provenance lost the batch dim (a merge with a dim before it), an ``einsum`` over
-the batch, ops not listed here, and a loss that mixes (outside the forward): for those,
-:meth:`~gradhooks.GradHooks.check_samples` recomputes samples alone.
+is a batched product (``q @ k.transpose(-2, -1)`` with the batch in the broadcast dims). Every
+op not recognised here is judged by the whitelist of :mod:`gradhooks.core.separation` (an
+``einsum`` over the batch, a scatter along it, an op where the batch dim was lost, an op no rule
+knows: unproven, refused as :class:`~gradhooks.base.errors.UnprovenOpError` unless the
+forward-alone check of :mod:`gradhooks.core.alone` passed); a loss that mixes (outside the
+forward) is not seen: :meth:`~gradhooks.GradHooks.check_samples` recomputes samples alone.
 """
 from __future__ import annotations
 

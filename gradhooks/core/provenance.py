@@ -55,7 +55,10 @@ refused at the read with the module, the op and the shapes, never guessed.
 The same data flow shows ops that mix the samples through the parameters (an op along the batch
 dim: a softmax or sort over it, batch statistics; or a reduction over it whose result meets the
 batch again: ``h - h.mean(0)``): :mod:`gradhooks.core.mixing` says which, and the batch's reads
-refuse them (:attr:`Provenance.mixing`, kept per signature by the placement).
+refuse them (:attr:`Provenance.mixing`, kept per signature by the placement). Every other op
+on tensors that carry the batch and a gradient must be proven to keep the samples apart by the
+whitelist of :mod:`gradhooks.core.separation`; the rest are noted (:attr:`Provenance.unproven`)
+and refused unless the forward-alone check (:mod:`gradhooks.core.alone`) passes.
 
 Tracking costs a Python call per torch op of the forward (about +5% on a Transformer block's
 forward). The recorder runs it on the first forward of each input signature (the top-level

@@ -240,7 +240,8 @@ def _product(func, args, kwargs, carrying, out, out_bd) -> Optional[str]:
     if func is F.linear:
         for t, bd in carrying:
             if t is not args[0]:
-                return f"linear with a weight or bias of shape {tuple(t.shape)} computed from the batch"
+                return (f"linear with a weight or bias of shape {tuple(t.shape)} computed "
+                        f"from the batch")
             if isinstance(bd, int) and bd == t.dim() - 1:
                 return "linear over the batch dim (the batch is the feature dim)"
         return None if out_bd is not None else "linear whose output lost the batch dim"
@@ -259,7 +260,8 @@ def _product(func, args, kwargs, carrying, out, out_bd) -> Optional[str]:
             continue
         d = _dim_of(dims_of[id(t)])
         if d is None or t.dim() < 2:
-            return f"{name} of an operand of shape {tuple(t.shape)} whose batch dim is a vector's or unknown"
+            return (f"{name} of an operand of shape {tuple(t.shape)} whose batch dim is a "
+                    f"vector's or unknown")
         nd = t.dim()
         broadcast = d[0] < nd - 2
         contracted = (nd - 1) if i == 0 else (nd - 2)
@@ -280,7 +282,8 @@ def separation_verdict(func, args, kwargs, carrying, ref: Tensor, bd, out, out_b
         carrying: ``[(tensor, batch dim)]`` of the op's operands that carry the batch and
             require grad (non-empty).
         ref: the batched operand of most dims, batch dim ``bd``.
-        out: the op's output; ``out_bd``: its batch dim (:func:`~gradhooks.core.batch_dims.batch_dim_after`:
+        out: the op's output; ``out_bd``: its batch dim
+            (:func:`~gradhooks.core.batch_dims.batch_dim_after`:
             an int, ``(dim, inner)``, a :class:`~gradhooks.core.batch_dims.Routed`, ``None``
             where lost; a list for a tuple output).
         batched: ``[(tensor, batch dim)]`` of every operand that carries the batch.
@@ -335,7 +338,8 @@ def separation_verdict(func, args, kwargs, carrying, ref: Tensor, bd, out, out_b
         for t, b in carrying:
             e = _dim_of(b)
             if e is None or e[0] >= t.dim() - 2:
-                return f"{name} with the batch on the sequence or feature dim of shape {tuple(t.shape)}"
+                return (f"{name} with the batch on the sequence or feature dim of shape "
+                        f"{tuple(t.shape)}")
         return None if not lost else f"{name} whose output lost the batch dim"
     if func in _MHA:
         for t, b in carrying:
