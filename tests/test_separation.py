@@ -322,6 +322,18 @@ def test_an_unknown_op_is_refused_when_no_check_is_possible():
             gh.per_sample_grads()
 
 
+def test_the_check_leaves_the_random_streams_and_modes_as_they_were():
+    from gradhooks.core.alone import forward_alone
+    model = Between(nn.Dropout(0.5)).double().train()
+    model.b.eval()  # (a mode set per module stays)
+    x, _ = _batch(4)
+    out = model(x)
+    state = torch.get_rng_state()
+    assert forward_alone(model, (x,), {}, out, 4, 0, lambda t: 0) == (True, "")
+    assert torch.equal(torch.get_rng_state(), state)
+    assert model.training and model.a.training and not model.b.training
+
+
 def test_the_check_is_not_skipped_by_check_false():
     x, y = _batch(4)
     model = Between(MIXES["torch.einsum_pair"][0]).double()

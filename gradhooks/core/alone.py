@@ -53,6 +53,15 @@ def largest_difference(ours: Tensor, alone: Tensor) -> Tuple[float, float]:
     return diff, scale
 
 
+def _same(x: Tensor, y: Tensor) -> bool:
+    # Equal shapes and values (NaN equal to NaN).
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    if x.is_floating_point() or x.is_complex():
+        return bool(torch.allclose(x, y, rtol=0, atol=0, equal_nan=True))
+    return bool(torch.equal(x, y))
+
+
 def _tensors(x) -> List[Tensor]:
     # The tensors of a model's output, in order: a tensor, tuples / lists / dicts of them
     # (transformers' ModelOutput is a dict), nested.
@@ -115,9 +124,11 @@ def forward_alone(model: nn.Module, args: tuple, kwargs: dict, output, size: int
                        "on a dim gradhooks could follow")
     modes = [(m, m.training) for m in model.modules()]
     training = model.training
+    cuda = sorted({t.device.index or 0 for t in _tensors(output) if t.is_cuda})
     try:
         model.eval()
-        with torch.no_grad(), paused():
+        # (the caller's random streams are left as they were: its next dropout masks too)
+        with torch.no_grad(), paused(), torch.random.fork_rng(devices=cuda):
             batched = _tensors(model(*args, **kwargs)) if training else _tensors(output)
             for n in sorted({0, size - 1}):
                 hit: list = []
@@ -125,17 +136,12 @@ def forward_alone(model: nn.Module, args: tuple, kwargs: dict, output, size: int
                 if not hit:
                     return False, ("no check was possible: no input of the model's forward has "
                                    "the batch size on its batch dim")
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(n)
-                    alone = _tensors(model(*a, **k))
+                torch.default_generator.manual_seed(n)
+                alone = _tensors(model(*a, **k))
                 if n == 0:
-                    with torch.random.fork_rng(devices=[]):
-                        torch.manual_seed(1 + size)
-                        again = _tensors(model(*a, **k))
-                    if len(again) != len(alone) or any(
-                            x.shape != y.shape or not torch.allclose(x, y, rtol=0, atol=0,
-                                                                     equal_nan=True)
-                            for x, y in zip(again, alone)):
+                    torch.default_generator.manual_seed(1 + size)
+                    again = _tensors(model(*a, **k))
+                    if len(again) != len(alone) or not all(map(_same, again, alone)):
                         return False, ("no check was possible: the forward draws random "
                                        "numbers even in eval mode")
                 if len(alone) != len(batched):
