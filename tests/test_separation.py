@@ -423,3 +423,19 @@ def test_a_batch_of_graphs_is_refused_naming_the_scatter_and_the_sample_index():
         with pytest.raises(gradhooks.UnprovenOpError, match="index_add") as info:
             gh.per_sample_grads()
         assert "sample_ids" in str(info.value) and "graph" in str(info.value)
+
+
+def test_the_check_runs_once_per_signature(monkeypatch):
+    calls = []
+    real = placement.forward_alone
+    monkeypatch.setattr(placement, "forward_alone",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, y = _batch(4)
+    model = Between(UNKNOWN_KEEPS["autograd.Function"]).double()
+    with gradhooks.attach(model) as gh:
+        for _ in range(3):
+            gh.recorder.placement.signatures.clear()  # (tracked on every forward, as MoE)
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            gh.per_sample_grads()
+    assert len(calls) == 1

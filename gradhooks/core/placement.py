@@ -158,6 +158,9 @@ class Placement:
             parameters' gradient hooks see a pass that is not the user's.
         mixing: the :class:`~gradhooks.core.mixing.Mixing` verdicts: ops of a signature's
             forward that mix the samples (refused at the read, :meth:`refusal`).
+        verified: ``{signature: {(op, line)}}``: the ops no rule proves keep the samples apart
+            (:mod:`gradhooks.core.separation`) whose forward-alone check passed on a forward of
+            that signature (:mod:`gradhooks.core.alone`); they are not checked again.
     """
 
     def __init__(self, recorder, demote: Callable[[Layer], None]):
@@ -170,6 +173,7 @@ class Placement:
         self.ordinals: Dict[int, int] = {}
         self.pulling = False
         self.mixing = Mixing(recorder)  # (per signature and per batch: ops that mix samples)
+        self.verified: Dict[tuple, set] = {}  # signature -> unproven ops its forward check passed
         self.reset_batch()
 
     def reset_batch(self) -> None:
@@ -271,6 +275,7 @@ class Placement:
         """Drop every signature's plan: the model changed (a resync), so the layers the plans
         name may be others."""
         self.signatures.clear()
+        self.verified.clear()
         self.mixing.forget()
 
     @torch.compiler.disable
@@ -280,12 +285,18 @@ class Placement:
         # they join the signature's verdicts, refused at the reads. (Not traced by
         # torch.compile: it runs the model.)
         recorder = self._recorder
+        verified = self.verified.setdefault(prov.signature, set())
+        if set(prov.unproven) <= verified:
+            return  # (checked on an earlier forward of the signature: signatures tracked on
+            # every forward, a mixture of experts' routing, pay the check once)
         passed, why = False, "no check was possible: the model's forward was not seen whole"
         if call is not None and not getattr(recorder, "allow_sample_mixing", False):
             args, kwargs, output = call
             passed, why = forward_alone(recorder.model, args, kwargs, output, prov.batch_size,
                                         prov.batch_dim, lambda t: prov.look(t)[2])
-        if not passed:
+        if passed:
+            verified.update(prov.unproven)
+        else:
             prov.mixing.extend((UNPROVEN, f"{what}. The check of the forward alone: {why}")
                                for _, what in prov.unproven.values())
 

@@ -159,7 +159,10 @@ def custom_function(t: Tensor) -> Optional[str]:
     fn = t.grad_fn
     if fn is None or not isinstance(fn, BackwardCFunction):
         return None
-    return type(fn).__name__.removesuffix("Backward")
+    name = type(fn).__name__
+    if name.startswith("GeneratedBackwardFor_"):
+        return None  # (a torch.library custom op: provenance saw and judged the op itself)
+    return name.removesuffix("Backward")
 
 
 def _dim_of(bd):
