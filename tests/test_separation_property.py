@@ -1,6 +1,7 @@
 """Property test of forward separation (issue 38, points 1 and 2): Hypothesis composes random
 forwards from the op table of tests/test_separation.py -- ops that keep the samples apart and
-ops that mix them, in any order, between two hooked Linear layers -- with random batch sizes,
+ops that mix them, in any order, between two hooked Linear layers or after a GRU or a
+self-attention block (applied at each position) -- with random batch sizes,
 seeds and losses (mean, sum, a scaled mean, per-sample losses summed through ``gh.backward``),
 and on every draw the per-sample gradients are exact against a float64 loop, or the read is
 refused (``SampleMixingError``). A draw made only of ops that keep the samples apart is never
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 import gradhooks
 from conftest import loop_grads
-from test_separation import KEEPS, MIXES, Between
+from test_separation import KEEPS, MIXES, AfterRecurrent, Between, _seq_op
 
 F64 = torch.float64
 TABLE = [(name, op, False) for name, op in KEEPS.items()] + [
@@ -40,14 +41,16 @@ def _compose(ops):
           suppress_health_check=[HealthCheck.too_slow])
 @given(picks=st.lists(st.integers(0, len(TABLE) - 1), min_size=1, max_size=3),
        batch=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2 ** 16),
-       loss=st.sampled_from(["mean", "sum", "scaled", "per_sample"]))
-def test_random_forwards_are_exact_or_refused(picks, batch, seed, loss):
+       loss=st.sampled_from(["mean", "sum", "scaled", "per_sample"]),
+       front=st.sampled_from(["linear", "linear", "gru", "attention"]))
+def test_random_forwards_are_exact_or_refused(picks, batch, seed, loss, front):
     ops = [TABLE[i] for i in picks]
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, 4, generator=g, dtype=F64)
+    x = torch.randn(batch, *(() if front == "linear" else (3,)), 4, generator=g, dtype=F64)
     y = torch.randint(0, 3, (batch,), generator=g)
     torch.manual_seed(seed)
-    model = Between(_compose([op for _, op, _ in ops])).double()
+    op = _compose([op for _, op, _ in ops])
+    model = (Between(op) if front == "linear" else AfterRecurrent(front, _seq_op(op))).double()
     reduction = "sum" if loss in ("sum", "per_sample") else "mean"
     loss_fn = _loss(loss)
     try:
@@ -71,9 +74,12 @@ def test_random_forwards_are_exact_or_refused(picks, batch, seed, loss):
                 f"{[name for name, _, _ in ops]}: {error}")
             return
     assert list(ours) == list(ref)
-    floor = max(1e-12, 1e-4 * max(float(r.abs().max()) for r in ref.values()))
-    for name, r in ref.items():  # (float64, 1e-10 of the largest entry; a floor for gradients
-        # that vanish in exact arithmetic, where both sides are rounding)
+    # float64, 1e-10 of the model's largest gradient entry: the forward-alone check accepts an
+    # op when one sample alone reproduces its rows to 1e-10 of the output's scale, so a mixing
+    # term below that (a cube of a cube of small activations) may pass, and a parameter whose
+    # own-loss gradient vanishes then holds rounding-sized values
+    floor = max(1e-12, max(float(r.abs().max()) for r in ref.values()))
+    for name, r in ref.items():
         scale = max(float(r.abs().max()), floor)
         diff = float((ours[name] - r).abs().max())
         assert diff <= 1e-10 * scale, (name, diff, scale, [n for n, _, _ in ops])

@@ -242,7 +242,7 @@ class Placement:
         (:meth:`_settle_params`) and tells its signature's plan (:meth:`_learn`); one that raised
         drops its refusals (its records are never read). ``call``: ``(args, kwargs, output)``
         of the model's forward, for the forward-alone check of ops no rule proves keep the
-        samples apart (:meth:`_verify`)."""
+        samples apart (:func:`verify_unproven`)."""
         prov = self.provenance
         if prov is None:
             self.plan = None
@@ -259,7 +259,7 @@ class Placement:
         else:
             self._settle_params(prov)
             if prov.unproven:
-                self._verify(prov, call)
+                verify_unproven(self, prov, call)
             self._learn(prov)
 
     def stop(self) -> None:
@@ -277,28 +277,6 @@ class Placement:
         self.signatures.clear()
         self.verified.clear()
         self.mixing.forget()
-
-    @torch.compiler.disable
-    def _verify(self, prov: Provenance, call: Optional[tuple]) -> None:
-        # Ops no rule proves keep the samples apart (gradhooks.core.separation) are accepted
-        # when the forward alone reproduces the batch's rows (gradhooks.core.alone); otherwise
-        # they join the signature's verdicts, refused at the reads. (Not traced by
-        # torch.compile: it runs the model.)
-        recorder = self._recorder
-        verified = self.verified.setdefault(prov.signature, set())
-        if set(prov.unproven) <= verified:
-            return  # (checked on an earlier forward of the signature: signatures tracked on
-            # every forward, a mixture of experts' routing, pay the check once)
-        passed, why = False, "no check was possible: the model's forward was not seen whole"
-        if call is not None and not getattr(recorder, "allow_sample_mixing", False):
-            args, kwargs, output = call
-            passed, why = forward_alone(recorder.model, args, kwargs, output, prov.batch_size,
-                                        prov.batch_dim, lambda t: prov.look(t)[2])
-        if passed:
-            verified.update(prov.unproven)
-        else:
-            prov.mixing.extend((UNPROVEN, f"{what}. The check of the forward alone: {why}")
-                               for _, what in prov.unproven.values())
 
     def _learn(self, prov: Provenance) -> None:
         # What a tracked forward that returned tells about its signature (see signatures): a
@@ -520,3 +498,27 @@ class Placement:
         source-carrying tensor of ``shape`` where it met the batch, its per-sample part pulled
         back to the sources: :func:`~gradhooks.core.meetings.pull_back`."""
         pull_back(self, edge, sources, how, shape, grad, dim)
+
+
+@torch.compiler.disable
+def verify_unproven(placement: Placement, prov: Provenance, call: Optional[tuple]) -> None:
+    """At the end of a tracked forward that noted ops no rule proves keep the samples apart
+    (:attr:`~gradhooks.core.provenance.Provenance.unproven`): accept them when the forward
+    alone reproduces the batch's rows (:func:`~gradhooks.core.alone.forward_alone`, once per
+    signature and set of such ops: :attr:`Placement.verified`), else add them to the forward's
+    verdicts, refused at the reads. ``call``: ``(args, kwargs, output)`` of the model's forward.
+    Not traced by ``torch.compile`` (it runs the model)."""
+    recorder = placement._recorder
+    verified = placement.verified.setdefault(prov.signature, set())
+    if set(prov.unproven) <= verified:
+        return  # (signatures tracked on every forward, a mixture of experts' routing: once)
+    passed, why = False, "no check was possible: the model's forward was not seen whole"
+    if call is not None and not getattr(recorder, "allow_sample_mixing", False):
+        args, kwargs, output = call
+        passed, why = forward_alone(recorder.model, args, kwargs, output, prov.batch_size,
+                                    prov.batch_dim, lambda t: prov.look(t)[2])
+    if passed:
+        verified.update(prov.unproven)
+    else:
+        prov.mixing.extend((UNPROVEN, f"{what}. The check of the forward alone: {why}")
+                           for _, what in prov.unproven.values())
