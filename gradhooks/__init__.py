@@ -40,6 +40,7 @@ from .base.errors import (
     ReplayMismatchError,
     SampleIdsError,
     SampleMixingError,
+    UnprovenOpError,
     UnsupportedCallError,
     UnsupportedLossError,
     UnsupportedModuleError,
@@ -181,6 +182,7 @@ __all__ = [
     "NotDetachedWarning",
     "SampleIdsError",
     "SampleMixingError",
+    "UnprovenOpError",
     "LossScaleWarning",
     "FrozenModelWarning",
 ]

@@ -472,7 +472,8 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
         check: the sum check of :class:`GradHooks`: ``True`` (each new call structure, and
             every 100th read), ``"always"`` (every read) or ``False``. ``False`` does not skip
             the verification of the ``torch.func`` fallback's replays (see
-            ``unsafe_skip_replay_check``).
+            ``unsafe_skip_replay_check``), nor the forward-alone check of ops no rule proves
+            keep the samples apart (:mod:`gradhooks.core.alone`): without it they are refused.
         strict: refuse modules that own trainable parameters but have no dedicated rule
             (raise :class:`UnsupportedModuleError`) instead of covering them with the
             ``torch.func`` fallback (:mod:`gradhooks.rules.fallback`, with one

@@ -22,6 +22,7 @@ __all__ = [
     "NotDetachedWarning",
     "SampleMixingError",
     "SampleIdsError",
+    "UnprovenOpError",
     "LossScaleWarning",
     "FrozenModelWarning",
 ]
@@ -145,6 +146,23 @@ class SampleIdsError(GradHooksError, ValueError):
     sample) are malformed (not a ``(B,)`` integer tensor on the batch's device), were set for a
     batch no read used, or were set for a read that cannot group rows (KFAC, Jacobians, GGN,
     Gram / NTK, projections)."""
+
+
+class UnprovenOpError(SampleMixingError):
+    """The model's forward runs an op on tensors that carry the batch (and a parameter's
+    gradient) that no rule of gradhooks' table proves keeps the samples apart
+    (:mod:`gradhooks.core.separation`: an ``einsum`` that pairs or contracts the batch letter, a
+    ``scatter`` / ``index_add`` along the batch dim, indexing that drops the batch dim and is
+    broadcast back, a custom ``autograd.Function``, an op the table does not know), and the
+    check of the forward alone (:mod:`gradhooks.core.alone`: one sample run alone reproduces its
+    row of the batched output) failed or was not possible.
+
+    Raised at the read; the message names the op, the module upstream of it, the line of the
+    forward, the check's finding, and the ways out: ``attach(..., allow_sample_mixing=True)`` to
+    accept each sample's contribution to the batch gradient,
+    :meth:`~gradhooks.GradHooks.check_samples` to verify, a declared sample index
+    (``sample_ids``) where rows of several samples are meant to be pooled, or reporting the op.
+    """
 
 
 class FallbackWarning(UserWarning):

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .einsum import einsum_dim
+
 __all__ = ["batch_dim_after", "operands", "ROW_ALIGNED", "METADATA", "JOINS", "MATMULS",
            "RECURRENT", "Routed", "is_grouped_mm"]
 
@@ -170,6 +172,12 @@ def batch_dim_after(func, args, kwargs, ref: Tensor, bd, batched, out):
     ``B * inner`` with the samples as its outer factor; views split it back where the flat
     layout allows (``(T, B * H, d) -> (T, B, H * d)``).
     """
+    if func in _INDEX_ADDS and batched is not None:  # (the target may carry no batch dim)
+        scattered = _scattered(args, kwargs, batched, out)
+        if scattered is not None:
+            return scattered
+    if func is torch.einsum and batched is not None:
+        return einsum_dim(args, batched, out)
     if bd is None:
         return None
     if func is _GETITEM and args and args[0] is ref and not isinstance(bd, Routed):
@@ -200,6 +208,24 @@ def _dim_after(func, args, kwargs, ref: Tensor, bd: int, batched, out):
     if func in _SAME:
         if isinstance(out, Tensor) and out.dim() >= ref.dim():
             return bd + out.dim() - ref.dim()
+    elif func in _ADDMM and len(args) > 2 and args[1] is ref and isinstance(out, Tensor):
+        return bd if bd == 0 and ref.dim() == out.dim() else None  # (rows of m1 stay rows)
+    elif func in _GATHERS and isinstance(out, Tensor) and batched is not None:
+        # gather(x, dim, index): the output has index's shape; along another dim than the
+        # batch's, row n is read from row n
+        dim = _args(args, kwargs, (("dim", _GATHERS[func]),))[0] % max(out.dim(), 1)
+        dims = {b for _, b in batched}
+        if len(dims) == 1 and bd in dims and bd != dim and all(
+                t.dim() == out.dim() for t, _ in batched):
+            return bd
+    elif func is F.scaled_dot_product_attention and isinstance(out, Tensor) and batched:
+        # (a query shared by the batch, its keys and values batched: the batch broadcasts)
+        if all(isinstance(b, int) and b < t.dim() - 2 and b - t.dim() == bd - ref.dim()
+               for t, b in batched):
+            return bd + out.dim() - ref.dim()
+    elif func is F.multi_head_attention_forward and isinstance(out, (tuple, list)):
+        if bd == 1 and ref.dim() == 3:  # ((L, B, E) in, (L, B, E) out, weights (B, L, S))
+            return [1] + [0] * (len(out) - 1)
     elif args and args[0] is ref and isinstance(out, Tensor):
         nd = ref.dim()
         if func in _TRANSPOSE:
@@ -212,6 +238,9 @@ def _dim_after(func, args, kwargs, ref: Tensor, bd: int, batched, out):
         if func in _UNSQUEEZE:
             d = _args(args, kwargs, (("dim", 1),))[0] % (nd + 1)
             return bd + (d <= bd)
+        if func in _EXPAND:  # (new dims on the left; the batch dim keeps its size)
+            d = bd + out.dim() - nd
+            return d if out.shape[d] == ref.shape[bd] else None
         if func in _RESHAPE:
             return _flat_batch(ref.shape, bd, 1, out.shape)
         if func is F.linear:
@@ -265,6 +294,37 @@ def _dim_after(func, args, kwargs, ref: Tensor, bd: int, batched, out):
             isinstance(o, Tensor) for o in out)):
         return None
     return _on_meta(func, args, kwargs, batched, out)
+
+
+_INDEX_ADDS = _functions(("index_add", "index_add_", "index_copy", "index_copy_"),
+                         (torch, torch.Tensor))
+_ADDMM = _functions(("addmm",), (torch, torch.Tensor))
+_GATHERS = {**{f: 1 for f in _functions(("gather",), (torch, torch.Tensor))},
+            **{f: 2 for f in _functions(("take_along_dim",), (torch, torch.Tensor))}}
+_EXPAND = _functions(("expand", "expand_as", "broadcast_to"), (torch, torch.Tensor))
+
+
+def _scattered(args, kwargs, batched, out):
+    # out.index_add_(0, index, source) with source rows gathered from a batch by that index
+    # (Routed, key ``index``: a mixture of experts' outputs added back to their token rows):
+    # row r of the output sums rows of the sample r // inner only, as the batch's B * inner
+    # rows. (The target, when it carries the batch, must be in that layout.)
+    if len(args) < 4 or not isinstance(out, Tensor) or out.dim() == 0:
+        return None
+    dim, index, source = args[1], args[2], args[3]
+    dims = {id(t): b for t, b in batched}
+    routed = dims.get(id(source))
+    if dim != 0 or not isinstance(routed, Routed) or routed.key is not index:
+        return None
+    rows = out.shape[0]
+    if not routed.size or rows % routed.size:
+        return None
+    inner = rows // routed.size
+    if not bool(torch.equal(routed.samples, index // inner)):
+        return None
+    got = 0 if inner == 1 else (0, inner)
+    target = dims.get(id(args[0]), None)
+    return got if target is None or target == got or id(args[0]) not in dims else None
 
 
 def _gathered(ref: Tensor, bd, index, out) -> "Routed | None":
@@ -441,7 +501,7 @@ def _recurrent_dims(func, args, dims, out):
     # _VF.lstm(input, hx, weights, bias, layers, dropout, train, bidirectional, batch_first):
     # the output keeps the input's layout, the states are (layers * directions, B, H)
     x = args[0]
-    if not isinstance(args[1], (tuple, list)) or len(args) < 9 or x.dim() != 3:
+    if not isinstance(args[1], (tuple, list, Tensor)) or len(args) < 9 or x.dim() != 3:
         return None  # (a PackedSequence's data)
     bd = dims.get(id(x))
     if bd != (0 if args[8] else 1):  # (a merged batch is not an int: None)

@@ -277,10 +277,11 @@ class Recorder:
             if layer is not None:
                 self.placement.enter(layer)
 
-    def _on_done(self, module: nn.Module, completed: bool = False) -> None:
-        # The model's forward returned (completed) or raised: the placement ends its forward.
+    def _on_done(self, module: nn.Module, completed: bool = False, call=None) -> None:
+        # The model's forward returned (completed, ``call``: its args, kwargs and output) or
+        # raised: the placement ends its forward.
         if module is self.model:
-            self.placement.end_forward(completed, self._forward_id)
+            self.placement.end_forward(completed, self._forward_id, call)
 
     def _on_any_forward(self, module: nn.Module, args, kwargs, output) -> None:
         # Global forward hook: the hooked layers' calls.
@@ -292,7 +293,7 @@ class Recorder:
             result = None if layer is None else self._record(layer, module, args, kwargs, output)
             completed = True
         finally:
-            self._on_done(module, completed)
+            self._on_done(module, completed, (args, kwargs, output) if completed else None)
         return result
 
     # ------------------------------------------------------------------ what readers see

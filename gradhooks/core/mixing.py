@@ -34,10 +34,12 @@ each sample's gradient is still that of its own loss (exact); a ``.detach()``-ed
 (``h - h.mean(0).detach()``) is a constant to autograd, so it is too. Ops that only move samples
 (indexing, ``gather``, ``cat`` / ``stack`` of batches, permutations) and reductions over other
 dims (attention's softmax over keys, ``LayerNorm`` over features, pooling) are not mixing; nor
-is a batched product (``q @ k.transpose(-2, -1)`` with the batch in the broadcast dims). Not
-seen: ops where provenance lost the batch dim (a merge with a dim before it), an ``einsum`` over
-the batch, ops not listed here, and a loss that mixes (outside the forward): for those,
-:meth:`~gradhooks.GradHooks.check_samples` recomputes samples alone.
+is a batched product (``q @ k.transpose(-2, -1)`` with the batch in the broadcast dims). Every
+op not recognised here is judged by the whitelist of :mod:`gradhooks.core.separation` (an
+``einsum`` over the batch, a scatter along it, an op where the batch dim was lost, an op no rule
+knows: unproven, refused as :class:`~gradhooks.base.errors.UnprovenOpError` unless the
+forward-alone check of :mod:`gradhooks.core.alone` passed); a loss that mixes (outside the
+forward) is not seen: :meth:`~gradhooks.GradHooks.check_samples` recomputes samples alone.
 """
 from __future__ import annotations
 
@@ -50,11 +52,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..base.errors import GradHooksError, SampleMixingError
+from ..base.errors import GradHooksError, SampleMixingError, UnprovenOpError
 from .batch_dims import Routed
+from .separation import UNPROVEN
 from .token_means import ForwardLosses, TokenMeans
 
-__all__ = ["MIXING_OPS", "mixing_op", "rows_of_others", "upstream_of", "user_line", "Mixing", "MIXES", "STAT",
+__all__ = ["MIXING_OPS", "mixing_op", "rows_of_others", "upstream_of", "user_line",
+           "called_by_gradhooks", "Mixing", "MIXES", "STAT",
            "BATCH_NORM"]
 
 #: :func:`mixing_op`'s kinds: an op whose batched output mixes the samples, a reduction over the
@@ -212,6 +216,17 @@ _SKIP = (os.path.dirname(torch.__file__) + os.sep,
          os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
 
 
+def called_by_gradhooks(mode_file: str) -> bool:
+    """Whether the innermost frame outside torch and ``mode_file`` (the provenance mode's own
+    module) is gradhooks' (its hooks' ops on a batch, run under provenance: not the user's
+    forward)."""
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename.startswith(_SKIP[0])
+                                 or frame.f_code.co_filename == mode_file):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.startswith(_SKIP[1])
+
+
 def user_line() -> str:
     """``" (file.py:line in function)"``: the innermost frame of the caller outside torch and
     gradhooks (the user's forward), or ``""``."""
@@ -307,7 +322,11 @@ class Mixing:
         if not self.batch or getattr(recorder, "allow_sample_mixing", False):
             return None
         bn = getattr(recorder, "_options", {}).get("allow_batchnorm_train", False)
-        found = [what for kind, what in self.batch if not (kind == BATCH_NORM and bn)]
+        found = [what for kind, what in self.batch
+                 if not (kind == BATCH_NORM and bn) and kind != UNPROVEN]
+        unproven = [what for kind, what in self.batch if kind == UNPROVEN]
+        if not found and unproven:
+            return _unproven(read, unproven)
         if not found:
             return None
         more = f" (and {len(found) - 1} more such op(s))" if len(found) > 1 else ""
@@ -320,3 +339,23 @@ class Mixing:
             f"meant as a constant, or pass attach(..., allow_sample_mixing=True) to accept "
             f"results that are then each sample's contribution to the batch gradient, not the "
             f"gradient of its own loss")
+
+
+def _unproven(read: str, unproven: list) -> UnprovenOpError:
+    # The refusal of ops no rule proves keep the samples apart whose forward-alone check failed
+    # or was not possible (gradhooks.core.separation, gradhooks.core.alone).
+    more = f" (and {len(unproven) - 1} more such op(s))" if len(unproven) > 1 else ""
+    first = unproven[0]
+    scatter = "moves rows between samples" in first
+    way = ("declare which rows make one sample (a sample index, sample_ids: one id per row "
+           "of the batch, e.g. the graph of each node) so that they are one sample; "
+           if scatter else "")
+    return UnprovenOpError(
+        f"the forward runs an op that gradhooks cannot prove keeps the samples of the batch "
+        f"apart: {first}{more}. If it lets a sample's output depend on the other samples "
+        f"through the parameters, {read} would not be the gradients of each sample's own loss, "
+        f"and the sum check cannot see it. Ways out: {way}rewrite the op with ops that keep "
+        f"the batch dim (a per-sample einsum letter, a reduction over other dims); pass "
+        f"attach(..., allow_sample_mixing=True) to accept results that are each sample's "
+        f"contribution to the batch gradient; verify a batch with gh.check_samples(loss_fn, "
+        f"inputs, targets); or report the op to gradhooks if it keeps the samples apart")

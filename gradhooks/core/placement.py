@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
+import torch
 from torch import Tensor
 
 from ..base.errors import BatchSizeError, GradHooksError
@@ -51,8 +52,10 @@ from ..rules.fallback import FallbackRule
 from .batch_dims import Routed
 from .layouts import (fallback_dims, layout_swap, partial_batch_hint, reads_batch_at, recomputed_error, relayout,
                       shared_call_layout)
+from .alone import forward_alone
 from .meetings import note_meeting, pull_back
 from .mixing import Mixing
+from .separation import UNPROVEN
 from .provenance import Provenance, as_batch, input_batch_dim, meeting_cotangent
 from .records import Layer, Record
 
@@ -155,6 +158,9 @@ class Placement:
             parameters' gradient hooks see a pass that is not the user's.
         mixing: the :class:`~gradhooks.core.mixing.Mixing` verdicts: ops of a signature's
             forward that mix the samples (refused at the read, :meth:`refusal`).
+        verified: ``{signature: {(op, line)}}``: the ops no rule proves keep the samples apart
+            (:mod:`gradhooks.core.separation`) whose forward-alone check passed on a forward of
+            that signature (:mod:`gradhooks.core.alone`); they are not checked again.
     """
 
     def __init__(self, recorder, demote: Callable[[Layer], None]):
@@ -167,6 +173,7 @@ class Placement:
         self.ordinals: Dict[int, int] = {}
         self.pulling = False
         self.mixing = Mixing(recorder)  # (per signature and per batch: ops that mix samples)
+        self.verified: Dict[tuple, set] = {}  # signature -> unproven ops its forward check passed
         self.reset_batch()
 
     def reset_batch(self) -> None:
@@ -227,13 +234,15 @@ class Placement:
         are read by it, not functionally by another module (:meth:`param_source`)."""
         self.provenance.entered.add(id(layer))
 
-    def end_forward(self, completed: bool, forward_id: int) -> None:
+    def end_forward(self, completed: bool, forward_id: int, call: Optional[tuple] = None) -> None:
         """The model's forward ``forward_id`` returned (``completed``) or raised.
 
         Calls outside the model's forward follow no plan. A tracked forward's outermost call
         stops the tracking; one that returned settles its raw parameters
         (:meth:`_settle_params`) and tells its signature's plan (:meth:`_learn`); one that raised
-        drops its refusals (its records are never read)."""
+        drops its refusals (its records are never read). ``call``: ``(args, kwargs, output)``
+        of the model's forward, for the forward-alone check of ops no rule proves keep the
+        samples apart (:func:`verify_unproven`)."""
         prov = self.provenance
         if prov is None:
             self.plan = None
@@ -249,6 +258,8 @@ class Placement:
             self.unsplit = [u for u in self.unsplit if u[0] != forward_id]
         else:
             self._settle_params(prov)
+            if prov.unproven:
+                verify_unproven(self, prov, call)
             self._learn(prov)
 
     def stop(self) -> None:
@@ -264,6 +275,7 @@ class Placement:
         """Drop every signature's plan: the model changed (a resync), so the layers the plans
         name may be others."""
         self.signatures.clear()
+        self.verified.clear()
         self.mixing.forget()
 
     def _learn(self, prov: Provenance) -> None:
@@ -486,3 +498,27 @@ class Placement:
         source-carrying tensor of ``shape`` where it met the batch, its per-sample part pulled
         back to the sources: :func:`~gradhooks.core.meetings.pull_back`."""
         pull_back(self, edge, sources, how, shape, grad, dim)
+
+
+@torch.compiler.disable
+def verify_unproven(placement: Placement, prov: Provenance, call: Optional[tuple]) -> None:
+    """At the end of a tracked forward that noted ops no rule proves keep the samples apart
+    (:attr:`~gradhooks.core.provenance.Provenance.unproven`): accept them when the forward
+    alone reproduces the batch's rows (:func:`~gradhooks.core.alone.forward_alone`, once per
+    signature and set of such ops: :attr:`Placement.verified`), else add them to the forward's
+    verdicts, refused at the reads. ``call``: ``(args, kwargs, output)`` of the model's forward.
+    Not traced by ``torch.compile`` (it runs the model)."""
+    recorder = placement._recorder
+    verified = placement.verified.setdefault(prov.signature, set())
+    if set(prov.unproven) <= verified:
+        return  # (signatures tracked on every forward, a mixture of experts' routing: once)
+    passed, why = False, "no check was possible: the model's forward was not seen whole"
+    if call is not None and not getattr(recorder, "allow_sample_mixing", False):
+        args, kwargs, output = call
+        passed, why = forward_alone(recorder.model, args, kwargs, output, prov.batch_size,
+                                    prov.batch_dim, lambda t: prov.look(t)[2])
+    if passed:
+        verified.update(prov.unproven)
+    else:
+        prov.mixing.extend((UNPROVEN, f"{what}. The check of the forward alone: {why}")
+                           for _, what in prov.unproven.values())

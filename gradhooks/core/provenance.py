@@ -55,7 +55,10 @@ refused at the read with the module, the op and the shapes, never guessed.
 The same data flow shows ops that mix the samples through the parameters (an op along the batch
 dim: a softmax or sort over it, batch statistics; or a reduction over it whose result meets the
 batch again: ``h - h.mean(0)``): :mod:`gradhooks.core.mixing` says which, and the batch's reads
-refuse them (:attr:`Provenance.mixing`, kept per signature by the placement).
+refuse them (:attr:`Provenance.mixing`, kept per signature by the placement). Every other op
+on tensors that carry the batch and a gradient must be proven to keep the samples apart by the
+whitelist of :mod:`gradhooks.core.separation`; the rest are noted (:attr:`Provenance.unproven`)
+and refused unless the forward-alone check (:mod:`gradhooks.core.alone`) passes.
 
 Tracking costs a Python call per torch op of the forward (about +5% on a Transformer block's
 forward). The recorder runs it on the first forward of each input signature (the top-level
@@ -80,9 +83,10 @@ import torch.nn.functional as F
 from .batch_dims import (JOINS, MATMULS, METADATA, RECURRENT, ROW_ALIGNED, Routed,
                          is_grouped_mm,
                          batch_dim_after, operands)
-from .mixing import (CONTRACTIONS, MIXES, MIXING_OPS, STAT, contraction_mixes, mixing_op,
+from .mixing import (CONTRACTIONS, called_by_gradhooks, MIXES, MIXING_OPS, STAT, contraction_mixes, mixing_op,
                      rows_of_others,
                      upstream_of, user_line)
+from .separation import custom_function, separation_verdict
 from .rows import ADDS, gathered_meeting, grouped_meeting, linear_meeting, own_weights
 from .token_means import TOKEN_OPS, ForwardLosses
 
@@ -228,6 +232,11 @@ class Provenance(TorchFunctionMode):
             statistics, or a statistic of the batch that met the batch again), ``what`` naming
             the op, the module upstream and the line of the forward.
         stats: how many statistics of the batch (reductions over it) this forward made.
+        unproven: ``{(op, line): what}``: the ops of this forward that take a tensor carrying
+            the batch and a parameter's gradient and that no rule of
+            :mod:`gradhooks.core.separation` proves keep the samples apart, ``what`` naming the
+            op, the reason, the module upstream and the line of the forward (refused unless the
+            forward-alone check passes: :mod:`gradhooks.core.alone`).
         token_losses: the token-level losses over the batch of this forward
             (:class:`~gradhooks.core.token_means.ForwardLosses`).
     """
@@ -258,6 +267,7 @@ class Provenance(TorchFunctionMode):
         self.swapped = False
         self.mixing: list = []  # [(kind, what)]: ops of this forward that mix the samples
         self.stats = 0  # statistics of the batch made so far (gradhooks.core.mixing)
+        self.unproven: dict = {}  # (op, line) -> what: ops no rule proves keep samples apart
         self.token_losses = ForwardLosses()
 
     # -------------------------------------------------------------- tags
@@ -380,14 +390,16 @@ class Provenance(TorchFunctionMode):
             if func in TOKEN_OPS:
                 self.token_losses.observe(func, args, kwargs, out, self.batch_size,
                                           lambda t: self.look(t)[2])
-            if isinstance(out, Tensor):
-                _set(out, (self.token, None, batch_dim_after(func, args, kwargs, ref, rbd,
-                                                             batched, out)))
-            elif type(out) in (tuple, list) or isinstance(out, tuple):
+            single = isinstance(out, Tensor)
+            if single or type(out) in (tuple, list) or isinstance(out, tuple):
                 dims = batch_dim_after(func, args, kwargs, ref, rbd, batched, out)
-                for i, o in enumerate(out):
-                    if isinstance(o, Tensor):
-                        _set(o, (self.token, None, dims[i] if dims is not None else None))
+                if single:
+                    _set(out, (self.token, None, dims))
+                else:
+                    for i, o in enumerate(out):
+                        if isinstance(o, Tensor):
+                            _set(o, (self.token, None, dims[i] if dims is not None else None))
+                self._separation(func, args, kwargs, ref, rbd, batched, out, dims)
         elif sources is not None:
             tag = (self.token, sources, None)
             if isinstance(out, Tensor):
@@ -399,6 +411,41 @@ class Provenance(TorchFunctionMode):
         return out
 
     # -------------------------------------------------------------- ops that mix the samples
+    def _separation(self, func, args, kwargs, ref, bd, batched, out, dims) -> None:
+        # The whitelist (gradhooks.core.separation): an op on operands that carry the batch and
+        # a gradient, with an output that carries a gradient, is noted as unproven unless a
+        # rule of the table proves it keeps the samples apart.
+        if self.batch_size <= 1:
+            return  # (one sample, or none: nothing to mix; a signature's verdict is per B)
+        carrying = [(t, d) for t, d in batched if t.requires_grad]
+        if not carrying or not any(isinstance(o, Tensor) and o.requires_grad for o in (
+                (out,) if isinstance(out, Tensor) else out)):
+            return
+        why = None
+        for t, _ in carrying:
+            custom = custom_function(t)
+            if custom is not None:
+                func, why = custom, (f"the output of the custom autograd.Function {custom} "
+                                     f"(its forward ran without gradient: its ops were not "
+                                     f"judged)")
+                break
+        if why is None:
+            why = separation_verdict(func, args, kwargs, carrying, ref, bd, out, dims, batched)
+            if why is None:
+                return
+        if called_by_gradhooks(__file__):
+            return  # (the hooks' own ops: a shared call's input made a batch)
+        name = func if isinstance(func, str) else getattr(func, "__name__", repr(func))
+        line = user_line()
+        if (name, line) in self.unproven:
+            return
+        upstream = next((u for u in (upstream_of(t, self.params) for t, _ in carrying)
+                         if u is not None), None)
+        if upstream is None:
+            return  # (computed from the inputs alone: each sample's loss is still its own)
+        self.unproven[(name, line)] = (name, f"op {name}: {why}; on a tensor computed from "
+                                             f"{upstream}{line}")
+
     def _mixing(self, func, args, kwargs, ref, bd, out, found=False) -> None:
         # An op on the batch that mixes the samples (gradhooks.core.mixing; ``found``: what a
         # caller found already): noted, or its output marked as a statistic of the batch, where
@@ -444,7 +491,8 @@ class Provenance(TorchFunctionMode):
             self.mixing.append((stat[0], f"{stat[1]}, whose result meets the batch again in "
                                          f"{name}"))
             return
-        for o in ((out,) if isinstance(out, Tensor) else out):
+        for o in ((out,) if isinstance(out, Tensor) else out if isinstance(out, (tuple, list))
+                  else ()):
             if isinstance(o, Tensor) and o.requires_grad:
                 _set_stat(o, (self.token, stat))
 

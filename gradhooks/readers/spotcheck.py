@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..base.errors import GradientMismatchError
 from ..base.utils import paused
+from ..core.alone import largest_difference, rows as _rows
 from ..core.capture import Recorder
 from .per_sample import per_sample_grads
 
@@ -30,12 +31,6 @@ SPOT_CHECK_RTOL = {torch.float64: 1e-6, torch.float32: 1e-2, torch.bfloat16: 1e-
                    torch.float16: 1e-1}
 
 Batch = Union[Tensor, Sequence[Tensor]]
-
-
-def _rows(x: Batch, n: int):
-    if isinstance(x, Tensor):
-        return x[n:n + 1]
-    return type(x)(t[n:n + 1] for t in x)
 
 
 def check_samples(recorder: Recorder, loss_fn: Callable[..., Tensor], inputs: Batch, targets: Batch,
@@ -77,8 +72,7 @@ def check_samples(recorder: Recorder, loss_fn: Callable[..., Tensor], inputs: Ba
             for name, alone in zip(names, grads):
                 ours = result[name][n]
                 alone = torch.zeros_like(ours) if alone is None else alone
-                scale = max(float(ours.abs().max()), float(alone.abs().max()))
-                diff = float((ours.double() - alone.double()).abs().max())
+                diff, scale = largest_difference(ours, alone)
                 if diff > SPOT_CHECK_RTOL.get(ours.dtype, 1e-2) * scale + 1e-30:
                     raise GradientMismatchError(
                         f"sample {n} recomputed alone has another gradient for {name!r} than row "
