@@ -52,9 +52,11 @@ def _row_loss_case(model, x, w, ids, within):
     share = torch.ones_like(w) if within == "sum" else 1.0 / counts[inverse].to(w.dtype)
 
     def losses(model, rows):
-        dev = next(model.parameters()).device  # (the data stays on the CPU: test_on_cuda)
-        out = model(x[rows].to(dev))
-        row = (w[rows] * share[rows]).to(dev) * out.pow(2).flatten(1).sum(1)
+        p = next(model.parameters())  # (the data stays on the CPU in float64: test_on_cuda)
+        dev = p.device
+        xs = x[rows].to(dev)
+        out = model(xs.to(p.dtype) if xs.is_floating_point() else xs)
+        row = (w[rows] * share[rows]).to(dev, p.dtype) * out.pow(2).flatten(1).sum(1)
         _, inv = torch.unique(ids[rows], return_inverse=True)
         return row.new_zeros(int(inv.max()) + 1 if rows.numel() else 0).index_add(
             0, inv.to(dev), row)
@@ -227,8 +229,24 @@ def make(name, ids, dtype, within="sum"):
 
 
 # (transformers' GPT-2 cannot run a batch of 0 rows itself: its attention reshapes with -1)
-CASES = [(m, i) for m in ("mlp", "conv", "seq", "graph", "dpo") for i in IDS
+# (a batch of graphs with message passing is refused: test_batch_of_graphs_is_refused)
+CASES = [(m, i) for m in ("mlp", "conv", "seq", "dpo") for i in IDS
          if (m, i) != ("dpo", "empty")]
+
+
+def test_batch_of_graphs_is_refused(dtype):
+    """Message passing between a graph's nodes (``index_add`` along the node rows), the graphs
+    declared as samples: the op table cannot prove that the scatter stays inside one declared
+    sample (gradhooks.core.separation; proving it from the ids is not built), and the model's
+    inputs (node rows and an edge list) cannot be sliced for the forward-alone check, so every
+    read is refused naming ``index_add``: never a silently wrong number."""
+    case = make("graph", "unequal", dtype)
+    with gradhooks.attach(case.model) as gh:
+        loss = batch_loss(case, "mean")
+        gh.set_sample_ids(case.ids)
+        loss.backward()
+        with pytest.raises(gradhooks.UnprovenOpError, match="index_add"):
+            gh.per_sample_grads()
 
 
 # ----------------------------------------------------------------------- per-sample gradients
@@ -339,8 +357,12 @@ def test_clipping_per_sample(name, ids, method, reduction, dtype):
 
 def test_multiple_choice_softmax_over_a_samples_rows(dtype):
     """A multiple-choice head: one score per option (row), a softmax over each question's
-    options inside the forward; the question (its options' rows) is the sample. Exact, norms
-    and ghost clipping included (the softmax pairs rows of one sample only)."""
+    options inside the forward (``view(-1, c)`` merges the options' rows); the question (its
+    options' rows) is the sample. The op table cannot prove that the merge stays inside one
+    declared sample, and the output has no row per option for the forward-alone check: every
+    read is refused (``UnprovenOpError`` naming the ``view``). Accepted unproven with
+    ``allow_sample_mixing=True``, the grouped results equal the loop's (the merge pairs rows of
+    one sample only): per-sample gradients, norms and ghost clipping."""
     q, c = 4, 3
 
     class MultipleChoice(nn.Module):
@@ -363,6 +385,12 @@ def test_multiple_choice_softmax_over_a_samples_rows(dtype):
             ref[n][perm[i]] = g  # sample perm[i]: the ids in increasing order
     expected, ref_norms = clipped_reference(ref, 0.7, q)
     with gradhooks.attach(model, loss_reduction="mean") as gh:
+        out = model(x)
+        gh.set_sample_ids(ids)
+        (-out[torch.arange(q), label]).mean().backward()
+        with pytest.raises(gradhooks.UnprovenOpError, match="view"):
+            gh.per_sample_grads()
+    with gradhooks.attach(model, loss_reduction="mean", allow_sample_mixing=True) as gh:
         out = model(x)
         gh.set_sample_ids(ids)
         (-out[torch.arange(q), label]).mean().backward()
