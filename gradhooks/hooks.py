@@ -101,14 +101,14 @@ class GradHooks:
                  check=True, strict: bool = False, allow_batchnorm_train: bool = False,
                  forwards: str = "one", grad_scaler=None, differentiable: bool = False,
                  allow_sample_mixing: bool = False, unsafe_skip_replay_check: bool = False,
-                 token_normalisation: str = "sample"):
+                 unsafe_skip_sample_check: bool = False, token_normalisation: str = "sample"):
         #: The :class:`~gradhooks.core.capture.Recorder`: hooks and records (read-only for users).
-        self.recorder = Recorder(model, loss_reduction=loss_reduction, batch_first=batch_first,
-                                 check=check, strict=strict,
-                                 allow_batchnorm_train=allow_batchnorm_train, forwards=forwards,
-                                 grad_scaler=grad_scaler, differentiable=differentiable,
-                                 allow_sample_mixing=allow_sample_mixing,
-                                 unsafe_skip_replay_check=unsafe_skip_replay_check)
+        self.recorder = Recorder(
+            model, loss_reduction=loss_reduction, batch_first=batch_first, check=check,
+            strict=strict, allow_batchnorm_train=allow_batchnorm_train, forwards=forwards,
+            grad_scaler=grad_scaler, differentiable=differentiable,
+            allow_sample_mixing=allow_sample_mixing, unsafe_skip_replay_check=unsafe_skip_replay_check,
+            unsafe_skip_sample_check=unsafe_skip_sample_check)
         self.recorder.token_normalisation = check_token_normalisation(token_normalisation)
         # Dropped while attached: detached, with a warning (atexit off: the process ends).
         weakref.finalize(self, _dropped, self.recorder).atexit = False
@@ -450,7 +450,8 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
            check=True, strict: bool = False, allow_batchnorm_train: bool = False,
            forwards: str = "one", grad_scaler=None, differentiable: bool = False,
            allow_sample_mixing: bool = False, unsafe_skip_replay_check: bool = False,
-           token_normalisation: str = "sample") -> GradHooks:
+           unsafe_skip_sample_check: bool = False, token_normalisation: str = "sample"
+           ) -> GradHooks:
     """Attach per-sample-gradient hooks to every supported layer of an existing model.
 
     Registers a forward hook on each module that has a rule (``nn.Linear``, ``nn.Conv1d/2d/3d``;
@@ -473,7 +474,8 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
             every 100th read), ``"always"`` (every read) or ``False``. ``False`` does not skip
             the verification of the ``torch.func`` fallback's replays (see
             ``unsafe_skip_replay_check``), nor the forward-alone check of ops no rule proves
-            keep the samples apart (:mod:`gradhooks.core.alone`): without it they are refused.
+            keep the samples apart (:mod:`gradhooks.core.alone`): without it they are refused,
+            nor the sample check through the batched graph (``unsafe_skip_sample_check``).
         strict: refuse modules that own trainable parameters but have no dedicated rule
             (raise :class:`UnsupportedModuleError`) instead of covering them with the
             ``torch.func`` fallback (:mod:`gradhooks.rules.fallback`, with one
@@ -500,6 +502,16 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
             verification; only this switch does, and a module whose replay is wrong then gets
             wrong per-sample gradients without an error. Its cost is one batched forward and
             backward of the module per new structure.
+        unsafe_skip_sample_check: do not run the sample check through the batched graph. By
+            default, where per-sample losses exist (``gh.clipped_backward(losses)``,
+            ``gh.backward`` of ``(B,)`` losses or of their ``.mean()`` / ``.sum()``), the first
+            backward of each new structure (and every 100th) compares rows ``0`` and ``B - 1``
+            of the records with autograd's gradient of those samples' own loss terms through
+            the batched forward, and refuses a forward or a loss that pairs samples, whatever
+            the op (:class:`SampleMixingError`; :mod:`gradhooks.readers.sample_check`).
+            ``check=False`` does **not** skip it; only this switch (or
+            ``allow_sample_mixing=True``) does. Its cost is two backward passes through the
+            batched graph per new structure.
         token_normalisation: ``"sample"`` (default): a loss whose split into per-sample terms
             its graph does not prove (anything but ``.mean()`` / ``.sum()`` of ``(B,)``
             per-sample losses: a token mean, class weights, label smoothing, a z-loss, a sum
@@ -553,4 +565,5 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
                      forwards=forwards, grad_scaler=grad_scaler, differentiable=differentiable,
                      allow_sample_mixing=allow_sample_mixing,
                      unsafe_skip_replay_check=unsafe_skip_replay_check,
+                     unsafe_skip_sample_check=unsafe_skip_sample_check,
                      token_normalisation=token_normalisation)

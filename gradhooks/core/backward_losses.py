@@ -281,6 +281,9 @@ class Split(NamedTuple):
         length: ``L`` where the top op reduces an ``(L,)`` tensor of another length than ``B``
             (``G`` per-sample losses of rows grouped by ``gh.set_sample_ids`` declared after the
             backward: the reads judge it then), else ``None``.
+        node: where ``proven``, the reduction's autograd node (its input gradient is the
+            ``(B,)`` per-sample losses' gradient: :mod:`gradhooks.readers.sample_check` masks it
+            to one sample), else ``None``.
     """
     proven: bool
     what: str
@@ -291,6 +294,7 @@ class Split(NamedTuple):
     losses: tuple = ()
     top: Optional[str] = None
     length: Optional[int] = None
+    node: object = None
 
 
 def constant_of(node, name: str):
@@ -356,7 +360,7 @@ def split_of(node, batch_size: int, scaler: bool = False) -> Optional[Split]:
         if sizes == (batch_size,):
             return Split(True, f"{name[:-len('Backward0')].lower()}() of a (B,) = "
                                f"({batch_size},) tensor of per-sample losses",
-                         _FULL[name], scaled, factor, top=_FULL[name])
+                         _FULL[name], scaled, factor, top=_FULL[name], node=node)
     found, weighted, seen, todo = [], False, set(), [node]
     while todo and len(seen) < _SEARCH:
         n = todo.pop(0)

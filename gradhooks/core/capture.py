@@ -84,12 +84,15 @@ class Recorder:
         backward_pass: the :class:`~gradhooks.core.backward_pass.BackwardPass` (grad_outputs,
             parameter gradients, :meth:`drive`).
         reads: the :class:`~gradhooks.core.batch_reads.BatchReads` (:meth:`snapshot`'s validation).
+        sample_checked: the structures whose sample check through the batched graph passed
+            (:mod:`gradhooks.readers.sample_check`); ``sample_checks`` counts the backwards.
     """
 
     def __init__(self, model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
                  check=True, strict: bool = False, allow_batchnorm_train: bool = False,
                  forwards: str = "one", grad_scaler=None, differentiable: bool = False,
-                 allow_sample_mixing: bool = False, unsafe_skip_replay_check: bool = False):
+                 allow_sample_mixing: bool = False, unsafe_skip_replay_check: bool = False,
+                 unsafe_skip_sample_check: bool = False):
         check_loss_reduction(loss_reduction)
         if forwards not in FORWARDS:
             raise ValueError(f"forwards must be one of {FORWARDS}, got {forwards!r}")
@@ -110,6 +113,10 @@ class Recorder:
         self.strict = bool(strict)
         self._options = {"allow_batchnorm_train": bool(allow_batchnorm_train)}
         self.allow_sample_mixing = bool(allow_sample_mixing)  # (read by placement.mixing)
+        # The sample check through the batched graph (readers.sample_check): structures passed
+        self.unsafe_skip_sample_check = bool(unsafe_skip_sample_check)
+        self.sample_checked: set = set()
+        self.sample_checks = 0
         # The rule of modules without one: its replays verified, unless the user said not to
         self.fallback = UNVERIFIED_FALLBACK if unsafe_skip_replay_check else FALLBACK
         self.layers: List[Layer] = []

@@ -168,6 +168,7 @@ class Placement:
         self._demote = demote
         self.provenance: Optional[Provenance] = None
         self.signatures: Dict[tuple, object] = {}
+        self.signature: Optional[tuple] = None  # the last forward's (start())
         self.plan: Optional[dict] = None
         self.plan_size = 0
         self.ordinals: Dict[int, int] = {}
@@ -192,7 +193,7 @@ class Placement:
         or needs it (``"mode"``); the batch is what the top-level inputs carry on the batch dim
         (``batch_first=False``: dim 1 of an input of 2 dims or more, torch's ``(T, B, ...)``).
         Inputs under ``torch.func`` transforms are not tracked (their batch is vmap's)."""
-        self.plan, self.ordinals = None, {}
+        self.plan, self.ordinals, self.signature = None, {}, None
         first = next((t for t in inputs if t.dim() > 0), None)
         if first is None or any(is_functorch_wrapped(t) for t in inputs):
             return
@@ -200,6 +201,7 @@ class Placement:
         layout = 0 if recorder.batch_first else 1
         batch_dim = input_batch_dim(first, layout)
         key = (tuple((tuple(t.shape), t.dtype) for t in inputs), training)
+        self.signature = key  # (the sample check's structure: readers.sample_check)
         known = self.signatures.get(key)
         if isinstance(known, dict):  # (empty: no shared calls)
             self.plan, self.plan_size = known or None, first.shape[batch_dim]

@@ -26,6 +26,7 @@ from .clip_setup import (add_noise, check_accumulation, check_clip, clip_ranks, 
 from .distributed import Ranks
 from .loss_reduction import check_per_sample_losses, loss_scale_of
 from .plan import Forms, add_up, plan, squared_norms
+from .sample_check import SampleCheck
 
 __all__ = ["clipped_backward"]
 
@@ -195,6 +196,9 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *,
         GradHooksError: a trainable parameter the hooks do not cover; an FSDP2 model attached
             with the sum check on.
         NoBackwardError, GradientMismatchError: as :func:`gradhooks.readers.norms.per_sample_grad_norms`.
+        SampleMixingError: the sample check through the batched graph
+            (:mod:`gradhooks.readers.sample_check`, on the first step of each structure): the
+            forward or the losses pair samples.
     """
     rows = recorder.batch_size
     batch = recorder.reads.samples("clipped_backward()")  # G with sample_ids, else B
@@ -233,8 +237,13 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *,
         if accumulation is not None:
             accumulation.consumed(trainable)
         return empty_norms(trainable)
+    # (the first pass's root is total: the losses times S where the scaler is declared)
+    check = SampleCheck.before(recorder, losses, None if scaler is None else
+                               torch.full_like(losses, scale), batch)
     with no_autocast():
         sq = _first_pass(recorder, ranks, total, trainable)
+    if check is not None:
+        check.judge_norms(sq)
     norms = sq.sqrt_().div_(scale)
     factors = (max_norm / norms).clamp_(max=1.0)
     recorder.reset_batch()  # records consumed; the second pass records nothing

@@ -16,6 +16,7 @@ from torch import Tensor
 from ..base.errors import UnsupportedLossError
 from ..core.backward_losses import Split
 from .loss_reduction import _MEAN, _read, check_batch_loss, loss_scale_of
+from .sample_check import SampleCheck
 
 __all__ = ["check_backward_loss", "judged_backward"]
 
@@ -62,9 +63,16 @@ def judged_backward(recorder, loss: Tensor, gradient: Optional[Tensor],
     :func:`~gradhooks.readers.loss_reduction.loss_scale_of`) and counted in the pass where its
     split is not proven (``recorder``: the :class:`~gradhooks.core.capture.Recorder`).
 
+    Where the loss holds per-sample losses, the sample check through the batched graph
+    (:class:`~gradhooks.readers.sample_check.SampleCheck`) is taken around the pass.
+
     Raises:
-        UnsupportedLossError: as :func:`check_backward_loss`."""
+        UnsupportedLossError: as :func:`check_backward_loss`.
+        SampleMixingError: the sample check failed: the forward or the loss pairs samples."""
     split = check_backward_loss(loss, recorder, gradient)
     recorder.reads.see_scale(loss_scale_of(loss))
+    check = SampleCheck.before(recorder, loss, gradient, recorder.reads.samples())
     with recorder.backward_pass.expecting(split):
         recorder.drive(loss, gradient, retain_graph)
+    if check is not None:
+        check.judge_records()

@@ -1,0 +1,210 @@
+"""The sample check through the batched graph: a few samples' rows against autograd's gradient of
+their own loss term, through the same batched forward (issue 38, point 2).
+
+Where per-sample losses exist -- ``gh.clipped_backward(losses)`` with ``(B,)`` losses,
+``gh.backward(losses, gradient)`` on a ``(B,)`` tensor, ``gh.backward(loss)`` on a loss whose graph
+proves it ``.mean()`` / ``.sum()`` of a ``(B,)`` tensor (:func:`~gradhooks.core.backward_losses.split_of`,
+the DP Trainer's book-keeping step) -- the contribution of sample ``n`` to the batch gradient is
+``torch.autograd.grad`` of the root with its gradient masked to entry ``n`` (for a proven split:
+the reduction node's input gradient masked, so the reduction's own ``1/B`` and the constant
+factors above it stay). For a forward and a loss that keep samples apart that is row ``n`` of the
+records (Goodfellow's ``g_n a_n^T``) to rounding; any op that pairs samples -- in the model, or in
+the loss after it (an InfoNCE ``z @ z.T``, a sort over the batch, a batch statistic), known to
+gradhooks' rules or not -- makes them differ. So the check is general where the separation
+whitelist (:mod:`gradhooks.core.separation`) and the forward-alone check
+(:mod:`gradhooks.core.alone`) see only the forward.
+
+**What is compared.** Per parameter, the norm of row ``n`` of the recorded contributions
+(:func:`gradhooks.readers.plan.squared_norms`: the Gram form where cheaper, nothing materialised)
+against the norm of autograd's gradient for that row, for rows ``0`` and ``B - 1``; within
+:data:`SAMPLE_CHECK_RTOL` of the row's norm over all parameters. Two-pass clipping's first pass
+forms the norms summed over the parameters as it goes: there the totals are compared.
+
+**When.** On the first backward of each structure (the forward's input signature, the form of
+the loss, and whether ``sample_ids`` group rows) and on every :data:`EVERY`-th, whatever ``attach(..., check=...)`` says: ``check=False`` skips the sum check
+only. ``attach(..., allow_sample_mixing=True)`` and ``allow_batchnorm_train=True`` (results
+are declared contributions, not per-sample) and the loudly named ``attach(..., unsafe_skip_sample_check=True)`` skip it; so does a
+multi-process run (``torch.distributed`` initialised with more than one rank: the extra
+``autograd.grad`` passes would run DDP's / FSDP's collectives out of step).
+
+**Cost**, once per structure: two backward passes through the batched graph without parameter
+gradients kept (``autograd.grad`` w.r.t. the hooked parameters) and, for ``gh.backward``, one norm
+read of the records (``benchmarks/separation.py`` measures it on GPT-2 small and ViT-B/16).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from ..base.errors import SampleMixingError
+from ..base.utils import no_autocast, tf32_products
+from ..core.backward_losses import split_of
+from .plan import Forms, add_up, plan, squared_norms
+
+__all__ = ["SampleCheck", "SAMPLE_CHECK_RTOL", "EVERY"]
+
+_READ = "per_sample_grad_norms()"  # (the read the check is, for the batch's validation)
+
+#: one backward in this many is checked whatever its structure (as the sum check's policy).
+EVERY = 100
+
+#: Relative tolerance per dtype of the compared values, against the row's norm over all
+#: parameters: the records' rows and autograd's masked pass round differently (float32: about
+#: 1e-6 of the norm through a 12-layer Transformer); a pairing op changes a row by order 1.
+SAMPLE_CHECK_RTOL = {torch.float64: 1e-7, torch.float32: 2e-3, torch.bfloat16: 1e-1,
+                     torch.float16: 1e-1}
+
+
+def _distributed() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _mask(grad: Tensor, n: int) -> Tensor:
+    # ``grad`` with every entry of dim 0 but ``n`` zeroed
+    out = torch.zeros_like(grad)
+    out[n] = grad[n]
+    return out
+
+
+class SampleCheck:
+    """The references of one backward's sample check, taken before the pass (the graph is
+    alive), judged once the records' norms are formed.
+
+    Build with :meth:`before`; then :meth:`judge_records` (after ``gh.backward``'s pass) or
+    :meth:`judge_norms` (two-pass clipping's first-pass norms).
+
+    Attributes:
+        rows: the checked samples ``n`` (``0`` and ``N - 1``).
+        ref: ``{id(param): (len(rows),)}`` squared norms of autograd's gradient of each row's
+            contribution, float64.
+        what: the loss in words, for the message.
+    """
+
+    def __init__(self, recorder, key: tuple, rows: List[int], ref: Dict[int, Tensor], what: str):
+        self.recorder, self.key, self.rows, self.ref, self.what = recorder, key, rows, ref, what
+
+    @classmethod
+    def before(cls, recorder, root: Tensor, gradient: Optional[Tensor], samples: int
+               ) -> Optional["SampleCheck"]:
+        """The references for the backward of ``root`` about to run, or ``None`` where the check
+        is not due or not possible (no ``(N,)`` per-sample losses to mask, ``N`` = ``samples``).
+
+        Args:
+            recorder: the :class:`~gradhooks.core.capture.Recorder`.
+            root: the tensor the pass starts from: ``(N,)`` per-sample losses, or a 0-dim loss.
+            gradient: the pass's gradient for ``root`` (``None``: ones / 1).
+            samples: ``N``: ``B``, or ``G`` with ``sample_ids``.
+        """
+        if (samples < 2 or recorder.allow_sample_mixing or recorder.unsafe_skip_sample_check
+                or recorder._options.get("allow_batchnorm_train")
+                or _distributed() or not isinstance(root, Tensor) or root.grad_fn is None):
+            return None
+        node = None
+        if root.dim() == 1 and root.shape[0] == samples:
+            form = "losses"
+        elif root.dim() == 0 and gradient is None:
+            split = split_of(root.grad_fn, samples, recorder.grad_scaler is not None)
+            if split is None or not split.proven or split.node is None:
+                return None
+            node, form = split.node, split.what
+        else:
+            return None
+        key = (recorder.placement.signature, form, type(root.grad_fn).__name__,
+               recorder.reads.groups(_READ) is not None)
+        recorder.sample_checks += 1
+        if key in recorder.sample_checked and recorder.sample_checks % EVERY:
+            return None
+        if recorder.records:
+            return None  # (an earlier pass through this forward: its rows are in the records)
+        params = [p for p in recorder.params.values() if p.requires_grad]
+        if not params:
+            return None
+        rows = sorted({0, samples - 1})
+        sq: List[List[Tensor]] = []
+        with recorder.muted():
+            for n in rows:
+                if node is None:
+                    g = torch.ones_like(root) if gradient is None else gradient
+                    grads = torch.autograd.grad(root, params, _mask(g, n),
+                                                retain_graph=True, allow_unused=True)
+                else:
+                    handle = node.register_hook(
+                        lambda gi, go, n=n: (_mask(gi[0], n),) + tuple(gi[1:]))
+                    try:
+                        grads = torch.autograd.grad(root, params, retain_graph=True,
+                                                    allow_unused=True)
+                    finally:
+                        handle.remove()
+                sq.append([torch.zeros((), dtype=torch.float64, device=p.device) if g is None
+                           else g.double().square().sum() for p, g in zip(params, grads)])
+        ref = {id(p): torch.stack([row[k] for row in sq]) for k, p in enumerate(params)}
+        what = ("the per-sample losses" if node is None else f"the loss ({form})")
+        return cls(recorder, key, rows, ref, what)
+
+    def judge_records(self) -> None:
+        """Compare the records of the pass that just ran (their rows' norms per parameter,
+        :func:`~gradhooks.readers.plan.squared_norms`, not scaled to the sample's own loss).
+
+        Raises:
+            SampleMixingError: as :meth:`_judge`.
+        """
+        batch = self.recorder.snapshot(_READ, sum_check=False)
+        plans, units = plan(batch)
+        with no_autocast(), tf32_products(batch.low):
+            sq = squared_norms(batch, plans, units, Forms(batch, plans))
+        ours = {pid: t.index_select(0, torch.tensor(self.rows, device=t.device)).double()
+                for pid, t in sq.items()}
+        self._judge(ours, batch.low)
+
+    def judge_norms(self, sq: Tensor) -> None:
+        """Compare ``(N,)`` squared norms summed over the parameters (two-pass clipping's first
+        pass, of the same root and gradient as the references).
+
+        Raises:
+            SampleMixingError: as :meth:`_judge`.
+        """
+        rows = torch.tensor(self.rows, device=sq.device)
+        ours = {0: sq.index_select(0, rows).double()}
+        ref = add_up([t.to(sq.device) for t in self.ref.values()])
+        self._judge(ours, None, {0: ref})
+
+    def _judge(self, ours: Dict[int, Tensor], low, ref: Optional[Dict[int, Tensor]] = None
+               ) -> None:
+        # ours / ref: {key: (len(rows),) squared norms}, keyed by id(param), or 0 for the sum
+        # over all parameters (``ref`` given); the keys of both are judged.
+        summed = ref is not None
+        ref = self.ref if ref is None else ref
+        keys = [k for k in ours if k in ref]
+        if not keys:
+            return
+        dev = ours[keys[0]].device
+        mine = torch.stack([ours[k].to(dev).clamp(min=0).sqrt() for k in keys])  # (P, R)
+        theirs = torch.stack([ref[k].to(dev).clamp(min=0).sqrt() for k in keys])
+        total = torch.maximum(mine.square().sum(0), theirs.square().sum(0)).sqrt()  # (R,)
+        dtype = low or next(iter(self.recorder.params.values())).dtype
+        rtol = SAMPLE_CHECK_RTOL.get(dtype, 2e-3)
+        diff = (mine - theirs).abs()
+        bad = ~(diff <= rtol * total + 1e-30)
+        if not bool(bad.any()):
+            self.recorder.sample_checked.add(self.key)
+            return
+        k, r = (int(i) for i in bad.nonzero()[0])
+        name = ("all parameters together" if summed
+                else repr(self.recorder.names.get(keys[k], "?")))
+        n = self.rows[r]
+        raise SampleMixingError(
+            f"the sample check: sample {n}'s gradient of its own term of {self.what}, taken by "
+            f"autograd through the batched forward, has norm {float(theirs[k, r]):.6g} for "
+            f"{name}, but row {n} of the per-sample results has {float(mine[k, r]):.6g} (a "
+            f"difference of {float(diff[k, r]):.3g}, tolerance {rtol:g} of the row's norm "
+            f"{float(total[r]):.6g}): something between the samples' inputs and their loss terms "
+            f"pairs samples -- an op in the model or in the loss after it (z @ z.T, a sort, a "
+            f"softmax or a statistic over the batch, an index that moves rows between samples), "
+            f"so the per-sample gradients are not defined for it. Compute each sample's loss "
+            f"from its own rows only (gh.set_sample_ids groups rows that form one sample), or, "
+            f"to read the batch's contributions on purpose, attach(..., "
+            f"allow_sample_mixing=True)")
+
