@@ -22,9 +22,13 @@ $(STAMP): setup.cfg setup.py constraints.txt
 bench: $(STAMP)
 	$(BIN)/python -m gradhooks bench $(ARGS)
 
-# The test suite.
+# The test suite, on every core (pytest-xdist; the tests run one intra-op thread each, so one
+# worker per core; TEST_JOBS=0 runs it in this process). The real-size tier keeps to one worker
+# (tests/conftest.py groups it), so that two real-size models never share the memory at once.
+TEST_JOBS ?= auto
+
 test: $(STAMP)
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadgroup $(ARGS)
 
 # The documentation site, offline, into site/ (mkdocs-material + mkdocstrings; mkdocs.yml, docs/).
 # Strict: a warning (a broken link or anchor, a page missing from the nav, an API object not

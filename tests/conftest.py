@@ -11,6 +11,15 @@ import torch
 
 import gradhooks
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``make test``: one worker per core, ``--dist loadgroup``) the
+    real-size tier (``scale`` marker) runs in one worker, one model at a time: two real-size
+    models side by side would double its peak memory."""
+    for item in items:
+        if item.get_closest_marker("scale") is not None:
+            item.add_marker(pytest.mark.xdist_group("scale"))
+
+
 # Relative error bounds, relative to the largest entry of the reference (the issue's criterion).
 RTOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
