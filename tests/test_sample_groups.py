@@ -636,6 +636,26 @@ def test_a_mean_over_rows_is_refused(form):
         assert gh.per_sample_grads()["0.weight"].shape == (4, 3, 5)
 
 
+@pytest.mark.parametrize("read", ["per_sample_grads", "per_sample_grad_norms"])
+def test_a_mean_over_rows_is_refused_after_a_plain_backward(read):
+    """The same mean of (B,) row losses handed to a plain loss.backward(): its graph shows the
+    (B,) tensor the mean reduces, so the read refuses it; the sum over rows / G is exact."""
+    model = nn.Sequential(nn.Linear(5, 3)).double()
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
+    with gradhooks.attach(model, loss_reduction="mean") as gh:
+        out = model(x)
+        gh.set_sample_ids(IDS["unequal"])
+        F.cross_entropy(out, y, reduction="none").mean().backward()
+        with pytest.raises(gradhooks.UnsupportedLossError,
+                           match=rf"{read}\(\): sample_ids group the B = 8 rows .*G/B = 4/8"):
+            getattr(gh, read)()
+        model.zero_grad()
+        out = model(x)
+        gh.set_sample_ids(IDS["unequal"])
+        (F.cross_entropy(out, y, reduction="sum") / 4).backward()
+        assert getattr(gh, read)() is not None
+
+
 def test_two_forward_refusal_names_sample_ids():
     """The refusal of two forwards before one backward leads to one concatenated forward with
     sample_ids, not to a concatenation whose rows would each be a sample."""

@@ -154,6 +154,11 @@ class BackwardPass:
                 tokens.scaled(None, split.what)  # (a sum scaled under "mean": taken as sum / B)
         if split.proven:
             return None
+        samples, size = self._recorder.reads.declared_samples(), self._recorder.batch_size
+        if (samples is not None and samples != size and split.top == "mean"
+                and split.length == size and not split.scaled):
+            tokens.rows_mean(split.what, size, samples)  # (sample_ids: a mean over the rows)
+            return None
         if split.weighted:  # (refused even where no (B, T, D) grad_output gives the counts)
             tokens.unsplit(split.what, None, True, "")
         if self._loss is not None and self._loss.kind == "tokens":

@@ -327,6 +327,13 @@ class TokenMeans:
             f"would be {factor} the gradient of each sample's own loss. Make the loss the "
             f"declared reduction ({fix}) or attach with loss_reduction={reduction!r}"))
 
+    def rows_mean(self, what: str, rows: int, samples: int) -> None:
+        """With ``sample_ids`` grouping ``rows`` rows into ``samples`` samples, a backward pass's
+        loss is ``what``, an unscaled mean over the rows: refused at the read under
+        ``loss_reduction="mean"`` (:func:`rows_mean_message`)."""
+        if getattr(self._recorder, "loss_reduction", "mean") == "mean":
+            self.batch.append(_Contradiction(rows_mean_message(what, rows, samples, "{read}")))
+
     def refusal(self, read: str) -> Optional[UnsupportedLossError]:
         """The error a read (``read``) of this batch raises when a token-level loss of its
         forward weighs the samples unequally (module docstring), or ``None``."""
@@ -409,3 +416,15 @@ def _unsplit_error(entry: _Unsplit, read: str) -> Optional[UnsupportedLossError]
         f"token_normalisation='batch'): results are then each sample's contribution to the "
         f"batch gradient (under DP-SGD each sample's clipped term then depends on the batch's "
         f"token count)")
+
+
+def rows_mean_message(what: str, rows: int, samples: int, read: str) -> str:
+    """Why a mean over the ``B = rows`` rows is no batch loss when ``sample_ids`` group them
+    into ``G = samples`` samples (``loss_reduction="mean"``): each result would be ``G / B``
+    times the gradient of the sample's own loss."""
+    return (f"{read}: sample_ids group the B = {rows} rows into G = {samples} samples, but "
+            f"the loss is a mean over the rows ({what}): a sample's loss is the sum of its "
+            f"rows' terms, and the batch loss must be their mean over the samples "
+            f"(loss_reduction='mean': row_losses.sum() / {samples}) or their sum ('sum'); as it "
+            f"is, every result would be G/B = {samples}/{rows} times the gradient of the "
+            f"sample's own loss. Use reduction='none' and sum / G")

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ..base.errors import UnsupportedLossError
 from ..core.backward_losses import Split
+from ..core.token_means import rows_mean_message
 from .loss_reduction import _MEAN, _read, check_batch_loss, loss_scale_of
 from .sample_check import SampleCheck
 
@@ -46,13 +47,8 @@ def check_backward_loss(loss: Tensor, recorder, gradient: Optional[Tensor]) -> O
         return split
     found = _read(loss, rows, broadcast=False)
     if found is not None and found[2] == _MEAN and found[1] == 1.0:
-        raise UnsupportedLossError(
-            f"gh.backward(loss): sample_ids group the B = {rows} rows into G = {samples} "
-            f"samples, but the loss is a mean over the rows ({type(found[0]).__name__}): a "
-            f"sample's loss is the sum of its rows' terms, and the batch loss must be their "
-            f"mean over the samples (loss_reduction='mean': row_losses.sum() / {samples}) or "
-            f"their sum ('sum'); as it is, every result would be G/B = {samples}/{rows} times "
-            f"the gradient of the sample's own loss. Use reduction='none' and sum / G")
+        raise UnsupportedLossError(rows_mean_message(type(found[0]).__name__, rows, samples,
+                                                     "gh.backward(loss)"))
     return split
 
 
