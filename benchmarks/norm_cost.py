@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from gradhooks.readers.norms import use_gram
+from gradhooks.readers.plan import use_gram
 
 
 def gram(a, g):

@@ -18,11 +18,6 @@ Public API::
     gradhooks.looped_per_sample_grads(model, loss_fn, inputs, targets)   # one forward per sample
     gradhooks.compare(model, loss_fn, inputs, targets)   # check against both, time the loop
 """
-import importlib
-import importlib.abc
-import importlib.util
-import sys
-
 from ._version import __version__
 from .base.errors import (
     AccumulationError,
@@ -71,76 +66,6 @@ from .tools.reference import (
 # module imports only from its own layer and those below. Each is a folder of the package,
 # except "api": the modules at its top (the facade ``hooks`` and the one-call ``fisher``).
 LAYERS = ("base", "rules", "core", "readers", "api", "tools", "integrations")
-
-# Module paths from before the folders: {old: new}, relative to ``gradhooks``. Importing an
-# old path gives the module at the new one (the same object), and the README lists them.
-RENAMED = {
-    '_pool': 'base._pool',
-    'accumulation': 'readers.accumulation',
-    'attribution': 'readers.attribution',  # (not renamed: the public name of the module)
-    'capture': 'core.capture',
-    'checks': 'core.checks',
-    'cli': 'tools.cli',
-    'clipping': 'readers.clipping',
-    'ekfac': 'readers.ekfac',
-    'errors': 'base.errors',
-    'forms': 'base.forms',
-    'ggn': 'readers.ggn',
-    'gram': 'readers.gram',
-    'graph': 'core.graph',
-    'jacobians': 'readers.jacobians',
-    'kfac': 'readers.kfac',
-    'kinks': 'tools.kinks',
-    'laplace_backend': 'integrations.laplace_backend',
-    'losses': 'readers.losses',
-    'norms': 'readers.norms',
-    'passes': 'readers.passes',
-    'per_sample': 'readers.per_sample',
-    'projections': 'readers.projections',
-    'provenance': 'core.provenance',
-    'records': 'core.records',
-    'reference': 'tools.reference',
-    'registry': 'base.registry',
-    'spotcheck': 'readers.spotcheck',
-    'statistics': 'readers.statistics',
-    'utils': 'base.utils',
-    'workloads': 'tools.workloads',
-}
-
-
-class _RenamedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports ``gradhooks.<old>`` (a key of :data:`RENAMED`) as the module at its new path.
-    Modules already imported are aliased in ``sys.modules`` at once (below), so that importing
-    ``gradhooks.kfac`` never rebinds the function ``gradhooks.kfac`` to the module."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        prefix, _, old = fullname.rpartition(".")
-        if prefix == __name__ and old in RENAMED:
-            return importlib.util.spec_from_loader(fullname, self)
-        return None
-
-    def create_module(self, spec):
-        return importlib.import_module(f"{__name__}.{RENAMED[spec.name.rpartition('.')[2]]}")
-
-    def exec_module(self, module) -> None:
-        pass
-
-
-for _old, _new in RENAMED.items():
-    if f"{__name__}.{_new}" in sys.modules:
-        sys.modules.setdefault(f"{__name__}.{_old}", sys.modules[f"{__name__}.{_new}"])
-if not any(type(_f).__name__ == "_RenamedModules" and getattr(_f, "package", None) == __name__
-           for _f in sys.meta_path):
-    _finder = _RenamedModules()
-    _finder.package = __name__
-    sys.meta_path.insert(0, _finder)
-
-
-def __getattr__(name: str):
-    # ``gradhooks.norms`` and the other old module paths as attributes of the package.
-    if name in RENAMED:
-        return importlib.import_module(f"{__name__}.{RENAMED[name]}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "attach",

@@ -309,20 +309,20 @@ def test_norms_of_several_backward_passes(dtype, grad_totals):
 
 
 def test_use_gram_is_the_flop_count_plus_memory_bound_bytes():
-    assert norms.use_gram(1, 10, 10)            # S = 1: always the product of norms
-    assert norms.use_gram(63, 128, 128)         # 63 * 256 < 128 * 128
-    assert not norms.use_gram(64, 128, 128)
-    assert not norms.use_gram(576, 288, 64)     # the seed CNN's conv2: materialised
+    assert plan.use_gram(1, 10, 10)            # S = 1: always the product of norms
+    assert plan.use_gram(63, 128, 128)         # 63 * 256 < 128 * 128
+    assert not plan.use_gram(64, 128, 128)
+    assert not plan.use_gram(576, 288, 64)     # the seed CNN's conv2: materialised
     # the LSTM LM's weight_ih (32 steps, 32 -> 256 gates): its gate-gradient Gram is shared
-    assert not norms.use_gram(32, 32, 256) and norms.use_gram(32, 32, 256, shared=2)
+    assert not plan.use_gram(32, 32, 256) and plan.use_gram(32, 32, 256, shared=2)
     # in cache (32 x 128 x 128 floats: 2 MB) the FLOP count decides, as above
-    assert not norms.use_gram(64, 128, 128, batch=32)
+    assert not plan.use_gram(64, 128, 128, batch=32)
     # beyond the cache writing (N, O, I) costs BYTE_COST per value: 128 tokens of 128 -> 512
     # (FLOPs: 128 * 640 > 65536, materialised; measured 3.0 ms Gram, 6.8 ms materialised)
-    assert not norms.use_gram(128, 128, 512) and norms.use_gram(128, 128, 512, batch=32)
-    assert norms.use_gram(256, 512, 512, batch=32) and not norms.use_gram(256, 512, 512)
+    assert not plan.use_gram(128, 128, 512) and plan.use_gram(128, 128, 512, batch=32)
+    assert plan.use_gram(256, 512, 512, batch=32) and not plan.use_gram(256, 512, 512)
     # and the Gram matrices' own bytes count too: 256 tokens of 512 -> 128 stays materialised
-    assert not norms.use_gram(256, 512, 128, batch=32)
+    assert not plan.use_gram(256, 512, 128, batch=32)
 
 
 class _LSTMHead(nn.Module):

@@ -11,6 +11,7 @@ cycle between modules and on an import inside a function (the way a cycle is usu
 import ast
 import importlib
 import os
+import sys
 from typing import Dict, List, Set, Tuple
 
 import pytest
@@ -178,21 +179,13 @@ def test_no_module_or_class_outgrows_one_idea():
                 big.append(f"gradhooks.{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert not big, big
 
-def test_renamed_module_paths_give_the_moved_modules():
-    """Scripts written before the folders keep working: ``import gradhooks.<old>`` (and the
-    attribute) give the module at its new path, and ``gradhooks.kfac`` stays the function.
+def test_no_old_module_paths():
+    """The package has never been released under its pre-folder module paths: no finder or table
+    keeps them alive (issue 41), and ``gradhooks.kfac`` is the one-call function.
     (The only test here that imports the package: the others read its source.)"""
-    import zoo_imports  # noqa: F401  (laplace_backend imports laplace, which imports torchvision)
-
     import gradhooks
-    from gradhooks.readers import kfac as kfac_module
-    assert gradhooks.RENAMED, "no renamed paths"
-    for old, new in gradhooks.RENAMED.items():
-        moved = importlib.import_module(f"gradhooks.{new}")
-        assert importlib.import_module(f"gradhooks.{old}") is moved, old
-        assert old == "kfac" or getattr(gradhooks, old) is moved, old
-    import gradhooks.kfac  # noqa: F401  (the module path, imported again)
-    assert callable(gradhooks.kfac) and gradhooks.kfac is not kfac_module
-    from gradhooks.norms import use_gram  # the old home of a name users import
-    from gradhooks.readers.plan import use_gram as moved_use_gram
-    assert use_gram is moved_use_gram
+    assert not hasattr(gradhooks, "RENAMED")
+    assert not any(type(f).__name__ == "_RenamedModules" for f in sys.meta_path)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("gradhooks.norms")
+    assert callable(gradhooks.kfac)

@@ -31,7 +31,6 @@ from torch import Tensor
 from ..base.utils import compute_dtype, no_autocast, tf32_products
 from ..core.records import Batch
 from .plan import Forms, add_up, plan, result_sq_norms, squared_norms
-from .plan import use_gram  # noqa: F401  (gradhooks.readers.norms.use_gram: its old home, users import it)
 
 __all__ = ["per_sample_grad_norms"]
 
