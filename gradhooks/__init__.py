@@ -24,6 +24,7 @@ import importlib.util
 import sys
 
 from ._version import __version__
+from .base import torch_internals as _torch_internals  # (first: names a torch it cannot run on)
 from .base.errors import (
     AccumulationError,
     BatchSizeError,
