@@ -148,3 +148,18 @@ def test_against_kronfluence(damping, tmp_path):
         pair = attr.pairwise_scores_over(gh, DataLoader(query, batch_size=3), loader,
                                          lambda b: token_loss(model(b[0]), b[1]), pre, progress=False)
     torch.testing.assert_close(pair, their_pair, rtol=1e-9, atol=1e-12 * their_pair.abs().max().item())
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "type-2"])
+def test_fisher_driver(fisher):
+    """gradhooks.kfac(..., g_positions="mean") on a token model with MSE: G / T, A the same."""
+    model = token_model()
+    x = token_data(3, 5)[0]
+    y = torch.randn(3, 5, 3, dtype=F64)
+    total = gradhooks.kfac(model, x, y, nn.MSELoss(), fisher=fisher)
+    mean = gradhooks.kfac(model, x, y, nn.MSELoss(), fisher=fisher, g_positions="mean")
+    for key in total:
+        torch.testing.assert_close(mean[key].A, total[key].A, rtol=1e-12, atol=0)
+        torch.testing.assert_close(mean[key].G * 5, total[key].G, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="defined for kfac_approx='expand' only"):
+        gradhooks.kfac(model, x, y, nn.MSELoss(), kfac_approx="reduce", g_positions="mean")
