@@ -168,3 +168,11 @@ def test_without_dtensor(monkeypatch):
     from gradhooks.readers import distributed
     monkeypatch.setattr(distributed, "DTensor", None)
     assert not distributed.is_sharded(torch.zeros(2))
+
+
+def test_private_modules():
+    import importlib
+    for name, attrs in ti.PRIVATE_MODULES.items():
+        mod = importlib.import_module(name)
+        for a in attrs:
+            assert hasattr(mod, a), f"{name}.{a} is gone"

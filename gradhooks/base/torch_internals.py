@@ -25,7 +25,7 @@ from torch.nn.modules import module as torch_module
 from .errors import GradHooksError
 
 __all__ = ["FLOOR", "RUN_ON", "SEEN_SINCE", "ENGINE_FRAME", "GLOBAL_HOOK_FLAGS", "SAVED",
-           "PRIVATE_ATTRIBUTES", "torch_module", "current_autograd_node", "current_graph_task_id",
+           "PRIVATE_ATTRIBUTES", "PRIVATE_MODULES", "torch_module", "current_autograd_node", "current_graph_task_id",
            "storage_use_count", "is_functorch_wrapped", "grouped_mm", "OptimizedModule",
            "DTensor", "Partial", "distribute_tensor", "missing", "check"]
 
@@ -96,6 +96,18 @@ PRIVATE_ATTRIBUTES: Dict[str, Tuple[str, ...]] = {
     "Tensor": ("_version", "_backward_hooks", "_post_accumulate_grad_hooks"),
     "UntypedStorage": ("_cdata",),
     "OptimizedModule": ("_orig_mod",),
+}
+
+#: torch's private modules imported by name elsewhere (module: the names taken from it):
+#: pytree walks of args and outputs (base.utils, core, readers, rules), the functions that mark a
+#: recurrent call (``torch._VF``) or an aten op (``torch._ops.OpOverload``; core.batch_dims),
+#: and the dispatch mode of the kinks tool (tools.kinks).
+PRIVATE_MODULES: Dict[str, Tuple[str, ...]] = {
+    "torch.utils._pytree": ("tree_flatten", "tree_map", "tree_unflatten"),
+    "torch._VF": ("lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell",
+                  "rnn_tanh_cell", "rnn_relu_cell"),
+    "torch._ops": ("OpOverload",),
+    "torch.utils._python_dispatch": ("TorchDispatchMode",),
 }
 
 #: First release (of those read: module docstring) with each internal.
