@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 BENCH_VENV ?= .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.installed-stamp
 
-.PHONY: install bench test bench-peers bench-dp bench-gpu clean docs test-newest smoke-floor
+.PHONY: install bench test bench-peers bench-dp bench-gpu clean docs
 
 install: $(STAMP)
 
@@ -30,6 +30,7 @@ test: $(STAMP)
 # its own constraints file: PIP_CONSTRAINT replaces the machine-wide pip cap for that venv only.
 # test-newest: a fixed slice of the suite (every rule x every reader, the set-ups, the zoo's
 # transformers rows) on the newest torch that installs here without a large download.
+.PHONY: test-newest smoke-floor
 NEWEST_VENV ?= .venv-newest
 NEWEST_CONSTRAINTS ?= .ci/constraints-newest.txt
 NEWEST_STAMP := $(NEWEST_VENV)/.installed-stamp
@@ -107,4 +108,4 @@ bench-gpu:
 	$(GPU_PYTHON) benchmarks/scale.py --gpu $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) $(NEWEST_VENV) $(FLOOR_VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(BENCH_VENV) build *.egg-info .pytest_cache .hypothesis
