@@ -30,6 +30,49 @@ TEST_JOBS ?= auto
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadgroup $(ARGS)
 
+# The torch users have (issue 40, point 7; docs/development.md, "Torch versions"). Each venv has
+# its own constraints file: PIP_CONSTRAINT replaces the machine-wide pip cap for that venv only.
+# test-newest: a fixed slice of the suite (every rule x every reader, the set-ups, the zoo's
+# transformers rows) on the newest torch that installs here without a large download.
+.PHONY: test-newest smoke-floor
+NEWEST_VENV ?= .venv-newest
+NEWEST_CONSTRAINTS ?= .ci/constraints-newest.txt
+NEWEST_STAMP := $(NEWEST_VENV)/.installed-stamp
+# The slice (about 4 minutes on 2 cores): every rule x every reader in float64 with the mean
+# reduction, the set-ups (not their hypothesis sampler, 110 s alone), the zoo's transformers rows.
+NEWEST_READERS_K ?= f64 and mean
+NEWEST_ZOO_K ?= not timm and not tv- and not test_setups_match_loop
+
+$(NEWEST_STAMP): setup.cfg setup.py $(NEWEST_CONSTRAINTS)
+	$(PYTHON) -m venv $(NEWEST_VENV)
+	PIP_CONSTRAINT=$(NEWEST_CONSTRAINTS) $(NEWEST_VENV)/bin/python -m pip install --quiet \
+		-e ".[job,zoo]" pytest hypothesis numpy opacus
+	touch $(NEWEST_STAMP)
+
+test-newest: $(NEWEST_STAMP)
+	$(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_torch_internals.py \
+		tests/test_every_rule_every_reader.py -k "$(NEWEST_READERS_K)" $(ARGS)
+	$(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_setup_*.py \
+		tests/test_zoo.py -k "$(NEWEST_ZOO_K)" $(ARGS)
+
+# smoke-floor: import gradhooks and run the main job on the tested floor (FLOOR_TORCH, the lower
+# bound of install_requires; gradhooks/base/torch_internals.py names what older releases lack).
+# Its CPU wheel lies on local disk here; FLOOR_PIP_ARGS may name another index (e.g.
+# --index-url https://download.pytorch.org/whl/cpu) to try a lower one.
+FLOOR_VENV ?= .venv-floor
+FLOOR_TORCH ?= 2.13.0
+FLOOR_PIP_ARGS ?=
+
+smoke-floor:
+	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
+	echo "torch==$(FLOOR_TORCH)" > $(FLOOR_VENV)/constraints.txt
+	PIP_CONSTRAINT=$(FLOOR_VENV)/constraints.txt $(FLOOR_VENV)/bin/python -m pip install --quiet \
+		$(FLOOR_PIP_ARGS) "torch==$(FLOOR_TORCH)"
+	PIP_CONSTRAINT=$(FLOOR_VENV)/constraints.txt $(FLOOR_VENV)/bin/python -m pip install --quiet \
+		-e ".[job]"
+	$(FLOOR_VENV)/bin/python -c "import torch, gradhooks; print('torch', torch.__version__, '| gradhooks', gradhooks.__version__)"
+	$(FLOOR_VENV)/bin/python -m gradhooks bench $(ARGS)
+
 # The documentation site, offline, into site/ (mkdocs-material + mkdocstrings; mkdocs.yml, docs/).
 # Strict: a warning (a broken link or anchor, a page missing from the nav, an API object not
 # found) fails the build. The docs extra joins the project's venv (torch stays pinned).

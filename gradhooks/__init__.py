@@ -19,6 +19,7 @@ Public API::
     gradhooks.compare(model, loss_fn, inputs, targets)   # check against both, time the loop
 """
 from ._version import __version__
+from .base import torch_internals as _torch_internals  # (first: names a torch it cannot run on)
 from .base.errors import (
     AccumulationError,
     BatchSizeError,

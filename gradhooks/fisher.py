@@ -15,7 +15,8 @@ from torch import Tensor, nn
 from .base.errors import NoBackwardError, UnsupportedLossError
 from .base.utils import no_autocast, own_loss_scale
 from .hooks import attach
-from .readers.kfac import KFAC_APPROX, DiagonalFactors, KFACFactors, KFACSums, check_choice, check_options
+from .readers.kfac import (KFAC_APPROX, DiagonalFactors, KFACFactors, KFACSums, check_choice,
+                           check_g_positions, check_options)
 from .readers.losses import LossModel
 from .readers.passes import run_passes
 
@@ -41,6 +42,7 @@ def kfac(
     max_dense: Optional[int] = None,
     all_reduce: bool = False,
     group=None,
+    g_positions: str = "sum",
 ) -> Dict[str, Union[KFACFactors, DiagonalFactors]]:
     """KFAC factors of a model on one batch, for the empirical, Monte-Carlo or type-2 Fisher.
 
@@ -88,7 +90,9 @@ def kfac(
         batch_first, allow_batchnorm_train: as for :func:`gradhooks.attach` (BatchNorm in
             training mode mixes the samples; the factors of the Linear / Conv layers are then
             those of the batch as the model computes it).
-        modules, max_dense, all_reduce, group: as for :func:`kfac_factors`.
+        modules, max_dense, all_reduce, group, g_positions: as for :func:`kfac_factors`
+            (``g_positions="mean"``: ``G`` averaged over the weight-sharing positions,
+            kronfluence's convention).
 
     Returns:
         ``{module name: KFACFactors}`` (see :func:`kfac_factors`).
@@ -98,13 +102,15 @@ def kfac(
             label smoothing, targets equal to ``ignore_index``, or a cross-entropy output that
             is not ``(B, C)``.
         BatchSizeError: if the output is not batched like the hooked layers' inputs.
-        ValueError: for an unknown ``fisher`` / ``kfac_approx``, ``mc_samples < 1``, or
+        ValueError: for an unknown ``fisher`` / ``kfac_approx`` / ``g_positions`` (or ``"mean"``
+            with ``"reduce"``), ``mc_samples < 1``, or
             ``mc_samples != 1`` with a Fisher type other than ``"mc"``.
         GradHooksError: if the model is already hooked by a live GradHooks; the errors of
             :func:`kfac_factors`.
     """
     check_choice("fisher", fisher, FISHER_TYPES)
     check_choice("kfac_approx", kfac_approx, KFAC_APPROX)
+    check_g_positions(kfac_approx, g_positions)
     if not isinstance(mc_samples, int) or mc_samples < 1:
         raise ValueError(f"mc_samples must be a positive int, got {mc_samples!r}")
     if fisher != "mc" and mc_samples != 1:
@@ -129,7 +135,7 @@ def kfac(
             with gh.recorder.backward_pass.judged():  # (the loss of the Fisher's definition)
                 torch.autograd.grad(loss_fn(out, targets), params, allow_unused=True)
             return gh.kfac_factors(kfac_approx, modules=modules, max_dense=max_dense,
-                                   all_reduce=all_reduce, group=group)
+                                   all_reduce=all_reduce, group=group, g_positions=g_positions)
         # Several passes: each read on its own (run_passes), so that the layers whose records
         # sum the passes (embedding, attention, recurrent) get each pass's gradients.
         recorder = gh.recorder
@@ -150,7 +156,7 @@ def kfac(
                                                  f"gradhooks.kfac(fisher={fisher!r})")):
                 sums.add_pass(p, [tuple(c) for c in calls if wanted(c.layer)])
             return sums.result(recorder.order, total, "mean" if fisher == "mc" else "sum",
-                               all_reduce, group)
+                               all_reduce, group, g_positions)
 
 
 def _loss_gradient(loss_fn: nn.Module, out: Tensor, targets, scale: float) -> Tensor:

@@ -312,19 +312,19 @@ class GradHooks:
 
     def kfac_factors(self, kfac_approx: str = "expand", *, backward_passes: str = "sum",
                      modules: Optional[Iterable[str]] = None, max_dense: Optional[int] = None,
-                     all_reduce: bool = False, group=None, coverage: str = "all"
-                     ) -> Dict[str, Union[KFACFactors, DiagonalFactors]]:
+                     all_reduce: bool = False, group=None, coverage: str = "all",
+                     g_positions: str = "sum") -> Dict[str, Union[KFACFactors, DiagonalFactors]]:
         """KFAC factors of every hooked layer the backward reached: ``{key: KFACFactors}``
         (``A`` ``(d_in[+1], d_in[+1])``, ``G`` ``(d_out, d_out)``, stacked per group) for
         Linear, Conv, ConvTranspose, Embedding, attention projections and recurrent weights,
         and ``{module: DiagonalFactors}`` (the exact diagonal of the block) for every other
         layer. Arguments, keys, conventions (Martens & Grosse 2015; Grosse & Martens 2016;
         Eschenhagen et al. 2023; Martens, Ba & Johnson 2018) and errors:
-        :func:`gradhooks.readers.kfac.kfac_factors`."""
+        :func:`gradhooks.readers.kfac.kfac_factors` (``g_positions="mean"``: kronfluence's)."""
         return kfac_factors(self.recorder.snapshot("kfac_factors()", sum_check=False),
                             kfac_approx, backward_passes=backward_passes,
                             modules=modules, max_dense=max_dense, all_reduce=all_reduce,
-                            group=group, coverage=coverage)
+                            group=group, coverage=coverage, g_positions=g_positions)
 
     def ekfac_factors(self, *, modules: Optional[Iterable[str]] = None, coverage: str = "all"
                       ) -> Dict[str, Union[EKFACFactors, DiagonalFactors]]:

@@ -14,6 +14,8 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .torch_internals import storage_use_count
+
 __all__ = ["BufferPool", "new_empty", "using_pool"]
 
 
@@ -77,7 +79,7 @@ class BufferPool:
 
 
 def _use_count(t: Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    return storage_use_count(t.untyped_storage()._cdata)
 
 
 def _counts(pool: List[Tensor], i: int) -> Tuple[int, int]:

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ._pool import new_empty
+from .torch_internals import grouped_mm
 
 __all__ = ["routed_layout", "per_key_rows", "segment_outer", "Segments", "LOOP_KEYS"]
 
@@ -64,7 +65,7 @@ def _grouped_kernel_takes(*ts: Tensor) -> bool:
     # torch's grouped product over the contracted dim (torch._grouped_mm of (U, S) by (S, V)
     # with offsets): CPU, float32 / bfloat16, rows 16-byte aligned.
     t0 = ts[0]
-    return (hasattr(torch, "_grouped_mm") and t0.device.type == "cpu"
+    return (grouped_mm is not None and t0.device.type == "cpu"
             and t0.dtype in (torch.float32, torch.bfloat16)
             and all(t.dtype == t0.dtype and t.dim() == 2 and t.stride(1) == 1
                     and (t.stride(0) * t.element_size()) % 16 == 0
@@ -113,7 +114,7 @@ def segment_outer(u: Tensor, v: Optional[Tensor], key: Tensor, keys: int,
         return out
     counts = torch.bincount(key, minlength=keys)
     if keys and _grouped_kernel_takes(u, v):  # (u.t(): the (U, S) operand, strides (1, U))
-        return torch._grouped_mm(u.t(), v, offs=torch.cumsum(counts, 0).to(torch.int32))
+        return grouped_mm(u.t(), v, offs=torch.cumsum(counts, 0).to(torch.int32))
     how = routed_layout(key, keys)
     return torch.bmm(per_key_rows(u, how).transpose(1, 2), per_key_rows(v, how))
 

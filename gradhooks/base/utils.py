@@ -11,6 +11,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
+from . import torch_internals
+
 __all__ = ["paused", "is_paused", "no_autocast", "tf32_allowed", "tf32_products", "is_functorch_wrapped", "tensors", "detached",
            "flatten", "compute_dtype", "LOW_PRECISION", "LOSS_REDUCTIONS", "check_loss_reduction",
            "own_loss_scale", "OWNED"]
@@ -44,7 +46,7 @@ def is_paused() -> bool:
 
 
 #: Inputs wrapped by torch.func transforms (vmap, grad) are not recorded.
-is_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda x: False)
+is_functorch_wrapped = torch_internals.is_functorch_wrapped
 
 _AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 

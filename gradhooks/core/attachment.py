@@ -18,9 +18,9 @@ from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor, nn
-from torch._dynamo.eval_frame import OptimizedModule
 
 from ..base import utils
+from ..base.torch_internals import OptimizedModule
 from ..base.errors import FallbackWarning, FrozenModelWarning, GradHooksError, UnsupportedModuleError
 from ..rules.fallback import FallbackRule, note_path
 from .records import Layer, find_layers, plain_state

@@ -63,11 +63,13 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from ..base import torch_internals
+
 __all__ = ["Finding", "Split", "backward_roots", "constant_of", "flattened_logits",
            "ignore_index_of", "loss_of", "row_counts", "split_of", "valid_rows"]
 
 #: The function whose frame holds a backward pass's root tensors (argument ``t_outputs``).
-ENGINE_FRAME = "_engine_run_backward"
+ENGINE_FRAME = torch_internals.ENGINE_FRAME
 #: Nodes looked through at most, from a root down to its ``nll_loss``.
 _CAP = 16
 #: One-input nodes that keep the loss a constant multiple of what lies below.

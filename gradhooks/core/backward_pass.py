@@ -14,7 +14,7 @@ from typing import Callable, Dict, Optional
 import torch
 from torch import Tensor
 
-from ..base import utils
+from ..base import torch_internals, utils
 from ..base.errors import GradHooksError
 from .backward_losses import backward_roots, loss_of, row_counts, split_of, valid_rows
 from .checks import GradTotal
@@ -92,7 +92,7 @@ class BackwardPass:
         a reduction over the batch that contradicts ``loss_reduction``; refused at the read."""
         if self._judged and self.expected is None:
             return
-        task = torch._C._current_graph_task_id()
+        task = torch_internals.current_graph_task_id()
         recorder = self._recorder
         tokens = recorder.placement.mixing.tokens
         if task != self._task:
@@ -118,7 +118,7 @@ class BackwardPass:
                 self._loss = None
                 tokens.seen_after_forward(found.what, counts)
             return
-        if found.node is not None and (torch._C._current_autograd_node() is not found.node
+        if found.node is not None and (torch_internals.current_autograd_node() is not found.node
                                        or grad.dim() == 0 or grad.shape[0] != size):
             return  # (the loss's rows are not yet known to be the batch's)
         self._loss = None
@@ -203,7 +203,7 @@ class BackwardPass:
         if record.shared is not None and leaf is None:
             # A shared call's parts arrive once per place it meets the batch: one grad_output
             # per backward pass is their sum.
-            task = torch._C._current_graph_task_id()
+            task = torch_internals.current_graph_task_id()
             if record.grads and record.task == task:
                 record.grads[-1] = record.grads[-1] + grad
                 return

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..base import torch_internals
 from .einsum import einsum_dim
 
 __all__ = ["batch_dim_after", "operands", "ROW_ALIGNED", "METADATA", "JOINS", "MATMULS",
@@ -61,7 +62,7 @@ class Routed:
 
 # Grouped matrix products (``out[r] = x[r] @ w[e(r)]``, rows ``offs[e-1] <= r < offs[e]`` of
 # group ``e``): torch's and transformers' custom op that stands in for it (its experts).
-GROUPED_MM = frozenset(f for f in (getattr(torch, "_grouped_mm", None),
+GROUPED_MM = frozenset(f for f in (torch_internals.grouped_mm,
                                    getattr(F, "grouped_mm", None)) if f is not None)
 
 

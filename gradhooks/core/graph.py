@@ -14,12 +14,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
-from torch.nn.modules import module as _torch_module
 from torch.nn.modules.module import (register_module_forward_hook, register_module_forward_pre_hook,
                                      register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
 
 from ..base.errors import NotDetachedWarning
+from ..base.torch_internals import GLOBAL_HOOK_FLAGS, current_graph_task_id, torch_module
 
 __all__ = ["GlobalHooks", "module_hooks", "remove_handles", "warn_not_detached", "call_kwargs",
            "on_grad", "tag", "mark", "walk", "in_backward", "TAG", "RECOMPUTING"]
@@ -38,8 +38,6 @@ def _accumulate_grad_type() -> type:
 _ACCUMULATE_GRAD = _accumulate_grad_type()  # autograd's node of a leaf: nothing below it
 TAG = "gradhooks"
 _RAISED = object()  # key of the entries drive() finds in autograd nodes' metadata
-# Flags torch keeps beside a global forward hook, under its handle's id.
-_FLAGS = ("_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called")
 
 
 
@@ -142,8 +140,8 @@ def remove_handles(handles: list) -> None:
     forward hooks under the same id (which its ``RemovableHandle`` may leave behind)."""
     for h in handles:
         h.remove()
-        for name in _FLAGS:
-            getattr(_torch_module, name, {}).pop(h.id, None)
+        for name in GLOBAL_HOOK_FLAGS:
+            getattr(torch_module, name).pop(h.id, None)
 
 
 def warn_not_detached(what: str) -> None:
@@ -178,7 +176,7 @@ def mark(owner, record, outputs: list, internal) -> bool:
 def in_backward() -> bool:
     """True inside an autograd backward pass: a forward running now is a recomputation
     (``torch.utils.checkpoint``) of the batch being differentiated."""
-    return torch._C._current_graph_task_id() != -1
+    return current_graph_task_id() != -1
 
 
 def tag(node, entry: tuple) -> None:

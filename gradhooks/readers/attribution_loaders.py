@@ -78,7 +78,8 @@ def fit_factors(gh, loader: Iterable, loss_fn: Callable, *, strategy: str = "ekf
     fit = FactorFit() if fit is None else fit
     for batch in _batches(loader, progress, "covariances"):
         _backward(gh, loss_fn, batch)
-        fit.add_covariances(gh.gradient_features(), gh.kfac_factors() if all_layers else None)
+        fit.add_covariances(gh.gradient_features(),
+                            gh.kfac_factors(g_positions=fit.g_positions) if all_layers else None)
         _done(gh)
     if strategy == "ekfac":
         for batch in _batches(loader, progress, "eigenvalues"):

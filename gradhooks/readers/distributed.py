@@ -38,9 +38,9 @@ from typing import Iterable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 
 from ..base.errors import GradHooksError
+from ..base.torch_internals import DTensor, Partial, distribute_tensor
 
 __all__ = ["Ranks", "ranks_of", "ranks_of_group", "is_sharded"]
 
@@ -48,7 +48,7 @@ __all__ = ["Ranks", "ranks_of", "ranks_of_group", "is_sharded"]
 def is_sharded(t: Tensor) -> bool:
     """Whether ``t`` is a ``DTensor`` (an FSDP2 parameter or gradient): each rank holds a shard
     of it, so its local storage cannot receive a full-size tensor."""
-    return isinstance(t, DTensor)
+    return DTensor is not None and isinstance(t, DTensor)
 
 
 class Ranks:

@@ -10,6 +10,9 @@ one batch)::
 
     A = sum_{n,s} ã ã^T / (N S)     G = sum_n sum_s e e^T / N     S = sum_n (Q_G^T g_n Q_A)^2 / N
 
+(``FactorFit(g_positions="mean")``: ``G = sum_n sum_s e e^T / (N S)``, kronfluence's exactly:
+its gradient covariance is divided by the number of tokens, not of samples.)
+
 ``e`` the gradient of sample ``n``'s own loss w.r.t. the layer output (kfac-expand), ``g_n`` the
 ``[W b]`` gradient of its own loss.
 """
@@ -26,7 +29,7 @@ from .ekfac import EIGH_DTYPE, EKFACFactors, eigenbasis
 from .gram import GradientFeatures
 from .influence_blocks import (CHUNK_NUMEL, STRATEGIES, BlockInverse, Damping, Preconditioner,
                                Term, block_rows, check_features, damped)
-from .kfac import check_choice
+from .kfac import G_POSITIONS, check_choice
 from .kfac_results import DiagonalFactors, KFACFactors
 
 __all__ = ["FactorFit"]
@@ -60,10 +63,20 @@ class FactorFit:
     Args:
         chunk_numel: how many entries of per-sample matrices are formed at a time.
         eigh_dtype: dtype of the eigendecomposition.
+        g_positions: ``"sum"`` (default; ``gh.kfac_factors()``'s ``G``) or ``"mean"``: the
+            records' ``G`` averaged over the positions per sample ``S`` (kronfluence's KFAC; the
+            module docstring). For the dense Kronecker entries the ``factors`` given to
+            :meth:`add_covariances` decide (:func:`~gradhooks.readers.attribution_loaders.fit_factors`
+            reads them with the same ``g_positions``). EKFAC's scores do not depend on it.
+
+    Raises:
+        ValueError: for an unknown ``g_positions``.
     """
 
-    def __init__(self, chunk_numel: int = CHUNK_NUMEL, eigh_dtype: torch.dtype = EIGH_DTYPE):
-        self.chunk_numel, self.eigh_dtype = chunk_numel, eigh_dtype
+    def __init__(self, chunk_numel: int = CHUNK_NUMEL, eigh_dtype: torch.dtype = EIGH_DTYPE,
+                 g_positions: str = "sum"):
+        check_choice("g_positions", g_positions, G_POSITIONS)
+        self.chunk_numel, self.eigh_dtype, self.g_positions = chunk_numel, eigh_dtype, g_positions
         self._a: Dict[str, Tensor] = {}
         self._g: Dict[str, Tensor] = {}
         self._count: Dict[str, Tuple[int, int]] = {}  # samples, positions
@@ -93,6 +106,7 @@ class FactorFit:
         if not isinstance(blob, dict) or blob.get("format") != _FORMAT:
             raise GradHooksError(f"FactorFit.load({path!r}): not a file FactorFit.save wrote")
         fit = cls.__new__(cls)
+        fit.g_positions = "sum"  # (files saved before g_positions existed)
         fit.__dict__.update(blob["state"])
         return fit
 
@@ -176,7 +190,8 @@ class FactorFit:
                 n, r = self._count[path]
                 # (sa: (G, I', I') with its group dim: eigenbasis keeps it for groups > 1)
                 e_a, q_a = eigenbasis(sa / r, False, sa.shape[0] + 1, self.eigh_dtype)
-                e_g, q_g = eigenbasis(self._g[path] / n, False, sa.shape[0] + 1, self.eigh_dtype)
+                per = r if self.g_positions == "mean" else n
+                e_g, q_g = eigenbasis(self._g[path] / per, False, sa.shape[0] + 1, self.eigh_dtype)
                 self._eigen[path] = (e_a, self._cast(q_a), e_g, self._cast(q_g))
             self._a, self._g = {}, {}  # (the sums are not needed any more: free them)
             for key, kf in self._layout.items():

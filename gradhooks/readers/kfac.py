@@ -34,7 +34,13 @@ KFAC-reduce (positions are aggregated first)::
 So ``A`` is a mean over samples (and positions for expand), ``G`` is summed over positions and
 carries the reduction's scale ``w``: this is ``curvlinops.KFACLinearOperator``'s placement
 (its ``_hook_accumulate_input_covariance`` / ``_accumulate_gradient_covariance``), so results
-can be compared with it. With ``backward_passes="mean"`` (Monte-Carlo Fisher) ``G`` is divided
+can be compared with it. ``g_positions="mean"`` (expand only) divides ``G[g]`` by the positions
+per sample ``R`` (``G[g] = w/R sum_p sum_{n,r} e e^T``): kronfluence's convention (its
+``TrackedLinear.get_flattened_gradient`` counts every token, and its gradient covariance is
+divided by that count), so that with ``loss_reduction="mean"`` its ``gradient_covariance`` is
+this ``G`` and its KFAC influence scores (``use_empirical_fisher=True``) are this ``A ⊗ G``'s;
+under the default ``"sum"`` those scores are ``1/R`` of kronfluence's (``A ⊗ G`` is ``R``
+times larger). ``R = 1`` without weight sharing: both conventions agree. With ``backward_passes="mean"`` (Monte-Carlo Fisher) ``G`` is divided
 by the number of backward passes. With ``N = 1`` and ``R = 1`` (no weight sharing) ``A ⊗ G`` is
 exactly the outer product of the sample's gradient (its empirical Fisher).
 
@@ -85,19 +91,32 @@ from .kfac_results import DiagonalFactors, KFACFactors
 from .kfac_sums import KFACSums
 
 __all__ = ["KFACFactors", "DiagonalFactors", "KFACSums", "kfac_factors", "check_options",
-           "KFAC_APPROX", "COVERAGE", "check_choice"]
+           "KFAC_APPROX", "COVERAGE", "G_POSITIONS", "check_choice", "check_g_positions"]
 
 #: Values of ``kfac_approx``.
 KFAC_APPROX = ("expand", "reduce")
 _PASSES = ("sum", "mean")
 #: Values of ``coverage``.
 COVERAGE = ("all", "linear")
+#: Values of ``g_positions``: ``G`` summed over the weight-sharing positions (curvlinops',
+#: Eschenhagen et al. 2023's) or averaged over them (kronfluence's).
+G_POSITIONS = ("sum", "mean")
 
 
 def check_choice(name: str, value, choices: Sequence[str]) -> None:
     """Raise ``ValueError`` naming ``name`` unless ``value`` is one of ``choices``."""
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def check_g_positions(kfac_approx: str, g_positions: str) -> None:
+    """Raise ``ValueError`` for an unknown ``g_positions``, or ``"mean"`` with
+    ``kfac_approx="reduce"`` (kronfluence's convention is defined for expand: it has no reduce)."""
+    check_choice("g_positions", g_positions, G_POSITIONS)
+    if g_positions == "mean" and kfac_approx != "expand":
+        raise ValueError("g_positions='mean' (kronfluence's G, averaged over the tokens) is "
+                         "defined for kfac_approx='expand' only; use g_positions='sum' with "
+                         "'reduce'")
 
 
 def _linear_layer(layer: Layer) -> bool:
@@ -115,6 +134,7 @@ def kfac_factors(
     all_reduce: bool = False,
     group=None,
     coverage: str = "all",
+    g_positions: str = "sum",
 ) -> Dict[str, KFACFactors | DiagonalFactors]:
     """KFAC factors of every hooked layer the backward reached, and a diagonal block for the
     parameters no Kronecker factorisation fits.
@@ -160,6 +180,13 @@ def kfac_factors(
         coverage: ``"all"`` (default) or ``"linear"``: only the layers with a linear form
             (Linear, Conv, ``Conv1D``; the coverage before Embedding, ConvTranspose, attention,
             recurrent layers and diagonal blocks were added; EKFAC's).
+        g_positions: ``"sum"`` (default: ``G`` sums ``e e^T`` over the weight-sharing
+            positions, the papers' and curvlinops' KFAC-expand) or ``"mean"``: each
+            Kronecker entry's ``G`` divided by its positions per sample ``R`` (tokens of a
+            Linear on ``(B, T, in)``, output pixels of a convolution), kronfluence's
+            convention: with ``loss_reduction="mean"`` its ``gradient_covariance`` and KFAC
+            scores exactly (module docstring; docs/data-attribution.md). Expand only;
+            diagonal blocks are not affected.
 
     Returns:
         ``{key: KFACFactors or DiagonalFactors}``, ordered by the first covered parameter in
@@ -181,10 +208,12 @@ def kfac_factors(
             (embedding, attention, recurrent, fallback) whose records sum the passes (use
             :func:`gradhooks.kfac`, which reads each pass on its own); if calls of one
             attention module split its projections into different row blocks.
-        ValueError: for an unknown ``kfac_approx`` / ``backward_passes`` / ``coverage`` value or
-            module name.
+        ValueError: for an unknown ``kfac_approx`` / ``backward_passes`` / ``coverage`` /
+            ``g_positions`` value or module name; for ``g_positions="mean"`` with
+            ``kfac_approx="reduce"``.
     """
     check_choice("coverage", coverage, COVERAGE)
+    check_g_positions(kfac_approx, g_positions)
     wanted = check_options(batch, kfac_approx, backward_passes, modules, max_dense, coverage)
     records = [cap for cap in batch.records if wanted(cap.layer)]
     routed = next((cap for cap in records if cap.swap is not None and cap.swap[0] == "routed"),
@@ -213,7 +242,7 @@ def kfac_factors(
                 (cap.layer, cap.a, cap.grad_struct() if cap.spec is not None else [cap.grads[p]],
                  cap.names)
                 for cap in records if cap.spec is not None or p < len(cap.grads)])
-        return sums.result(batch.order, passes, backward_passes, all_reduce, group)
+        return sums.result(batch.order, passes, backward_passes, all_reduce, group, g_positions)
 
 
 def check_options(source, kfac_approx: str, backward_passes: str,

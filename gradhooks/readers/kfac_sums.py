@@ -226,10 +226,15 @@ class _Sums:
     def layout(self) -> tuple:
         return (self.key, tuple(self.a_sum.shape), tuple(self.g_sum.shape))
 
-    def result(self, counts: List[int], g_scale: float, kfac_approx: str, names) -> "KFACFactors":
+    def result(self, counts: List[int], g_scale: float, kfac_approx: str, names,
+               per_position: Optional[int] = None) -> "KFACFactors":
+        # per_position: N, for g_positions="mean" (G times N / counts[g] = 1 / R, the positions
+        # per sample; expand's counts are N R)
         count = self.a_sum.new_tensor(counts).clamp(min=1)  # no samples: A = 0, not 0/0
         a_fac = self.a_sum / count.view(-1, *[1] * (self.a_sum.dim() - 1))
         g_fac = self.g_sum * g_scale
+        if per_position is not None:
+            g_fac = g_fac * (max(per_position, 1) / count).view(-1, *[1] * (g_fac.dim() - 1))
         if self.groups == 1:
             a_fac, g_fac = a_fac[0], g_fac[0]
         params = self.layer.params
@@ -267,7 +272,8 @@ class _DiagSums:
     def layout(self) -> tuple:
         return (self.key, tuple((n, tuple(self.sq[n].shape)) for n in sorted(self.sq)))
 
-    def result(self, counts, g_scale: float, kfac_approx: str, names) -> "DiagonalFactors":
+    def result(self, counts, g_scale: float, kfac_approx: str, names,
+               per_position: Optional[int] = None) -> "DiagonalFactors":
         params = self.layer.params
         order = [n for n in params if n in self.sq]  # the layer's (named_parameters) order
         return DiagonalFactors(
@@ -347,12 +353,14 @@ class KFACSums:
             self._entry(layer, None).add_pass(grads)
 
     def result(self, order: Mapping[int, int], passes: int, backward_passes: str,
-               all_reduce: bool = False, group=None) -> Dict[str, "KFACFactors | DiagonalFactors"]:
+               all_reduce: bool = False, group=None, g_positions: str = "sum"
+               ) -> Dict[str, "KFACFactors | DiagonalFactors"]:
         """The factors, keyed and ordered as :func:`~gradhooks.readers.kfac.kfac_factors` documents
         (``order``: ``{id(param): position}`` in ``named_parameters()`` order; ``passes``: the
         number of backward passes, for ``backward_passes="mean"``; ``all_reduce``, ``group``:
-        the sums and counts summed over the ranks of ``group`` first, as
-        :func:`~gradhooks.readers.kfac.kfac_factors` documents).
+        the sums and counts summed over the ranks of ``group`` first; ``g_positions``: ``G``
+        summed or averaged over the positions, as :func:`~gradhooks.readers.kfac.kfac_factors`
+        documents).
 
         Raises:
             GradHooksError: with ``all_reduce``, if no process group is initialised or the ranks
@@ -381,7 +389,9 @@ class KFACSums:
         if all_reduce:
             n_total, counts = _all_reduce(entries, n_total, counts, group)
         w = 1.0 / (own_loss_scale(self.loss_reduction, n_total) or 1.0)
-        return {e.key: e.result(c, w, self.approx, self.names) for e, c in zip(entries, counts)}
+        per_position = n_total if g_positions == "mean" else None
+        return {e.key: e.result(c, w, self.approx, self.names, per_position)
+                for e, c in zip(entries, counts)}
 
 
 def _all_reduce(entries: list, n_local: int, counts: List[List[int]], group

@@ -1,0 +1,166 @@
+"""Every torch internal gradhooks reads, named once, with the torch versions it was checked on.
+
+gradhooks hooks autograd and ``nn.Module`` from the outside; a few of the things it reads are not
+torch's public API. They are read from here (the attributes of autograd nodes listed in
+:data:`SAVED` are read where the node is, by these names), so that a torch release that moves
+one fails :func:`check` -- at ``import gradhooks`` with a :class:`~gradhooks.base.errors.GradHooksError`
+naming it, and in ``tests/test_torch_internals.py`` -- instead of a user's run.
+
+Versions: :data:`RUN_ON` are the releases the suite (or its CI slice) ran on; :data:`SEEN_SINCE`
+the first of the releases whose source was read (2.1.0, 2.4.1, 2.10.0, 2.13.0, 2.14.1, 2.15.0:
+their wheels' ``torch/*.py`` and ``torch/_C/*.pyi``) that has the internal. The tested floor,
+:data:`FLOOR`, is ``install_requires``' lower bound (setup.cfg). Older releases miss what
+:func:`check` names: 2.4.1 has no ``with_kwargs`` global forward hooks (nor a public
+``DTensor``), 2.1.0 neither those nor the engine frame.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Dict, Tuple
+
+import torch
+import torch.autograd.graph as _autograd_graph
+from torch.nn.modules import module as torch_module
+
+from .errors import GradHooksError
+
+__all__ = ["FLOOR", "RUN_ON", "SEEN_SINCE", "ENGINE_FRAME", "GLOBAL_HOOK_FLAGS", "SAVED",
+           "PRIVATE_ATTRIBUTES", "PRIVATE_MODULES", "torch_module", "current_autograd_node", "current_graph_task_id",
+           "storage_use_count", "is_functorch_wrapped", "grouped_mm", "OptimizedModule",
+           "DTensor", "Partial", "distribute_tensor", "missing", "check"]
+
+#: The lowest torch the suite ran on (``install_requires`` in setup.cfg says the same).
+FLOOR = "2.13.0"
+#: Releases the tests ran on: the suite (2.13.0, ``make test``) and the CI slice
+#: (``make test-newest``, 2.14.1). 2.15.0 was not run: docs/development.md says why.
+RUN_ON = ("2.13.0", "2.14.1")
+
+#: The frame of ``torch.autograd.graph._engine_run_backward``, the function
+#: ``Tensor.backward`` and ``torch.autograd.grad`` call the C++ engine from: the frame walk of
+#: :mod:`gradhooks.core.backward_losses` finds the loss of a backward pass above it.
+ENGINE_FRAME = "_engine_run_backward"
+
+#: The flags torch keeps beside a global forward hook under its handle's id
+#: (``torch.nn.modules.module``), removed with the hook (:func:`gradhooks.core.graph.remove_handles`).
+GLOBAL_HOOK_FLAGS = ("_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called")
+
+#: ``torch._C._current_autograd_node()``: the node the engine is running (the output-edges
+#: pass checks it is the one it tagged; :mod:`gradhooks.core.backward_pass`).
+current_autograd_node = getattr(torch._C, "_current_autograd_node", None)
+#: ``torch._C._current_graph_task_id()``: ``-1`` outside a backward pass (a forward inside one
+#: is a checkpoint's recomputation; one id per backward call).
+current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+#: ``torch._C._storage_Use_Count``: the references to a storage (the buffer pool reuses a
+#: result nothing references; :mod:`gradhooks.base._pool`).
+storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+#: ``torch._C._functorch.is_functorch_wrapped_tensor`` (a ``torch.func`` transform's tensor:
+#: the hooks stand aside); a release without it has no such tensors to meet.
+is_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor",
+                               lambda x: False)
+#: ``torch._grouped_mm`` (MoE experts' grouped products; ``None`` where torch has none).
+grouped_mm = getattr(torch, "_grouped_mm", None)
+
+#: ``torch.compile``'s wrapper (its ``_orig_mod`` is the model; :mod:`gradhooks.core.attachment`).
+from torch._dynamo.eval_frame import OptimizedModule  # noqa: E402
+
+#: FSDP2's sharded tensors (:mod:`gradhooks.readers.distributed`); ``None`` where
+#: ``torch.distributed.tensor`` does not export them (2.4.1) or torch has no distributed build.
+try:
+    from torch.distributed.tensor import DTensor, Partial, distribute_tensor
+except ImportError:  # (refused where used: no DTensor parameter can exist then)
+    DTensor = Partial = distribute_tensor = None
+
+#: Saved attributes of autograd nodes read by name (``node._saved_<name>``), per node type:
+#: the loss nodes whose reduction, target and weight say how the loss of a backward pass is
+#: reduced (:mod:`gradhooks.core.backward_losses`, :mod:`gradhooks.readers.loss_reduction`) and
+#: the indexing / transpose / select nodes of routed rows and experts' weights
+#: (:mod:`gradhooks.core.rows`). (Attention's ``ScaledDotProduct*Backward0._saved_output`` is
+#: read too, optionally: without it the attention rule replays the call.)
+SAVED: Dict[str, Tuple[str, ...]] = {
+    "NllLossBackward0": ("reduction", "target", "weight", "ignore_index", "self"),
+    "MseLossBackward0": ("reduction", "self", "target"),
+    "MeanBackward0": ("self_sym_sizes",),
+    "DivBackward0": ("other",),
+    "IndexBackward0": ("indices",),
+    "TransposeBackward0": ("dim0", "dim1"),
+    "SelectBackward0": ("dim", "index"),
+}
+
+#: Private attributes of torch objects read or written by name (object: attributes; the
+#: modules reading them): ``nn.Module._parameters`` / ``_buffers`` (the records, the fallback's
+#: replay), ``Tensor._version`` (in-place changes after a forward), ``Tensor._backward_hooks`` /
+#: ``_post_accumulate_grad_hooks`` (attachment, accumulation), ``UntypedStorage._cdata`` (the
+#: pool), ``OptimizedModule._orig_mod`` (a compiled model's module).
+PRIVATE_ATTRIBUTES: Dict[str, Tuple[str, ...]] = {
+    "nn.Module": ("_parameters", "_buffers"),
+    "Tensor": ("_version", "_backward_hooks", "_post_accumulate_grad_hooks"),
+    "UntypedStorage": ("_cdata",),
+    "OptimizedModule": ("_orig_mod",),
+}
+
+#: torch's private modules imported by name elsewhere (module: the names taken from it):
+#: pytree walks of args and outputs (base.utils, core, readers, rules), the functions that mark a
+#: recurrent call (``torch._VF``) or an aten op (``torch._ops.OpOverload``; core.batch_dims),
+#: and the dispatch mode of the kinks tool (tools.kinks).
+PRIVATE_MODULES: Dict[str, Tuple[str, ...]] = {
+    "torch.utils._pytree": ("tree_flatten", "tree_map", "tree_unflatten"),
+    "torch._VF": ("lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell",
+                  "rnn_tanh_cell", "rnn_relu_cell"),
+    "torch._ops": ("OpOverload",),
+    "torch.utils._python_dispatch": ("TorchDispatchMode",),
+}
+
+#: First release (of those read: module docstring) with each internal.
+SEEN_SINCE = {
+    "torch.autograd.graph._engine_run_backward": "2.4.1",
+    "torch.nn.modules.module._global_forward_hooks_with_kwargs": "2.10.0",
+    "register_module_forward_hook(with_kwargs=, always_call=)": "2.10.0",
+    "torch.nn.modules.module._global_forward_hooks_always_called": "2.1.0",
+    "torch._C._current_autograd_node": "2.4.1",
+    "torch._C._current_graph_task_id": "2.1.0",
+    "torch._C._storage_Use_Count": "2.1.0",
+    "torch._C._functorch.is_functorch_wrapped_tensor": "2.1.0",
+    "torch._grouped_mm (optional)": "2.10.0",
+    "torch._dynamo.eval_frame.OptimizedModule": "2.1.0",
+    "torch.distributed.tensor.DTensor (optional)": "2.10.0",
+}
+
+
+def missing() -> Dict[str, str]:
+    """``{internal: what breaks without it}`` for each required internal this torch lacks
+    (empty on every release in :data:`RUN_ON`)."""
+    out = {}
+    if not hasattr(_autograd_graph, ENGINE_FRAME):
+        out[f"torch.autograd.graph.{ENGINE_FRAME}"] = (
+            "the frame the loss of a backward pass is found above (loss_reduction checks)")
+    for name in GLOBAL_HOOK_FLAGS:
+        if not isinstance(getattr(torch_module, name, None), dict):
+            out[f"torch.nn.modules.module.{name}"] = "the flags removed with the global hooks"
+    params = inspect.signature(torch.nn.modules.module.register_module_forward_hook).parameters
+    if not {"with_kwargs", "always_call"} <= set(params):
+        out["register_module_forward_hook(with_kwargs=, always_call=)"] = (
+            "the global forward hook every layer is recorded by")
+    for name in ("_current_autograd_node", "_current_graph_task_id", "_storage_Use_Count"):
+        if not hasattr(torch._C, name):
+            out[f"torch._C.{name}"] = "the backward pass's bookkeeping"
+    return out
+
+
+def check() -> None:
+    """Raise :class:`~gradhooks.base.errors.GradHooksError` naming each internal this torch
+    lacks (:func:`missing`), the torch version, the tested range and the way out.
+
+    Raises:
+        GradHooksError: on a torch without one of them (e.g. 2.4.1: the ``with_kwargs``
+            global forward hooks).
+    """
+    gone = missing()
+    if gone:
+        listed = "; ".join(f"{k} ({v})" for k, v in gone.items())
+        raise GradHooksError(
+            f"gradhooks needs torch internals that torch {torch.__version__} lacks: {listed}. "
+            f"gradhooks is tested on torch {FLOOR} to {RUN_ON[-1]}: "
+            f"pip install 'torch>={FLOOR}'")
+
+
+check()  # (at import: a torch without one of them fails here, by name, not in a user's run)

@@ -1,0 +1,178 @@
+"""Every torch internal gradhooks reads (gradhooks/base/torch_internals.py) still exists, with
+the behaviour gradhooks relies on, on the torch this runs on: a torch release that moves one
+fails here with the internal's name, not in a user's run (issue 40, point 7)."""
+import configparser
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+from gradhooks.base import torch_internals as ti
+from gradhooks.base.errors import GradHooksError
+
+
+def _version(v):
+    return tuple(int(p) for p in v.split("+")[0].split(".")[:3])
+
+
+def test_nothing_missing():
+    assert ti.missing() == {}, f"torch {torch.__version__} lacks: {ti.missing()}"
+
+
+def test_floor_is_install_requires():
+    """The tested floor, setup.cfg's install_requires and this torch agree."""
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "setup.cfg"))
+    requires = cfg["options"]["install_requires"].split()
+    assert [r for r in requires if r.startswith("torch")] == [f"torch>={ti.FLOOR}"], requires
+    assert _version(torch.__version__) >= _version(ti.FLOOR)
+
+
+def test_engine_frame():
+    """ENGINE_FRAME is a frame on the stack while a backward pass runs the hooks."""
+    seen = []
+
+    def hook(g):
+        names, f = [], sys._getframe()
+        while f is not None:
+            names.append(f.f_code.co_name)
+            f = f.f_back
+        seen.append(ti.ENGINE_FRAME in names)
+
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+    y.register_hook(hook)
+    y.sum().backward()
+    torch.autograd.grad((x * 3).sum(), x)  # (no hook: only checks grad() goes through it)
+    assert seen == [True], f"torch.autograd.graph.{ti.ENGINE_FRAME} is no longer on the stack"
+
+
+def test_global_hook_flags():
+    """A global forward hook with with_kwargs / always_call leaves its flags in the named
+    dictionaries, under its handle's id."""
+    h = torch.nn.modules.module.register_module_forward_hook(lambda *a: None, with_kwargs=True,
+                                                              always_call=True)
+    try:
+        for name in ti.GLOBAL_HOOK_FLAGS:
+            assert h.id in getattr(ti.torch_module, name), f"{name} does not hold the hook's id"
+    finally:
+        h.remove()
+        for name in ti.GLOBAL_HOOK_FLAGS:
+            getattr(ti.torch_module, name).pop(h.id, None)
+
+
+def test_autograd_node_and_task_id():
+    assert ti.current_graph_task_id() == -1, "_current_graph_task_id outside backward"
+    seen = []
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+    y.grad_fn.register_prehook(lambda g: seen.append((ti.current_autograd_node(),
+                                                      ti.current_graph_task_id())))
+    y.sum().backward()
+    (node, task), = seen
+    assert node is y.grad_fn, "_current_autograd_node is not the node running its pre-hook"
+    assert task != -1, "_current_graph_task_id inside backward"
+
+
+def test_storage_use_count_and_functorch():
+    t = torch.zeros(4)
+    before = ti.storage_use_count(t.untyped_storage()._cdata)
+    view = t[:2]  # noqa: F841 (a second reference to the storage)
+    assert ti.storage_use_count(t.untyped_storage()._cdata) == before + 1
+    assert not ti.is_functorch_wrapped(t)
+    seen = []
+    torch.func.vmap(lambda r: seen.append(ti.is_functorch_wrapped(r)) or r)(torch.zeros(2, 3))
+    assert seen == [True], "is_functorch_wrapped_tensor does not see a vmap's tensor"
+
+
+def test_optimized_module_and_dtensor():
+    model = nn.Linear(2, 2)
+    compiled = torch.compile(model)
+    assert isinstance(compiled, ti.OptimizedModule) and compiled._orig_mod is model
+    assert ti.DTensor is not None, "torch.distributed.tensor no longer exports DTensor"
+    assert ti.Partial is not None and ti.distribute_tensor is not None
+
+
+def _nodes():
+    # one graph per node type of ti.SAVED, made by the ops that give it
+    x = torch.randn(4, 3, requires_grad=True)
+    y = torch.randint(0, 3, (4,))
+    w = torch.randn(2, 4, 5, requires_grad=True)
+    yield F.nll_loss(F.log_softmax(x, 1), y).grad_fn
+    yield F.mse_loss(x, torch.zeros(4, 3)).grad_fn
+    yield x.sum(1).mean().grad_fn
+    yield (x / 2).grad_fn
+    yield x[torch.tensor([0, 2])].grad_fn
+    yield w.transpose(-2, -1).grad_fn
+    yield w[1].grad_fn
+
+
+def test_saved_attributes():
+    """Each node attribute of ti.SAVED exists on a node of that type, named as listed."""
+    found = {type(n).__name__: n for n in _nodes()}
+    for name, attrs in ti.SAVED.items():
+        assert name in found, f"no {name} node from its op on torch {torch.__version__}"
+        for a in attrs:
+            assert hasattr(found[name], f"_saved_{a}"), f"{name}._saved_{a} is gone"
+
+
+def test_private_attributes():
+    model = nn.Linear(2, 2)
+    t = torch.zeros(2, requires_grad=True)
+    objects = {"nn.Module": model, "Tensor": t, "UntypedStorage": t.untyped_storage(),
+               "OptimizedModule": torch.compile(model)}
+    assert set(objects) == set(ti.PRIVATE_ATTRIBUTES)
+    for kind, attrs in ti.PRIVATE_ATTRIBUTES.items():
+        for a in attrs:
+            assert hasattr(objects[kind], a), f"{kind}.{a} is gone"
+
+
+def test_check_names_what_is_missing(monkeypatch):
+    monkeypatch.delattr(torch.autograd.graph, ti.ENGINE_FRAME)
+    monkeypatch.delattr(ti.torch_module, ti.GLOBAL_HOOK_FLAGS[0])
+    with pytest.raises(GradHooksError, match=r"torch .* lacks: torch\.autograd\.graph\._engine_run_backward"
+                                             r".*_global_forward_hooks_with_kwargs.*pip install 'torch>="):
+        ti.check()
+
+
+def test_main_job_runs():
+    """The main job's core (per-sample gradients against the loop) on this torch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    with gradhooks.attach(model) as gh:
+        F.mse_loss(model(x), y).backward()
+        got = gh.per_sample_grads()
+    for n in range(5):
+        model.zero_grad()
+        F.mse_loss(model(x[n:n + 1]), y[n:n + 1]).backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(got[name][n], p.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_older_hook_signature_is_named(monkeypatch):
+    """torch 2.4.1's register_module_forward_hook(hook, *, always_call) has no with_kwargs."""
+    def old(hook, *, always_call=False):
+        raise AssertionError("not called")
+    monkeypatch.setattr(ti.torch_module, "register_module_forward_hook", old)
+    with pytest.raises(GradHooksError, match=r"register_module_forward_hook\(with_kwargs=, always_call=\)"):
+        ti.check()
+
+
+def test_without_dtensor(monkeypatch):
+    """A torch whose torch.distributed.tensor exports no DTensor (2.4.1): no parameter is one."""
+    from gradhooks.readers import distributed
+    monkeypatch.setattr(distributed, "DTensor", None)
+    assert not distributed.is_sharded(torch.zeros(2))
+
+
+def test_private_modules():
+    import importlib
+    for name, attrs in ti.PRIVATE_MODULES.items():
+        mod = importlib.import_module(name)
+        for a in attrs:
+            assert hasattr(mod, a), f"{name}.{a} is gone"
