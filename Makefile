@@ -46,13 +46,14 @@ NEWEST_ZOO_K ?= not timm and not tv- and not test_setups_match_loop
 $(NEWEST_STAMP): setup.cfg setup.py $(NEWEST_CONSTRAINTS)
 	$(PYTHON) -m venv $(NEWEST_VENV)
 	PIP_CONSTRAINT=$(NEWEST_CONSTRAINTS) $(NEWEST_VENV)/bin/python -m pip install --quiet \
-		-e ".[job,zoo]" pytest hypothesis numpy opacus
+		-e ".[job,zoo]" pytest pytest-xdist hypothesis numpy opacus
 	touch $(NEWEST_STAMP)
 
 test-newest: $(NEWEST_STAMP)
-	$(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_torch_internals.py \
-		tests/test_every_rule_every_reader.py -k "$(NEWEST_READERS_K)" $(ARGS)
-	$(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_setup_*.py \
+	$(NEWEST_VENV)/bin/python -m pytest -n $(TEST_JOBS) -q -p no:cacheprovider \
+		tests/test_torch_internals.py tests/test_every_rule_every_reader.py \
+		-k "$(NEWEST_READERS_K)" $(ARGS)
+	$(NEWEST_VENV)/bin/python -m pytest -n $(TEST_JOBS) -q -p no:cacheprovider tests/test_setup_*.py \
 		tests/test_zoo.py -k "$(NEWEST_ZOO_K)" $(ARGS)
 
 # smoke-floor: import gradhooks and run the main job on the tested floor (FLOOR_TORCH, the lower
