@@ -61,8 +61,8 @@ from opacus.accountants.utils import get_noise_multiplier
 from ..hooks import attach
 from ..tools.token_losses import per_sample_token_loss
 
-__all__ = ["DPConfig", "DPTrainer", "PoissonMicroBatchSampler", "causal_lm_collate",
-           "causal_lm_losses", "token_mean_loss", "GradientStatsCallback"]
+__all__ = ["DPConfig", "DPTrainer", "DPTrainerMixin", "PoissonMicroBatchSampler",
+           "causal_lm_collate", "causal_lm_losses", "token_mean_loss", "GradientStatsCallback"]
 
 
 @dataclasses.dataclass
@@ -180,7 +180,7 @@ class PoissonMicroBatchSampler(Sampler[List[int]]):
 class _EmptyBatchCollator:
     """Collates an empty index list into a batch of 0 samples (the template's tensors sliced to
     ``[:0]``): the Trainer's loop still gets one batch per micro-batch, and
-    :meth:`DPTrainer.training_step` skips the empty ones (no forward)."""
+    :meth:`DPTrainerMixin.training_step` skips the empty ones (no forward)."""
 
     def __init__(self, collate: Callable, dataset):
         self.collate, self.dataset = collate, dataset
@@ -196,16 +196,28 @@ def _batch_size(inputs: Dict[str, Any]) -> int:
     return next(len(v) for v in inputs.values() if isinstance(v, Tensor))
 
 
-class DPTrainer(transformers.Trainer):
-    """A ``transformers.Trainer`` that trains with DP-SGD through gradhooks (module docstring).
+class DPTrainerMixin:
+    """The DP-SGD step of :class:`DPTrainer` for any ``transformers.Trainer`` subclass (module
+    docstring): put it first among the bases, ``class MyDPTrainer(DPTrainerMixin, MyTrainer)``.
 
-    Takes the Trainer's arguments plus ``dp`` (:class:`DPConfig`). The user's script stays the
-    usual one: model, ``TrainingArguments``, dataset, collator, ``trainer.train()``; the
-    per-device batch size and ``gradient_accumulation_steps`` give the expected lot size.
+    It replaces the trainer's data loader (Poisson lots as micro-batches), ``training_step``
+    (per-sample losses, clipped into gradhooks' accumulator; the noise, the division by the
+    expected lot size and the accountant's step after each lot) and adds ``epsilon`` to the
+    logs. The trainer's own ``compute_loss`` is not called: the per-sample losses come from
+    :meth:`per_sample_losses`, which a subclass overrides for its loss (TRL's SFT and DPO:
+    :mod:`gradhooks.integrations.trl`); a subclass whose samples are several rows of the batch
+    declares them in it with ``self.gh.set_sample_ids(ids)`` after the forward and returns one
+    loss per sample (``(G,)``, in sorted-id order).
+
+    Takes the trainer's arguments plus ``dp`` (:class:`DPConfig`). The per-device batch size and
+    ``gradient_accumulation_steps`` give the expected lot size ``L``.
 
     Attributes (after the first step): ``gh`` (the :class:`gradhooks.GradHooks`), ``accountant``,
     ``noise_multiplier``, ``sample_rate``, ``expected_batch_size``, ``lot_sizes`` (samples per
     lot so far), :meth:`epsilon`.
+
+    Raises:
+        ValueError: ``args.world_size != 1``; ``args.fp16`` (no ``GradScaler`` support yet).
     """
 
     def __init__(self, *args, dp: DPConfig, **kwargs):
@@ -326,6 +338,16 @@ class DPTrainer(transformers.Trainer):
             if self.gh is not None:
                 self.gh.detach()
                 self.gh = None
+
+
+class DPTrainer(DPTrainerMixin, transformers.Trainer):
+    """A ``transformers.Trainer`` that trains with DP-SGD through gradhooks (module docstring,
+    :class:`DPTrainerMixin`).
+
+    Takes the Trainer's arguments plus ``dp`` (:class:`DPConfig`). The user's script stays the
+    usual one: model, ``TrainingArguments``, dataset, collator, ``trainer.train()``; the
+    per-device batch size and ``gradient_accumulation_steps`` give the expected lot size.
+    """
 
 
 class GradientStatsCallback(transformers.TrainerCallback):
