@@ -272,3 +272,19 @@ def test_dpo_refusals(tmp_path, kw, match):
                      args=config(trl.DPOConfig, tmp_path, **kw),
                      train_dataset=dpo_data(), processing_class=tokenizer(),
                      dp=DPConfig(max_grad_norm=C, noise_multiplier=1.0))
+
+
+def test_docs_example(tmp_path, monkeypatch):
+    """The SFT and DPO example of docs/trainer.md runs (3 DP lots each) and reaches an epsilon
+    at most its target."""
+    import pathlib
+    from test_docs import blocks
+    page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "trainer.md"
+    code = [c for lang, _, c, skip in blocks(page)
+            if lang == "python" and "DPDPOTrainer(" in c]
+    assert len(code) == 1
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "docs_trainer_trl"}
+    exec(compile(code[0], "docs/trainer.md", "exec"), namespace)
+    trainer = namespace["trainer"]
+    assert len(trainer.lot_sizes) == 3 and 0 < trainer.epsilon() <= 8.0
