@@ -41,7 +41,19 @@ noise scale of McCandlish et al. 2018 (arXiv:1812.06162, appendix A) from the Gr
 ``K[n, m] = <g_n, g_m>`` of each batch's per-sample gradients (:meth:`gradhooks.GradHooks.gram`,
 Gram form per layer: no per-sample gradient tensor), read after the Trainer's ordinary backward.
 
-Limits: one process (``args.world_size == 1``); no float16 ``GradScaler`` in :class:`DPTrainer`.
+**Mixed precision.** ``bf16=True``: the forward under accelerate's bfloat16 autocast, nothing
+else changes (no loss scale). ``fp16=True`` where accelerate gives a ``GradScaler`` (a GPU):
+the hooks are attached with it (``attach(..., grad_scaler=scaler)``), so each micro-batch's
+per-sample norms and clipping are those of the *unscaled* loss (the backward runs at the scale
+``S``), ``finish_step`` writes ``S`` times the noised lot gradient, and ``inf`` when a
+micro-batch's norms overflowed; the Trainer's ``optimizer.step()`` is ``scaler.step`` (it
+unscales, skips a step with ``inf`` and lowers ``S``) and the Trainer skips the scheduler's step
+as for any overflow. A skipped lot is still counted by the accountant (its samples were
+drawn); whether a lot overflows depends on its unnoised per-sample values, which the accountant
+does not cover: keep overflows rare (the scaler's default growth makes them so). On a CPU,
+accelerate ignores ``fp16=True`` (no autocast, no scaler: a float32 run).
+
+Limits: one process (``args.world_size == 1``).
 """
 from __future__ import annotations
 
@@ -217,15 +229,13 @@ class DPTrainerMixin:
     lot so far), :meth:`epsilon`.
 
     Raises:
-        ValueError: ``args.world_size != 1``; ``args.fp16`` (no ``GradScaler`` support yet).
+        ValueError: ``args.world_size != 1``.
     """
 
     def __init__(self, *args, dp: DPConfig, **kwargs):
         super().__init__(*args, **kwargs)
         if self.args.world_size != 1:
             raise ValueError("DPTrainer runs in one process (args.world_size == 1)")
-        if self.args.fp16:
-            raise ValueError("DPTrainer: fp16 with a GradScaler is not supported; use bf16 or fp32")
         self.dp = dp
         self.args.max_grad_norm = 0.0  # DP clips per sample; see the module docstring
         self.gh = None
@@ -266,7 +276,8 @@ class DPTrainerMixin:
                 target_epsilon=self.dp.target_epsilon, target_delta=self.dp.delta,
                 sample_rate=self.sample_rate, steps=self.state.max_steps,
                 accountant=self.dp.accountant, epsilon_tolerance=self.dp.epsilon_tolerance)
-        self.gh = attach(model, loss_reduction="sum")
+        # fp16: the scaler accelerate made (None on a CPU or without fp16); see the module docstring
+        self.gh = attach(model, loss_reduction="sum", grad_scaler=self.accelerator.scaler)
         self._lot = 0
 
     def per_sample_losses(self, model: nn.Module, inputs: Dict[str, Any]) -> Tensor:
@@ -293,7 +304,8 @@ class DPTrainerMixin:
             if self.dp.clipping == "two-pass":
                 self.gh.clipped_backward(losses, self.dp.max_grad_norm, accumulate=True)
             else:
-                self.gh.backward(losses.sum())
+                scaler = self.accelerator.scaler
+                self.gh.backward(losses.sum() if scaler is None else scaler.scale(losses.sum()))
                 self.gh.clip_and_accumulate(self.dp.max_grad_norm, accumulate=True)
             self._lot += len(losses)
         if self.accelerator.sync_gradients:
@@ -308,11 +320,14 @@ class DPTrainerMixin:
         if self._lot > 0:
             self.gh.finish_step(noise_multiplier=sigma, generator=self._generator,
                                 expected_batch_size=self.expected_batch_size)
-        else:  # an empty lot: the noise alone, drawn as finish_step draws it
+        else:  # an empty lot: the noise alone, drawn as finish_step draws it (at the loss scale)
+            scaler = self.accelerator.scaler
+            scale = 1.0 if scaler is None else float(scaler.get_scale())
             for p in model.parameters():
                 if p.requires_grad:
                     p.grad = torch.randn(p.shape, generator=self._generator, dtype=p.dtype,
-                                         device=p.device).mul_(std / self.expected_batch_size)
+                                         device=p.device).mul_(std / self.expected_batch_size
+                                                               * scale)
         self.accountant.step(noise_multiplier=sigma, sample_rate=self.sample_rate)
         self.lot_sizes.append(self._lot)
         self._lot = 0
