@@ -108,8 +108,8 @@ def unfused(model):
     return model
 
 
-def looped_clipped(reference, model, rows, expected):
-    """``sum_n min(1, C / ||g_n||) g_n / expected``, ``g_n`` the gradient of ``reference``'s
+def looped_clipped(reference, model, rows, expected, c=C):
+    """``sum_n min(1, c / ||g_n||) g_n / expected``, ``g_n`` the gradient of ``reference``'s
     (a plain TRL trainer's) ``compute_loss`` on a batch of row ``n`` alone."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     total = {n: torch.zeros_like(p) for n, p in params.items()}
@@ -121,8 +121,8 @@ def looped_clipped(reference, model, rows, expected):
         norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
         norms.append(norm)
         for n, g in zip(params, grads):
-            total[n] += min(1.0, C / norm) * g
-    assert any(n > C for n in norms), norms  # clipping is active in the lot
+            total[n] += min(1.0, c / norm) * g
+    assert any(n > c for n in norms), norms  # clipping is active in the lot
     return {n: v / expected for n, v in total.items()}
 
 
@@ -288,3 +288,38 @@ def test_docs_example(tmp_path, monkeypatch):
     exec(compile(code[0], "docs/trainer.md", "exec"), namespace)
     trainer = namespace["trainer"]
     assert len(trainer.lot_sizes) == 3 and 0 < trainer.epsilon() <= 8.0
+
+
+def test_dpo_with_peft_reference_is_the_adapterless_model(tmp_path):
+    """peft LoRA: TRL's reference is the same model with its adapter disabled, so the reference
+    forward runs through the hooked modules; it records nothing (under ``no_grad``, hooks
+    paused) and the step equals the loop of each pair's clipped gradient of TRL's loss (float64;
+    the adapters are the only trainable parameters)."""
+    import peft
+    tok = tokenizer()
+    args = config(trl.DPOConfig, tmp_path, beta=0.5)
+
+    def lora():
+        torch.manual_seed(0)
+        model = peft.get_peft_model(model_of(), peft.LoraConfig(r=4, target_modules=["c_attn"],
+                                                                 lora_dropout=0.0))
+        for n, p in model.named_parameters():  # non-zero B: the policy differs from the reference
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.1)
+        return model
+    grads = GradsBeforeStep()
+    trainer = DPDPOTrainer(model=lora(), args=args, train_dataset=dpo_data(),
+                           processing_class=tok, callbacks=[grads],
+                           dp=DPConfig(max_grad_norm=0.3, noise_multiplier=0.0))
+    assert trainer.ref_model is None  # (the adapter-less model is the reference)
+    base_model = trainer.model.get_base_model()
+    unfused(base_model)  # (float64 log-probs for the reference forward too)
+    trainer.train()
+    start = lora()
+    reference = trl.DPOTrainer(model=start, args=args, train_dataset=dpo_data(),
+                               processing_class=tok)
+    unfused(start.get_base_model())
+    lot, _ = lot_of(trainer)
+    want = looped_clipped(reference, start, [trainer.train_dataset[i] for i in lot], 6, c=0.3)
+    assert set(want) == set(grads.grads[0]) and all("lora_" in n for n in want)
+    assert_grads_close(grads.grads[0], want, 1e-10)
