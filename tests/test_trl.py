@@ -323,3 +323,25 @@ def test_dpo_with_peft_reference_is_the_adapterless_model(tmp_path):
     want = looped_clipped(reference, start, [trainer.train_dataset[i] for i in lot], 6, c=0.3)
     assert set(want) == set(grads.grads[0]) and all("lora_" in n for n in want)
     assert_grads_close(grads.grads[0], want, 1e-10)
+
+
+def test_sft_with_trl_default_bf16_near_the_loop(tmp_path):
+    """TRL's configs default to ``bf16=True``: the DP SFT step then runs under bfloat16
+    autocast and stays within bfloat16's tolerance (3e-2 of the largest entry, as
+    tests/test_trainer_precision.py) of the float64 loop, and is not the float32 step."""
+    model, tok = model_of(torch.float32), tokenizer()
+    start = copy.deepcopy(model)
+    grads = GradsBeforeStep()
+    args = config(trl.SFTConfig, tmp_path, packing=False, bf16=True)
+    trainer = DPSFTTrainer(model=model, args=args, train_dataset=sft_data(),
+                           processing_class=tok, callbacks=[grads],
+                           dp=DPConfig(max_grad_norm=C, noise_multiplier=0.0))
+    trainer.train()
+    reference = trl.SFTTrainer(model=start, args=args, train_dataset=sft_data(),
+                               processing_class=tok)
+    unfused(start.double())
+    lot, _ = lot_of(trainer)
+    want = looped_clipped(reference, start, [trainer.train_dataset[i] for i in lot], 6)
+    scale = max(float(v.abs().max()) for v in want.values())
+    err = max(float((grads.grads[0][n].double() - want[n]).abs().max()) for n in want) / scale
+    assert 1e-5 < err <= 3e-2
