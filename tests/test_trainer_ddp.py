@@ -63,3 +63,18 @@ def test_two_ranks_equal_one_process_on_the_same_lot(tmp_path, micro):
         acc.step(noise_multiplier=1.1, sample_rate=expected / len(data))
     assert all(r["epsilon"] == pytest.approx(acc.get_epsilon(delta=1e-5), rel=1e-12)
                for r in ranks)
+
+
+def test_processes_other_than_ddp_refused(tmp_path, monkeypatch):
+    """Several processes that are not DDP (here: the arguments made to say 2 processes that
+    are not distributed, as FSDP / DeepSpeed / other launchers would differ) are refused."""
+    import transformers
+    from test_trainer import arguments, collate
+
+    from gradhooks.integrations.transformers import DPConfig, DPTrainer
+    args = arguments(tmp_path)
+    monkeypatch.setattr(type(args), "world_size", property(lambda self: 2))
+    with pytest.raises(ValueError, match="processes other than DDP"):
+        DPTrainer(model=model_of(), args=args, train_dataset=dataset(), data_collator=collate,
+                  dp=DPConfig(max_grad_norm=1.0, noise_multiplier=1.0))
+    assert args.parallel_mode != transformers.training_args.ParallelMode.DISTRIBUTED
