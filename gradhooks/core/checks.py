@@ -317,9 +317,15 @@ def check_sums(items: Sequence[Tuple], scale: Optional[float],
     values show (:meth:`GradTotal.formed`, :func:`formed_in`: float32 inside a float64 model);
     one parameter's precision never loosens another's.
 
+    A parameter whose per-sample gradient is a sum of parts formed apart (a tied weight: the
+    embedding's row scatter plus the output layer's product, the latter under autocast in
+    bfloat16) is judged relative to ``sum_n sum_parts |part_n|`` instead (``magnitude``): the
+    rounding of a sum scales with its terms, not with the sum where they cancel.
+
     Args:
-        items: ``(name, per_sample (B, *shape), batch_grad[, tol_dtype[, why]])`` per
-            parameter; ``batch_grad`` is what autograd computed in the same backward passes: a
+        items: ``(name, per_sample (B, *shape), batch_grad[, tol_dtype[, why[, magnitude]]])``
+            per parameter (``magnitude``: ``(B, K)`` the summed absolute values of the parts at
+            the probe coordinates, as ``per_sample`` there; ``None``: ``|per_sample|``); ``batch_grad`` is what autograd computed in the same backward passes: a
             :class:`GradTotal`, a tensor already reduced to the probe coordinates of
             ``per_sample`` (``(K,)`` with ``per_sample`` ``(B, K)``), or ``None``;
             ``tol_dtype`` (default: ``per_sample.dtype``) selects the tolerance, e.g. bfloat16
@@ -343,6 +349,7 @@ def check_sums(items: Sequence[Tuple], scale: Optional[float],
         why = rest[1] if len(rest) > 1 and rest[1] else (
             "results" if dtype == t.dtype else "grad_outputs")
         flat = t.reshape(t.shape[0], -1)
+        magnitude = rest[2] if len(rest) > 2 else None
         known = False  # whether the precision autograd's values show is read already
         if isinstance(total, GradTotal):
             if total.hooks:
@@ -350,6 +357,8 @@ def check_sums(items: Sequence[Tuple], scale: Optional[float],
             idx, ref = total.probe_index(), total.probe_values()
             if idx.numel() < flat.shape[1]:
                 flat = flat.index_select(1, idx)
+                if magnitude is not None:
+                    magnitude = magnitude.reshape(flat.shape[0], -1).index_select(1, idx)
             formed, known = total.formed(), True
             if formed != total.dtype and _looser(dtype, formed) != dtype:
                 dtype, why = formed, "formed"
@@ -357,7 +366,7 @@ def check_sums(items: Sequence[Tuple], scale: Optional[float],
             ref = total.reshape(-1)
         if _looser(dtype, ref.dtype) != dtype:
             dtype, why = ref.dtype, "param"
-        groups.setdefault(t.device, []).append([name, flat, ref, dtype, why, known])
+        groups.setdefault(t.device, []).append([name, flat, ref, dtype, why, known, magnitude])
     for device, entries in groups.items():
         _judge(entries, scale, hooks)
 
@@ -391,18 +400,19 @@ def _judge(entries: list, scale: Optional[float], hooks: Mapping[str, str]) -> N
     seg = segments(range(len(entries)))
     rtol = torch.tensor([_rtol(e[3], device) for e in entries], dtype=acc)[seg].to(device)  # (K,)
     err = per.sum(0).sub_(ref, alpha=1.0 if scale is None else scale).abs_()
-    # per coordinate: its parameter's rtol times sum_n |grad_n|, floored at the same rtol times
+    # per coordinate: its parameter's rtol times sum_n |grad_n| (of its parts where given:
+    # ``magnitude``), floored at the same rtol times
     # 1% of the largest such sum (rounding of a coordinate whose per-sample values cancel within
     # each sample); NaN-safe: a NaN per-sample value where autograd's gradient is finite is a
     # mismatch
-    mag = per.abs().sum(0)
+    mag = torch.cat([(e[1] if e[6] is None else e[6]).to(acc).abs().sum(0) for e in entries])
     top = torch.nan_to_num(mag, nan=0.0, posinf=0.0).max() * 1e-2
     tol = torch.maximum(mag * rtol, rtol * top + torch.finfo(acc).tiny)
     bad = ~(err <= tol) & ref.isfinite()
     if not bool(bad.any()):
         return
     k = int(seg[int(bad.nonzero()[0, 0])])
-    name, _, _, dtype, why, _ = entries[k]
+    name, _, _, dtype, why, _, _ = entries[k]
     mine = (seg == k).to(device) & bad
     ratio = torch.where(mine, torch.nan_to_num(err / tol, nan=float("inf")), -1.0)
     j = int(ratio.argmax())

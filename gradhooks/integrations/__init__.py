@@ -2,8 +2,10 @@
 
 Lives here: ``laplace_backend`` (laplace-torch's ``GradHooksGGN`` / ``GradHooksEF`` backends;
 it imports ``laplace``); ``transformers`` (the Hugging Face ``Trainer``: ``DPTrainer`` for DP
-fine-tuning, ``GradientStatsCallback`` for per-sample gradient statistics; it imports
-``transformers`` and Opacus' accountants).
+fine-tuning, ``DPTrainerMixin`` its DP step for any ``Trainer`` subclass,
+``GradientStatsCallback`` for per-sample gradient statistics; it imports ``transformers`` and
+Opacus' accountants); ``trl`` (TRL's ``SFTTrainer`` / ``DPOTrainer`` with that DP step:
+``DPSFTTrainer``, ``DPDPOTrainer``; it imports ``trl``).
 
 May import: every layer below, the facade and the tools. Nothing in gradhooks imports an
 integration (``import gradhooks`` needs only torch and opt_einsum).

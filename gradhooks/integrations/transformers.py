@@ -41,10 +41,33 @@ noise scale of McCandlish et al. 2018 (arXiv:1812.06162, appendix A) from the Gr
 ``K[n, m] = <g_n, g_m>`` of each batch's per-sample gradients (:meth:`gradhooks.GradHooks.gram`,
 Gram form per layer: no per-sample gradient tensor), read after the Trainer's ordinary backward.
 
-Limits: one process (``args.world_size == 1``); no float16 ``GradScaler`` in :class:`DPTrainer`.
+**Mixed precision.** ``bf16=True``: the forward under accelerate's bfloat16 autocast, nothing
+else changes (no loss scale). ``fp16=True`` where accelerate gives a ``GradScaler`` (a GPU):
+the hooks are attached with it (``attach(..., grad_scaler=scaler)``), so each micro-batch's
+per-sample norms and clipping are those of the *unscaled* loss (the backward runs at the scale
+``S``), ``finish_step`` writes ``S`` times the noised lot gradient, and ``inf`` when a
+micro-batch's norms overflowed; the Trainer's ``optimizer.step()`` is ``scaler.step`` (it
+unscales, skips a step with ``inf`` and lowers ``S``) and the Trainer skips the scheduler's step
+as for any overflow (where accelerate reports it: not with a fused AdamW, docs/trainer.md). A
+skipped lot is still counted by the accountant (its samples were drawn); whether a lot
+overflows depends on its unnoised per-sample values, which the accountant does not cover: keep
+overflows rare (the scaler's default growth makes them so). On a CPU, accelerate ignores
+``fp16=True`` (no autocast, no scaler: a float32 run).
+
+**Many processes** (``torchrun --nproc_per_node W``, DDP through accelerate): the lot is one
+Poisson draw over all ranks (every rank draws the same mask from the same seed and takes its
+share, :class:`PoissonMicroBatchSampler`), of expected size ``L = per_device_train_batch_size
+* gradient_accumulation_steps * W`` (``q = L / N``, the rate of one process with that ``L``);
+each rank clips its share's samples under DDP's ``no_sync`` (no all-reduce of unclipped or
+clipped micro-batches), and ``finish_step`` adds the ranks' clipped sums once (one all-reduce
+per parameter), the noise drawn once, on rank 0. A rank whose share is empty clips one sample
+of weight 0 (a zero gradient), so that it joins those all-reduces. ``lot_sizes`` counts this
+rank's samples.
+FSDP and DeepSpeed are refused.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any, Callable, Dict, Iterator, List, Optional
@@ -61,8 +84,8 @@ from opacus.accountants.utils import get_noise_multiplier
 from ..hooks import attach
 from ..tools.token_losses import per_sample_token_loss
 
-__all__ = ["DPConfig", "DPTrainer", "PoissonMicroBatchSampler", "causal_lm_collate",
-           "causal_lm_losses", "token_mean_loss", "GradientStatsCallback"]
+__all__ = ["DPConfig", "DPTrainer", "DPTrainerMixin", "PoissonMicroBatchSampler",
+           "causal_lm_collate", "causal_lm_losses", "token_mean_loss", "GradientStatsCallback"]
 
 
 @dataclasses.dataclass
@@ -156,15 +179,19 @@ class PoissonMicroBatchSampler(Sampler[List[int]]):
     """Poisson-sampled lots, each yielded as ``micro_batches`` index lists (a batch sampler).
 
     Each lot: ``mask = torch.rand(num_samples, generator) < sample_rate`` (Opacus'
-    ``UniformWithReplacementSampler``, the same draws from the same generator), its indices
-    split in ``micro_batches`` parts of sizes differing by at most one (empty ones when the lot
-    has fewer samples). ``lots`` lots per pass, ``lots * micro_batches`` lists.
+    ``UniformWithReplacementSampler``, the same draws from the same generator); with ``world``
+    ranks, rank ``rank`` takes part ``rank`` of the lot's indices split in ``world`` parts of
+    sizes differing by at most one (every rank draws the same mask: its generator has the same
+    seed), and splits its part in ``micro_batches`` parts of sizes differing by at most one
+    (empty ones when the lot has fewer samples). ``lots`` lots per pass, ``lots *
+    micro_batches`` lists.
     """
 
     def __init__(self, num_samples: int, sample_rate: float, lots: int, micro_batches: int,
-                 generator: Optional[torch.Generator] = None):
+                 generator: Optional[torch.Generator] = None, rank: int = 0, world: int = 1):
         self.num_samples, self.sample_rate = num_samples, sample_rate
         self.lots, self.micro_batches, self.generator = lots, micro_batches, generator
+        self.rank, self.world = rank, world
 
     def __len__(self) -> int:
         return self.lots * self.micro_batches
@@ -172,7 +199,7 @@ class PoissonMicroBatchSampler(Sampler[List[int]]):
     def __iter__(self) -> Iterator[List[int]]:
         for _ in range(self.lots):
             mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
-            lot = mask.nonzero().reshape(-1)
+            lot = mask.nonzero().reshape(-1).tensor_split(self.world)[self.rank]
             for part in torch.tensor_split(lot, self.micro_batches):
                 yield part.tolist()
 
@@ -180,7 +207,7 @@ class PoissonMicroBatchSampler(Sampler[List[int]]):
 class _EmptyBatchCollator:
     """Collates an empty index list into a batch of 0 samples (the template's tensors sliced to
     ``[:0]``): the Trainer's loop still gets one batch per micro-batch, and
-    :meth:`DPTrainer.training_step` skips the empty ones (no forward)."""
+    :meth:`DPTrainerMixin.training_step` skips the empty ones (no forward)."""
 
     def __init__(self, collate: Callable, dataset):
         self.collate, self.dataset = collate, dataset
@@ -196,31 +223,46 @@ def _batch_size(inputs: Dict[str, Any]) -> int:
     return next(len(v) for v in inputs.values() if isinstance(v, Tensor))
 
 
-class DPTrainer(transformers.Trainer):
-    """A ``transformers.Trainer`` that trains with DP-SGD through gradhooks (module docstring).
+class DPTrainerMixin:
+    """The DP-SGD step of :class:`DPTrainer` for any ``transformers.Trainer`` subclass (module
+    docstring): put it first among the bases, ``class MyDPTrainer(DPTrainerMixin, MyTrainer)``.
 
-    Takes the Trainer's arguments plus ``dp`` (:class:`DPConfig`). The user's script stays the
-    usual one: model, ``TrainingArguments``, dataset, collator, ``trainer.train()``; the
-    per-device batch size and ``gradient_accumulation_steps`` give the expected lot size.
+    It replaces the trainer's data loader (Poisson lots as micro-batches), ``training_step``
+    (per-sample losses, clipped into gradhooks' accumulator; the noise, the division by the
+    expected lot size and the accountant's step after each lot) and adds ``epsilon`` to the
+    logs. The trainer's own ``compute_loss`` is not called: the per-sample losses come from
+    :meth:`per_sample_losses`, which a subclass overrides for its loss (TRL's SFT and DPO:
+    :mod:`gradhooks.integrations.trl`); a subclass whose samples are several rows of the batch
+    declares them in it with ``self.gh.set_sample_ids(ids)`` after the forward and returns one
+    loss per sample (``(G,)``, in sorted-id order).
+
+    Takes the trainer's arguments plus ``dp`` (:class:`DPConfig`). The per-device batch size and
+    ``gradient_accumulation_steps`` give the expected lot size ``L``.
 
     Attributes (after the first step): ``gh`` (the :class:`gradhooks.GradHooks`), ``accountant``,
     ``noise_multiplier``, ``sample_rate``, ``expected_batch_size``, ``lot_sizes`` (samples per
     lot so far), :meth:`epsilon`.
+
+    Raises:
+        ValueError: several processes other than DDP (FSDP, DeepSpeed).
     """
 
     def __init__(self, *args, dp: DPConfig, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.args.world_size != 1:
-            raise ValueError("DPTrainer runs in one process (args.world_size == 1)")
-        if self.args.fp16:
-            raise ValueError("DPTrainer: fp16 with a GradScaler is not supported; use bf16 or fp32")
+        a = self.args
+        ddp = a.parallel_mode == transformers.training_args.ParallelMode.DISTRIBUTED
+        if a.world_size != 1 and (self.is_fsdp_enabled or self.is_deepspeed_enabled or not ddp):
+            raise ValueError(
+                f"DPTrainer: {a.world_size} processes other than DDP (FSDP, DeepSpeed or "
+                f"{a.parallel_mode}) are not supported; launch with torchrun / accelerate "
+                f"without FSDP or DeepSpeed (DDP), or run one process")
         self.dp = dp
         self.args.max_grad_norm = 0.0  # DP clips per sample; see the module docstring
         self.gh = None
         self.accountant = create_accountant(dp.accountant)
         self.noise_multiplier: Optional[float] = dp.noise_multiplier
-        self.expected_batch_size = (self.args.per_device_train_batch_size
-                                    * self.args.gradient_accumulation_steps)
+        self.expected_batch_size = (a.per_device_train_batch_size
+                                    * a.gradient_accumulation_steps * a.world_size)
         self.sample_rate = min(1.0, self.expected_batch_size / len(self.train_dataset))
         self.lot_sizes: List[int] = []
         self._generator = torch.Generator(device=self.args.device)  # (the noise's)
@@ -242,7 +284,9 @@ class DPTrainer(transformers.Trainer):
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         sampler = PoissonMicroBatchSampler(
             len(dataset), self.sample_rate, math.ceil(len(dataset) / self.expected_batch_size),
-            self.args.gradient_accumulation_steps, torch.Generator().manual_seed(seed))
+            self.args.gradient_accumulation_steps, torch.Generator().manual_seed(seed),
+            rank=self.args.process_index, world=self.args.world_size)
+        self._stand_in = lambda: collate([dataset[0]])  # (an empty DDP share's, _finish_lot)
         return DataLoader(dataset, batch_sampler=sampler,
                           collate_fn=_EmptyBatchCollator(collate, dataset),
                           num_workers=self.args.dataloader_num_workers)
@@ -254,8 +298,9 @@ class DPTrainer(transformers.Trainer):
                 target_epsilon=self.dp.target_epsilon, target_delta=self.dp.delta,
                 sample_rate=self.sample_rate, steps=self.state.max_steps,
                 accountant=self.dp.accountant, epsilon_tolerance=self.dp.epsilon_tolerance)
-        self.gh = attach(model, loss_reduction="sum")
-        self._lot = 0
+        # fp16: the scaler accelerate made (None on a CPU or without fp16); see the module docstring
+        self.gh = attach(model, loss_reduction="sum", grad_scaler=self.accelerator.scaler)
+        self._lot, self._clipped = 0, False
 
     def per_sample_losses(self, model: nn.Module, inputs: Dict[str, Any]) -> Tensor:
         """``(B,)`` losses of the micro-batch: ``dp.per_sample_loss``, else
@@ -276,34 +321,55 @@ class DPTrainer(transformers.Trainer):
         inputs = self._prepare_inputs(inputs)
         losses = None
         if _batch_size(inputs) > 0:  # (an empty micro-batch of a Poisson lot adds nothing)
-            with self.compute_loss_context_manager():
-                losses = self.per_sample_losses(model, inputs)
-            if self.dp.clipping == "two-pass":
-                self.gh.clipped_backward(losses, self.dp.max_grad_norm, accumulate=True)
-            else:
-                self.gh.backward(losses.sum())
-                self.gh.clip_and_accumulate(self.dp.max_grad_norm, accumulate=True)
+            losses = self._clip(model, inputs)
             self._lot += len(losses)
         if self.accelerator.sync_gradients:
             self._finish_lot(model)
-        if losses is None:
+        if losses is None or len(losses) == 0:
             return torch.zeros((), device=self.args.device)
         return losses.detach().mean() / self.current_gradient_accumulation_steps
+
+    def _clip(self, model: nn.Module, inputs: Dict[str, Any], weight: float = 1.0) -> Tensor:
+        # One micro-batch's per-sample losses (times ``weight``), clipped into the accumulator;
+        # under DDP without DDP's all-reduce (no_sync): finish_step sums the ranks' clipped sums.
+        ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+        with model.no_sync() if ddp else contextlib.nullcontext():
+            with self.compute_loss_context_manager():
+                losses = self.per_sample_losses(model, inputs)
+            if weight != 1.0:
+                losses = losses * weight
+            if self.dp.clipping == "two-pass":
+                self.gh.clipped_backward(losses, self.dp.max_grad_norm, accumulate=True)
+            else:
+                scaler = self.accelerator.scaler
+                total = losses.sum()
+                self.gh.backward(total if scaler is None else scaler.scale(total))
+                self.gh.clip_and_accumulate(self.dp.max_grad_norm, accumulate=True)
+        self._clipped = True
+        return losses
 
     def _finish_lot(self, model: nn.Module) -> None:
         # The noise once, the division by the expected lot size, the accountant's step.
         sigma, std = self.noise_multiplier, self.noise_multiplier * self.dp.max_grad_norm
-        if self._lot > 0:
+        if isinstance(model, nn.parallel.DistributedDataParallel) and not self._clipped:
+            # This rank's share of the lot is empty (the model may not run a batch of 0): one
+            # sample of weight 0 (its gradient 0, clipped to 0), so that the rank joins
+            # finish_step's all-reduces and receives the ranks' sum and rank 0's noise.
+            self._clip(model, self._prepare_inputs(self._stand_in()), weight=0.0)
+        if self._lot > 0 or self._clipped:
             self.gh.finish_step(noise_multiplier=sigma, generator=self._generator,
                                 expected_batch_size=self.expected_batch_size)
-        else:  # an empty lot: the noise alone, drawn as finish_step draws it
+        else:  # an empty lot: the noise alone, drawn as finish_step draws it (at the loss scale)
+            scaler = self.accelerator.scaler
+            scale = 1.0 if scaler is None else float(scaler.get_scale())
             for p in model.parameters():
                 if p.requires_grad:
                     p.grad = torch.randn(p.shape, generator=self._generator, dtype=p.dtype,
-                                         device=p.device).mul_(std / self.expected_batch_size)
+                                         device=p.device).mul_(std / self.expected_batch_size
+                                                               * scale)
         self.accountant.step(noise_multiplier=sigma, sample_rate=self.sample_rate)
         self.lot_sizes.append(self._lot)
-        self._lot = 0
+        self._lot, self._clipped = 0, False
 
     def epsilon(self) -> float:
         """Epsilon at ``dp.delta`` of the lots taken so far (0 before the first)."""
@@ -326,6 +392,16 @@ class DPTrainer(transformers.Trainer):
             if self.gh is not None:
                 self.gh.detach()
                 self.gh = None
+
+
+class DPTrainer(DPTrainerMixin, transformers.Trainer):
+    """A ``transformers.Trainer`` that trains with DP-SGD through gradhooks (module docstring,
+    :class:`DPTrainerMixin`).
+
+    Takes the Trainer's arguments plus ``dp`` (:class:`DPConfig`). The user's script stays the
+    usual one: model, ``TrainingArguments``, dataset, collator, ``trainer.train()``; the
+    per-device batch size and ``gradient_accumulation_steps`` give the expected lot size.
+    """
 
 
 class GradientStatsCallback(transformers.TrainerCallback):

@@ -591,5 +591,8 @@ def _tied_sq_norms(batch: Batch, p: PlannedParam, forms: Forms, probes: Optional
         prow, pcol = idx // shape[1], idx % shape[1]
         lin_part = (pp.index_select(2, prow) * qq.index_select(2, pcol)).sum(1)  # (N, K)
         part = rows_part.to(dt) + lin_part.to(dt)
-        probes.append((name, part if groups is None else groups.sum_rows(part), ref, low))
+        terms = rows_part.to(dt).abs() + lin_part.to(dt).abs()  # (the tolerance's magnitude)
+        if groups is not None:
+            part, terms = groups.sum_rows(part), groups.sum_rows(terms)
+        probes.append((name, part, ref, low, None, terms))
     return sq
