@@ -9,6 +9,7 @@ one-sample forwards (no padding), clipped to ``C`` and summed, over the expected
 (noise 0). Epsilon against Opacus' accountants stepped by hand.
 """
 import copy
+import math
 import pathlib
 import subprocess
 import sys
@@ -72,13 +73,13 @@ def own_grads(model, sample, reduction="mean"):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def clipped_reference(model, samples, expected, reduction="mean"):
-    """``sum_n min(1, C / ||g_n||) g_n / expected`` by a loop."""
+def clipped_reference(model, samples, expected, reduction="mean", bound=C):
+    """``sum_n min(1, C / ||g_n||) g_n / expected`` by a loop (``C``: ``bound``)."""
     total = None
     for s in samples:
         g = own_grads(model, s, reduction)
         norm = torch.sqrt(sum((v.double() ** 2).sum() for v in g.values()))
-        factor = min(1.0, C / float(norm))
+        factor = min(1.0, bound / float(norm))
         total = ({n: factor * v for n, v in g.items()} if total is None
                  else {n: total[n] + factor * v for n, v in g.items()})
     if total is None:
@@ -131,6 +132,51 @@ def test_dp_step_equals_looped_clipped_sum(tmp_path, dtype, rtol, clipping, micr
     assert trainer.lot_sizes == [len(lot)] and len(lot) > 0
     want = clipped_reference(start, [data[i] for i in lot], expected=6)
     assert_grads_close(grads[0], want, rtol)
+
+
+def _lots(data, args, count):
+    """The first ``count`` lots the trainer's sampler draws (same seed, same rate)."""
+    micro = args.gradient_accumulation_steps
+    lot = args.per_device_train_batch_size * micro
+    parts = list(PoissonMicroBatchSampler(len(data), lot / len(data), count, micro,
+                                          torch.Generator().manual_seed(args.seed)))
+    return [[i for part in parts[k * micro:(k + 1) * micro] for i in part]
+            for k in range(count)]
+
+
+@pytest.mark.parametrize("clipping", ["book-keeping", "two-pass"])
+def test_adaptive_clipping_follows_the_loop(tmp_path, clipping):
+    """Adaptive clipping in the Trainer path (Andrew et al. 2021; noise off on both the gradient
+    and the count): lot k is clipped at C_k, and C_k+1 = C_k exp(-eta (b_k - gamma)) with b_k
+    the fraction of lot k's samples whose own-loss gradient norm (a float64 loop) is <= C_k;
+    each lot's gradient equals the looped clipped sum at that lot's bound (float64, 1e-10). The
+    weights move between lots (learning rate 0: the loop sees the same weights)."""
+    data = dataset()
+    model = model_of(torch.float64)
+    start = copy.deepcopy(model)
+    gamma, eta, c0 = 0.5, 0.7, 0.3
+    trainer, grads, args = run_dp(
+        tmp_path, model, data,
+        DPConfig(max_grad_norm=c0, noise_multiplier=0.0, clipping=clipping,
+                 target_unclipped_quantile=gamma, clipbound_learning_rate=eta,
+                 count_noise_std=0.0), max_steps=3, learning_rate=0.0)
+    bound = c0
+    for k, lot in enumerate(_lots(data, args, 3)):
+        samples = [data[i] for i in lot]
+        norms = [float(torch.sqrt(sum((v ** 2).sum() for v in own_grads(start, x).values())))
+                 for x in samples]
+        want = clipped_reference(start, samples, expected=6, bound=bound)
+        assert_grads_close(grads[k], want, 1e-10)
+        frac = sum(n <= bound for n in norms) / len(norms) if norms else gamma
+        bound = bound * math.exp(-eta * (frac - gamma))
+    assert trainer.clip_bound == pytest.approx(bound, rel=1e-12)
+
+
+def test_adaptive_clipping_config_errors():
+    with pytest.raises(ValueError, match="count_noise_std"):
+        DPConfig(noise_multiplier=1.0, target_unclipped_quantile=0.5)
+    with pytest.raises(ValueError, match="count_noise_std"):
+        DPConfig(noise_multiplier=1.0, count_noise_std=3.0)
 
 
 def test_token_sum_reduction(tmp_path):

@@ -82,6 +82,7 @@ from opacus.accountants import create_accountant
 from opacus.accountants.utils import get_noise_multiplier
 
 from ..hooks import attach
+from ..readers.adaptive_clipping import AdaptiveClipping
 from ..tools.token_losses import per_sample_token_loss
 
 __all__ = ["DPConfig", "DPTrainer", "DPTrainerMixin", "PoissonMicroBatchSampler",
@@ -106,6 +107,17 @@ class DPConfig:
         noise_seed: seed of the noise generator (``None``: drawn from the OS; set it only to
             reproduce a run, never for a release).
         epsilon_tolerance: the tolerance of ``get_noise_multiplier``'s search.
+        target_unclipped_quantile: adaptive clipping (Andrew et al. 2021, arXiv:1905.03871;
+            :class:`gradhooks.AdaptiveClipping`, Opacus' ``AdaClipDPOptimizer`` names): the
+            fraction of a lot's samples the bound should leave unclipped; ``max_grad_norm`` is
+            then the first lot's bound, updated after each lot from the lot's noised unclipped
+            count (one count over all ranks). ``None`` (default): a fixed bound.
+        clipbound_learning_rate: ``eta`` of the bound's geometric update (0.2, the paper's).
+        count_noise_std: ``sigma_b``, the noise on the unclipped count (required with
+            ``target_unclipped_quantile``; ``2 sigma_b > sigma``); the gradient's noise is then
+            drawn with ``sigma_Delta = (sigma^-2 - (2 sigma_b)^-2)^(-1/2)`` and the accountant
+            sees ``sigma``, so the pair is as private as ``sigma`` alone (the paper's Theorem 1).
+        min_clipbound, max_clipbound: the bound is kept in ``[min_clipbound, max_clipbound]``.
     """
 
     max_grad_norm: float = 1.0
@@ -118,6 +130,11 @@ class DPConfig:
     per_sample_loss: Optional[Callable[[nn.Module, Dict[str, Any]], Tensor]] = None
     noise_seed: Optional[int] = None
     epsilon_tolerance: float = 0.01
+    target_unclipped_quantile: Optional[float] = None
+    clipbound_learning_rate: float = 0.2
+    count_noise_std: Optional[float] = None
+    min_clipbound: float = 0.0
+    max_clipbound: float = math.inf
 
     def __post_init__(self):
         if (self.noise_multiplier is None) == (self.target_epsilon is None):
@@ -130,6 +147,9 @@ class DPConfig:
                              f"{self.token_reduction!r}")
         if not self.max_grad_norm > 0:
             raise ValueError(f"DPConfig: max_grad_norm must be > 0, got {self.max_grad_norm}")
+        if (self.target_unclipped_quantile is not None) != (self.count_noise_std is not None):
+            raise ValueError("DPConfig: adaptive clipping needs both target_unclipped_quantile "
+                             "and count_noise_std (the unclipped count's noise)")
 
 
 def causal_lm_losses(model: nn.Module, inputs: Dict[str, Any], reduction: str = "mean") -> Tensor:
@@ -241,7 +261,8 @@ class DPTrainerMixin:
 
     Attributes (after the first step): ``gh`` (the :class:`gradhooks.GradHooks`), ``accountant``,
     ``noise_multiplier``, ``sample_rate``, ``expected_batch_size``, ``lot_sizes`` (samples per
-    lot so far), :meth:`epsilon`.
+    lot so far), :meth:`epsilon`, ``adaptive`` (adaptive clipping's
+    :class:`~gradhooks.AdaptiveClipping`, or ``None``) and :attr:`clip_bound`.
 
     Raises:
         ValueError: several processes other than DDP (FSDP, DeepSpeed).
@@ -265,6 +286,7 @@ class DPTrainerMixin:
                                     * a.gradient_accumulation_steps * a.world_size)
         self.sample_rate = min(1.0, self.expected_batch_size / len(self.train_dataset))
         self.lot_sizes: List[int] = []
+        self.adaptive: Optional[AdaptiveClipping] = None  # (set by _start)
         self._generator = torch.Generator(device=self.args.device)  # (the noise's)
         if dp.noise_seed is not None:
             self._generator.manual_seed(dp.noise_seed)
@@ -300,7 +322,20 @@ class DPTrainerMixin:
                 accountant=self.dp.accountant, epsilon_tolerance=self.dp.epsilon_tolerance)
         # fp16: the scaler accelerate made (None on a CPU or without fp16); see the module docstring
         self.gh = attach(model, loss_reduction="sum", grad_scaler=self.accelerator.scaler)
-        self._lot, self._clipped = 0, False
+        self._lot, self._clipped, self._norms = 0, False, []
+        dp = self.dp
+        #: adaptive clipping's state (:class:`gradhooks.AdaptiveClipping`), or ``None``
+        self.adaptive = None if dp.target_unclipped_quantile is None else AdaptiveClipping(
+            dp.max_grad_norm, noise_multiplier=self.noise_multiplier,
+            count_noise_std=dp.count_noise_std, target_quantile=dp.target_unclipped_quantile,
+            learning_rate=dp.clipbound_learning_rate, min_norm=dp.min_clipbound,
+            max_norm_bound=dp.max_clipbound, generator=self._generator)
+
+    @property
+    def clip_bound(self) -> float:
+        """The clipping bound of the current lot: ``dp.max_grad_norm``, or adaptive clipping's
+        bound."""
+        return self.dp.max_grad_norm if self.adaptive is None else self.adaptive.max_norm
 
     def per_sample_losses(self, model: nn.Module, inputs: Dict[str, Any]) -> Tensor:
         """``(B,)`` losses of the micro-batch: ``dp.per_sample_loss``, else
@@ -339,25 +374,30 @@ class DPTrainerMixin:
             if weight != 1.0:
                 losses = losses * weight
             if self.dp.clipping == "two-pass":
-                self.gh.clipped_backward(losses, self.dp.max_grad_norm, accumulate=True)
+                norms = self.gh.clipped_backward(losses, self.clip_bound, accumulate=True)
             else:
                 scaler = self.accelerator.scaler
                 total = losses.sum()
                 self.gh.backward(total if scaler is None else scaler.scale(total))
-                self.gh.clip_and_accumulate(self.dp.max_grad_norm, accumulate=True)
+                norms = self.gh.clip_and_accumulate(self.clip_bound, accumulate=True)
+        if weight == 1.0:  # (a stand-in of weight 0 is no sample of the lot: not counted)
+            self._norms.append(norms.detach())
         self._clipped = True
         return losses
 
     def _finish_lot(self, model: nn.Module) -> None:
-        # The noise once, the division by the expected lot size, the accountant's step.
-        sigma, std = self.noise_multiplier, self.noise_multiplier * self.dp.max_grad_norm
+        # The noise once, the division by the expected lot size, the accountant's step; with
+        # adaptive clipping the gradient's noise at sigma_Delta and the bound's update.
+        sigma = self.noise_multiplier
+        noise = sigma if self.adaptive is None else self.adaptive.gradient_noise_multiplier
+        std = noise * self.clip_bound
         if isinstance(model, nn.parallel.DistributedDataParallel) and not self._clipped:
             # This rank's share of the lot is empty (the model may not run a batch of 0): one
             # sample of weight 0 (its gradient 0, clipped to 0), so that the rank joins
             # finish_step's all-reduces and receives the ranks' sum and rank 0's noise.
             self._clip(model, self._prepare_inputs(self._stand_in()), weight=0.0)
         if self._lot > 0 or self._clipped:
-            self.gh.finish_step(noise_multiplier=sigma, generator=self._generator,
+            self.gh.finish_step(noise_multiplier=noise, generator=self._generator,
                                 expected_batch_size=self.expected_batch_size)
         else:  # an empty lot: the noise alone, drawn as finish_step draws it (at the loss scale)
             scaler = self.accelerator.scaler
@@ -367,9 +407,13 @@ class DPTrainerMixin:
                     p.grad = torch.randn(p.shape, generator=self._generator, dtype=p.dtype,
                                          device=p.device).mul_(std / self.expected_batch_size
                                                                * scale)
+        if self.adaptive is not None:  # (every rank takes part: the count is all-reduced)
+            device = self.args.device
+            self.adaptive.update(torch.cat(self._norms).to(device) if self._norms
+                                 else torch.zeros(0, device=device))
         self.accountant.step(noise_multiplier=sigma, sample_rate=self.sample_rate)
         self.lot_sizes.append(self._lot)
-        self._lot, self._clipped = 0, False
+        self._lot, self._clipped, self._norms = 0, False, []
 
     def epsilon(self) -> float:
         """Epsilon at ``dp.delta`` of the lots taken so far (0 before the first)."""
