@@ -138,8 +138,11 @@ class SampleCheck:
                                                     allow_unused=True)
                     finally:
                         handle.remove()
+                # (the norm in the gradient's dtype, squared in float64: no float64 copy of a
+                # large gradient; its rounding is far inside SAMPLE_CHECK_RTOL)
                 sq.append([torch.zeros((), dtype=torch.float64, device=p.device) if g is None
-                           else g.double().square().sum() for p, g in zip(params, grads)])
+                           else torch.linalg.vector_norm(g).double().square()
+                           for p, g in zip(params, grads)])
         ref = {id(p): torch.stack([row[k] for row in sq]) for k, p in enumerate(params)}
         what = ("the per-sample losses" if node is None else f"the loss ({form})")
         return cls(recorder, key, rows, ref, what)
