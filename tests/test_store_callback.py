@@ -10,6 +10,8 @@ saved while training, on the samples the keys name, and (2) a loop of one-sample
 Trainer's epochs; resuming from a checkpoint against an uninterrupted run; and each refusal.
 """
 import copy
+import pathlib
+import time
 
 import pytest
 import torch
@@ -265,3 +267,22 @@ def test_step_refuses_missing_or_mismatched_indices(tmp_path):
         cb.dataset.fetched.append([0, 1, 2])
         with pytest.raises(GradHooksError, match="has 2 samples, the batch fetched 3 indices"):
             cb.on_pre_optimizer_step(None, state, None)
+
+
+def test_docs_example_runs(tmp_path, monkeypatch):
+    """The example of docs/gradient-store.md's section on training (tests/test_docs.py skips it:
+    it needs the torchvision stub above) runs in under a minute, and its per-sample sums are the
+    sums of each sample's rows."""
+    from test_docs import blocks
+    page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "gradient-store.md"
+    code = [c for lang, _, c, _ in blocks(page) if lang == "python" and "GradientStoreCallback(" in c]
+    assert len(code) == 1
+    monkeypatch.chdir(tmp_path)
+    ns = {}
+    start = time.perf_counter()
+    exec(compile(code[0], str(page), "exec"), ns)
+    assert time.perf_counter() - start < 60
+    store, scores = ns["store"], ns["scores"]
+    assert store.rows == 48 and sorted(store.sample_index[:24].tolist()) == list(range(24))
+    for i in (0, 5):
+        close(ns["per_sample"][:, i], scores[:, store.sample_index == i].sum(1), torch.float32)
