@@ -3,7 +3,8 @@
 Lives here: ``laplace_backend`` (laplace-torch's ``GradHooksGGN`` / ``GradHooksEF`` backends;
 it imports ``laplace``); ``transformers`` (the Hugging Face ``Trainer``: ``DPTrainer`` for DP
 fine-tuning, ``GradientStatsCallback`` for per-sample gradient statistics; it imports
-``transformers`` and Opacus' accountants).
+``transformers`` and Opacus' accountants); ``store_callback`` (``GradientStoreCallback``: the
+projected gradient store written while a ``Trainer`` trains; it imports ``transformers``).
 
 May import: every layer below, the facade and the tools. Nothing in gradhooks imports an
 integration (``import gradhooks`` needs only torch and opt_einsum).
