@@ -93,7 +93,7 @@ class Crash(transformers.TrainerCallback):
             raise Crash.Stop
 
 
-def trainer_of(tmp, model, cb, batch, steps, callbacks=(), data=None, **kw):
+def trainer_of(tmp, model, cb, batch, steps, callbacks=(), data=None, eval_data=None, **kw):
     args = dict(per_device_train_batch_size=batch, max_steps=steps, learning_rate=0.05,
                 report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=3,
                 logging_strategy="no")
@@ -101,7 +101,8 @@ def trainer_of(tmp, model, cb, batch, steps, callbacks=(), data=None, **kw):
     data = data_of() if data is None else data
     return transformers.Trainer(model=model, args=transformers.TrainingArguments(str(tmp), **args),
                                 train_dataset=cb.track(data), data_collator=collate,
-                                compute_loss_func=token_mean, callbacks=[cb, *callbacks])
+                                compute_loss_func=token_mean, callbacks=[cb, *callbacks],
+                                eval_dataset=eval_data)
 
 
 def loop_rows(model, features, dtype):
@@ -208,6 +209,25 @@ def test_refusals(change, match, tmp_path):
     cb = GradientStoreCallback(tmp_path / "store", k_in=KI, k_out=KO, module=MODULE)
     with pytest.raises(GradHooksError, match=match):
         trainer_of(tmp_path / "out", model_of(), cb, 2, 2, **change).train()
+
+
+def test_evaluation_between_steps(tmp_path):
+    """An evaluation every step leaves the rows as they are; on the tracked set it is refused
+    (its batches would be noted as training batches)."""
+    kw = dict(k_in=KI, k_out=KO, seed=SEED, dtype=torch.float64, module=MODULE)
+    plain = GradientStoreCallback(tmp_path / "a", **kw)
+    trainer_of(tmp_path / "oa", model_of(), plain, 4, 4).train()
+    cb = GradientStoreCallback(tmp_path / "b", **kw)
+    trainer_of(tmp_path / "ob", model_of(), cb, 4, 4, eval_data=data_of(5), eval_strategy="steps",
+               eval_steps=1).train()
+    assert torch.equal(cb.store.sample_index, plain.store.sample_index)
+    assert torch.equal(cb.store.features(dtype=torch.float64), plain.store.features(dtype=torch.float64))
+    bad = GradientStoreCallback(tmp_path / "c", **kw)
+    trainer = trainer_of(tmp_path / "oc", model_of(), bad, 4, 4, eval_data=data_of(5),
+                         eval_strategy="steps", eval_steps=1)
+    trainer.eval_dataset = trainer.train_dataset
+    with pytest.raises(GradHooksError, match="the evaluation set is the tracked training set"):
+        trainer.train()
 
 
 def test_refuses_an_untracked_training_set(tmp_path):

@@ -115,7 +115,7 @@ class GradientStoreCallback(transformers.TrainerCallback):
         GradHooksError: if ``gradient_accumulation_steps != 1``, several processes or GPUs,
             ``dataloader_num_workers > 0``, or the Trainer's training set is not
             :meth:`track`'s; at a step, if no batch's indices were noted or their count is not
-            the batch's.
+            the batch's; after an evaluation on the tracked set (give the plain one).
         StoreSpecError: if ``path`` holds a store of another spec (another ``max_steps``, batch
             size, ``k_in`` ...), or, when resuming at step ``s``, lacks rows of a step before ``s``.
     """
@@ -165,6 +165,12 @@ class GradientStoreCallback(transformers.TrainerCallback):
         self.store.add(self.store.project(features), sample_index=torch.tensor(indices),
                        step=state.global_step)
         self.gh.clear()
+
+    def on_evaluate(self, args, state, control, eval_dataloader=None, **kwargs):
+        if eval_dataloader is not None and getattr(eval_dataloader, "dataset", None) is self.dataset:
+            raise GradHooksError("GradientStoreCallback: the evaluation set is the tracked training "
+                                 "set, whose batches would be taken for training batches; pass "
+                                 "the plain data set as eval_dataset")
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.gh is not None:
