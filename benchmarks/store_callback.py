@@ -16,9 +16,11 @@ variants, AdamW over every parameter, the Trainer's clipping at 1.0, float32, CP
 
 Each round runs one ``plain`` and one ``callback`` training of ``1 + steps`` steps (a fresh
 model from the same seed); a step's time is the Trainer's ``on_step_begin`` to ``on_step_end``
-(forward, backward, clipping, the callback's read and write, AdamW); the first step of each run
-(the hooks' first-structure checks) is reported apart. ``read`` is the time inside the
-callback's ``on_pre_optimizer_step`` (features, projection, float16 write).
+(forward, backward, clipping, the callback's read and write, AdamW), on the wall clock and in
+this process's CPU time (``time.process_time``, all threads: on a machine shared with other
+processes the wall clock also counts their time slices); the first step of each run (the hooks'
+first-structure checks) is reported apart. ``read`` is the time inside the callback's
+``on_pre_optimizer_step`` (features, projection, float16 write).
 """
 import argparse
 import json
@@ -44,15 +46,21 @@ from gradhooks import per_sample_token_loss  # noqa: E402
 from gradhooks.integrations.store_callback import GradientStoreCallback  # noqa: E402
 
 
+def clocks():
+    # (wall, this process's CPU time over all its threads): the CPU time is what the step costs
+    # this process, less sensitive than the wall clock to other processes on a shared machine
+    return time.perf_counter(), time.process_time()
+
+
 class StepTimer(transformers.TrainerCallback):
     def __init__(self):
         self.times = []
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._t = time.perf_counter()
+        self._t = clocks()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.times.append(time.perf_counter() - self._t)
+        self.times.append([b - a for a, b in zip(self._t, clocks())])
 
 
 class TimedStore(GradientStoreCallback):
@@ -61,9 +69,9 @@ class TimedStore(GradientStoreCallback):
         self.read_times = []
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        t = time.perf_counter()
+        t = clocks()
         super().on_pre_optimizer_step(args, state, control, **kwargs)
-        self.read_times.append(time.perf_counter() - t)
+        self.read_times.append([b - a for a, b in zip(t, clocks())])
 
 
 def token_mean(outputs, labels, num_items_in_batch=None):
@@ -120,11 +128,13 @@ def main():
                 if dim:
                     rec["K"] = dim
                 rec["load"].append(os.getloadavg()[0])
-                print(variant, [f"{t:.2f}" for t in times], flush=True)
-    med = {k: statistics.median(rec[k]) for k in ("plain", "callback", "read")}
+                print(variant, [f"{w:.2f} s ({c:.2f} s CPU)" for w, c in times], flush=True)
+    med = {clock: {k: statistics.median(t[i] for t in rec[k]) for k in ("plain", "callback", "read")}
+           for i, clock in enumerate(("wall", "cpu"))}
     rec["median"] = med
-    rec["ratio"] = med["callback"] / med["plain"]
-    rec["read_share_of_plain"] = med["read"] / med["plain"]
+    rec["ratio"] = {c: m["callback"] / m["plain"] for c, m in med.items()}
+    rec["read_share_of_plain"] = {c: m["read"] / m["plain"] for c, m in med.items()}
+    rec["load_after"] = os.getloadavg()
     print(json.dumps({k: rec[k] for k in ("median", "ratio", "read_share_of_plain", "K")}))
     with open(a.out, "w") as f:
         json.dump(rec, f, indent=1)
