@@ -12,10 +12,12 @@
 Importing this module imports transformers; ``import gradhooks`` does not.
 
 **What is written.** At each optimizer step, after the Trainer's backward and before its
-optimizer steps, the batch's per-sample gradients (of each sample's own loss:
-``loss_reduction="mean"``) are projected as the store projects them (LoGra's ``P_g d_n P_a^T``
-per layer, a Gaussian ``R`` for the other parameters, :meth:`GradientStore.project`, from the
-hooks' ``a`` and ``g``: no per-sample ``(O, I)`` gradient) and appended as ``B`` rows with their
+optimizer steps, the batch's per-sample gradients of each sample's own loss are projected as
+the store projects them (LoGra's ``P_g d_n P_a^T`` per layer, a Gaussian ``R`` for the other
+parameters, :meth:`GradientStore.project`, from the hooks' ``a`` and ``g``: no per-sample
+``(O, I)`` gradient; the records of the mean loss, projected, times ``B``: the rows of
+``loss_reduction="mean"`` without its scaled copy of every layer's grad_output) and appended
+as ``B`` rows with their
 keys: each sample's index in the training data set (:attr:`GradientStore.sample_index`) and
 the step (:attr:`GradientStore.steps`): the Trainer's ``state.global_step`` when the gradient
 was taken, i.e. the number of optimizer steps before it, so the row is the gradient at the
@@ -36,8 +38,8 @@ the rows of steps ``0 .. s - 1`` (each must be present, else :class:`StoreSpecEr
 lost), forgets the rows of later steps (written after that checkpoint; the Trainer redoes
 them) and continues: no row is written twice or lost.
 
-**The loss** must be a mean over the batch's samples of each sample's own loss (what
-``loss_reduction="mean"`` assumes): a classification loss, or on padded causal-LM batches a
+**The loss** must be a mean over the batch's samples of each sample's own loss (what the
+factor ``B`` assumes): a classification loss, or on padded causal-LM batches a
 ``compute_loss_func`` returning the mean of :func:`gradhooks.per_sample_token_loss` (the
 model's own loss, a mean over the batch's tokens, is refused by gradhooks where the samples'
 valid-token counts differ).
@@ -142,7 +144,9 @@ class GradientStoreCallback(transformers.TrainerCallback):
         self._resume(state.global_step)
         self.dataset.fetched.clear()
         target = model if self.module is None else model.get_submodule(self.module)
-        self.gh = attach(target, loss_reduction="mean")
+        # "sum" and the rows times B below: the same rows as loss_reduction="mean" (the
+        # projection is linear in g), without a scaled copy of every layer's grad_output
+        self.gh = attach(target, loss_reduction="sum")
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         # (the epoch's batches are fetched after this event; nothing fetched before is trained)
@@ -162,8 +166,8 @@ class GradientStoreCallback(transformers.TrainerCallback):
             raise GradHooksError(f"GradientStoreCallback: step {state.global_step}'s batch has "
                                  f"{features.size} samples, the batch fetched {len(indices)} "
                                  f"indices; the data loader must fetch each batch once, in order")
-        self.store.add(self.store.project(features), sample_index=torch.tensor(indices),
-                       step=state.global_step)
+        rows = self.store.project(features).mul_(features.size)  # the mean's own-loss scale B
+        self.store.add(rows, sample_index=torch.tensor(indices), step=state.global_step)
         self.gh.clear()
 
     def on_evaluate(self, args, state, control, eval_dataloader=None, **kwargs):
