@@ -378,8 +378,8 @@ def test_scores_are_projected_inner_products(case, tmp_path, monkeypatch):
 
 def test_errors(tmp_path, monkeypatch):
     model, x, y = _setup("mlp", torch.float32, n=4)
-    with pytest.raises(GradHooksError, match="dtype"):
-        GradientStore(tmp_path / "a", 4, dtype=torch.float64)
+    with pytest.raises(GradHooksError, match="dtype must be torch.float16, torch.float32 or"):
+        GradientStore(tmp_path / "a", 4, dtype=torch.bfloat16)
     with pytest.raises(GradHooksError, match="k_in"):
         GradientStore(tmp_path / "a", 4, k_in=0)
     (tmp_path / "file").write_text("")

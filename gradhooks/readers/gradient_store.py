@@ -9,8 +9,10 @@ Index conventions: ``n`` train sample (``N`` rows of the store), ``m`` query sam
 
 On disk, a folder::
 
-    grads.npy         (N, K) float16 or float32, a standard .npy (numpy.lib.format.open_memmap)
+    grads.npy         (N, K) float16, float32 or float64, a standard .npy (numpy.lib.format.open_memmap)
     out_to_loss.npy   (N,) float32, TRAK's Q = 1 - p per sample (only when written)
+    keys.npy          (N, 2) int64, each row's (sample index, training step) (only when written:
+                      a store written during training, gradhooks.integrations.store_callback)
     meta.json         the spec (k_in, k_out, seed, dtype, N, output, transform, the layers and
                       their projected widths, K) and how many rows are written
 
@@ -56,11 +58,15 @@ def _np():
 
 
 #: Storage dtypes: name -> (torch dtype, numpy dtype name).
-DTYPES = {"float16": (torch.float16, "float16"), "float32": (torch.float32, "float32")}
+DTYPES = {"float16": (torch.float16, "float16"), "float32": (torch.float32, "float32"),
+          "float64": (torch.float64, "float64")}
 #: Rows of the store read at a time when scoring or forming ``Φ^T Φ``.
 CHUNK_ROWS = 8192
 _FORMAT = 1
 _SPEC_FIELDS = ("size", "k_in", "k_out", "seed", "dtype", "output", "transform")
+#: Optional per-row columns beside grads.npy: name -> (numpy dtype, shape of a row, given as).
+_SIDE = {"out_to_loss": ("float32", (), "out_to_loss"),
+         "keys": ("int64", (2,), "sample_index and step")}
 
 
 class StoreSpecError(GradHooksError, ValueError):
@@ -74,7 +80,8 @@ def _dtype_name(dtype) -> str:
     for name, (t, n) in DTYPES.items():
         if dtype in (t, n, name) or getattr(dtype, "__name__", None) == name:  # (numpy's)
             return name
-    raise GradHooksError(f"GradientStore: dtype must be torch.float16 or torch.float32, got {dtype!r}")
+    raise GradHooksError(f"GradientStore: dtype must be torch.float16, torch.float32 or "
+                         f"torch.float64, got {dtype!r}")
 
 
 class GradientStore:
@@ -98,8 +105,8 @@ class GradientStore:
             layer and per other parameter).
         seed: selects the projections (:func:`~gradhooks.readers.projections.projection`);
             queries must be projected with the same.
-        dtype: ``torch.float16`` (default; half the disk, relative rounding ``2**-11``) or
-            ``torch.float32``.
+        dtype: ``torch.float16`` (default; half the disk, relative rounding ``2**-11``),
+            ``torch.float32``, or ``torch.float64`` (for exact comparisons).
         output: a label of what was differentiated, recorded and compared on reopening
             (``"loss"``, ``"margin"`` for TRAK's :func:`~gradhooks.readers.output_functions.trak_margins`,
             or your own).
@@ -130,10 +137,11 @@ class GradientStore:
                                      "transform": None if transform is None else str(transform)}
         self.layers: Optional[Dict[str, int]] = None
         self.rows, self.dim = 0, None
-        self._array = self._q = None
+        self._array = None
+        self._side: Dict[str, Any] = dict.fromkeys(_SIDE)  # name -> memory map or None
         self.cache = ProjectionCache(int(seed))
         if overwrite and os.path.isdir(self.path):
-            for name in ("grads.npy", "out_to_loss.npy", "meta.json"):
+            for name in ("grads.npy", *(f"{k}.npy" for k in _SIDE), "meta.json"):
                 if os.path.exists(os.path.join(self.path, name)):
                     os.remove(os.path.join(self.path, name))
         os.makedirs(self.path, exist_ok=True)
@@ -148,7 +156,7 @@ class GradientStore:
 
     def _save_meta(self) -> None:
         meta = dict(self.spec, format=_FORMAT, layers=self.layers, dim=self.dim, rows=self.rows,
-                    has_out_to_loss=self._q is not None)
+                    **{f"has_{k}": v is not None for k, v in self._side.items()})
         tmp = self._file("meta.json.tmp")
         with open(tmp, "w") as f:
             json.dump(meta, f, indent=1)
@@ -173,8 +181,9 @@ class GradientStore:
                 raise StoreSpecError(f"GradientStore: {self._file('grads.npy')} has shape "
                                      f"{self._array.shape}, meta.json says {(self.spec['size'], self.dim)}: "
                                      f"the folder is damaged; pass overwrite=True")
-        if meta.get("has_out_to_loss"):
-            self._q = _np().load(self._file("out_to_loss.npy"), mmap_mode="r+")
+        for k in _SIDE:
+            if meta.get(f"has_{k}"):
+                self._side[k] = _np().load(self._file(f"{k}.npy"), mmap_mode="r+")
 
     def _layers_of(self, features: GradientFeatures) -> Dict[str, int]:
         # {layer or parameter: its projected width}, in the store's column order.
@@ -186,9 +195,8 @@ class GradientStore:
     def _create(self, layers: Optional[Dict[str, int]], dim: int) -> None:
         # layers: None when the first rows came as a tensor (then never compared)
         self.layers, self.dim = layers, dim
-        self._array = _np().lib.format.open_memmap(
-            self._file("grads.npy"), mode="w+", dtype=DTYPES[self.spec["dtype"]][1],
-            shape=(self.spec["size"], self.dim))
+        self._array = _memmap(self._file("grads.npy"), DTYPES[self.spec["dtype"]][1],
+                              (self.spec["size"], self.dim))
         self._save_meta()
 
     # ------------------------------------------------------------------------------- writing
@@ -214,23 +222,13 @@ class GradientStore:
         """
         layers = self._layers_of(features)
         if self.layers is not None and layers != self.layers:
-            self._layer_mismatch(layers)
+            _layer_mismatch(self.path, self.layers, layers)
         return project_batch(features, self.spec["k_in"], self.spec["k_out"], self.spec["seed"],
                              transform=transform, model=model, cache=self.cache)
 
-    def _layer_mismatch(self, layers: Dict[str, int]) -> None:
-        missing = [k for k in self.layers if k not in layers]
-        extra = [k for k in layers if k not in self.layers]
-        width = [f"{k}: {self.layers[k]} vs {layers[k]}" for k in layers
-                 if k in self.layers and self.layers[k] != layers[k]]
-        raise StoreSpecError(
-            f"GradientStore: the batch's layers differ from those {self.path!r} was written with "
-            f"(missing {missing}, extra {extra}, widths {width}; order "
-            f"{'same' if list(layers) == list(self.layers) else 'differs'}). Freeze / unfreeze "
-            f"the same parameters as when the store was started, or use another folder")
-
     def add(self, rows: Union[Tensor, GradientFeatures], out_to_loss: Optional[Tensor] = None, *,
-            transform: Optional[GradientTransform] = None, model=None) -> int:
+            transform: Optional[GradientTransform] = None, model=None,
+            sample_index: Optional[Tensor] = None, step: Optional[int] = None) -> int:
         """Write the next ``B`` rows and count them in ``meta.json``.
 
         Args:
@@ -239,13 +237,18 @@ class GradientStore:
                 ``transform`` and ``model`` as :meth:`project`).
             out_to_loss: ``(B,)`` TRAK's ``Q`` of the batch, or ``None``; once given, every
                 batch must give it.
+            sample_index, step: the rows' keys (for every batch or none): ``(B,)`` the
+                samples' indices in the data set and the training step (an int) the gradients
+                were taken at (:mod:`gradhooks.integrations.store_callback`); read back as
+                :attr:`sample_index` and :attr:`steps`.
 
         Returns:
             The number of rows written so far.
 
         Raises:
-            StoreSpecError: if ``K`` differs from the store's, the rows would pass ``N``, or
-                ``out_to_loss`` is given for some batches only.
+            StoreSpecError: if ``K`` differs from the store's, the rows would pass ``N``,
+                ``out_to_loss`` or the keys are given for some batches only, or
+                ``sample_index`` is not ``(B,)``.
             GradHooksError: if a float16 store would hold an infinite or NaN value (use
                 ``dtype=torch.float32``).
         """
@@ -253,10 +256,10 @@ class GradientStore:
         if isinstance(rows, GradientFeatures):
             layers = self._layers_of(rows)
             rows = self.project(rows, transform=transform, model=model)
-        return self._write(rows, out_to_loss, layers)
+        return self._write(rows, out_to_loss, layers, _keys(sample_index, step, rows.shape[0]))
 
     def _write(self, rows: Tensor, out_to_loss: Optional[Tensor],
-               layers: Optional[Dict[str, int]]) -> int:
+               layers: Optional[Dict[str, int]], keys: Optional[Tensor] = None) -> int:
         if rows.dim() != 2:
             raise StoreSpecError(f"GradientStore.add(): rows must be (B, K), got {tuple(rows.shape)}")
         b = rows.shape[0]
@@ -268,9 +271,12 @@ class GradientStore:
         if rows.shape[1] != self.dim:
             raise StoreSpecError(f"GradientStore.add(): rows have K = {rows.shape[1]}, the store "
                                  f"{self.dim} (other k_in / k_out, or other layers)")
-        if (out_to_loss is None) != (self._q is None) and self.rows > 0:
-            raise StoreSpecError("GradientStore.add(): out_to_loss must be given for every batch "
-                                 "or for none")
+        side = {"out_to_loss": None if out_to_loss is None else
+                out_to_loss.detach().reshape(b).to("cpu", torch.float32), "keys": keys}
+        for k, v in side.items():
+            if (v is None) != (self._side[k] is None) and self.rows > 0:
+                raise StoreSpecError(f"GradientStore.add(): {_SIDE[k][2]} must be given for every "
+                                     f"batch or for none")
         if b == 0:
             return self.rows
         data = rows.detach().to("cpu", DTYPES[self.spec["dtype"]][0])
@@ -279,13 +285,7 @@ class GradientStore:
                                  "(|x| > 65504) or is NaN; use dtype=torch.float32")
         self._array[self.rows:self.rows + b] = data.numpy()
         self._array.flush()
-        if out_to_loss is not None:
-            if self._q is None:
-                self._q = _np().lib.format.open_memmap(self._file("out_to_loss.npy"), mode="w+",
-                                                    dtype="float32", shape=(self.size,))
-            self._q[self.rows:self.rows + b] = out_to_loss.detach().reshape(b).to(
-                "cpu", torch.float32).numpy()
-            self._q.flush()
+        _append_side(self._side, side, self.path, self.size, self.rows)
         self.rows += b
         self._save_meta()
         return self.rows
@@ -380,7 +380,31 @@ class GradientStore:
     @property
     def out_to_loss(self) -> Optional[Tensor]:
         """TRAK's ``Q`` ``(rows,)`` float32, or ``None`` if no batch gave it."""
-        return None if self._q is None else torch.from_numpy(_np().array(self._q[:self.rows]))
+        return self._column("out_to_loss")
+
+    @property
+    def sample_index(self) -> Optional[Tensor]:
+        """``(rows,)`` int64 sample indices (:meth:`add`'s), or ``None`` if none were given."""
+        return self._column("keys", 0)
+
+    @property
+    def steps(self) -> Optional[Tensor]:
+        """``(rows,)`` int64 training steps (:meth:`add`'s), or ``None`` if none were given."""
+        return self._column("keys", 1)
+
+    def _column(self, name: str, *col: int) -> Optional[Tensor]:
+        v = self._side[name]
+        return None if v is None else torch.from_numpy(_np().array(v[(slice(self.rows), *col)]))
+
+    def truncate(self, rows: int) -> None:
+        """Forget the rows from ``rows`` on (the next :meth:`add` writes there; a training run
+        resumed from a checkpoint redoes the steps after it). Raises GradHooksError if ``rows``
+        is not in ``[0, self.rows]``."""
+        if int(rows) != rows or not 0 <= rows <= self.rows:
+            raise GradHooksError(f"GradientStore.truncate(): rows must be in [0, {self.rows}], "
+                                 f"got {rows!r}")
+        self.rows = int(rows)
+        self._save_meta()
 
     def features(self, start: int = 0, stop: Optional[int] = None, dtype=torch.float32) -> Tensor:
         """Rows ``start:stop`` (default: all written) as a ``(stop - start, K)`` tensor (a copy,
@@ -448,7 +472,7 @@ class GradientStore:
         for lo, phi in self._chunks(dtype):
             out[:, lo:lo + phi.shape[0]] = q @ phi.T
         if out_to_loss:
-            if self._q is None:
+            if self._side["out_to_loss"] is None:
                 raise GradHooksError("GradientStore.scores(out_to_loss=True): no out_to_loss was "
                                      "written; fill with output_fn returning (outputs, Q)")
             out *= self.out_to_loss.to(dtype)
@@ -459,6 +483,44 @@ class GradientStore:
                 f"k_in={self.spec['k_in']}, k_out={self.spec['k_out']}, seed={self.spec['seed']}, "
                 f"dtype={self.spec['dtype']}, output={self.spec['output']!r}, "
                 f"transform={self.spec['transform']!r})")
+
+
+def _layer_mismatch(path: str, stored: Dict[str, int], layers: Dict[str, int]) -> None:
+    missing = [k for k in stored if k not in layers]
+    extra = [k for k in layers if k not in stored]
+    width = [f"{k}: {stored[k]} vs {layers[k]}" for k in layers if k in stored and stored[k] != layers[k]]
+    raise StoreSpecError(
+        f"GradientStore: the batch's layers differ from those {path!r} was written with "
+        f"(missing {missing}, extra {extra}, widths {width}; order "
+        f"{'same' if list(layers) == list(stored) else 'differs'}). Freeze / unfreeze "
+        f"the same parameters as when the store was started, or use another folder")
+
+
+def _memmap(file: str, dtype: str, shape: Tuple[int, ...]):
+    return _np().lib.format.open_memmap(file, mode="w+", dtype=dtype, shape=shape)
+
+
+def _append_side(columns: Dict[str, Any], values: Dict[str, Optional[Tensor]], folder: str,
+                 size: int, at: int) -> None:
+    # Write each given side column's rows from row ``at`` (its file created at first use).
+    for k, v in values.items():
+        if v is not None:
+            if columns[k] is None:
+                columns[k] = _memmap(os.path.join(folder, f"{k}.npy"), _SIDE[k][0], (size, *_SIDE[k][1]))
+            columns[k][at:at + v.shape[0]] = v.numpy()
+            columns[k].flush()
+
+
+def _keys(sample_index, step, b: int) -> Optional[Tensor]:
+    # (B, 2) int64 [sample index, step] of add()'s keys, or None.
+    if (sample_index is None) != (step is None):
+        raise StoreSpecError("GradientStore.add(): give sample_index and step together")
+    if sample_index is None:
+        return None
+    index = torch.as_tensor(sample_index, dtype=torch.int64).cpu().reshape(-1)
+    if index.shape[0] != b:
+        raise StoreSpecError(f"GradientStore.add(): {index.shape[0]} sample indices for {b} rows")
+    return torch.stack([index, torch.full_like(index, int(step))], 1)
 
 
 def _batch_size(batch) -> int:
