@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 BENCH_VENV ?= .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.installed-stamp
 
-.PHONY: install bench test bench-peers bench-dp bench-gpu clean docs
+.PHONY: install bench test lint bench-peers bench-dp bench-gpu clean docs
 
 install: $(STAMP)
 
@@ -29,6 +29,11 @@ TEST_JOBS ?= auto
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadgroup $(ARGS)
+
+# The linter (ruff.toml: pyflakes' rules and import order) over the library, the tests, the
+# examples and the benchmarks; `make lint ARGS=--fix` sorts the imports.
+lint: $(STAMP)
+	$(BIN)/python -m ruff check gradhooks tests examples benchmarks $(ARGS)
 
 # The torch users have (issue 40, point 7; docs/development.md, "Torch versions"). Each venv has
 # its own constraints file: PIP_CONSTRAINT replaces the machine-wide pip cap for that venv only.

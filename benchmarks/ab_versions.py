@@ -38,8 +38,9 @@ def _gpt2_model():
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                     "tests"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import zoo_imports
     import transformers as tr
+
+    import zoo_imports
     cfg = tr.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
     return zoo_imports.TokensToLogits(tr.GPT2LMHeadModel(cfg))
 

@@ -37,8 +37,7 @@ import json
 import os
 import platform
 import sys
-import traceback
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the gradhooks of this checkout
@@ -48,8 +47,9 @@ import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 import gradhooks  # noqa: E402
-import peers  # noqa: E402
 from gradhooks.tools.workloads import DP_WORKLOADS  # noqa: E402
+
+import peers  # noqa: E402
 
 TOL = 1e-9          # float64 relative error allowed to gradhooks (rounding)
 OPACUS_TOL = 1e-4   # Opacus: its 1e-6 stabiliser in C / (||g|| + 1e-6), relative to ||g||

@@ -35,8 +35,8 @@ from torch.func import functional_call, grad, jacrev, vmap
 
 sys.modules.setdefault("torchvision._meta_registrations",
                        types.ModuleType("torchvision._meta_registrations"))
-from laplace import Laplace  # noqa: E402
 from curvlinops import TransposedJacobianLinearOperator  # noqa: E402
+from laplace import Laplace  # noqa: E402
 from laplace.curvature import AsdlGGN, BackPackGGN, CurvlinopsGGN  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
@@ -148,7 +148,7 @@ def memory_child(spec):
     peers._trim()
     peers._reset_peak()
     before = peers._rss_bytes()
-    out = fn()
+    fn()
     return {"peak_mb": (peers._peak_bytes() - before) / 2**20, "result_mb": size}
 
 

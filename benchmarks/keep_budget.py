@@ -21,8 +21,9 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-import scale  # noqa: E402
 from gradhooks.readers import plan as plan_module  # noqa: E402
+
+import scale  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import gradhooks  # noqa: E402
+
 import zoo_imports  # noqa: E402  (torchvision in the CPU venv, see tests/zoo_imports.py)
 
 V, T = 8000, 64

@@ -49,7 +49,6 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-
 import gradhooks  # noqa: E402
 from gradhooks.tools.workloads import BENCH_WORKLOADS as WORKLOADS  # noqa: E402
 from gradhooks.tools.workloads import Workload  # noqa: E402

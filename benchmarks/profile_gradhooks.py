@@ -31,8 +31,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from peers import GRADHOOKS_KEYS, METHODS, Case, Method, _names, _positive, _quiet  # noqa: E402
 from gradhooks.tools.workloads import BENCH_WORKLOADS as WORKLOADS  # noqa: E402
+
+from peers import GRADHOOKS_KEYS, METHODS, Case, Method, _names, _positive, _quiet  # noqa: E402
 
 
 def _step(m: Method) -> None:

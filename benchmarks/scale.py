@@ -83,15 +83,16 @@ sys.path.insert(0, os.path.dirname(HERE))  # the gradhooks of this checkout
 sys.path.insert(0, HERE)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights from configs: nothing downloaded
 
+import dp  # noqa: E402  (Opacus' DP methods and their tolerance)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 import gradhooks  # noqa: E402
-import dp  # noqa: E402  (Opacus' DP methods and their tolerance)
+from gradhooks.tools.workloads import Workload  # noqa: E402
+
 import peers  # noqa: E402  (timing scheme, memory helpers, rel_err, table and CLI helpers)
 import zoo  # noqa: E402  (TokensToLogits; torchvision beside the CPU torch: tests/zoo_imports.py)
-from gradhooks.tools.workloads import Workload  # noqa: E402
 
 TOL = peers.TOL  # float32 against the float64 reference
 #: under bf16 / fp16 autocast: the records are in 16 bits, and a method whose own forward or

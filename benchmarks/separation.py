@@ -97,8 +97,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    lines = [f"| model | B x T | plain (ms) | steady | steady, checks skipped | first step "
-             f"| first step - steady (ms) |", "|---|---|--:|--:|--:|--:|--:|"]
+    lines = ["| model | B x T | plain (ms) | steady | steady, checks skipped | first step "
+             "| first step - steady (ms) |", "|---|---|--:|--:|--:|--:|--:|"]
     for name in a.models.split(","):
         m = measure(name, a.batch, a.seq, a.repeats, a.smoke)
         base = m["plain"]

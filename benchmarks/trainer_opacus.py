@@ -60,7 +60,12 @@ from opacus.accountants.utils import get_noise_multiplier  # noqa: E402
 
 import gradhooks  # noqa: E402
 from gradhooks.integrations.transformers import (  # noqa: E402
-    DPConfig, DPTrainer, PoissonMicroBatchSampler, causal_lm_collate, causal_lm_losses)
+    DPConfig,
+    DPTrainer,
+    PoissonMicroBatchSampler,
+    causal_lm_collate,
+    causal_lm_losses,
+)
 
 VOCAB, C, DELTA = 128, 1.0, 1e-5
 

@@ -31,25 +31,22 @@ import datetime
 import os
 import pathlib
 import platform
-import re
 import sys
 import tempfile
 import textwrap
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import trainer_opacus as base  # noqa: E402  (the torchvision import fix, model, measurement)
-
 import datasets  # noqa: E402
 import tokenizers  # noqa: E402
 import torch  # noqa: E402
+import trainer_opacus as base  # noqa: E402  (the torchvision import fix, model, measurement)
 import transformers  # noqa: E402
 import trl  # noqa: E402
 from opacus import PrivacyEngine  # noqa: E402
 from opacus.accountants.utils import get_noise_multiplier  # noqa: E402
 
 import gradhooks  # noqa: E402
-from gradhooks.integrations.transformers import (  # noqa: E402
-    DPConfig, PoissonMicroBatchSampler, causal_lm_losses)
+from gradhooks.integrations.transformers import DPConfig, PoissonMicroBatchSampler, causal_lm_losses  # noqa: E402
 from gradhooks.integrations.trl import DPSFTTrainer  # noqa: E402
 
 C, DELTA, PROMPT = base.C, base.DELTA, 16

@@ -37,6 +37,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import gradhooks  # noqa: E402
+
 import zoo_imports  # noqa: E402  (torchvision in the CPU venv, see tests/zoo_imports.py)
 
 B, T, V, H = 16, 64, 1000, 64
@@ -169,7 +170,7 @@ def run(name, repeats, peers=True):
         loss_fn(model(x), y).backward()
     res["train"] = median_time(train, repeats)
 
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         gh = gradhooks.attach(model)
     # the modules whose parameters the torch.func fallback replays (raw parameters of

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import zoo  # noqa: E402  (the models, data and loss of the zoo benchmark)
 import gradhooks  # noqa: E402
+
+import zoo  # noqa: E402  (the models, data and loss of the zoo benchmark)
 
 
 def breakdown(name: str, steps: int, warmup: int = 4) -> str:

@@ -159,8 +159,8 @@ median = lambda ts: sorted(ts)[len(ts) // 2] * 1e3  # noqa: E731
 
 print(f"LoRA fine-tune of a Llama-style decoder ({sum(p.numel() for p in base.parameters())} "
       f"base parameters) on {len(train)} windows of {args.length} characters of textwrap.py")
-print(f"| run | held-out perplexity | ms per step (median) |")
-print(f"|---|--:|--:|")
+print("| run | held-out perplexity | ms per step (median) |")
+print("|---|--:|--:|")
 print(f"| start (pre-trained on argparse.py) | {start_ppl:.2f} | - |")
 print(f"| LoRA, not private | {plain_ppl:.2f} | {median(plain_times):.1f} |")
 print(f"| LoRA, DP-SGD (book-keeping, sigma {args.sigma}, C {args.max_norm}) | {dp_ppl:.2f} | "

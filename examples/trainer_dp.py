@@ -35,8 +35,8 @@ sys.modules.setdefault("torchvision._meta_registrations",
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-
 from char_text import VOCAB, paragraphs  # noqa: E402  (examples/char_text.py)
+
 from gradhooks.integrations.transformers import DPConfig, DPTrainer, causal_lm_collate  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

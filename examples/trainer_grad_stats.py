@@ -33,9 +33,13 @@ sys.modules.setdefault("torchvision._meta_registrations",
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-
 from char_text import VOCAB, paragraphs  # noqa: E402  (examples/char_text.py)
-from gradhooks.integrations.transformers import GradientStatsCallback, token_mean_loss, causal_lm_collate  # noqa: E402
+
+from gradhooks.integrations.transformers import (  # noqa: E402
+    GradientStatsCallback,
+    causal_lm_collate,
+    token_mean_loss,
+)
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=80)

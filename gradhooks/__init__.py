@@ -18,8 +18,8 @@ Public API::
     gradhooks.looped_per_sample_grads(model, loss_fn, inputs, targets)   # one forward per sample
     gradhooks.compare(model, loss_fn, inputs, targets)   # check against both, time the loop
 """
-from ._version import __version__
-from .base import torch_internals as _torch_internals  # (first: names a torch it cannot run on)
+from ._version import __version__  # noqa: F401  (gradhooks.__version__)
+from .base import torch_internals as _torch_internals  # noqa: F401  (names a torch it cannot run on)
 from .base.errors import (
     AccumulationError,
     BatchSizeError,
@@ -41,18 +41,17 @@ from .base.errors import (
     UnsupportedLossError,
     UnsupportedModuleError,
 )
+from .base.forms import Block, Call, Rows
+from .base.registry import LayerRule, register_rule, supported_types
+from .fisher import kfac  # gradhooks.kfac: the one-call KFAC driver (a function)
+from .hooks import GradHooks, attach
+from .readers import attribution  # gradhooks.attribution: influence scores from the records
 from .readers.accumulation import micro_batches
 from .readers.adaptive_clipping import AdaptiveClipping
-from .base.forms import Block, Call, Rows
-from .readers.gram import GradientFeatures
-from .hooks import GradHooks, attach
-from .readers.ekfac import EKFACFactors
-from .readers import attribution  # gradhooks.attribution: influence scores from the records
 from .readers.attribution import FactorFit
+from .readers.ekfac import EKFACFactors
+from .readers.gram import GradientFeatures
 from .readers.kfac import DiagonalFactors, KFACFactors
-from .base.registry import LayerRule, register_rule, supported_types
-from .tools.token_losses import per_sample_token_loss
-from .fisher import kfac  # noqa: E402  (after .kfac: the name gradhooks.kfac is this function)
 from .tools.reference import (
     Comparison,
     ParamError,
@@ -61,7 +60,7 @@ from .tools.reference import (
     looped_per_sample_grads,
     max_rel_error,
 )
-
+from .tools.token_losses import per_sample_token_loss
 
 # The layers of the design, lowest first (README, "Development"; tests/test_layering.py): a
 # module imports only from its own layer and those below. Each is a folder of the package,
@@ -71,6 +70,7 @@ LAYERS = ("base", "rules", "core", "readers", "api", "tools", "integrations")
 __all__ = [
     "attach",
     "GradHooks",
+    "AdaptiveClipping",
     "micro_batches",
     "per_sample_token_loss",
     "kfac",

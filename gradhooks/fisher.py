@@ -15,8 +15,15 @@ from torch import Tensor, nn
 from .base.errors import NoBackwardError, UnsupportedLossError
 from .base.utils import no_autocast, own_loss_scale
 from .hooks import attach
-from .readers.kfac import (KFAC_APPROX, DiagonalFactors, KFACFactors, KFACSums, check_choice,
-                           check_g_positions, check_options)
+from .readers.kfac import (
+    KFAC_APPROX,
+    DiagonalFactors,
+    KFACFactors,
+    KFACSums,
+    check_choice,
+    check_g_positions,
+    check_options,
+)
 from .readers.losses import LossModel
 from .readers.passes import run_passes
 

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from .base.errors import GradHooksError
 from .core.capture import Recorder
 from .core.graph import warn_not_detached
+from .core.token_means import check_token_normalisation
 from .readers.accumulation import Accumulation
 from .readers.clipped_backward import clipped_backward
 from .readers.clipping import clip_and_accumulate, finish_step
@@ -25,12 +26,11 @@ from .readers.ggn import empirical_fisher_diag, ggn_diag, ggn_sqrt, ggn_vector_p
 from .readers.gram import GradientFeatures, gradient_features, gram, jacobian_features
 from .readers.jacobians import per_sample_jacobians
 from .readers.kfac import DiagonalFactors, KFACFactors, kfac_factors
-from .core.token_means import check_token_normalisation
 from .readers.loss_reduction import unscaled
-from .readers.sample_losses import judged_backward
 from .readers.norms import per_sample_grad_norms
 from .readers.per_sample import per_sample_grads
 from .readers.projections import projected_grads
+from .readers.sample_losses import judged_backward
 from .readers.spotcheck import check_samples
 from .readers.statistics import sum_grad_squared, variance
 

@@ -11,6 +11,7 @@ import torch
 
 import gradhooks
 
+
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``make test``: one worker per core, ``--dist loadgroup``) the
     real-size tier (``scale`` marker) runs in one worker, one model at a time: two real-size

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
+
 import two_process
 from conftest import RTOL, loop_grads
 

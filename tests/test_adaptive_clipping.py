@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
+
 from conftest import loop_grads
 
 B, STEPS = 6, 4

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import gradhooks
+
 from conftest import assert_close_to_loop, check_against_loop
 
 E, H = 8, 2

@@ -7,12 +7,13 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-import conftest
 import gradhooks
 from gradhooks.base.errors import GradHooksError
 from gradhooks.readers import attribution as attr
 from gradhooks.readers.ekfac import EKFACFactors
 from gradhooks.readers.kfac_results import DiagonalFactors, KFACFactors
+
+import conftest
 
 F64 = torch.float64
 

@@ -9,13 +9,23 @@ import weakref
 
 import pytest
 import torch
+from test_dp import (
+    FALLBACK_OK,
+    MODELS,
+    _assert_close,
+    _ref_clipped,
+    _ref_norms,
+    _setup,
+    assert_clipped_grads,
+    second_loss,
+    two_passes_setup,
+)
 from torch import nn
 
 import gradhooks
 from gradhooks.readers import per_sample
+
 from conftest import assert_close_to_loop, loop_grads, weighted_square_loss
-from test_dp import (FALLBACK_OK, MODELS, _assert_close, _ref_clipped, _ref_norms, _setup,
-                     assert_clipped_grads, second_loss, two_passes_setup)
 
 STEPS = 3  # step 0 and 1: parameter gradients for the sum check; step 2: output edges only
 

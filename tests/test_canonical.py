@@ -7,11 +7,19 @@ import pytest
 import torch
 from torch import nn
 
-from gradhooks.readers.canonical import (augmented, canonical, canonical_call, canonical_sizes, grad_sum,
-                                 identity_form, scaled, summed)
-from gradhooks.readers.passes import PassCall
-from gradhooks.core.records import Layer
 from gradhooks.base.registry import find_rule
+from gradhooks.core.records import Layer
+from gradhooks.readers.canonical import (
+    augmented,
+    canonical,
+    canonical_call,
+    canonical_sizes,
+    grad_sum,
+    identity_form,
+    scaled,
+    summed,
+)
+from gradhooks.readers.passes import PassCall
 
 TOL = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-5)}
 

@@ -5,8 +5,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from conftest import check_against_loop
 from gradhooks.rules.conv import ConvRule
+
+from conftest import check_against_loop
 
 
 @pytest.fixture(params=["conv", "unfold"], autouse=True)

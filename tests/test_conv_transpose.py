@@ -8,9 +8,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gradhooks
-from conftest import check_against_loop
 from gradhooks.rules.conv import choose_method
 from gradhooks.rules.conv_transpose import ConvTransposeRule, output_padding
+
+from conftest import check_against_loop
 
 CONV_T = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
 

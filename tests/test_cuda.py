@@ -40,8 +40,9 @@ def test_slice_experts_on_cuda_match_loop(dtype):
     """A mixture of experts of raw-parameter slices on CUDA: the factored per-sample gradients
     (gradhooks.base.segments) take their off-CPU forms (one padded kernel, no launch per
     segment); per-sample gradients against the loop, norms against their norms."""
-    import gradhooks
     from test_every_rule_every_reader import SliceExperts
+
+    import gradhooks
     torch.manual_seed(0)
     model = SliceExperts().cuda()
     x = torch.randn(4, 3, 5, device="cuda")
@@ -67,6 +68,7 @@ def test_torch_tf32_defaults_attach_and_read_within_tf32(kind):
     tolerance: GradientMismatchError on Conv3d and RNN layers, 2.8e-3 and 4.5e-4 of the
     summed magnitude, in 123 of 2258 cuda test variants.)"""
     import gradhooks
+
     from conftest import loop_grads, weighted_square_loss
     torch.manual_seed(0)
     if kind == "conv3d":
@@ -104,6 +106,7 @@ def test_bf16_autocast_reads_use_tf32_and_restore_the_flags():
     per-sample gradients with a float32 loop of the autocast forward within bfloat16's
     tolerance, and the caller's TF32 flags are as they were after each read."""
     import gradhooks
+
     from conftest import loop_grads
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(),

@@ -10,9 +10,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-import two_process
 from gradhooks import GradHooksError
 from gradhooks.readers.distributed import Ranks, is_sharded, ranks_of, ranks_of_group
+
+import two_process
 
 
 def summand(rank, shape):

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import gradhooks
-from gradhooks.readers import clipping, ghost_sums, norms, plan
+from gradhooks.readers import clipping, ghost_sums, plan
+
 from conftest import RTOL, loop_grads, weighted_square_loss
 
 FALLBACK_OK = pytest.mark.filterwarnings("ignore::gradhooks.FallbackWarning")

@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 import gradhooks
-from conftest import assert_close_to_loop, weighted_square_loss
 from gradhooks.rules.embedding import EmbeddingBagRule
+
+from conftest import assert_close_to_loop, weighted_square_loss
 
 V, D = 7, 3  # a small vocabulary: indices repeat within a sample and across samples
 

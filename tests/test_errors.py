@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
+
 from conftest import weighted_square_loss
 
 

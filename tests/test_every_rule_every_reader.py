@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import gradhooks
+
 from conftest import RTOL, loop_grads, weighted_square_loss
 
 

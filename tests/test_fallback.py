@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
+
 from conftest import check_against_loop
 
 

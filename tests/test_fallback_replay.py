@@ -15,6 +15,7 @@ from torch import nn
 
 import gradhooks
 import gradhooks.rules.fallback as fallback_module
+
 from conftest import RTOL, assert_close_to_loop, loop_grads, weighted_square_loss
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 import gradhooks
+
 import two_process
 from conftest import loop_grads
 

@@ -4,13 +4,12 @@ loss's Hessian w.r.t. the whole output (torch.autograd.functional.hessian), and 
 per-sample gradients from a loop."""
 import pytest
 import torch
+from test_jacobians import Tied, TinyLM, _cnn, loop_jacobians
 from torch import nn
 
 import gradhooks
 from gradhooks.readers.ggn import sqrt_cotangents
 from gradhooks.readers.losses import LossModel
-
-from test_jacobians import TinyLM, Tied, _cnn, loop_jacobians
 
 RTOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 

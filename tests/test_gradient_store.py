@@ -9,17 +9,23 @@ import sys
 import numpy as np
 import pytest
 import torch
+from test_ggn import close
+from test_gram import CASES, _loss
 from torch import nn
 
 import gradhooks
-from gradhooks.readers.gradient_store import GradientStore, StoreSpecError
-from gradhooks.readers.output_functions import (AdamDirection, Identity, margin_output,
-                                                project_batch, trak_margins, trak_out_to_loss)
-from gradhooks.readers.projections import project_features, projection
 from gradhooks.base.errors import GradHooksError
+from gradhooks.readers.gradient_store import GradientStore, StoreSpecError
+from gradhooks.readers.output_functions import (
+    AdamDirection,
+    Identity,
+    margin_output,
+    project_batch,
+    trak_margins,
+    trak_out_to_loss,
+)
+from gradhooks.readers.projections import project_features, projection
 
-from test_ggn import close
-from test_gram import CASES, _loss
 from conftest import loop_grads
 
 KI, KO, SEED = 3, 2, 7

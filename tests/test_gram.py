@@ -2,13 +2,12 @@
 batches, against looped per-sample gradients / Jacobians (float64 and float32)."""
 import pytest
 import torch
+from test_ggn import MODELS, close
+from test_jacobians import TinyLM, loop_jacobians
 from torch import nn
 
 import gradhooks
 from gradhooks.base.errors import GradHooksError
-
-from test_ggn import MODELS, close
-from test_jacobians import TinyLM, loop_jacobians
 
 
 def loop_loss_grads(model, loss_fn, x, y):

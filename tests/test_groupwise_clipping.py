@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
+
 from conftest import loop_grads
 
 F64 = torch.float64

@@ -16,9 +16,16 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
-from gradhooks import KFACFactors, UnsupportedLossError, kfac
-from gradhooks import (BatchSizeError, GradHooksError, GradientMismatchError,
-                                HigherOrderGradError, NoBackwardError)
+from gradhooks import (
+    BatchSizeError,
+    GradHooksError,
+    GradientMismatchError,
+    HigherOrderGradError,
+    KFACFactors,
+    NoBackwardError,
+    UnsupportedLossError,
+    kfac,
+)
 
 from conftest import RTOL, loop_grads
 
@@ -1006,7 +1013,7 @@ def test_several_passes_need_the_pass_by_pass_reader():
     """kfac_factors() after two backward passes through a model with an Embedding (whose records
     sum the passes) refuses, naming the module; gradhooks.kfac(type-2) reads pass by pass."""
     model = EmbModel(nn.Embedding(6, 4))
-    x, y = torch.randint(0, 6, (3, 4)), torch.randint(0, 3, (3,))
+    x = torch.randint(0, 6, (3, 4))
     with gradhooks.attach(model) as gh:
         out = model(x)
         out.sum().backward(retain_graph=True)

@@ -12,13 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
-import zoo_imports  # noqa: F401  (torchvision in this venv: see the module)
-from conftest import assert_close_to_loop, check_against_loop, loop_grads
 from gradhooks.base.errors import FallbackWarning
 from gradhooks.rules.fallback import FallbackRule
 from gradhooks.rules.linear import TransposedLinearRule
 from gradhooks.rules.norm import BatchNormActRule, LayerNorm2dRule, LayerNormRule, RMSNormLikeRule
 from gradhooks.rules.scale import ScaleRule
+
+import zoo_imports  # noqa: F401  (torchvision in this venv: see the module)
+from conftest import assert_close_to_loop, check_against_loop, loop_grads
 
 
 # ---------------------------------------------------------------- copies of the library classes

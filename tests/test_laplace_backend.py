@@ -22,9 +22,7 @@ from torch import nn
 sys.modules.setdefault("torchvision._meta_registrations",
                        types.ModuleType("torchvision._meta_registrations"))
 import curvlinops  # noqa: E402,F401  (laplace-torch's backend compared against)
-import laplace  # noqa: E402
 import sklearn.datasets as sklearn  # noqa: E402
-
 from laplace import Laplace  # noqa: E402
 from laplace.curvature import AsdlEF, AsdlGGN, CurvlinopsEF, CurvlinopsGGN  # noqa: E402
 

@@ -34,6 +34,7 @@ def test_linear_batch_second(batch, loss_reduction, dtype):
 def test_linear_mean_reduction_does_not_depend_on_batch_size():
     """With loss_reduction='mean' entry n is the gradient of sample n's own loss."""
     import gradhooks
+
     from conftest import weighted_square_loss
     model = nn.Linear(3, 2).double()
     x = torch.randn(5, 3, dtype=torch.float64)

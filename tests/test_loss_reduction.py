@@ -12,12 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
+from gradhooks.readers.loss_reduction import check_batch_loss
+
 import zoo_imports
 from conftest import assert_close_to_loop, loop_grads, weighted_square_loss
-from gradhooks.readers.loss_reduction import check_batch_loss
 
 zoo_imports.import_torchvision()
 import transformers  # noqa: E402,F401  (the test extra; after the torchvision stub)
+
 V, T, B = 50, 8, 3
 
 

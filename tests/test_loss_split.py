@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
-from conftest import RTOL, assert_close_to_loop, loop_grads
 from gradhooks.base.errors import UnsupportedLossError
+
+from conftest import RTOL, assert_close_to_loop, loop_grads
 
 V, D, T = 7, 6, 5
 DTYPES = {"f64": torch.float64, "f32": torch.float32}

@@ -11,11 +11,20 @@ The mixer computes ``A``, ``D`` and the scan's ``Δ B u`` in float32 whatever th
 so at float64 the loop agrees to float32's precision only: each parameter's per-sample gradients
 are compared at ``1e-5`` of their norm (``test_norm_variants.against_loop``)."""
 import math
-import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_norm_variants import (
+    against_loop,
+    call,
+    rule_of,
+    run_lm,
+    square,
+    tiny,
+    token_loss,
+    transformers_lib,
+)
 from torch import nn
 
 import gradhooks
@@ -24,8 +33,6 @@ from gradhooks.rules.linear import LinearRule
 from gradhooks.rules.mamba import MambaMixerRule
 from gradhooks.rules.mamba2 import Mamba2MixerRule
 from gradhooks.rules.norm_variants import GatedRMSNormRule
-from test_norm_variants import (against_loop, call, rule_of, run_lm, square, tiny, token_loss,
-                                transformers_lib)
 
 
 class MambaMixer(nn.Module):

@@ -10,8 +10,9 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
 import gradhooks
-from conftest import assert_close_to_loop
 from gradhooks.tools.workloads import CharLSTM
+
+from conftest import assert_close_to_loop
 
 
 class BiGRUClassifier(nn.Module):

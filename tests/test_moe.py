@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
+
 import zoo_imports  # (also: torchvision importable before transformers)
 from conftest import loop_grads
 

@@ -5,8 +5,15 @@ import torch
 from torch import nn
 
 import gradhooks
-from conftest import RTOL, assert_close_to_loop, check_against_loop, loop_grads, weighted_square_loss
 from gradhooks.rules.norm import BatchNormRule, GroupNormRule
+
+from conftest import (
+    RTOL,
+    assert_close_to_loop,
+    check_against_loop,
+    loop_grads,
+    weighted_square_loss,
+)
 
 
 def randomised(module):

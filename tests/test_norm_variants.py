@@ -18,10 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
-import zoo_imports  # noqa: F401  (torchvision in this venv: see the module)
 from gradhooks.base.errors import FallbackWarning
 from gradhooks.rules.norm import RMSNormLikeRule
 from gradhooks.rules.norm_variants import GatedRMSNormRule
+
+import zoo_imports  # noqa: F401  (torchvision in this venv: see the module)
 
 RTOL = 1e-5  # of each parameter's per-sample gradients' norm (float32 inside, see the docstring)
 

@@ -12,15 +12,14 @@ hook on the optimizer.
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
-import gradhooks
-
 from opacus import PrivacyEngine
 from opacus.accountants import RDPAccountant
 from opacus.data_loader import DPDataLoader
 from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import gradhooks
 
 N, BATCH, EPOCHS, LR = 24, 2, 2, 0.5  # sample rate 1/12: Poisson batches of 0 to ~6 samples
 SIGMA, C, DELTA = 0.8, 0.3, 1e-5

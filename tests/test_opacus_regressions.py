@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
+
 import two_process
 from conftest import loop_grads
 

@@ -9,9 +9,10 @@ from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
 import gradhooks
-from conftest import check_against_loop
 from gradhooks.base.errors import FallbackWarning
 from gradhooks.rules.parametrize import ParametrizedRule
+
+from conftest import check_against_loop
 
 
 class Symmetric(nn.Module):

@@ -9,19 +9,16 @@ module, runs the same ``ModelWithLoss`` (L1 loss against zeros, ``loss_reduction
 Opacus would loop over runs gradhooks once (``run_test`` asks for "hooks" only here).
 """
 import numpy as np
+import opacus  # noqa: E402,F401
 import pytest
 import torch
-
-import opacus  # noqa: E402,F401
-
+from opacus.layers.dp_rnn import DPRNNBase  # noqa: E402
 from opacus.tests.grad_samples import common  # noqa: E402
 from opacus.utils import per_sample_gradients_utils as psu  # noqa: E402
-from opacus.layers.dp_rnn import DPRNNBase  # noqa: E402
 from opacus.utils.module_utils import trainable_parameters  # noqa: E402
 from torch.nn.utils.rnn import PackedSequence  # noqa: E402
 
 import gradhooks  # noqa: E402
-
 
 OPACUS_GRAD_SAMPLE = psu.compute_opacus_grad_sample
 

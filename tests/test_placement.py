@@ -9,11 +9,22 @@ import torch
 from torch import nn
 
 from gradhooks.base.errors import BatchSizeError
-from gradhooks.core.placement import (BATCHED, PLANNED, SHARED, Placed, Placement, layout_swap,
-                                 meeting_cotangent, partial_batch_hint, reads_batch_at,
-                                 recomputed_error, relayout, shared_call_layout)
-from gradhooks.core.records import Layer
 from gradhooks.base.registry import find_rule
+from gradhooks.core.placement import (
+    BATCHED,
+    PLANNED,
+    SHARED,
+    Placed,
+    Placement,
+    layout_swap,
+    meeting_cotangent,
+    partial_batch_hint,
+    reads_batch_at,
+    recomputed_error,
+    relayout,
+    shared_call_layout,
+)
+from gradhooks.core.records import Layer
 
 B = T = 4  # T == B: sizes never tell where the batch is
 D = 3

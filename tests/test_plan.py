@@ -6,10 +6,20 @@ import torch
 from torch import nn
 
 import gradhooks
-from gradhooks.readers import plan as plan_mod
-from gradhooks.readers.plan import (CLOSED, FORMS, GENERIC, GRAM, ROWS, Forms, plan, squared_norms,
-                            use_gram)
 from gradhooks.core.records import Memo
+from gradhooks.readers import plan as plan_mod
+from gradhooks.readers.plan import (
+    CLOSED,
+    FORMS,
+    GENERIC,
+    GRAM,
+    ROWS,
+    Forms,
+    plan,
+    squared_norms,
+    use_gram,
+)
+
 from conftest import loop_grads, weighted_square_loss
 
 

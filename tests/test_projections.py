@@ -2,13 +2,12 @@
 the same matrices (P_g dW_n P_a^T for linear layers, R vec(d theta_n) for the others)."""
 import pytest
 import torch
-from torch import nn
+from test_ggn import MODELS, close
+from test_gram import CASES, _loss
 
 import gradhooks
 from gradhooks.readers.projections import projection
 
-from test_ggn import MODELS, close
-from test_gram import CASES, _loss
 from conftest import loop_grads
 
 

@@ -12,9 +12,9 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import gradhooks
-from conftest import assert_close_to_loop
 from gradhooks import BatchSizeError, UnsupportedCallError
 
+from conftest import assert_close_to_loop
 
 I, H, P, T = 3, 4, 2, 5  # input, hidden, proj_size, time steps
 

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 import gradhooks
+
 from conftest import assert_close_to_loop
 
 F64 = torch.float64

@@ -11,6 +11,7 @@ from torch import nn
 
 import gradhooks
 from gradhooks.readers import sample_check
+
 from conftest import RTOL, assert_close_to_loop, loop_grads
 
 F64 = torch.float64

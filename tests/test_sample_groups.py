@@ -14,6 +14,7 @@ import os
 import warnings
 
 import pytest
+import test_every_rule_every_reader as every_rule
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,7 +23,6 @@ import gradhooks
 from gradhooks import SampleIdsError
 from gradhooks.readers import plan as plan_module
 
-import test_every_rule_every_reader as every_rule
 import zoo_imports
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights from configs: never download

@@ -37,9 +37,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights from configs: nev
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import gradhooks
+
 import zoo_imports
 from conftest import DEVICES
 

@@ -6,8 +6,8 @@ and the loop and grouped-kernel contractions."""
 import pytest
 import torch
 
-from gradhooks.base._pool import BufferPool, using_pool
 from gradhooks.base import segments
+from gradhooks.base._pool import BufferPool, using_pool
 from gradhooks.base.segments import Segments, segment_outer
 
 E, U, V = 4, 6, 5

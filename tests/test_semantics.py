@@ -11,6 +11,7 @@ from torch import nn
 
 import gradhooks
 from gradhooks.base._pool import BufferPool
+
 from conftest import assert_close_to_loop, check_against_loop, loop_grads, weighted_square_loss
 
 F64 = torch.float64

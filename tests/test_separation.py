@@ -20,6 +20,7 @@ from torch import nn
 
 import gradhooks
 import gradhooks.core.placement as placement
+
 from conftest import assert_close_to_loop, loop_grads
 
 F64 = torch.float64

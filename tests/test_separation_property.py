@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gradhooks
+
 from conftest import loop_grads
 from test_sample_check import MIXED as MIXED_LOSSES
 from test_separation import KEEPS, MIXES, AfterRecurrent, Between, _seq_op

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
+
 from conftest import assert_close_to_loop, loop_grads
 
 F64 = torch.float64

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import gradhooks
+
 from conftest import RTOL, assert_close_to_loop, loop_grads
 
 

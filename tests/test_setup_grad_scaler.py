@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
+
 from conftest import loop_grads
 
 RTOL16 = 5e-3  # float16 forward and grad_outputs, against the float32 loop

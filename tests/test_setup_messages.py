@@ -12,6 +12,7 @@ from torch import nn
 
 import gradhooks
 import gradhooks.core.attachment
+
 from conftest import assert_close_to_loop, loop_grads
 
 F64 = torch.float64

@@ -1,16 +1,16 @@
 """Opacus' own layers and pipeline with gradhooks: its DP RNN layers (each weight registered twice)
 are exact, and Opacus' DPOptimizer consuming gradhooks' grad_sample takes the same steps as
 Opacus' own GradSampleModule."""
+import opacus  # noqa: E402
+import opacus.layers  # noqa: E402
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
-from conftest import assert_close_to_loop, loop_grads
 
-import opacus  # noqa: E402
-import opacus.layers  # noqa: E402
+from conftest import assert_close_to_loop, loop_grads
 
 
 @pytest.mark.parametrize("cls", ["DPLSTM", "DPGRU", "DPRNN"])

@@ -1,7 +1,6 @@
 """Property test over training set-ups: Hypothesis draws a stock-layer model, whether it is
 checkpointed (and how), compiled or not, the batch size (0, 1, several), the loss reduction and
 the backward; every per-sample gradient and norm must equal a loop written here (float64)."""
-import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
@@ -10,6 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import gradhooks
+
 from conftest import assert_close_to_loop
 
 F64 = torch.float64

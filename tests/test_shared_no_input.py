@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
+
 import zoo_imports  # noqa: F401  (torchvision importable before transformers)
 from conftest import check_model
 

@@ -20,16 +20,14 @@ import zoo_imports
 
 zoo_imports.import_torchvision()
 import transformers  # noqa: E402  (after the torchvision stub)
+from test_ggn import close  # noqa: E402
 
 import gradhooks  # noqa: E402
 from gradhooks import per_sample_token_loss  # noqa: E402
 from gradhooks.base.errors import GradHooksError  # noqa: E402
-from gradhooks.integrations.store_callback import (  # noqa: E402
-    GradientStoreCallback, SampleIndexDataset)
+from gradhooks.integrations.store_callback import GradientStoreCallback, SampleIndexDataset  # noqa: E402
 from gradhooks.readers.gradient_store import GradientStore, StoreSpecError  # noqa: E402
 from gradhooks.readers.projections import projection  # noqa: E402
-
-from test_ggn import close  # noqa: E402
 
 KI, KO, SEED, N = 3, 2, 5, 10
 MODULE = "transformer.h"

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
-import zoo_imports
 from gradhooks.core.checks import GradTotal, check_sums, formed_in
+
+import zoo_imports
 
 zoo_imports.import_torchvision()  # (transformers, for Gemma and Mamba)
 

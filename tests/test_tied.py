@@ -10,6 +10,7 @@ import torch.nn as nn
 import gradhooks
 import gradhooks.readers.plan as plan
 from gradhooks.base.errors import GradientMismatchError
+
 from conftest import RTOL, loop_grads
 
 V, D, T = 13, 6, 5

@@ -10,11 +10,13 @@ import torch
 import torch.nn.functional as F
 
 import gradhooks
+
 import zoo_imports
 from conftest import RTOL, assert_close_to_loop
 
 zoo_imports.import_torchvision()
 import transformers  # noqa: E402,F401  (the test extra; after the torchvision stub)
+
 V, T = 50, 8
 
 

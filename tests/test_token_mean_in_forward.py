@@ -10,11 +10,13 @@ import pytest
 import torch
 
 import gradhooks
-import zoo_imports
 from gradhooks.base.errors import UnsupportedLossError
+
+import zoo_imports
 
 zoo_imports.import_torchvision()
 import transformers  # noqa: E402  (the test extra; after the torchvision stub)
+
 V, T = 61, 8
 VALID = (7, 4, 2)  # predicted tokens per sample (GPT-2: labels[n, :VALID[n] + 1] kept)
 

@@ -12,12 +12,14 @@ import torch
 import torch.nn.functional as F
 
 import gradhooks
-import zoo_imports
 from gradhooks.base.errors import UnsupportedLossError
 from gradhooks.core.backward_losses import ENGINE_FRAME
 
+import zoo_imports
+
 zoo_imports.import_torchvision()
 import transformers  # noqa: E402,F401  (the test extra; after the torchvision stub)
+
 V, T = 61, 8
 KEEP = (8, 5, 3)  # labels kept per sample; the shift predicts (7, 4, 2) tokens
 READS = {"per_sample_grads": lambda gh: gh.per_sample_grads(),

@@ -26,8 +26,14 @@ from opacus.accountants import PRVAccountant, RDPAccountant  # noqa: E402
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler  # noqa: E402
 
 from gradhooks.integrations.transformers import (  # noqa: E402
-    DPConfig, DPTrainer, GradientStatsCallback, PoissonMicroBatchSampler, causal_lm_collate,
-    causal_lm_losses, token_mean_loss)
+    DPConfig,
+    DPTrainer,
+    GradientStatsCallback,
+    PoissonMicroBatchSampler,
+    causal_lm_collate,
+    causal_lm_losses,
+    token_mean_loss,
+)
 
 V, N, C = 50, 24, 0.5
 

@@ -13,12 +13,12 @@ import sys
 
 import pytest
 import torch
-
-import zoo_imports  # noqa: F401
 from opacus.accountants import RDPAccountant  # noqa: E402
 from test_trainer import assert_grads_close, clipped_reference, dataset, model_of  # noqa: E402
 
 from gradhooks.integrations.transformers import PoissonMicroBatchSampler  # noqa: E402
+
+import zoo_imports  # noqa: F401
 
 HERE = pathlib.Path(__file__).resolve().parent
 

@@ -17,13 +17,21 @@ import copy
 
 import pytest
 import torch
-
-import zoo_imports  # noqa: F401  (the torchvision import fix, before transformers)
 import transformers  # noqa: E402
-from test_trainer import (C, GradsBeforeStep, arguments, clipped_reference, collate,  # noqa: E402
-                          dataset, first_lot, model_of)
+from test_trainer import (  # noqa: E402
+    C,
+    GradsBeforeStep,
+    arguments,
+    clipped_reference,
+    collate,
+    dataset,
+    first_lot,
+    model_of,
+)
 
 from gradhooks.integrations.transformers import DPConfig, DPTrainer  # noqa: E402
+
+import zoo_imports  # noqa: F401  (the torchvision import fix, before transformers)
 
 
 class ScaleBeforeStep(transformers.TrainerCallback):
@@ -143,9 +151,10 @@ def test_tied_weights_under_bf16_judged_by_their_parts():
     check judges it relative to the parts (it failed 2 of these 24 one-sample batches when
     judged relative to their sum), and still refuses a gradient the hooks do not see (the
     weight used functionally beside its modules)."""
+    from test_trainer import causal_lm_losses
+
     import gradhooks
     from gradhooks.base.errors import GradientMismatchError
-    from test_trainer import causal_lm_losses
 
     data = dataset()
     model = model_of(torch.float32)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
+
 import two_process
 from conftest import assert_close_to_loop, check_against_loop, loop_grads, weighted_square_loss
 

@@ -11,8 +11,8 @@ fused head computes in float32 whatever the model's dtype; for the float64 check
 trainer's model returns the same outputs from its full logits in float64 (:func:`unfused`), TRL's
 loss code unchanged around it; the float32 checks use TRL's fused head itself.
 """
-import types
 import copy
+import types
 
 import pytest
 import torch
@@ -278,6 +278,7 @@ def test_docs_example(tmp_path, monkeypatch):
     """The SFT and DPO example of docs/trainer.md runs (3 DP lots each) and reaches an epsilon
     at most its target."""
     import pathlib
+
     from test_docs import blocks
     page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "trainer.md"
     code = [c for lang, _, c, skip in blocks(page)

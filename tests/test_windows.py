@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import gradhooks
+
 import zoo_imports  # noqa: F401  (torchvision importable before timm)
 from conftest import check_model
 

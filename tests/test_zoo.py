@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
+from gradhooks.rules.fallback import FallbackRule
+
 import zoo_imports
 from conftest import RTOL, loop_grads
-from gradhooks.rules.fallback import FallbackRule
 
 torchvision = zoo_imports.import_torchvision()
 TokensToLogits = zoo_imports.TokensToLogits

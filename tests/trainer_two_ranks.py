@@ -12,10 +12,11 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import zoo_imports  # noqa: E402,F401  (the torchvision import fix, before transformers)
 from test_trainer import C, GradsBeforeStep, arguments, collate, dataset, model_of  # noqa: E402
 
 from gradhooks.integrations.transformers import DPConfig, DPTrainer  # noqa: E402
+
+import zoo_imports  # noqa: E402,F401  (the torchvision import fix, before transformers)
 
 
 def main():

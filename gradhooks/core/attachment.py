@@ -20,8 +20,13 @@ import torch
 from torch import Tensor, nn
 
 from ..base import utils
+from ..base.errors import (
+    FallbackWarning,
+    FrozenModelWarning,
+    GradHooksError,
+    UnsupportedModuleError,
+)
 from ..base.torch_internals import OptimizedModule
-from ..base.errors import FallbackWarning, FrozenModelWarning, GradHooksError, UnsupportedModuleError
 from ..rules.fallback import FallbackRule, note_path
 from .records import Layer, find_layers, plain_state
 

@@ -18,9 +18,15 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from ..base.errors import (GradHooksError, GradientMismatchError, HigherOrderGradError,
-                           LossScaleWarning, NoBackwardError, RecordsReleasedError,
-                           SampleIdsError)
+from ..base.errors import (
+    GradHooksError,
+    GradientMismatchError,
+    HigherOrderGradError,
+    LossScaleWarning,
+    NoBackwardError,
+    RecordsReleasedError,
+    SampleIdsError,
+)
 from ..base.sample_groups import SampleGroups
 from .checks import module_precision
 from .records import Batch, Record

@@ -44,7 +44,6 @@ from .graph import GlobalHooks, call_kwargs, module_hooks
 from .placement import Placement
 from .records import FORWARDS, Batch, Layer, Memo, Record
 
-
 __all__ = ["Recorder", "Batch", "Layer", "Record", "is_hooked"]
 
 

@@ -22,8 +22,7 @@ from ..base.forms import Call
 from ..base.utils import detached, flatten, is_functorch_wrapped, tensors
 from ..rules.fallback import FallbackRule
 from .graph import in_backward, mark, on_grad
-from .placement import (BATCHED, MERGED, SHARED, partial_batch_hint, recomputed_error,
-                        relayout)
+from .placement import BATCHED, MERGED, SHARED, partial_batch_hint, recomputed_error, relayout
 from .records import Layer, Record, expand_call, shared_lookup
 
 __all__ = ["ForwardPass"]

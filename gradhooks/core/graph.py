@@ -14,9 +14,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
-from torch.nn.modules.module import (register_module_forward_hook, register_module_forward_pre_hook,
-                                     register_module_module_registration_hook,
-                                     register_module_parameter_registration_hook)
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
 from ..base.errors import NotDetachedWarning
 from ..base.torch_internals import GLOBAL_HOOK_FLAGS, current_graph_task_id, torch_module

@@ -18,9 +18,9 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from ..base.errors import BatchSizeError, GradHooksError
+from ..base.segments import per_key_rows, routed_layout
 from ..base.utils import tensors
 from ..rules.fallback import FallbackRule
-from ..base.segments import per_key_rows, routed_layout
 from .batch_dims import Routed
 from .provenance import Provenance, as_batch, shared_layout
 from .records import Layer

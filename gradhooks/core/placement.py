@@ -49,15 +49,22 @@ from ..base.errors import BatchSizeError, GradHooksError
 from ..base.forms import Call
 from ..base.utils import detached, flatten, is_functorch_wrapped, tensors
 from ..rules.fallback import FallbackRule
-from .batch_dims import Routed
-from .layouts import (fallback_dims, layout_swap, partial_batch_hint, reads_batch_at, recomputed_error, relayout,
-                      shared_call_layout)
 from .alone import forward_alone
+from .batch_dims import Routed
+from .layouts import (
+    fallback_dims,
+    layout_swap,
+    partial_batch_hint,
+    reads_batch_at,
+    recomputed_error,
+    relayout,
+    shared_call_layout,
+)
 from .meetings import note_meeting, pull_back
 from .mixing import Mixing
-from .separation import UNPROVEN
 from .provenance import Provenance, as_batch, input_batch_dim, meeting_cotangent
 from .records import Layer, Record
+from .separation import UNPROVEN
 
 __all__ = ["Placement", "Placed", "BATCHED", "SHARED", "PLANNED", "MERGED", "relayout",
            "reads_batch_at", "partial_batch_hint", "layout_swap", "shared_call_layout",

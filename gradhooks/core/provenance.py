@@ -61,33 +61,48 @@ whitelist of :mod:`gradhooks.core.separation`; the rest are noted (:attr:`Proven
 and refused unless the forward-alone check (:mod:`gradhooks.core.alone`) passes.
 
 Tracking costs a Python call per torch op of the forward (about +5% on a Transformer block's
-forward). The recorder runs it on the first forward of each input signature (the top-level
-inputs' shapes and dtypes, train/eval mode). What it finds is kept per signature: without shared
-calls, nothing more is tracked; when every shared call's output itself meets the batch only by a
-broadcast that adds the batch dim as the record's layout does (position ids), or only row by row
-(token types of B rows), later forwards follow that plan without tracking (the output handed
-downstream as B identical samples, or recorded as an ordinary call); otherwise (T5's buckets,
-permuted before they meet the batch; raw parameters) every forward is tracked.
+forward), on the first forward of each input signature (inputs' shapes and dtypes, train/eval).
+Without shared calls nothing more is tracked; when every shared call's output meets the batch
+only by a broadcast that adds the batch dim as the record's layout does (position ids), or only
+row by row (token types of B rows), later forwards follow that plan untracked (the output handed
+down as B identical samples, or recorded as an ordinary call); otherwise (T5's buckets, permuted
+before they meet the batch; raw parameters) every forward is tracked.
 """
 from __future__ import annotations
 
 from typing import Callable, List
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
-import torch.nn.functional as F
-
-from .batch_dims import (JOINS, MATMULS, METADATA, RECURRENT, ROW_ALIGNED, Routed,
-                         is_grouped_mm,
-                         batch_dim_after, operands)
-from .mixing import (CONTRACTIONS, called_by_gradhooks, MIXES, MIXING_OPS, STAT, contraction_mixes, mixing_op,
-                     rows_of_others,
-                     upstream_of, user_line)
-from .separation import custom_function, separation_verdict
+from .batch_dims import (
+    JOINS,
+    MATMULS,
+    METADATA,
+    RECURRENT,
+    ROW_ALIGNED,
+    Routed,
+    batch_dim_after,
+    is_grouped_mm,
+    operands,
+)
+from .mixing import (
+    CONTRACTIONS,
+    MIXES,
+    MIXING_OPS,
+    STAT,
+    called_by_gradhooks,
+    contraction_mixes,
+    mixing_op,
+    rows_of_others,
+    upstream_of,
+    user_line,
+)
 from .rows import ADDS, gathered_meeting, grouped_meeting, linear_meeting, own_weights
+from .separation import custom_function, separation_verdict
 from .token_means import TOKEN_OPS, ForwardLosses
 
 __all__ = ["Provenance", "ROW_ALIGNED", "shared_layout", "as_batch", "source_cotangent",

@@ -16,7 +16,12 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_unflatten
 
 from .. import rules as _rules  # noqa: F401  (registers the built-in rules)
-from ..base.errors import FallbackWarning, GradHooksError, GradientMismatchError, UnsupportedModuleError
+from ..base.errors import (
+    FallbackWarning,
+    GradHooksError,
+    GradientMismatchError,
+    UnsupportedModuleError,
+)
 from ..base.registry import LayerRule, find_rule, supported_types
 from ..base.sample_groups import SampleGroups
 from ..base.utils import own_loss_scale, tensors

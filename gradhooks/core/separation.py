@@ -55,8 +55,18 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import BackwardCFunction
 
-from .batch_dims import (JOINS, MATMULS, RECURRENT, Routed, _CELLS, _ELEMENTWISE, _PIECES,
-                         _SPATIAL, _functions, is_grouped_mm)
+from .batch_dims import (
+    _CELLS,
+    _ELEMENTWISE,
+    _PIECES,
+    _SPATIAL,
+    JOINS,
+    MATMULS,
+    RECURRENT,
+    Routed,
+    _functions,
+    is_grouped_mm,
+)
 from .einsum import einsum_subscripts
 
 __all__ = ["separation_verdict", "custom_function", "SCATTERS", "UNPROVEN"]

@@ -43,10 +43,9 @@ import dataclasses
 from typing import Any, Tuple
 
 import torch
-from torch import Tensor, nn
-
 from laplace.curvature import EFInterface, GGNInterface
 from laplace.utils import Kron
+from torch import Tensor, nn
 
 from ..base.errors import GradHooksError
 from ..fisher import kfac as _kfac_driver

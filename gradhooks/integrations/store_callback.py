@@ -56,7 +56,6 @@ import os
 from typing import Any, Deque, List, Optional, Union
 
 import torch
-
 import transformers
 
 from ..base.errors import GradHooksError

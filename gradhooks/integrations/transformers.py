@@ -74,12 +74,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-from torch.utils.data import DataLoader, Sampler
-
 import transformers
 from opacus.accountants import create_accountant
 from opacus.accountants.utils import get_noise_multiplier
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Sampler
 
 from ..hooks import attach
 from ..readers.adaptive_clipping import AdaptiveClipping

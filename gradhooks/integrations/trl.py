@@ -43,9 +43,8 @@ from typing import Any, Dict
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-
 import trl
+from torch import Tensor, nn
 
 from ..base.errors import SampleMixingError, UnsupportedLossError
 from ..base.utils import paused

@@ -16,16 +16,37 @@ namespace (imports only; the math is in the modules named).
 """
 from __future__ import annotations
 
-from .attribution_loaders import (fit_factors, pairwise_scores_over, query_gradients_over,
-                                  self_scores_over)
+from .attribution_loaders import (
+                                  fit_factors,
+                                  pairwise_scores_over,
+                                  query_gradients_over,
+                                  self_scores_over,
+)
 from .factor_fit import FactorFit
 from .gradient_store import GradientStore, StoreSpecError
-from .influence_blocks import (CHUNK_NUMEL, HEURISTIC_DAMPING, MISSING, BlockInverse,
-                               Preconditioner, preconditioner)
-from .influence_scores import (QueryGradients, pairwise_scores, query_gradients,
-                               records_form_cheaper, self_scores)
-from .output_functions import (AdamDirection, GradientTransform, margin_output, project_batch,
-                               trak_margins, trak_out_to_loss)
+from .influence_blocks import (
+                                  CHUNK_NUMEL,
+                                  HEURISTIC_DAMPING,
+                                  MISSING,
+                                  BlockInverse,
+                                  Preconditioner,
+                                  preconditioner,
+)
+from .influence_scores import (
+                                  QueryGradients,
+                                  pairwise_scores,
+                                  query_gradients,
+                                  records_form_cheaper,
+                                  self_scores,
+)
+from .output_functions import (
+                                  AdamDirection,
+                                  GradientTransform,
+                                  margin_output,
+                                  project_batch,
+                                  trak_margins,
+                                  trak_out_to_loss,
+)
 
 __all__ = ["BlockInverse", "Preconditioner", "QueryGradients", "FactorFit", "preconditioner",
            "query_gradients", "pairwise_scores", "self_scores", "records_form_cheaper",

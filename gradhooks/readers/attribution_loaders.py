@@ -18,9 +18,9 @@ import torch
 from torch import Tensor
 
 from ..base.errors import GradHooksError
-from .influence_scores import QueryGradients, pairwise_scores, query_gradients, self_scores
 from .factor_fit import FactorFit
 from .influence_blocks import Preconditioner
+from .influence_scores import QueryGradients, pairwise_scores, query_gradients, self_scores
 
 __all__ = ["fit_factors", "query_gradients_over", "pairwise_scores_over", "self_scores_over"]
 

@@ -21,8 +21,15 @@ from torch import Tensor
 from ..base.utils import no_autocast, own_loss_scale
 from ..core.capture import Recorder
 from .accumulation import Accumulation
-from .clip_setup import (add_noise, check_accumulation, check_clip, clip_ranks, empty_norms,
-                         overflowed, skip_if_not_finite)
+from .clip_setup import (
+    add_noise,
+    check_accumulation,
+    check_clip,
+    clip_ranks,
+    empty_norms,
+    overflowed,
+    skip_if_not_finite,
+)
 from .distributed import Ranks
 from .loss_reduction import check_per_sample_losses, loss_scale_of
 from .plan import Forms, add_up, plan, squared_norms

@@ -41,8 +41,15 @@ from ..base.utils import no_autocast, own_loss_scale, tf32_products
 from ..core.capture import Recorder
 from ..core.records import Batch
 from .accumulation import Accumulation
-from .clip_setup import (add_noise, check_accumulation, check_clip, clip_ranks, empty_norms,
-                         overflowed, skip_if_not_finite)
+from .clip_setup import (
+    add_noise,
+    check_accumulation,
+    check_clip,
+    clip_ranks,
+    empty_norms,
+    overflowed,
+    skip_if_not_finite,
+)
 from .distributed import Ranks, is_sharded, ranks_of
 from .ghost_sums import ghost_sums
 from .per_sample import per_sample_grads

@@ -27,8 +27,17 @@ from ..base.errors import GradHooksError
 from ..base.utils import no_autocast
 from .ekfac import EIGH_DTYPE, EKFACFactors, eigenbasis
 from .gram import GradientFeatures
-from .influence_blocks import (CHUNK_NUMEL, STRATEGIES, BlockInverse, Damping, Preconditioner,
-                               Term, block_rows, check_features, damped)
+from .influence_blocks import (
+    CHUNK_NUMEL,
+    STRATEGIES,
+    BlockInverse,
+    Damping,
+    Preconditioner,
+    Term,
+    block_rows,
+    check_features,
+    damped,
+)
 from .kfac import G_POSITIONS, check_choice
 from .kfac_results import DiagonalFactors, KFACFactors
 

@@ -55,8 +55,17 @@ from ..base.errors import GradHooksError
 from ..base.utils import no_autocast
 from .factor_fit import FactorFit
 from .gram import GradientFeatures
-from .influence_blocks import (CHUNK_NUMEL, HEURISTIC_DAMPING, MISSING, BlockInverse,
-                               Preconditioner, block_rows, check_features, preconditioner, terms)
+from .influence_blocks import (
+    CHUNK_NUMEL,
+    HEURISTIC_DAMPING,
+    MISSING,
+    BlockInverse,
+    Preconditioner,
+    block_rows,
+    check_features,
+    preconditioner,
+    terms,
+)
 
 __all__ = ["BlockInverse", "Preconditioner", "QueryGradients", "FactorFit", "preconditioner",
            "query_gradients", "pairwise_scores", "self_scores", "records_form_cheaper",

@@ -61,8 +61,14 @@ import torch
 from torch import Tensor
 
 from ..base.errors import UnsupportedLossError
-from ..core.backward_losses import (Split, constant_of, flattened_logits, ignore_index_of,
-                                    split_of, target_counts)
+from ..core.backward_losses import (
+    Split,
+    constant_of,
+    flattened_logits,
+    ignore_index_of,
+    split_of,
+    target_counts,
+)
 from ..core.batch_reads import is_loss_scale
 from ..core.token_means import TARGETS
 

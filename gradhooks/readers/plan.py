@@ -61,8 +61,7 @@ from ..base.segments import Segments
 from ..base.utils import compute_dtype, tensors
 from ..core.checks import check_projections, check_sums, probed, projection_terms, user_hooks
 from ..core.records import Batch, Record
-from .canonical import (call_grads, canonical, canonical_call, canonical_sizes, identity_form,
-                        summed)
+from .canonical import call_grads, canonical, canonical_call, canonical_sizes, identity_form, summed
 from .scatters import rows_of, rows_probed, rows_sq_norms, tied_cross, tied_linear
 
 __all__ = ["GRAM", "CLOSED", "FORMS", "ROWS", "TIED", "GENERIC", "MEMORY_BOUND", "BYTE_COST",

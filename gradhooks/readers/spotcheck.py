@@ -18,7 +18,8 @@ from torch import Tensor
 
 from ..base.errors import GradientMismatchError
 from ..base.utils import paused
-from ..core.alone import largest_difference, rows as _rows
+from ..core.alone import largest_difference
+from ..core.alone import rows as _rows
 from ..core.capture import Recorder
 from .per_sample import per_sample_grads
 

@@ -4,6 +4,18 @@
 A rule says how one call's records become per-sample gradients and canonical forms, nothing
 more (``linear.py`` is the template). May import: ``gradhooks.base`` and this folder.
 """
-from . import attention, conv, conv_transpose, embedding, linear, norm, recurrent, scale  # noqa: F401
-from . import mamba, mamba2, norm_variants  # noqa: F401  (named by known, not registered by type)
-from . import known, parametrize  # noqa: F401  (recognisers; after the rules they name)
+from . import (  # noqa: F401  # noqa: F401  (named by known, not registered by type)  # noqa: F401  (recognisers; after the rules they name)
+    attention,
+    conv,
+    conv_transpose,
+    embedding,
+    known,
+    linear,
+    mamba,
+    mamba2,
+    norm,
+    norm_variants,
+    parametrize,
+    recurrent,
+    scale,
+)

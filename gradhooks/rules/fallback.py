@@ -45,8 +45,13 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..base.errors import (BatchSizeError, FallbackWarning, GradHooksError, ReplayError,
-                           UnsupportedCallError)
+from ..base.errors import (
+    BatchSizeError,
+    FallbackWarning,
+    GradHooksError,
+    ReplayError,
+    UnsupportedCallError,
+)
 from ..base.registry import Call, LayerRule
 from ..base.utils import paused
 from .fallback_replay import Replay, cause_of, looped, state_kept, structure, verify, way_out
