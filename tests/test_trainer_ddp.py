@@ -3,8 +3,11 @@ DDP through accelerate, gloo on CPU (tests/trainer_two_ranks.py). One Poisson lo
 ranks (each sample once, with probability ``q = L / N``, ``L`` the per-device batch times the
 accumulation steps times the 2 ranks), each rank clipping its share; the step's gradient,
 the same on both ranks, equals the one-process loop's clipped sum of that lot over ``L``
-(float64, noise 0); the epsilon equals Opacus' accountant's at the one-process rate.
+(float64, noise 0); the epsilon equals Opacus' accountant's at the one-process rate. With
+adaptive clipping (issue 40, point 3) the bound follows the lots' unclipped fraction counted over
+both ranks (an empty share's stand-in sample not counted), as the one-process loop's.
 """
+import math
 import os
 import pathlib
 import socket
@@ -14,7 +17,14 @@ import sys
 import pytest
 import torch
 from opacus.accountants import RDPAccountant  # noqa: E402
-from test_trainer import assert_grads_close, clipped_reference, dataset, model_of  # noqa: E402
+from test_trainer import (  # noqa: E402
+    C,
+    assert_grads_close,
+    clipped_reference,
+    dataset,
+    model_of,
+    own_grads,
+)
 
 from gradhooks.integrations.transformers import PoissonMicroBatchSampler  # noqa: E402
 
@@ -58,6 +68,21 @@ def test_two_ranks_equal_one_process_on_the_same_lot(tmp_path, micro):
         assert [r[clipping]["lot_sizes"][0] for r in ranks] == shares
         for r in ranks:
             assert_grads_close(r[clipping]["grads"], want, 1e-10)
+    # adaptive clipping: the bound follows the lots' unclipped fraction over both ranks (the
+    # loop's float64 norms), each lot clipped at its bound
+    sampler = PoissonMicroBatchSampler(len(data), expected / len(data), 2, 1,
+                                       torch.Generator().manual_seed(0))
+    bound, model = C, model_of()
+    for k, lot in enumerate([i for i in part] for part in sampler):
+        samples = [data[i] for i in lot]
+        want = clipped_reference(model, samples, expected, bound=bound)
+        for r in ranks:
+            assert_grads_close(r["adaptive"]["grads"][k], want, 1e-10)
+        norms = [float(torch.sqrt(sum((v ** 2).sum() for v in own_grads(model, x).values())))
+                 for x in samples]
+        frac = sum(n <= bound for n in norms) / len(norms) if norms else 0.5
+        bound = bound * math.exp(-0.7 * (frac - 0.5))
+    assert all(r["adaptive"]["bound"] == pytest.approx(bound, rel=1e-12) for r in ranks)
     acc = RDPAccountant()
     for _ in range(2):
         acc.step(noise_multiplier=1.1, sample_rate=expected / len(data))

@@ -34,6 +34,17 @@ def main():
         saved[clipping] = {"grads": {n.removeprefix("module."): g
                                      for n, g in grads.grads[0].items()},
                            "lot_sizes": trainer.lot_sizes}
+    # adaptive clipping (noise off): two lots at learning rate 0, the bound after each lot
+    grads = GradsBeforeStep()
+    adaptive = DPTrainer(model=model_of(), args=arguments(out, max_steps=2, learning_rate=0.0,
+                                                          **kw),
+                         train_dataset=dataset(), data_collator=collate, callbacks=[grads],
+                         dp=DPConfig(max_grad_norm=C, noise_multiplier=0.0,
+                                     target_unclipped_quantile=0.5, clipbound_learning_rate=0.7,
+                                     count_noise_std=0.0))
+    adaptive.train()
+    saved["adaptive"] = {"grads": [{n.removeprefix("module."): g for n, g in step.items()}
+                                   for step in grads.grads], "bound": adaptive.clip_bound}
     noisy = DPTrainer(model=model_of(), args=arguments(out, max_steps=2, **kw),
                       train_dataset=dataset(), data_collator=collate,
                       dp=DPConfig(max_grad_norm=C, noise_multiplier=1.1, noise_seed=0))
