@@ -18,6 +18,8 @@ Public API::
     gradhooks.looped_per_sample_grads(model, loss_fn, inputs, targets)   # one forward per sample
     gradhooks.compare(model, loss_fn, inputs, targets)   # check against both, time the loop
 """
+import sys as _sys
+
 from ._version import __version__  # noqa: F401  (gradhooks.__version__)
 from .base import torch_internals as _torch_internals  # noqa: F401  (names a torch it cannot run on)
 from .base.errors import (
@@ -61,6 +63,10 @@ from .tools.reference import (
     max_rel_error,
 )
 from .tools.token_losses import per_sample_token_loss
+
+# gradhooks.attribution is the public name of readers.attribution (docs/api.md): importable as
+# a module path too (``from gradhooks.attribution import GradientStore``)
+_sys.modules[f"{__name__}.attribution"] = attribution
 
 # The layers of the design, lowest first (README, "Development"; tests/test_layering.py): a
 # module imports only from its own layer and those below. Each is a folder of the package,

@@ -14,11 +14,14 @@ import gradhooks
 
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``make test``: one worker per core, ``--dist loadgroup``) the
-    real-size tier (``scale`` marker) runs in one worker, one model at a time: two real-size
-    models side by side would double its peak memory."""
-    for item in items:
-        if item.get_closest_marker("scale") is not None:
-            item.add_marker(pytest.mark.xdist_group("scale"))
+    real-size tier (``scale`` marker) runs in one worker, one model at a time (two real-size
+    models side by side would double its peak memory), and is collected first."""
+    scale = [item for item in items if item.get_closest_marker("scale") is not None]
+    for item in scale:
+        item.add_marker(pytest.mark.xdist_group("scale"))
+    # the group first: its one worker works through it while the others take the rest, instead
+    # of one worker running it alone at the end
+    items[:] = scale + [item for item in items if item.get_closest_marker("scale") is None]
 
 
 # Relative error bounds, relative to the largest entry of the reference (the issue's criterion).

@@ -189,3 +189,5 @@ def test_no_old_module_paths():
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("gradhooks.norms")
     assert callable(gradhooks.kfac)
+    # the one public module name: gradhooks.attribution, also as a module path
+    assert importlib.import_module("gradhooks.attribution") is gradhooks.attribution

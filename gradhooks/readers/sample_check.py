@@ -98,7 +98,7 @@ class SampleCheck:
             gradient: the pass's gradient for ``root`` (``None``: ones / 1).
             samples: ``N``: ``B``, or ``G`` with ``sample_ids``.
         """
-        if (samples < 2 or recorder.allow_sample_mixing or recorder.unsafe_skip_sample_check
+        if (not samples or samples < 2 or recorder.allow_sample_mixing or recorder.unsafe_skip_sample_check
                 or recorder._options.get("allow_batchnorm_train")
                 or _distributed() or not isinstance(root, Tensor) or root.grad_fn is None):
             return None
