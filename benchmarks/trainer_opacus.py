@@ -241,17 +241,12 @@ def rss(key: str) -> int:
     return int(re.search(key + r":\s+(\d+)", open("/proc/self/status").read()).group(1))
 
 
-def step_methods(data, length, batch, sigma):
-    """Part 3: ``{name: (step(), release())}``, each on its own model copy and the same full
-    lot; ``release`` (untimed) drops what a method keeps between steps (the gradients:
-    ``zero_grad``, which also drops Opacus' ``grad_sample``; gradhooks: the last batch's
-    records, which its next forward would drop), so that each step's peak is measured
-    from a start that holds none of it."""
-    fixed = collate(data[:batch])
-    base = gpt2(length)
+def gradhooks_methods(model0, fixed, batch, sigma):
+    """Plain training and gradhooks' book-keeping and two-pass DP steps on copies of
+    ``model0``, on the batch ``fixed``: ``{name: (step(), release())}`` (:func:`step_methods`;
+    benchmarks/trl_sft_opacus.py uses them too)."""
     methods = {}
-
-    plain = copy.deepcopy(base)
+    plain = copy.deepcopy(model0)
     plain_opt = torch.optim.SGD(plain.parameters(), lr=1e-3)
 
     def plain_step():
@@ -261,7 +256,7 @@ def step_methods(data, length, batch, sigma):
     methods["plain (no DP)"] = (plain_step, plain_opt.zero_grad)
 
     for clipping in ("book-keeping", "two-pass"):
-        model = copy.deepcopy(base)
+        model = copy.deepcopy(model0)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         gh = gradhooks.attach(model, loss_reduction="sum")
         gen = torch.Generator().manual_seed(0)
@@ -278,6 +273,18 @@ def step_methods(data, length, batch, sigma):
             opt.step()
         methods[f"gradhooks {clipping}"] = (gh_step, lambda opt=opt, gh=gh: (opt.zero_grad(),
                                                                              gh.clear()))
+    return methods
+
+
+def step_methods(data, length, batch, sigma):
+    """Part 3: ``{name: (step(), release())}``, each on its own model copy and the same full
+    lot; ``release`` (untimed) drops what a method keeps between steps (the gradients:
+    ``zero_grad``, which also drops Opacus' ``grad_sample``; gradhooks: the last batch's
+    records, which its next forward would drop), so that each step's peak is measured
+    from a start that holds none of it."""
+    fixed = collate(data[:batch])
+    base = gpt2(length)
+    methods = gradhooks_methods(base, fixed, batch, sigma)
 
     theirs = copy.deepcopy(base)
     _, hooks, optimizer = opacus_setup(theirs, data, batch, sigma)

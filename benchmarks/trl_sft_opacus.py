@@ -45,7 +45,6 @@ import trl  # noqa: E402
 from opacus import PrivacyEngine  # noqa: E402
 from opacus.accountants.utils import get_noise_multiplier  # noqa: E402
 
-import gradhooks  # noqa: E402
 from gradhooks.integrations.transformers import DPConfig, PoissonMicroBatchSampler, causal_lm_losses  # noqa: E402
 from gradhooks.integrations.trl import DPSFTTrainer  # noqa: E402
 
@@ -158,33 +157,7 @@ def compare_epsilon(rows, length, batch, steps, out):
 def step_methods(trainer, batch, sigma):
     fixed = trainer.data_collator([trainer.train_dataset[i] for i in range(batch)])
     model0 = base.gpt2(trainer.model.config.n_positions)  # (unpatched: see compare_updates)
-    methods = {}
-    plain = copy.deepcopy(model0)
-    plain_opt = torch.optim.SGD(plain.parameters(), lr=1e-3)
-
-    def plain_step():
-        plain_opt.zero_grad()
-        causal_lm_losses(plain, fixed).mean().backward()
-        plain_opt.step()
-    methods["plain (no DP)"] = (plain_step, plain_opt.zero_grad)
-    for clipping in ("book-keeping", "two-pass"):
-        model = copy.deepcopy(model0)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        gh = gradhooks.attach(model, loss_reduction="sum")
-        gen = torch.Generator().manual_seed(0)
-
-        def gh_step(model=model, opt=opt, gh=gh, gen=gen, clipping=clipping):
-            opt.zero_grad()
-            losses = causal_lm_losses(model, fixed)
-            if clipping == "two-pass":
-                gh.clipped_backward(losses, C, accumulate=True)
-            else:
-                gh.backward(losses.sum())
-                gh.clip_and_accumulate(C, accumulate=True)
-            gh.finish_step(noise_multiplier=sigma, expected_batch_size=batch, generator=gen)
-            opt.step()
-        methods[f"gradhooks {clipping}"] = (gh_step, lambda opt=opt, gh=gh: (opt.zero_grad(),
-                                                                             gh.clear()))
+    methods = base.gradhooks_methods(model0, fixed, batch, sigma)
     theirs = copy.deepcopy(model0)
     _, _, optimizer = base.opacus_setup(theirs, list(trainer.train_dataset)[:batch], batch,
                                         sigma)
