@@ -1,4 +1,4 @@
-"""The projected gradient store (gradhooks.readers.gradient_store): its cost per batch against a
+"""The projected gradient store (gradhooks.readers.attribution.gradient_store): its cost per batch against a
 plain training step on GPT-2 small, and its features against traker's (TRAK 0.3.2) on the same
 model (CPU, float32, one process, alternating variants, medians).
 
@@ -62,8 +62,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
-from gradhooks.readers.gradient_store import GradientStore
-from gradhooks.readers.output_functions import AdamDirection, margin_output, trak_margins
+from gradhooks.readers.attribution.gradient_store import GradientStore
+from gradhooks.readers.attribution.output_functions import (
+    AdamDirection,
+    margin_output,
+    trak_margins,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -1,6 +1,6 @@
 """What the loss checks of issue 29 cost: one GPT-2 step with the loss computed in the forward
-(watched by ``gradhooks.core.token_means.Watch`` on untracked forwards) and outside it (looked
-at by ``gradhooks.core.backward_losses`` from inside the backward), against plain training.
+(watched by ``gradhooks.core.analysis.token_means.Watch`` on untracked forwards) and outside it (looked
+at by ``gradhooks.core.analysis.backward_losses`` from inside the backward), against plain training.
 
     python benchmarks/loss_checks.py [--repeats 15] [--threads 1] [--width 256] [--batch 8]
 

@@ -18,7 +18,7 @@ Each step includes its forward. Ratios are to ``train``. Run from the repository
     python benchmarks/zoo.py [--repeats 15] [--threads 1] [--models llama,gpt2] [--out results/zoo.md]
 
 Every model runs with its library's default call (position ids, T5's relative-position buckets
-and BART's positions are shared calls: gradhooks/core/provenance.py; Swin's attention, whose parent reads
+and BART's positions are shared calls: gradhooks/core/analysis/provenance.py; Swin's attention, whose parent reads
 its child Linears' weights, is replayed by the fallback).
 """
 from __future__ import annotations

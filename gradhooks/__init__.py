@@ -48,12 +48,12 @@ from .base.registry import LayerRule, register_rule, supported_types
 from .fisher import kfac  # gradhooks.kfac: the one-call KFAC driver (a function)
 from .hooks import GradHooks, attach
 from .readers import attribution  # gradhooks.attribution: influence scores from the records
-from .readers.accumulation import micro_batches
-from .readers.adaptive_clipping import AdaptiveClipping
 from .readers.attribution import FactorFit
-from .readers.ekfac import EKFACFactors
+from .readers.curvature.ekfac import EKFACFactors
+from .readers.curvature.kfac import DiagonalFactors, KFACFactors
+from .readers.dp.accumulation import micro_batches
+from .readers.dp.adaptive_clipping import AdaptiveClipping
 from .readers.gram import GradientFeatures
-from .readers.kfac import DiagonalFactors, KFACFactors
 from .tools.reference import (
     Comparison,
     ParamError,

@@ -1,5 +1,5 @@
 """The one-call KFAC driver: :func:`kfac` attaches, runs the backward passes a Fisher type
-needs (empirical, Monte-Carlo or type-2 / GGN) and reads :func:`gradhooks.readers.kfac.kfac_factors`.
+needs (empirical, Monte-Carlo or type-2 / GGN) and reads :func:`gradhooks.readers.curvature.kfac.kfac_factors`.
 
 Conventions of the factors: :mod:`gradhooks.kfac`. Fisher types: Martens & Grosse 2015,
 arXiv:1503.05671, sec. 5; Botev et al. 2017, arXiv:1706.03662 (type-2).
@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from .base.errors import NoBackwardError, UnsupportedLossError
 from .base.utils import no_autocast, own_loss_scale
 from .hooks import attach
-from .readers.kfac import (
+from .readers.curvature.kfac import (
     KFAC_APPROX,
     DiagonalFactors,
     KFACFactors,

@@ -1,35 +1,30 @@
 """The user facade: :func:`attach` and :class:`GradHooks`.
 
-:class:`GradHooks` owns a :class:`~gradhooks.core.capture.Recorder` (hooks, records, batch lifecycle)
+:class:`GradHooks` owns a :class:`~gradhooks.core.recorder.capture.Recorder` (hooks, records, batch lifecycle)
 and forwards each read to the module that computes it: per-sample gradients
-(:mod:`gradhooks.readers.per_sample`), norms (:mod:`gradhooks.readers.norms`), DP-SGD clipping
-(:mod:`gradhooks.readers.clipping`), KFAC factors (:mod:`gradhooks.kfac`) and first-order statistics
-(:mod:`gradhooks.readers.statistics`). It computes nothing itself.
+(:mod:`gradhooks.readers.per_sample`), norms (:mod:`gradhooks.readers.norms`) and first-order
+statistics (:mod:`gradhooks.readers.statistics`) here; the reads of each use in its mixin
+(:mod:`gradhooks.api`: DP-SGD clipping, curvature, gradient features). It computes nothing
+itself.
 """
 from __future__ import annotations
 
 import weakref
-from typing import Dict, Iterable, Mapping, Optional, Union
+from typing import Dict, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
+from .api.curvature import CurvatureReads
+from .api.dp import DPReads
+from .api.features import FeatureReads
 from .base.errors import GradHooksError
-from .core.capture import Recorder
-from .core.graph import warn_not_detached
-from .core.token_means import check_token_normalisation
-from .readers.accumulation import Accumulation
-from .readers.clipped_backward import clipped_backward
-from .readers.clipping import clip_and_accumulate, finish_step
-from .readers.ekfac import EKFACFactors, ekfac_factors
-from .readers.ggn import empirical_fisher_diag, ggn_diag, ggn_sqrt, ggn_vector_product
-from .readers.gram import GradientFeatures, gradient_features, gram, jacobian_features
-from .readers.jacobians import per_sample_jacobians
-from .readers.kfac import DiagonalFactors, KFACFactors, kfac_factors
-from .readers.loss_reduction import unscaled
+from .core.analysis import check_token_normalisation
+from .core.recorder.capture import Recorder
+from .core.recorder.graph import warn_not_detached
+from .readers.dp.accumulation import Accumulation
 from .readers.norms import per_sample_grad_norms
 from .readers.per_sample import per_sample_grads
-from .readers.projections import projected_grads
 from .readers.sample_losses import judged_backward
 from .readers.spotcheck import check_samples
 from .readers.statistics import sum_grad_squared, variance
@@ -37,7 +32,7 @@ from .readers.statistics import sum_grad_squared, variance
 __all__ = ["attach", "GradHooks"]
 
 
-class GradHooks:
+class GradHooks(DPReads, CurvatureReads, FeatureReads):
     """Per-sample gradients of an existing model, through hooks on its layers.
 
     Create it with :func:`attach`. Typical use::
@@ -77,7 +72,7 @@ class GradHooks:
     (``torch.autograd.grad`` w.r.t. the input only). Its cost is a few torch calls and a read
     of ``B x 256`` values per parameter (0.5 ms per read on a 3-layer MLP, noise on real
     models); autograd's gradients are taken in the backward as
-    :class:`~gradhooks.core.checks.GradTotal` (large ones reduced at once, so that autograd
+    :class:`~gradhooks.core.recorder.totals.GradTotal` (large ones reduced at once, so that autograd
     still moves them into ``.grad``). With ``check=True`` (default) it runs on every read whose *structure* has not
     been checked before -- which modules were called how often, by how many backward passes,
     and which parameters autograd reached -- and on every 100th read: the failures above are
@@ -102,7 +97,7 @@ class GradHooks:
                  forwards: str = "one", grad_scaler=None, differentiable: bool = False,
                  allow_sample_mixing: bool = False, unsafe_skip_replay_check: bool = False,
                  unsafe_skip_sample_check: bool = False, token_normalisation: str = "sample"):
-        #: The :class:`~gradhooks.core.capture.Recorder`: hooks and records (read-only for users).
+        #: The :class:`~gradhooks.core.recorder.capture.Recorder`: hooks and records (read-only for users).
         self.recorder = Recorder(
             model, loss_reduction=loss_reduction, batch_first=batch_first, check=check,
             strict=strict, allow_batchnorm_train=allow_batchnorm_train, forwards=forwards,
@@ -112,7 +107,7 @@ class GradHooks:
         self.recorder.token_normalisation = check_token_normalisation(token_normalisation)
         # Dropped while attached: detached, with a warning (atexit off: the process ends).
         weakref.finalize(self, _dropped, self.recorder).atexit = False
-        #: The DP-SGD accumulator (:class:`~gradhooks.readers.accumulation.Accumulation`).
+        #: The DP-SGD accumulator (:class:`~gradhooks.readers.dp.accumulation.Accumulation`).
         self.accumulation = Accumulation(self.recorder)
 
     @property
@@ -167,7 +162,7 @@ class GradHooks:
         self.detach()
 
     def set_sample_ids(self, sample_ids: Optional[Tensor]) -> None:
-        """Rows sharing an id are one sample: :meth:`~gradhooks.core.batch_reads.BatchReads.set_groups`."""
+        """Rows sharing an id are one sample: :meth:`~gradhooks.core.recorder.batch_reads.BatchReads.set_groups`."""
         self.recorder.reads.set_groups(sample_ids)
 
     def backward(self, loss: Tensor, gradient: Optional[Tensor] = None, *,
@@ -265,77 +260,6 @@ class GradHooks:
         return per_sample_grad_norms(self.recorder.snapshot("per_sample_grad_norms()", result=True),
                                      per_param=per_param)
 
-    def clip_and_accumulate(self, max_norm, *, method: str = "ghost",
-                            noise_multiplier: float = 0.0,
-                            generator: Optional[torch.Generator] = None,
-                            groups: Optional[Iterable[Iterable[str]]] = None,
-                            accumulate: bool = False) -> Tensor:
-        """DP-SGD (Abadi et al. 2016, arXiv:1607.00133): overwrite ``param.grad`` with the sum
-        of per-sample gradients clipped to ``max_norm`` plus Gaussian noise (ghost clipping by
-        default; Li et al. 2022, Bu et al. 2023) and return the ``(B,)`` norms before clipping
-        (``groups``: group-wise clipping, ``(B, K)`` norms). ``accumulate=True``: a micro-batch
-        of a larger logical batch; its clipped sum is added to :attr:`accumulation` (no noise,
-        no division, ``param.grad`` set to ``None``) for :meth:`finish_step`. Arguments and
-        errors: :func:`gradhooks.readers.clipping.clip_and_accumulate`, :mod:`gradhooks.readers.accumulation`."""
-        materialize = method == "materialize"  # (it reads the per-sample gradients)
-        batch = self.recorder.snapshot(
-            "per_sample_grads()" if materialize else "clip_and_accumulate()", result=True,
-            release=materialize)
-        batch = unscaled(batch, self.recorder, materialize)  # (a constant factor on the loss)
-        return clip_and_accumulate(batch, max_norm, method=method,
-                                   noise_multiplier=noise_multiplier, generator=generator,
-                                   groups=None if groups is None else [list(g) for g in groups],
-                                   accumulate=accumulate, accumulation=self.accumulation)
-
-    def clipped_backward(self, losses: Tensor, max_norm: float, *, noise_multiplier: float = 0.0,
-                         generator: Optional[torch.Generator] = None, accumulate: bool = False) -> Tensor:
-        """DP-SGD by two-pass ghost clipping (Li et al. 2022, sec. 4): instead of
-        ``loss.backward()``, from the ``(B,)`` per-sample losses, overwrite ``param.grad`` with
-        the clipped sum plus noise, keeping memory close to plain training; returns the ``(B,)``
-        norms (``(G,)`` losses and norms with :meth:`set_sample_ids`). ``accumulate=True``: add
-        the clipped sum to :attr:`accumulation` instead, as :meth:`clip_and_accumulate`.
-        Arguments and errors: :func:`gradhooks.readers.clipped_backward.clipped_backward`."""
-        return clipped_backward(self.recorder, losses, max_norm,
-                                noise_multiplier=noise_multiplier, generator=generator,
-                                accumulate=accumulate, accumulation=self.accumulation)
-
-    def finish_step(self, *, noise_multiplier: float = 0.0,
-                    expected_batch_size: Optional[float] = None,
-                    generator: Optional[torch.Generator] = None) -> int:
-        """End a DP-SGD step whose logical batch was clipped in micro-batches
-        (``accumulate=True``): write ``param.grad = (sum of the clipped per-sample gradients +
-        sigma C z) / D``, the noise drawn once, ``D`` the logical batch size (``"mean"``), 1
-        (``"sum"``) or ``expected_batch_size`` (Poisson sampling, as Opacus); returns the
-        number of samples. Arguments and errors: :func:`gradhooks.readers.clipping.finish_step`."""
-        return finish_step(self.recorder, self.accumulation, noise_multiplier=noise_multiplier,
-                           expected_batch_size=expected_batch_size, generator=generator)
-
-    def kfac_factors(self, kfac_approx: str = "expand", *, backward_passes: str = "sum",
-                     modules: Optional[Iterable[str]] = None, max_dense: Optional[int] = None,
-                     all_reduce: bool = False, group=None, coverage: str = "all",
-                     g_positions: str = "sum") -> Dict[str, Union[KFACFactors, DiagonalFactors]]:
-        """KFAC factors of every hooked layer the backward reached: ``{key: KFACFactors}``
-        (``A`` ``(d_in[+1], d_in[+1])``, ``G`` ``(d_out, d_out)``, stacked per group) for
-        Linear, Conv, ConvTranspose, Embedding, attention projections and recurrent weights,
-        and ``{module: DiagonalFactors}`` (the exact diagonal of the block) for every other
-        layer. Arguments, keys, conventions (Martens & Grosse 2015; Grosse & Martens 2016;
-        Eschenhagen et al. 2023; Martens, Ba & Johnson 2018) and errors:
-        :func:`gradhooks.readers.kfac.kfac_factors` (``g_positions="mean"``: kronfluence's)."""
-        return kfac_factors(self.recorder.snapshot("kfac_factors()", sum_check=False),
-                            kfac_approx, backward_passes=backward_passes,
-                            modules=modules, max_dense=max_dense, all_reduce=all_reduce,
-                            group=group, coverage=coverage, g_positions=g_positions)
-
-    def ekfac_factors(self, *, modules: Optional[Iterable[str]] = None, coverage: str = "all"
-                      ) -> Dict[str, Union[EKFACFactors, DiagonalFactors]]:
-        """Eigenvalue-corrected KFAC (George et al. 2018): ``EKFACFactors`` (eigenvectors
-        ``Q_A`` ``(I', I')``, ``Q_G`` ``(O, O)`` of the KFAC factors, corrected eigenvalues
-        ``(O, I')``) for each Kronecker entry of :meth:`kfac_factors`, ``DiagonalFactors`` for
-        norms and the others; ``coverage="linear"``: Linear / Conv / ``Conv1D`` only. Conventions
-        and errors: :func:`gradhooks.readers.ekfac.ekfac_factors`."""
-        return ekfac_factors(self.recorder.snapshot("ekfac_factors()", sum_check=False),
-                             modules=modules, coverage=coverage)
-
     def check_samples(self, loss_fn, inputs, targets, *, samples: int = 2,
                       generator: Optional[torch.Generator] = None) -> None:
         """Spot check against mixing samples: recompute ``samples`` random samples of the
@@ -345,86 +269,6 @@ class GradHooks:
         :func:`gradhooks.readers.spotcheck.check_samples`."""
         check_samples(self.recorder, loss_fn, inputs, targets, samples=samples,
                       generator=generator)
-
-    def per_sample_jacobians(self, output: Tensor, *, flat: bool = False,
-                             create_graph: bool = False) -> Union[Dict[str, Tensor], Tensor]:
-        """Per-sample Jacobians of ``output`` ``(B, *S)`` w.r.t. the hooked trainable parameters:
-        ``{name: (B, *S, *param.shape)}`` (or one ``(B, *S, P)`` tensor with ``flat=True``), from
-        the forward that made ``output`` and one backward pass per coordinate of ``S``, which
-        this call runs (call it before any backward pass of that forward); differentiable with
-        ``create_graph=True`` (attach with ``differentiable=True``). Conventions and errors:
-        :func:`gradhooks.readers.jacobians.per_sample_jacobians`."""
-        return per_sample_jacobians(self.recorder, output, flat=flat, create_graph=create_graph)
-
-    def ggn_sqrt(self, output: Tensor, loss_fn: nn.Module, *, mc_samples: int = 0,
-                 generator: Optional[torch.Generator] = None) -> Dict[str, Tensor]:
-        """The GGN's symmetric square root ``{name: (C, B, *param.shape)}`` (BackPACK's
-        ``SqrtGGNExact``; ``SqrtGGNMC`` with ``mc_samples`` sampled labels) of
-        ``loss_fn(output, y)``, from the forward that made ``output`` (call before any backward
-        pass of it; it runs ``C`` or ``M``). Conventions and errors:
-        :func:`gradhooks.readers.ggn.ggn_sqrt`."""
-        return ggn_sqrt(self.recorder, output, loss_fn, mc_samples=mc_samples,
-                        generator=generator)
-
-    def ggn_diag(self, output: Tensor, loss_fn: nn.Module, *, per_sample: bool = False,
-                 mc_samples: int = 0, generator: Optional[torch.Generator] = None
-                 ) -> Dict[str, Tensor]:
-        """The GGN's diagonal ``{name: (*param.shape)}`` (per sample: ``(B, *param.shape)``,
-        the samples' shares) without the ``(C, B, *shape)`` square root; calling rules and
-        conventions: :func:`gradhooks.readers.ggn.ggn_diag`."""
-        return ggn_diag(self.recorder, output, loss_fn, per_sample=per_sample,
-                        mc_samples=mc_samples, generator=generator)
-
-    def ggn_vector_product(self, output: Tensor, loss_fn: nn.Module,
-                           vector: Mapping[str, Tensor], *, mc_samples: int = 0,
-                           generator: Optional[torch.Generator] = None) -> Dict[str, Tensor]:
-        """``GGN v`` for ``vector`` ``{name: param-shaped tensor}``; calling rules and
-        conventions: :func:`gradhooks.readers.ggn.ggn_vector_product`."""
-        return ggn_vector_product(self.recorder, output, loss_fn, vector, mc_samples=mc_samples,
-                                  generator=generator)
-
-    def empirical_fisher_diag(self) -> Dict[str, Tensor]:
-        """Diagonal of the empirical Fisher of the loss as reduced, ``w sum_n (grad l_n)^2``
-        ``{name: (*param.shape)}``, after the loss's backward pass, with no per-sample tensor
-        for Linear-like layers without weight sharing: :func:`gradhooks.readers.ggn.empirical_fisher_diag`."""
-        return empirical_fisher_diag(self.recorder.snapshot("empirical_fisher_diag()",
-                                                            sum_check=False))
-
-    def gradient_features(self) -> GradientFeatures:
-        """This batch's per-sample loss gradients in factored form (the layers' ``a`` and ``g``,
-        per-sample tensors only for layers without a linear form), after its backward pass:
-        keep them to form :meth:`gram` against a later batch. See
-        :func:`gradhooks.readers.gram.gradient_features`."""
-        return gradient_features(self.recorder.snapshot("gradient_features()", sum_check=False))
-
-    def jacobian_features(self, output: Tensor) -> GradientFeatures:
-        """The per-sample Jacobians of ``output`` ``(B, C)`` in factored form (``C`` backward
-        passes, run by this call before any other backward of the forward): keep them for
-        :meth:`ntk` against a later batch. See :func:`gradhooks.readers.gram.jacobian_features`."""
-        return jacobian_features(self.recorder, output)
-
-    def gram(self, other: Optional[GradientFeatures] = None) -> Tensor:
-        """The Gram matrix ``<grad l_n, grad l_m>`` of this batch's per-sample loss gradients,
-        ``(B, B)``, or ``(B, B2)`` against ``other`` (:meth:`gradient_features` of another
-        batch), without forming them (Gram form per layer). Conventions:
-        :func:`gradhooks.readers.gram.gram`."""
-        return gram(gradient_features(self.recorder.snapshot("gradient_features()",
-                                                          sum_check=False)), other)
-
-    def ntk(self, output: Tensor, other: Optional[GradientFeatures] = None) -> Tensor:
-        """The empirical NTK ``K[n, m, c, d] = <d f_c(x_n), d f_d(x_m)>`` ``(B, B, C, C)`` of
-        ``output`` ``(B, C)`` (or ``(B, B2, C, C)`` against ``other``,
-        :meth:`jacobian_features` of another batch), without the ``(B, C, P)`` Jacobian; runs
-        ``C`` backward passes. Conventions: :func:`gradhooks.readers.gram.gram`."""
-        return gram(jacobian_features(self.recorder, output), other)
-
-    def projected_grads(self, k_in: int = 16, k_out: int = 16, seed: int = 0) -> Tensor:
-        """``(B, K)`` per-sample loss gradients under fixed random projections of each layer's
-        ``a`` and ``g`` applied before the outer product (LoGra, arXiv:2405.13954), never
-        forming ``(B, P)``; reproducible from ``seed``. See
-        :func:`gradhooks.readers.projections.projected_grads`."""
-        return projected_grads(self.recorder.snapshot("gradient_features()", sum_check=False),
-                               k_in, k_out, seed)
 
     def sum_grad_squared(self) -> Dict[str, Tensor]:
         """Diagonal of the empirical Fisher ``{name: (*param.shape)}``, ``sum_n g_n**2`` of the
@@ -474,7 +318,7 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
             every 100th read), ``"always"`` (every read) or ``False``. ``False`` does not skip
             the verification of the ``torch.func`` fallback's replays (see
             ``unsafe_skip_replay_check``), nor the forward-alone check of ops no rule proves
-            keep the samples apart (:mod:`gradhooks.core.alone`): without it they are refused,
+            keep the samples apart (:mod:`gradhooks.core.analysis.alone`): without it they are refused,
             nor the sample check through the batched graph (``unsafe_skip_sample_check``).
         strict: refuse modules that own trainable parameters but have no dedicated rule
             (raise :class:`UnsupportedModuleError`) instead of covering them with the
@@ -487,7 +331,7 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
         allow_sample_mixing: accept a forward that mixes the samples through the parameters (an
             op that reduces or normalises over the batch dim between a hooked layer and the
             loss: ``h - h.mean(0)``, ``h / h.std(0)``, a softmax or sort over the batch, batch
-            statistics; :mod:`gradhooks.core.mixing`), which reads otherwise refuse with
+            statistics; :mod:`gradhooks.core.analysis.mixing`), which reads otherwise refuse with
             :class:`SampleMixingError`. Sample ``n``'s result is then its activations times the
             gradient of the *whole batch loss* with respect to its own outputs of the layer:
             its contribution to the batch gradient (they still sum to ``param.grad``, with the
@@ -530,7 +374,7 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
         grad_scaler: the ``torch.amp.GradScaler`` that scales the loss
             (``scaler.scale(loss).backward()``): per-sample results, norms and KFAC factors
             are those of the unscaled loss, and clipping writes ``.grad`` at the scaler's scale
-            for ``scaler.step(optimizer)`` (:func:`gradhooks.readers.clipping.clip_and_accumulate`).
+            for ``scaler.step(optimizer)`` (:func:`gradhooks.readers.dp.clipping.clip_and_accumulate`).
         differentiable: the records keep the autograd graphs of the layer inputs and of the
             grad_outputs of a ``backward(create_graph=True)``, so that
             :meth:`GradHooks.per_sample_grads` after such a backward and

@@ -148,7 +148,7 @@ def grad_totals(request, monkeypatch):
     GradTotal.SUMMARISE elements), or reduced to probes and a projection at once (larger ones;
     forced here for every parameter)."""
     if request.param == "summarised":
-        from gradhooks.core.checks import GradTotal
+        from gradhooks.core.recorder.totals import GradTotal
         monkeypatch.setattr(GradTotal, "SUMMARISE", 1)
     return request.param
 
@@ -171,7 +171,7 @@ def _one_thread():
 @pytest.fixture(autouse=True)
 def _no_leaked_provenance():
     """Every test leaves torch's function-mode stack as it found it: gradhooks' provenance mode
-    (gradhooks.core.provenance) lives only inside an attached model's forward."""
+    (gradhooks.core.analysis.provenance) lives only inside an attached model's forward."""
     yield
     leaked = torch._C._len_torch_function_stack()
     while torch._C._len_torch_function_stack():

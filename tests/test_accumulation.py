@@ -1,4 +1,4 @@
-"""DP-SGD over logical batches larger than memory (gradhooks.readers.accumulation): micro-batches
+"""DP-SGD over logical batches larger than memory (gradhooks.readers.dp.accumulation): micro-batches
 clipped with accumulate=True, the noise added once and the division by the logical batch size
 done once by finish_step, against the looped clipped mean of the whole logical batch; the
 errors where a gradient would be dropped silently, and the legitimate cases that must not

@@ -10,8 +10,8 @@ from transformers.pytorch_utils import Conv1D
 import gradhooks
 from gradhooks.base.errors import GradHooksError
 from gradhooks.readers import attribution as attr
-from gradhooks.readers.ekfac import EKFACFactors
-from gradhooks.readers.kfac_results import DiagonalFactors, KFACFactors
+from gradhooks.readers.curvature.ekfac import EKFACFactors
+from gradhooks.readers.curvature.kfac_results import DiagonalFactors, KFACFactors
 
 import conftest
 

@@ -279,7 +279,7 @@ def _per_sample_losses(out, w, batch_dim):
 @FALLBACK_OK
 @pytest.mark.parametrize("name", list(MODELS))
 def test_clipped_backward_matches_loop(name, loss_reduction, dtype, monkeypatch):
-    from gradhooks.readers import clipped_backward as clipping
+    from gradhooks.readers.dp import clipped_backward as clipping
 
     streamed = []
     real_finish = clipping._NormStream.finish
@@ -304,7 +304,7 @@ def test_clipped_backward_streams_the_norms(monkeypatch):
     """In the output-edges pass every group of records is reduced (and dropped) as soon as its
     grad_outputs are in: while a later layer's norms are formed, the earlier-reduced ones hold
     nothing any more."""
-    from gradhooks.readers import clipped_backward as clipping
+    from gradhooks.readers.dp import clipped_backward as clipping
 
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
     x, w = torch.randn(5, 4), torch.rand(5)

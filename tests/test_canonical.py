@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from gradhooks.base.registry import find_rule
-from gradhooks.core.records import Layer
+from gradhooks.core.recorder.records import Layer
 from gradhooks.readers.canonical import (
     augmented,
     canonical,

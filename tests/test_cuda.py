@@ -63,7 +63,7 @@ def test_torch_tf32_defaults_attach_and_read_within_tf32(kind):
     """torch's defaults on CUDA round float32 convolutions and RNNs to TF32 in cuDNN
     (``torch.backends.cudnn.allow_tf32``): autograd's own batch gradient is then formed at about
     TF32's precision. The default attach must not raise a false sum-check alarm there
-    (``gradhooks.core.checks.TF32_RTOL``), and its per-sample gradients stay within TF32's
+    (``gradhooks.readers.verify.TF32_RTOL``), and its per-sample gradients stay within TF32's
     rounding of a float32 loop run with TF32 off. (Measured on an H200 before the TF32
     tolerance: GradientMismatchError on Conv3d and RNN layers, 2.8e-3 and 4.5e-4 of the
     summed magnitude, in 123 of 2258 cuda test variants.)"""

@@ -114,7 +114,7 @@ SEQ_KINDS = {"emb": "per-sample", "norm": None, "attn.in_proj_weight": "per-samp
 
 def _rotated_reference(e, ref):
     """(groups, O, I') sum_n (Q_G^T dW_n Q_A)^2 from the looped gradients, in e's eigenbasis."""
-    from gradhooks.readers.ekfac import per_sample_matrices
+    from gradhooks.readers.curvature.ekfac import per_sample_matrices
     kf = e.kfac
     m = per_sample_matrices(kf, ref)  # (N, groups, O, I')
     one = lambda t: t if t is None or kf.groups > 1 else t[None]  # noqa: E731
@@ -174,7 +174,7 @@ def test_embedding_one_sample_is_the_exact_fisher_block():
 def test_coverage_linear_and_float64_eigh():
     """coverage="linear" keeps kronfluence's layers; the eigenbasis is that of a float64 eigh
     cast back (eigh_dtype=float32 gives eigenvectors of the same factors to float32 precision)."""
-    from gradhooks.readers.ekfac import ekfac_factors
+    from gradhooks.readers.curvature.ekfac import ekfac_factors
     torch.manual_seed(5)
     model = SeqModel()
     x, y = torch.randint(0, 7, (3, 5)), torch.randint(0, 3, (3,))

@@ -108,7 +108,7 @@ class TransposedIds(nn.Module):
 @pytest.mark.parametrize("tokens", [4, 3], ids=["T4", "T=B"])
 def test_embedding_of_transposed_ids_in_a_batch_first_model(tokens, loss_reduction, dtype):
     """Provenance finds the batch on dim 1 of the (T, B) ids; the records are relaid out to
-    (B, T) (the embedding is position-wise), exact with T == B too (core/layouts.py)."""
+    (B, T) (the embedding is position-wise), exact with T == B too (core/recorder/layouts.py)."""
     model = TransposedIds().to(dtype)
     x, w = torch.randint(0, V, (3, tokens)), torch.rand(3, dtype=dtype) + 0.5
     loss_fn = weighted_square_loss(loss_reduction, 0)

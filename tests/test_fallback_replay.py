@@ -470,7 +470,7 @@ def test_recurrent_gemma_rg_lru_exact_not_a_raw_torch_error(use_cache):
 def test_tolerance_table_covers_the_float_dtypes():
     """The verification's tolerance is the sum check's (relative to sum_n |value_n|), far
     below what a wrong replay is off by (a factor B, or 4.5e4 in the issue's case)."""
-    from gradhooks.core.checks import SUM_CHECK_RTOL
+    from gradhooks.readers.verify import SUM_CHECK_RTOL
     from gradhooks.rules.fallback_replay import REPLAY_RTOL
     assert REPLAY_RTOL == SUM_CHECK_RTOL
     assert RTOL[torch.float64] < REPLAY_RTOL[torch.float64] < 1e-6

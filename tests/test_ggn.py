@@ -8,7 +8,7 @@ from test_jacobians import Tied, TinyLM, _cnn, loop_jacobians
 from torch import nn
 
 import gradhooks
-from gradhooks.readers.ggn import sqrt_cotangents
+from gradhooks.readers.curvature.ggn import sqrt_cotangents
 from gradhooks.readers.losses import LossModel
 
 RTOL = {torch.float64: 1e-10, torch.float32: 1e-5}

@@ -1,5 +1,5 @@
-"""The projected gradient store (gradhooks.readers.gradient_store) and what goes into it
-(gradhooks.readers.output_functions): rows against per-sample gradients from a float64 loop
+"""The projected gradient store (gradhooks.readers.attribution.gradient_store) and what goes into it
+(gradhooks.readers.attribution.output_functions): rows against per-sample gradients from a float64 loop
 projected by the same matrices (P_g [dW_n db_n] P_a^T for linear layers, R vec(d theta_n) for
 the others), in batches of 0, 1 and several samples; resuming; spec errors; float16; TRAK's
 margin and out-to-loss weights; LESS's Adam transform against a real optimizer state; scores."""
@@ -15,8 +15,8 @@ from torch import nn
 
 import gradhooks
 from gradhooks.base.errors import GradHooksError
-from gradhooks.readers.gradient_store import GradientStore, StoreSpecError
-from gradhooks.readers.output_functions import (
+from gradhooks.readers.attribution.gradient_store import GradientStore, StoreSpecError
+from gradhooks.readers.attribution.output_functions import (
     AdamDirection,
     Identity,
     margin_output,
@@ -24,7 +24,7 @@ from gradhooks.readers.output_functions import (
     trak_margins,
     trak_out_to_loss,
 )
-from gradhooks.readers.projections import project_features, projection
+from gradhooks.readers.attribution.projections import project_features, projection
 
 from conftest import loop_grads
 
@@ -368,7 +368,7 @@ def test_adam_direction_errors():
 def test_scores_are_projected_inner_products(case, tmp_path, monkeypatch):
     model, x, y = _setup(case, torch.float64, n=6)
     xq, yq = x[:2] + 0.5 if x.is_floating_point() else x[:2].flip(1), y[:2]
-    monkeypatch.setattr("gradhooks.readers.gradient_store.CHUNK_ROWS", 4)
+    monkeypatch.setattr("gradhooks.readers.attribution.gradient_store.CHUNK_ROWS", 4)
     store = _fill(tmp_path / "s", model, x, y, [4, 2], dtype=torch.float32, case=case)
     train = project_features(_features(model, x, y, case), KI, KO, SEED)
     query = project_features(_features(model, xq, yq, case), KI, KO, SEED)

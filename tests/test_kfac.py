@@ -687,7 +687,7 @@ class RNNModel(nn.Module):
     def forward(self, x):
         # (made from x, so the unrolled reference's first hh call computes from the batch: a
         # state made from sizes alone is a shared call, recorded as B identical samples,
-        # whose factors count every row for every sample; gradhooks.core.provenance)
+        # whose factors count every row for every sample; gradhooks.core.analysis.provenance)
         h0 = torch.linspace(-1, 1, 4, dtype=x.dtype) + 0 * x[None, :, :1, 0]
         if isinstance(self.rnn, Unrolled):
             h = self.rnn(x, h0)

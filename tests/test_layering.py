@@ -133,6 +133,48 @@ def test_no_module_imports_from_a_layer_above_its_own(module):
                        f"{['gradhooks.' + t for t in above]} from layers above it")
 
 
+
+#: The parts of a layer (its sub-folders) and the other parts of the same layer each may import
+#: (issue 41). ``""``: the modules at the layer's top (the readers' per-sample basics, which
+#: every use shares and which import no use). A layer not named here has no parts.
+PARTS = {
+    "readers": {"": (), "dp": (), "curvature": (), "attribution": ("curvature",)},
+    "core": {"analysis": (), "recorder": ("analysis",)},
+}
+#: Parts reached from outside only through their package's ``__init__`` (one interface).
+INTERFACES = ("core.analysis",)
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in PARTS.get(parts[0], {})) else ""
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _layer(m) in PARTS and m not in PARTS))
+def test_a_part_imports_only_the_parts_it_builds_on(module):
+    layer, part = _layer(module), _part(module)
+    allowed = {part, *PARTS[layer][part]} | ({""} if "" in PARTS[layer] else set())
+    wrong = sorted(t for t in GRAPH[module][0] if _layer(t) == layer and t != layer
+                   and _part(t) not in allowed)
+    assert not wrong, (f"gradhooks.{module} (part {part or 'top'!r} of {layer!r}) imports "
+                       f"{['gradhooks.' + t for t in wrong]}: parts it does not build on")
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_an_interface_is_the_only_way_in(module):
+    inside = sorted(t for t in GRAPH[module][0] for i in INTERFACES
+                    if t.startswith(i + ".") and not (module == i or module.startswith(i + ".")))
+    assert not inside, (f"gradhooks.{module} imports {['gradhooks.' + t for t in inside]}: "
+                        f"import from the package's interface ({INTERFACES}) instead")
+
+
+def test_every_part_says_what_it_may_import():
+    for layer, parts in PARTS.items():
+        for part in parts:
+            doc = ast.get_docstring(ast.parse(open(MODULES[f"{layer}.{part}".strip(".")]).read()))
+            assert "may import" in (doc or "").lower(), f"gradhooks.{layer}.{part}: says nothing"
+
+
 def test_no_import_inside_a_function():
     nested = [place for m in MODULES for place in GRAPH[m][1]]
     assert not nested, f"imports inside functions or classes: {nested}"

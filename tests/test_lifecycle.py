@@ -15,7 +15,7 @@ import torch.nn.modules.module as torch_module
 from torch import nn
 
 import gradhooks
-from gradhooks.core.capture import Recorder, is_hooked
+from gradhooks.core.recorder.capture import Recorder, is_hooked
 
 from conftest import RTOL, loop_grads, weighted_square_loss
 

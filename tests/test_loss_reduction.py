@@ -101,7 +101,7 @@ def test_padding_with_equal_counts_or_one_sample_allowed(valid):
 
 def test_loss_backward_of_an_in_forward_token_mean_is_refused_at_the_read():
     """With a plain loss.backward() the loss is not handed to gradhooks, but transformers
-    computes it inside the forward, where provenance sees it (gradhooks.core.token_means):
+    computes it inside the forward, where provenance sees it (gradhooks.core.analysis.token_means):
     the read refuses it (tests/test_token_mean_in_forward.py has the other cases)."""
     model = gpt2()
     ids, labels = padded()
@@ -167,7 +167,7 @@ def test_matching_reduction_allowed_and_exact(declared, losses):
     ids=["mean-declared", "sum-declared"])
 def test_contradicting_reduction_refused_after_plain_backward(declared, losses, wrong, factor,
                                                               dtype):
-    """loss.backward() (gradhooks.core.backward_losses): the pass's root shows the reduction,
+    """loss.backward() (gradhooks.core.analysis.backward_losses): the pass's root shows the reduction,
     the read refuses, every read."""
     model = mlp().to(dtype)
     x, y = data()

@@ -6,9 +6,9 @@ Their router (``MixtralTopKRouter``: a raw ``(E, D)`` weight read with ``F.linea
 tensors, read per expert as ``F.linear(hidden[token_idx], gate_up_proj[e])`` and summed back
 with ``index_add_``) are modules without a rule. Provenance follows each token row's sample
 through the routing (``hidden[token_idx]``: rows of the samples ``token_idx // T``,
-:class:`gradhooks.core.batch_dims.Routed`), and each ``F.linear`` whose weight is such a
+:class:`gradhooks.core.analysis.batch_dims.Routed`), and each ``F.linear`` whose weight is such a
 module's parameter (or an expert's slice of one) forms every sample's gradient from its own
-rows there (gradhooks/core/rows.py), written into the 3-D parameter's slice. The
+rows there (gradhooks/core/analysis/rows.py), written into the 3-D parameter's slice. The
 load-balancing loss (``output_router_logits=True``) mixes the samples and is refused.
 
 Exactness: both models compute in float32 inside a float64 model (the router's softmax,
@@ -20,7 +20,7 @@ transformers' default experts implementation (``"grouped_mm"``: the ``(B * T * t
 token rows sorted by expert, ``hidden[perm // top_k]``, one ``torch._grouped_mm`` over the raw
 ``(E, I, O)`` weights with the experts' offsets, the rows put back by ``[inv_perm]`` and summed
 over the top-k slots) is followed the same way: each sample's gradient of each expert from its
-own rows of the grouped product (gradhooks/core/rows.py, ``grouped_meeting``). torch's grouped
+own rows of the grouped product (gradhooks/core/analysis/rows.py, ``grouped_meeting``). torch's grouped
 product takes no doubles, so the float64 checks run transformers' own fallback of it (its
 ``grouped_mm_fallback`` custom op, which it uses where the kernel cannot run), and the kernel
 itself is checked in float32.
@@ -291,7 +291,7 @@ def test_other_moe_decoders_as_shipped(name, t, grouped_mm_in_float64):
     """OLMoE, Qwen3-MoE, DeepSeek-V3 (its router flattens the (B, T, D) input to token rows
     itself, a group-limited top-k with a correction bias; a dense first block and a shared
     expert) and GPT-OSS (biased router; experts with (E, I, O) weights and per-expert biases
-    added to the routed rows, ``bias[expert_ids]``: gradhooks.core.rows.gathered_meeting; a
+    added to the routed rows, ``bias[expert_ids]``: gradhooks.core.analysis.rows.gathered_meeting; a
     clamped gate) with their default experts, as shipped (float32 routers inside a float64 model: to
     1e-6, as test_moe_as_shipped)."""
     torch.manual_seed(0)

@@ -129,7 +129,7 @@ def against_loop(model, run, inputs, loss, quiet=()):
     (but those whose message contains one of ``quiet``: modules of other families).
 
     ``check=False``: these models compute in float32 inside, which makes the sum check report a
-    false mismatch at float64 (being fixed in gradhooks/core/checks.py, issue 30's sibling work);
+    false mismatch at float64 (being fixed in gradhooks/readers/verify.py, issue 30's sibling work);
     the loop is the reference here."""
     ref = loop_grads(model, run, inputs, loss)
     with warnings.catch_warnings(record=True) as caught:

@@ -10,7 +10,7 @@ from torch import nn
 
 from gradhooks.base.errors import BatchSizeError
 from gradhooks.base.registry import find_rule
-from gradhooks.core.placement import (
+from gradhooks.core.recorder.placement import (
     BATCHED,
     PLANNED,
     SHARED,
@@ -24,7 +24,7 @@ from gradhooks.core.placement import (
     relayout,
     shared_call_layout,
 )
-from gradhooks.core.records import Layer
+from gradhooks.core.recorder.records import Layer
 
 B = T = 4  # T == B: sizes never tell where the batch is
 D = 3

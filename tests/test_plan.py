@@ -1,12 +1,12 @@
 """The norm plan (:mod:`gradhooks.readers.plan`): the kind chosen per parameter, the templates kept per
-call structure (the recorder's :class:`~gradhooks.core.records.Memo`), and :func:`~gradhooks.readers.plan.squared_norms`
+call structure (the recorder's :class:`~gradhooks.core.recorder.records.Memo`), and :func:`~gradhooks.readers.plan.squared_norms`
 against a loop of autograd, in float64."""
 import pytest
 import torch
 from torch import nn
 
 import gradhooks
-from gradhooks.core.records import Memo
+from gradhooks.core.recorder.records import Memo
 from gradhooks.readers import plan as plan_mod
 from gradhooks.readers.plan import (
     CLOSED,
@@ -19,6 +19,7 @@ from gradhooks.readers.plan import (
     squared_norms,
     use_gram,
 )
+from gradhooks.readers.verify import Evidence
 
 from conftest import loop_grads, weighted_square_loss
 
@@ -109,7 +110,10 @@ def test_squared_norms_match_loop(form, monkeypatch):
     with gradhooks.attach(model, loss_reduction="sum", check="always") as gh:
         batch = _batch(gh, model, x, w)
         plans, units = plan(batch)
-        sq = squared_norms(batch, plans, units, Forms(batch, plans))
+        evidence = Evidence(batch)
+        sq = squared_norms(batch, plans, units, Forms(batch, plans), evidence)
+        assert evidence.due and (evidence.probes or evidence.projections)
+        evidence.judge()
     for pid, p in plans.items():
         torch.testing.assert_close(sq[pid], ref[p.name].flatten(1).square().sum(1),
                                    rtol=1e-10, atol=1e-12, msg=p.name)

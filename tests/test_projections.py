@@ -6,7 +6,7 @@ from test_ggn import MODELS, close
 from test_gram import CASES, _loss
 
 import gradhooks
-from gradhooks.readers.projections import projection
+from gradhooks.readers.attribution.projections import projection
 
 from conftest import loop_grads
 

@@ -1,4 +1,4 @@
-"""Shared calls decided by where tensors came from (gradhooks.core.provenance), never by their sizes:
+"""Shared calls decided by where tensors came from (gradhooks.core.analysis.provenance), never by their sizes:
 layers called on inputs that are the same for every sample (a learned query, a (T, T) bias made
 from sizes, an initial state made from the batch size), whose outputs meet the batch by
 broadcasting or row by row, against a loop in float64 and float32, at batch sizes 0, 1, several
@@ -373,7 +373,7 @@ def test_batch_dim_followed_through_ops_as_the_meta_replay_finds_it(i):
     """The batch dim's fast rules (transpose, matmul, reductions, indexing ...) agree with the
     replay on meta tensors whose batch dim has a size no other dim has, with every dim of the
     real tensors of equal size (T == B == heads)."""
-    from gradhooks.core.batch_dims import _on_meta, batch_dim_after
+    from gradhooks.core.analysis.batch_dims import _on_meta, batch_dim_after
     x, w = torch.randn(2, 2, 4), torch.randn(4, 4)
     func, args, kwargs = _ops(x, w)[i]
     ref = next(a for a in args if isinstance(a, torch.Tensor)) if func not in (torch.cat, torch.stack) else x
@@ -392,7 +392,7 @@ def test_batch_dim_kept_by_views_that_keep_the_dims_before_it(shape, bd, out_sha
     """A view / reshape keeps the batch dim where the product of the dims before it is kept and
     the next dim has its size; merged with the dims after it, it is kept as (dim, inner) (the
     samples the outer factor); merged with a dim before it, it is lost."""
-    from gradhooks.core.provenance import batch_dim_after
+    from gradhooks.core.analysis.provenance import batch_dim_after
     x = torch.zeros(shape)
     out = x.reshape(out_shape)
     assert batch_dim_after(torch.Tensor.reshape, (x, *out_shape), {}, x, bd, [(x, bd)], out) == expected
@@ -482,7 +482,7 @@ def test_batch_merged_with_heads_is_followed_back_to_its_own_dim():
     """Attention code that runs bmm over samples x heads: (B, H, T, d) -> (B*H, T, d) ->
     transpose -> (T, B*H, d) -> view (T, B, H*d); with B == T == H the sizes cannot tell, the
     flat layout can."""
-    from gradhooks.core.provenance import batch_dim_after
+    from gradhooks.core.analysis.provenance import batch_dim_after
     x = torch.zeros(3, 3, 3, 5)
     steps = [(torch.Tensor.reshape, lambda t: (t, 9, 3, 5)), (torch.Tensor.transpose, lambda t: (t, 0, 1)),
              (torch.Tensor.contiguous, lambda t: (t,)), (torch.Tensor.view, lambda t: (t, 3, 3, 15))]
@@ -501,7 +501,7 @@ def test_provenance_follows_the_batch_dim_not_the_sizes():
     """Directly on a Provenance (no model, no hooks): with T == B the batch dim after a transpose
     is the one the data flow moved it to, a (B * T, D) view merges it with the positions, and a
     tensor not computed from the batch is not batched whatever its sizes."""
-    from gradhooks.core.provenance import Provenance
+    from gradhooks.core.analysis.provenance import Provenance
 
     b = t = 4
     x = torch.randn(b, t, 3)

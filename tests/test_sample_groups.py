@@ -237,7 +237,7 @@ CASES = [(m, i) for m in ("mlp", "conv", "seq", "dpo") for i in IDS
 def test_batch_of_graphs_is_refused(dtype):
     """Message passing between a graph's nodes (``index_add`` along the node rows), the graphs
     declared as samples: the op table cannot prove that the scatter stays inside one declared
-    sample (gradhooks.core.separation; proving it from the ids is not built), and the model's
+    sample (gradhooks.core.analysis.separation; proving it from the ids is not built), and the model's
     inputs (node rows and an edge list) cannot be sliced for the forward-alone check, so every
     read is refused naming ``index_add``: never a silently wrong number."""
     case = make("graph", "unequal", dtype)

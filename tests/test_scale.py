@@ -455,7 +455,7 @@ class TestBertBase(_Tier):
     spec = BERT
 
     def test_kfac_factors(self, case):
-        """KFAC-expand factors (conventions: gradhooks/readers/kfac.py) of a query projection, the last
+        """KFAC-expand factors (conventions: gradhooks/readers/curvature/kfac.py) of a query projection, the last
         feed-forward input layer, the classifier and the word embedding, against factors formed
         here from each layer's input ``a`` and grad_output (``w e``, ``w = 1/B``):
         ``A = ã^T ã / (B R)`` (``ã = [a, 1]``, ``R`` tokens per sample; for the embedding the

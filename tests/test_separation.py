@@ -1,5 +1,5 @@
 """Forward separation, proven (issue 38, points 1 and 2): the table of ops that keep the samples
-apart is a whitelist (gradhooks/core/separation.py).
+apart is a whitelist (gradhooks/core/analysis/separation.py).
 
 * Every op family of the whitelist on batch-carrying tensors (``h``: ``(B, 6)``, the output of a
   hooked Linear): per-sample gradients exact against a float64 loop, *with the forward-alone
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
-import gradhooks.core.placement as placement
+import gradhooks.core.recorder.placement as placement
 
 from conftest import assert_close_to_loop, loop_grads
 
@@ -324,7 +324,7 @@ def test_an_unknown_op_is_refused_when_no_check_is_possible():
 
 
 def test_the_check_leaves_the_random_streams_and_modes_as_they_were():
-    from gradhooks.core.alone import forward_alone
+    from gradhooks.core.analysis.alone import forward_alone
     model = Between(nn.Dropout(0.5)).double().train()
     model.b.eval()  # (a mode set per module stays)
     x, _ = _batch(4)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
-import gradhooks.core.attachment
+import gradhooks.core.recorder.attachment
 
 from conftest import assert_close_to_loop, loop_grads
 
@@ -98,7 +98,7 @@ def test_scripted_submodule_is_refused_at_attach():
     with pytest.raises(gradhooks.UnsupportedModuleError,
                        match=r"'2' \(Linear\) is a TorchScript module.*no Python hooks"):
         gradhooks.attach(model)
-    assert not gradhooks.core.attachment.is_hooked(model)
+    assert not gradhooks.core.recorder.attachment.is_hooked(model)
     for p in model[2].parameters():  # a frozen scripted module: nothing to record there
         p.requires_grad_(False)
     with gradhooks.attach(model) as gh:

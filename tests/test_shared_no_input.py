@@ -2,7 +2,7 @@
 its own parameters (called with no tensor, or with a window size), which then meets the batch.
 BEiT's and HF Swin's relative position bias tables, a learned query, prompt tokens. The
 module's own parameters become sources of their own (as raw parameters are,
-gradhooks.core.provenance): each one's per-sample gradient is pulled back from where the
+gradhooks.core.analysis.provenance): each one's per-sample gradient is pulled back from where the
 module's output meets the batch, through the module's own ops. Per-sample gradients and norms
 against a loop of batches of one, float64 (and float32 for the toys), B = 3, B = 1 and the
 tokens' count equal to B."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gradhooks.base.forms import SQ_NORM_CHUNK, sq_norms
-from gradhooks.core.checks import SUM_CHECK_PROBES, GradTotal, _probe_index
+from gradhooks.core.recorder.totals import SUM_CHECK_PROBES, GradTotal, _probe_index
 
 
 @pytest.mark.parametrize("numel", [257, 2**24 - 1, 2**24 + 1, 2**24 + 3, 50257 * 768,

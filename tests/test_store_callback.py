@@ -26,8 +26,8 @@ import gradhooks  # noqa: E402
 from gradhooks import per_sample_token_loss  # noqa: E402
 from gradhooks.base.errors import GradHooksError  # noqa: E402
 from gradhooks.integrations.store_callback import GradientStoreCallback, SampleIndexDataset  # noqa: E402
-from gradhooks.readers.gradient_store import GradientStore, StoreSpecError  # noqa: E402
-from gradhooks.readers.projections import projection  # noqa: E402
+from gradhooks.readers.attribution.gradient_store import GradientStore, StoreSpecError  # noqa: E402
+from gradhooks.readers.attribution.projections import projection  # noqa: E402
 
 KI, KO, SEED, N = 3, 2, 5, 10
 MODULE = "transformer.h"

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
-from gradhooks.core.checks import GradTotal, check_sums, formed_in
+from gradhooks.core.recorder.totals import GradTotal, formed_in
+from gradhooks.readers.verify import check_sums
 
 import zoo_imports
 

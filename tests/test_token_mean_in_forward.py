@@ -1,7 +1,7 @@
 """A token-level mean loss computed inside the forward (issue 29, first row): transformers'
 ``model(ids, labels=labels).loss`` on a padded batch is one mean over all ``N`` valid tokens,
 so per-sample gradients read after a plain ``loss.backward()`` would be ``B N_n / N`` times each
-sample's own token-mean gradient; the reads refuse them (gradhooks.core.token_means), on the
+sample's own token-mean gradient; the reads refuse them (gradhooks.core.analysis.token_means), on the
 tracked first forward and on the untracked later ones of the same input signature. Unpadded
 batches (equal counts) are exact against a loop of each sample alone with its own loss.
 GPT-2 and BART from tiny configs, float64, no dropout.

@@ -1,7 +1,7 @@
 """A token-level mean loss computed after the forward, then a plain ``loss.backward()`` (issue 29,
 first row, in the hand-written fine-tuning loop): the loss is a mean over all ``N`` valid tokens
 of the batch, so per-sample results would be ``B N_n / N`` times each sample's own token-mean
-gradient. The backward's roots show the loss (gradhooks.core.backward_losses) and the reads
+gradient. The backward's roots show the loss (gradhooks.core.analysis.backward_losses) and the reads
 refuse it; equal counts, one sample, and per-sample losses stay exact against a loop of each
 sample alone with its own loss. GPT-2 from a tiny config, float64 and float32, no dropout.
 """
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import gradhooks
 from gradhooks.base.errors import UnsupportedLossError
-from gradhooks.core.backward_losses import ENGINE_FRAME
+from gradhooks.core.analysis.backward_losses import ENGINE_FRAME
 
 import zoo_imports
 

@@ -3,7 +3,7 @@
 clipping in float64 against looped autograd (1e-10 relative to the largest entry).
 
 Default position ids, T5's relative-position buckets and BART's positions are shared calls,
-decided by provenance (gradhooks/core/provenance.py); ViT's and ConvNeXt's raw parameters are priced at
+decided by provenance (gradhooks/core/analysis/provenance.py); ViT's and ConvNeXt's raw parameters are priced at
 their own ops; Swin's parent reads its child Linears' weights with F.linear, and the parent's
 torch.func replay covers them.
 Needs the ``zoo`` extra (also in ``test``): a missing library fails the test.
@@ -301,7 +301,7 @@ def tv_swin(m):
 
 # Modules with parameters but no rule (their class names), per model; every other module with
 # parameters must have a rule. The raw parameters of containers are priced at their own ops
-# (gradhooks.core.provenance), the others replayed by the torch.func fallback.
+# (gradhooks.core.analysis.provenance), the others replayed by the torch.func fallback.
 FALLBACK = {
     "timm-vit-tiny-layerscale": {"VisionTransformer"},  # cls_token, pos_embed
     "timm-convnext-atto": {"ConvNeXtBlock"},  # gamma, applied by the block itself
@@ -326,7 +326,7 @@ FALLBACK = {
     "hf-swin": {"SwinRelativePositionBias"},
     "timm-swin": {"WindowAttention"},
     # The routers' raw (E, D) weights and the experts' raw 3-D weights, read with F.linear on
-    # the routed token rows: taken at those ops, each row's sample followed (core/rows.py).
+    # the routed token rows: taken at those ops, each row's sample followed (core/analysis/rows.py).
     "mixtral": {"MixtralTopKRouter", "MixtralExperts"},
     "qwen2-moe": {"Qwen2MoeTopKRouter", "Qwen2MoeExperts"},
 }
@@ -433,7 +433,7 @@ def test_zoo_model_matches_loop(name, build, device):
 # Models that compute parts in float32 inside a float64 model (norms, Mamba's scan, MoE routers'
 # softmax; tests/test_moe.py swaps those for float64 and checks 1e-10): exact to
 # float32's precision, with the default attach (its sum check judges those parameters at the
-# precision autograd formed their gradients in: gradhooks/core/checks.py).
+# precision autograd formed their gradients in: gradhooks/core/recorder/totals.py).
 FLOAT32_INSIDE = {"gemma": gemma, "mamba": mamba, "mixtral": moe("mixtral"),
                   "qwen2-moe": moe("qwen2-moe")}
 
@@ -472,7 +472,7 @@ def test_zoo_float32_inside_matches_loop(name, t):
 def test_zoo_length_equal_to_batch(name):
     """T == B: position ids (1, T) or (B, T) made from sizes, and T5's (T, T) relative-position
     buckets, have the batch size on their first dim by coincidence; gradhooks follows where
-    they came from (gradhooks.core.provenance), so they stay shared calls and the per-sample
+    they came from (gradhooks.core.analysis.provenance), so they stay shared calls and the per-sample
     gradients and norms equal the loop's (a size read as the batch dim would give the
     per-query-position split instead, with the same sum). Two batches of one signature: the
     first is tracked, the second follows its plan (BERT, GPT-2: positions handed to the

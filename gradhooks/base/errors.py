@@ -90,7 +90,7 @@ class GradientMismatchError(GradHooksError):
     """The per-sample gradients do not sum to the gradient autograd computed for a parameter.
 
     The message gives the difference, the tolerance and the dtype it was judged at (the
-    precision autograd formed the gradient in: :func:`gradhooks.core.checks.formed_in`), and a
+    precision autograd formed the gradient in: :func:`gradhooks.core.recorder.totals.formed_in`), and a
     cause only where one is established (gradient hooks registered before attach); a
     difference far above rounding is what a parameter that also receives gradient outside the
     module that owns it (``x @ layer.weight.T``), a module that mixes the samples, or a captured
@@ -118,7 +118,7 @@ class AccumulationError(GradHooksError):
 
     Raised by :meth:`~gradhooks.GradHooks.clip_and_accumulate`,
     :meth:`~gradhooks.GradHooks.clipped_backward` and :meth:`~gradhooks.GradHooks.finish_step`
-    (:mod:`gradhooks.readers.accumulation`): ``param.grad`` still holds the gradient of an earlier
+    (:mod:`gradhooks.readers.dp.accumulation`): ``param.grad`` still holds the gradient of an earlier
     batch's ``loss.backward()`` that no clip read (clipping would overwrite it); a plain clip
     while micro-batches are accumulated (call it with ``accumulate=True``, then
     ``finish_step()``); a micro-batch clipped into the accumulation twice; ``finish_step()``
@@ -134,7 +134,7 @@ class SampleMixingError(GradHooksError):
 
     Each sample's output then depends on the other samples, and what the hooks record is each
     sample's contribution to the batch gradient, not the gradient of its own loss; the sum check
-    cannot see it. Raised at the read (:mod:`gradhooks.core.mixing`); the message names the op,
+    cannot see it. Raised at the read (:mod:`gradhooks.core.analysis.mixing`); the message names the op,
     the module upstream of it and the line of the forward, and says what to do (compute the
     statistic outside the forward, ``.detach()`` it, or ``attach(..., allow_sample_mixing=True)``
     to accept the contributions).
@@ -151,10 +151,10 @@ class SampleIdsError(GradHooksError, ValueError):
 class UnprovenOpError(SampleMixingError):
     """The model's forward runs an op on tensors that carry the batch (and a parameter's
     gradient) that no rule of gradhooks' table proves keeps the samples apart
-    (:mod:`gradhooks.core.separation`: an ``einsum`` that pairs or contracts the batch letter, a
+    (:mod:`gradhooks.core.analysis.separation`: an ``einsum`` that pairs or contracts the batch letter, a
     ``scatter`` / ``index_add`` along the batch dim, indexing that drops the batch dim and is
     broadcast back, a custom ``autograd.Function``, an op the table does not know), and the
-    check of the forward alone (:mod:`gradhooks.core.alone`: one sample run alone reproduces its
+    check of the forward alone (:mod:`gradhooks.core.analysis.alone`: one sample run alone reproduces its
     row of the batched output) failed or was not possible.
 
     Raised at the read; the message names the op, the module upstream of it, the line of the
@@ -200,6 +200,6 @@ class UnsupportedLossError(GradHooksError, TypeError):
     one batch loss broadcast to ``B`` "per-sample" losses
     (:mod:`gradhooks.readers.loss_reduction`); or, at a read, a loss whose split into
     per-sample terms its graph does not prove while the samples' valid-token counts differ (a
-    class-weighted mean whatever the counts; :mod:`gradhooks.core.backward_losses`), or a
+    class-weighted mean whatever the counts; :mod:`gradhooks.core.analysis.backward_losses`), or a
     constant factor on the loss that a DP read cannot read (the message names the counts or the
     loss's ops and the ways out)."""

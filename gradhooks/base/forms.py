@@ -44,7 +44,7 @@ class Call(NamedTuple):
     (ints, ``None``, ``PackedSequence`` fields ...) are kept as they were. ``internal``: what
     the rule's :meth:`LayerRule.internal` asked to record for this call (``None`` otherwise).
     ``shared``: for a call on inputs that are the same for every sample (a shared call,
-    :mod:`gradhooks.core.provenance`), how its first input was made a batch of ``B`` identical samples:
+    :mod:`gradhooks.core.analysis.provenance`), how its first input was made a batch of ``B`` identical samples:
     ``"expand"`` (its leading dim of size 1 expanded) or ``"prepend"`` (a new leading dim);
     ``"param"``: no call, a raw parameter whose per-sample gradients are its cotangents where it
     meets the batch; ``None`` for an ordinary call. ``dims``: for a call whose tensors carry the

@@ -1,7 +1,7 @@
 """Per-sample gradients as sums of row outer products per segment, kept factored until read:
 the cotangent of a grouped product's weight (a mixture of experts' ``(E, O, I)`` weight on the
 token rows routed to each expert) or of a weight read slice by slice (``weight[e]`` in a loop
-over the experts), :mod:`gradhooks.core.rows`.
+over the experts), :mod:`gradhooks.core.analysis.rows`.
 
 Index conventions: ``r`` a row, ``n`` the sample, ``e`` the group (expert), ``k = n * E + e``
 the key of a ``(sample, group)`` segment. With rows ``u (R, U)``, ``v (R, V)`` and their keys::
@@ -38,8 +38,8 @@ LOOP_KEYS = 1024
 
 def routed_layout(samples: Tensor, size: int) -> tuple:
     """``("routed", order, sample, at, size, longest)`` (:func:`per_key_rows`; the layout of
-    :func:`gradhooks.core.layouts.relayout`) for rows of
-    ``samples`` (a :class:`~gradhooks.core.batch_dims.Routed` batch: row ``r`` of sample
+    :func:`gradhooks.core.recorder.layouts.relayout`) for rows of
+    ``samples`` (a :class:`~gradhooks.core.analysis.batch_dims.Routed` batch: row ``r`` of sample
     ``samples[r]``, in any order): the rows laid out per sample, ``(size, longest, ...)``, each
     sample's rows first in their order, zeros after them (a new tensor). A position-wise layer's
     per-sample results are linear in its grad_output, so the zero rows add nothing: an expert
@@ -134,7 +134,7 @@ class Segments:
     :attr:`device`, :attr:`requires_grad` as the dense tensor's; ``+`` adds (rows of the same
     layout are concatenated; a tensor gets :meth:`dense` added, torch's error for one of
     another shape). The rows carry no autograd graph (a differentiable read forms the tensor
-    in the backward instead, :mod:`gradhooks.core.rows`).
+    in the backward instead, :mod:`gradhooks.core.analysis.rows`).
     """
 
     __slots__ = ("u", "v", "key", "size", "param_shape")

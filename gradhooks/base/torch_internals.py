@@ -37,15 +37,15 @@ RUN_ON = ("2.13.0", "2.14.1")
 
 #: The frame of ``torch.autograd.graph._engine_run_backward``, the function
 #: ``Tensor.backward`` and ``torch.autograd.grad`` call the C++ engine from: the frame walk of
-#: :mod:`gradhooks.core.backward_losses` finds the loss of a backward pass above it.
+#: :mod:`gradhooks.core.analysis.backward_losses` finds the loss of a backward pass above it.
 ENGINE_FRAME = "_engine_run_backward"
 
 #: The flags torch keeps beside a global forward hook under its handle's id
-#: (``torch.nn.modules.module``), removed with the hook (:func:`gradhooks.core.graph.remove_handles`).
+#: (``torch.nn.modules.module``), removed with the hook (:func:`gradhooks.core.recorder.graph.remove_handles`).
 GLOBAL_HOOK_FLAGS = ("_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called")
 
 #: ``torch._C._current_autograd_node()``: the node the engine is running (the output-edges
-#: pass checks it is the one it tagged; :mod:`gradhooks.core.backward_pass`).
+#: pass checks it is the one it tagged; :mod:`gradhooks.core.recorder.backward_pass`).
 current_autograd_node = getattr(torch._C, "_current_autograd_node", None)
 #: ``torch._C._current_graph_task_id()``: ``-1`` outside a backward pass (a forward inside one
 #: is a checkpoint's recomputation; one id per backward call).
@@ -60,7 +60,7 @@ is_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor
 #: ``torch._grouped_mm`` (MoE experts' grouped products; ``None`` where torch has none).
 grouped_mm = getattr(torch, "_grouped_mm", None)
 
-#: ``torch.compile``'s wrapper (its ``_orig_mod`` is the model; :mod:`gradhooks.core.attachment`).
+#: ``torch.compile``'s wrapper (its ``_orig_mod`` is the model; :mod:`gradhooks.core.recorder.attachment`).
 from torch._dynamo.eval_frame import OptimizedModule  # noqa: E402
 
 #: FSDP2's sharded tensors (:mod:`gradhooks.readers.distributed`); ``None`` where
@@ -72,9 +72,9 @@ except ImportError:  # (refused where used: no DTensor parameter can exist then)
 
 #: Saved attributes of autograd nodes read by name (``node._saved_<name>``), per node type:
 #: the loss nodes whose reduction, target and weight say how the loss of a backward pass is
-#: reduced (:mod:`gradhooks.core.backward_losses`, :mod:`gradhooks.readers.loss_reduction`) and
+#: reduced (:mod:`gradhooks.core.analysis.backward_losses`, :mod:`gradhooks.readers.loss_reduction`) and
 #: the indexing / transpose / select nodes of routed rows and experts' weights
-#: (:mod:`gradhooks.core.rows`). (Attention's ``ScaledDotProduct*Backward0._saved_output`` is
+#: (:mod:`gradhooks.core.analysis.rows`). (Attention's ``ScaledDotProduct*Backward0._saved_output`` is
 #: read too, optionally: without it the attention rule replays the call.)
 SAVED: Dict[str, Tuple[str, ...]] = {
     "NllLossBackward0": ("reduction", "target", "weight", "ignore_index", "self"),
@@ -100,7 +100,7 @@ PRIVATE_ATTRIBUTES: Dict[str, Tuple[str, ...]] = {
 
 #: torch's private modules imported by name elsewhere (module: the names taken from it):
 #: pytree walks of args and outputs (base.utils, core, readers, rules), the functions that mark a
-#: recurrent call (``torch._VF``) or an aten op (``torch._ops.OpOverload``; core.batch_dims),
+#: recurrent call (``torch._VF``) or an aten op (``torch._ops.OpOverload``; core.analysis.batch_dims),
 #: and the dispatch mode of the kinks tool (tools.kinks).
 PRIVATE_MODULES: Dict[str, Tuple[str, ...]] = {
     "torch.utils._pytree": ("tree_flatten", "tree_map", "tree_unflatten"),

@@ -215,6 +215,6 @@ def flatten(obj) -> Tuple[list, object]:
 
 
 #: Attribute set (``True``) on a per-sample cotangent gradhooks formed itself and handed to one
-#: record only (a linear or grouped meeting's ``(B, *param.shape)``: gradhooks.core.rows): a read
+#: record only (a linear or grouped meeting's ``(B, *param.shape)``: gradhooks.core.analysis.rows): a read
 #: that releases the record may scale it in place instead of copying it.
 OWNED = "_gradhooks_owned"

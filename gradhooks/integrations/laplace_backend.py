@@ -29,8 +29,8 @@ points; ``G`` the gradient covariance of the summed loss), from
 
 Where gradhooks computes it: ``jacobians`` (:func:`~gradhooks.readers.jacobians.per_sample_jacobians`,
 ``C`` backward passes), ``gradients`` (per-sample gradients), ``diag`` (the GGN diagonal from
-``C`` backward passes, :func:`~gradhooks.readers.ggn.ggn_diag`; the EF diagonal in closed form),
-``full`` (``V^T V`` from the GGN's square root, :func:`~gradhooks.readers.ggn.ggn_sqrt`; ``G^T G`` for
+``C`` backward passes, :func:`~gradhooks.readers.curvature.ggn.ggn_diag`; the EF diagonal in closed form),
+``full`` (``V^T V`` from the GGN's square root, :func:`~gradhooks.readers.curvature.ggn.ggn_sqrt`; ``G^T G`` for
 the EF), ``kron``. ``jacobians(enable_backprop=True)`` (differentiable Jacobians, used by
 laplace's ``enable_backprop`` option) attaches with ``differentiable=True`` and reads with
 ``create_graph=True`` (:func:`~gradhooks.readers.jacobians.per_sample_jacobians`); a model with a layer
@@ -50,7 +50,7 @@ from torch import Tensor, nn
 from ..base.errors import GradHooksError
 from ..fisher import kfac as _kfac_driver
 from ..hooks import attach
-from ..readers.kfac import DiagonalFactors
+from ..readers.curvature.kfac import DiagonalFactors
 
 __all__ = ["GradHooksGGN", "GradHooksEF"]
 
@@ -205,7 +205,7 @@ class GradHooksGGN(_GradHooksInterface, GGNInterface):
 
     def full(self, x, y, **kwargs: Any) -> Tuple[Tensor, Tensor]:
         """``(factor * loss, factor * GGN (P, P))`` with ``GGN = V^T V`` (the square root of
-        :func:`gradhooks.readers.ggn.ggn_sqrt`, ``C`` or ``num_samples`` backward passes)."""
+        :func:`gradhooks.readers.curvature.ggn.ggn_sqrt`, ``C`` or ``num_samples`` backward passes)."""
         with torch.enable_grad(), self._attach() as gh:
             f = self.model(x)
             self._check_covered(gh)
@@ -215,7 +215,7 @@ class GradHooksGGN(_GradHooksInterface, GGNInterface):
         return self.factor * loss, self.factor * (v.t() @ v)
 
     def diag(self, x, y, **kwargs: Any) -> Tuple[Tensor, Tensor]:
-        """``(factor * loss, factor * diag(GGN) (P,))`` (:func:`gradhooks.readers.ggn.ggn_diag`)."""
+        """``(factor * loss, factor * diag(GGN) (P,))`` (:func:`gradhooks.readers.curvature.ggn.ggn_diag`)."""
         with torch.enable_grad(), self._attach() as gh:
             f = self.model(x)
             self._check_covered(gh)
@@ -242,7 +242,7 @@ class GradHooksEF(_GradHooksInterface, EFInterface):
 
     def diag(self, x, y, **kwargs: Any) -> Tuple[Tensor, Tensor]:
         """``(factor * loss, factor * sum_n g_n^2)`` without per-sample gradients for Linear
-        layers (:func:`gradhooks.readers.ggn.empirical_fisher_diag`)."""
+        layers (:func:`gradhooks.readers.curvature.ggn.empirical_fisher_diag`)."""
         with torch.enable_grad(), self._attach() as gh:
             f = self.model(x)
             self._check_covered(gh)

@@ -1,5 +1,5 @@
 """Data attribution while training: a Hugging Face ``TrainerCallback`` that writes the projected
-:class:`~gradhooks.readers.gradient_store.GradientStore` from the training batches' own records
+:class:`~gradhooks.readers.attribution.gradient_store.GradientStore` from the training batches' own records
 (no second forward or backward pass)::
 
     from gradhooks.integrations.store_callback import GradientStoreCallback
@@ -60,7 +60,7 @@ import transformers
 
 from ..base.errors import GradHooksError
 from ..hooks import attach
-from ..readers.gradient_store import GradientStore, StoreSpecError
+from ..readers.attribution.gradient_store import GradientStore, StoreSpecError
 
 __all__ = ["GradientStoreCallback", "SampleIndexDataset"]
 
@@ -96,13 +96,13 @@ class SampleIndexDataset(torch.utils.data.Dataset):
 
 
 class GradientStoreCallback(transformers.TrainerCallback):
-    """Writes the projected :class:`~gradhooks.readers.gradient_store.GradientStore` of the
+    """Writes the projected :class:`~gradhooks.readers.attribution.gradient_store.GradientStore` of the
     training batches during ``trainer.train()`` (module docstring).
 
     Args:
         path: the store's folder (created, or reopened and continued when resuming).
         k_in, k_out, seed, dtype: the store's projection sizes, seed and storage dtype
-            (:class:`~gradhooks.readers.gradient_store.GradientStore`; ``K = k_in k_out`` per
+            (:class:`~gradhooks.readers.attribution.gradient_store.GradientStore`; ``K = k_in k_out`` per
             layer and per other parameter).
         module: the path of the submodule whose layers the store covers (``"transformer.h"``:
             GPT-2's blocks), or ``None`` for the whole model. Only its trainable parameters are

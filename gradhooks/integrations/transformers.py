@@ -81,7 +81,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler
 
 from ..hooks import attach
-from ..readers.adaptive_clipping import AdaptiveClipping
+from ..readers.dp.adaptive_clipping import AdaptiveClipping
 from ..tools.token_losses import per_sample_token_loss
 
 __all__ = ["DPConfig", "DPTrainer", "DPTrainerMixin", "PoissonMicroBatchSampler",

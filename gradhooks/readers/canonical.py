@@ -28,7 +28,7 @@ never look at it again.
 (:func:`~gradhooks.base.utils.compute_dtype`: an autocast forward records bfloat16 / float16); a
 tensor already in it is not copied. **Scale**: the records are gradients of the batch loss; the
 gradients of each sample's own loss are ``scale`` times them (``scale`` from
-:attr:`gradhooks.core.records.Batch.scale`: ``B`` for ``loss_reduction="mean"``, ``None`` for
+:attr:`gradhooks.core.recorder.records.Batch.scale`: ``B`` for ``loss_reduction="mean"``, ``None`` for
 ``"sum"``, divided by a GradScaler's scale). :func:`canonical` multiplies ``g`` by it (a new
 tensor: the records stay as they are); :func:`call_grads` scales the smallest of input,
 grad_output and result.
@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_map
 from ..base.errors import UnsupportedModuleError
 from ..base.segments import Segments
 from ..base.utils import LOW_PRECISION, OWNED, compute_dtype
-from ..core.records import Layer
+from ..core.recorder.records import Layer
 
 __all__ = ["grad_sum", "summed", "canonical", "canonical_call", "canonical_sizes", "identity_form",
            "augmented", "scaled", "call_grads"]
@@ -80,7 +80,7 @@ def summed(call) -> Tuple[Tensor, Tensor]:
     Linear on ``(N, d_in)`` (:func:`identity_form`).
 
     Args:
-        call: a :class:`~gradhooks.core.records.Record` or :class:`~gradhooks.readers.passes.PassCall` (its
+        call: a :class:`~gradhooks.core.recorder.records.Record` or :class:`~gradhooks.readers.passes.PassCall` (its
             ``a`` a tensor, ``grads`` a list of tensors).
 
     Returns:
@@ -103,7 +103,7 @@ def canonical(layer: Layer, a, g, batch_first: bool, *, form_a: bool = True,
     ``(a, g)``.
 
     Args:
-        layer: the hooked :class:`~gradhooks.core.records.Layer` (its rule must have a linear form,
+        layer: the hooked :class:`~gradhooks.core.recorder.records.Layer` (its rule must have a linear form,
             or with ``kfac`` a KFAC form: :attr:`~gradhooks.base.registry.LayerRule.has_kfac_form`).
         a: the call's recorded input, or ``None`` (then only ``g`` is formed, in ``g``'s dtype).
         g: its grad_output (one pass's, or summed over passes: :func:`grad_sum`), in the layer
@@ -111,7 +111,7 @@ def canonical(layer: Layer, a, g, batch_first: bool, *, form_a: bool = True,
         batch_first: the layout flag given to :func:`gradhooks.attach`.
         form_a: whether to form the canonical ``a`` (a convolution's patches cost an unfold);
             ``False`` returns ``None`` for it, ``a`` then only sets the dtype.
-        scale: multiply ``g`` by it (the own-loss scale, :attr:`~gradhooks.core.records.Batch.scale`;
+        scale: multiply ``g`` by it (the own-loss scale, :attr:`~gradhooks.core.recorder.records.Batch.scale`;
             ``None``: no scaling). The result is a new tensor; the records are not modified.
         dtype: the dtype to compute in instead of :func:`~gradhooks.base.utils.compute_dtype` of ``a``
             and ``g`` (EKFAC: one dtype over all passes of a call).
@@ -145,7 +145,7 @@ def canonical(layer: Layer, a, g, batch_first: bool, *, form_a: bool = True,
 
 def canonical_call(call, batch_first: bool, *, form_a: bool = True,
                    scale: Optional[float] = None) -> Tuple[Optional[Tensor], Tensor]:
-    """:func:`canonical` of a single-output call (a :class:`~gradhooks.core.records.Record` or
+    """:func:`canonical` of a single-output call (a :class:`~gradhooks.core.recorder.records.Record` or
     :class:`~gradhooks.readers.passes.PassCall`), its grad_outputs summed over backward passes: ``a``
     ``(N, G, S, I)`` (``None`` without ``form_a``), ``g`` ``(N, G, S, O)``, in
     :func:`~gradhooks.base.utils.compute_dtype` of the recorded input and grad_output."""
@@ -221,7 +221,7 @@ def call_grads(rule, module: nn.Module, a, grads, batch_first: bool,
             structure holding each output tensor's summed grad_output or ``None``.
         batch_first: as given to :func:`gradhooks.attach`.
         names: the parameters wanted.
-        scale: from :attr:`~gradhooks.core.records.Batch.scale` (``None``: no scaling).
+        scale: from :attr:`~gradhooks.core.recorder.records.Batch.scale` (``None``: no scaling).
         release: called once the rule no longer needs the caller's references to ``a`` and
             ``grads`` (after scaled copies are made): the caller drops its records there, so
             that an unscaled grad_output is not held beside its copy while the rule runs.

@@ -15,7 +15,7 @@ What it owns:
 * **Noise the same on every rank** (:meth:`Ranks.same_noise`), drawn once, on rank 0.
 * **KFAC's all-reduce** of factor sums and counts (:meth:`Ranks.all_reduce_kfac`).
 
-The readers (:mod:`gradhooks.readers.clipping`, :mod:`gradhooks.readers.clipped_backward`,
+The readers (:mod:`gradhooks.readers.dp.clipping`, :mod:`gradhooks.readers.dp.clipped_backward`,
 :mod:`gradhooks.kfac`) hold a :class:`Ranks` (``None`` for one process) and call these methods;
 none of them imports ``torch.distributed``. Per-sample norms need no communication in any mode
 here: every rank records whole layers for its own samples (FSDP gathers a layer's parameters for

@@ -37,8 +37,8 @@ from torch import Tensor
 from ..base._pool import using_pool
 from ..base.errors import GradHooksError
 from ..base.utils import no_autocast
-from ..core.capture import Recorder
-from ..core.records import Batch
+from ..core.recorder.capture import Recorder
+from ..core.recorder.records import Batch
 from .canonical import augmented, canonical_call
 from .jacobians import pass_grads, unit_cotangents
 from .passes import PassCall, check_output, run_passes
@@ -57,7 +57,7 @@ class LinearEntry(NamedTuple):
 
 
 class GradientFeatures:
-    """What :func:`gram` and :func:`~gradhooks.readers.projections.projected_grads` need of one batch.
+    """What :func:`gram` and :func:`~gradhooks.readers.attribution.projections.projected_grads` need of one batch.
 
     Attributes:
         size: ``B``.

@@ -22,7 +22,7 @@ from torch import Tensor
 from ..base._pool import using_pool
 from ..base.errors import GradHooksError
 from ..base.utils import no_autocast
-from ..core.capture import Recorder
+from ..core.recorder.capture import Recorder
 from .canonical import call_grads
 from .passes import PassCall, run_passes
 
@@ -32,7 +32,7 @@ __all__ = ["per_sample_jacobians", "pass_grads", "trainable_params", "unit_cotan
 def trainable_params(source) -> List[Tuple[int, str, Tensor]]:
     """``[(id, name, param)]`` of the hooked parameters that require grad, in
     ``model.named_parameters()`` order (the order of the flat ``P`` axis). ``source``: a
-    :class:`~gradhooks.core.records.Batch`, or the recorder of a multi-pass driver (its ``params``,
+    :class:`~gradhooks.core.recorder.records.Batch`, or the recorder of a multi-pass driver (its ``params``,
     ``order`` and ``names``)."""
     found = [(pid, p) for pid, p in source.params.items() if p.requires_grad]
     found.sort(key=lambda item: source.order[item[0]])
@@ -86,7 +86,7 @@ def per_sample_jacobians(recorder: Recorder, output: Tensor, *, flat: bool = Fal
     any view of the output is differentiated the same way.
 
     Args:
-        recorder: the :class:`~gradhooks.core.capture.Recorder` of an attached
+        recorder: the :class:`~gradhooks.core.recorder.capture.Recorder` of an attached
             :class:`~gradhooks.GradHooks`.
         output: ``(B, *S)``, made from the current batch by the hooked model; every sample's
             output must depend on that sample only (as for every per-sample result).

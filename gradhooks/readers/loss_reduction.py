@@ -6,7 +6,7 @@ autograd graph can be read before the backward runs: :func:`check_batch_loss` an
 (``* c``, ``/ c``, dtype casts, copies; :data:`_PASS`) to the first reduction node, at most
 :data:`_CAP` nodes, and never into the model. A plain ``loss.backward()`` shows gradhooks
 the loss only from inside its pass, after the loss's nodes ran and freed their saved tensors:
-:mod:`gradhooks.core.backward_losses` judges what is left there (cases (a) and (b) without
+:mod:`gradhooks.core.analysis.backward_losses` judges what is left there (cases (a) and (b) without
 constant scalings), and the reads refuse.
 
 Index conventions: ``n`` sample (``B`` of the batch), ``t`` a token of a sample, ``N_n`` the valid
@@ -32,15 +32,15 @@ Refused (:class:`~gradhooks.base.errors.UnsupportedLossError`), the rest is said
 (d) a loss scaled by a ``torch.amp.GradScaler`` (``scaler.scale(loss)``: ``loss * scaler._scale``,
     a float32 0-dim tensor): :func:`loss_scale_of` hands its scale tensor to the recorder, which
     reads this batch at it where no ``grad_scaler`` was given to ``attach``
-    (:meth:`gradhooks.core.batch_reads.BatchReads.see_scale`); (a) and (b) judge the loss below it.
+    (:meth:`gradhooks.core.recorder.batch_reads.BatchReads.see_scale`); (a) and (b) judge the loss below it.
 
 (e) a loss whose split into per-sample terms the graph does not prove (issue 38; anything but
     ``.mean()`` / ``.sum()`` of a ``(B,)`` tensor below constant scalings: class weights, label
     smoothing, ``loss + aux``, ``/ num_items_in_batch``, a masked mean): the valid-target counts
     of the ``nll_loss`` nodes below it (their saved targets; a class-weighted mean's per-sample
     weight sums) are noted, and the pass's first ``(B, T, D)`` grad_output gives the nonzero
-    token rows per sample (:meth:`gradhooks.core.backward_pass.BackwardPass.expecting`); the
-    reads refuse unequal counts (:meth:`gradhooks.core.token_means.TokenMeans.unsplit`) unless
+    token rows per sample (:meth:`gradhooks.core.recorder.backward_pass.BackwardPass.expecting`); the
+    reads refuse unequal counts (:meth:`gradhooks.core.analysis.token_means.TokenMeans.unsplit`) unless
     ``token_normalisation="batch"``.
 (f) a constant factor ``c`` (``loss / k``, ``loss * c``, a Python number or a CPU tensor) above
     the reduction, relative to the declared ``loss_reduction`` (``losses.sum() / B`` under
@@ -61,7 +61,8 @@ import torch
 from torch import Tensor
 
 from ..base.errors import UnsupportedLossError
-from ..core.backward_losses import (
+from ..core.analysis import (
+    TARGETS,
     Split,
     constant_of,
     flattened_logits,
@@ -69,8 +70,7 @@ from ..core.backward_losses import (
     split_of,
     target_counts,
 )
-from ..core.batch_reads import is_loss_scale
-from ..core.token_means import TARGETS
+from ..core.recorder.batch_reads import is_loss_scale
 
 __all__ = ["check_batch_loss", "check_per_sample_losses", "loss_scale_of", "unscaled"]
 
@@ -104,13 +104,13 @@ def check_batch_loss(loss: Tensor, batch_size: Optional[int], loss_reduction: st
         batch_size: ``B`` of the recorded forward (``None``: nothing recorded, no check).
         loss_reduction: ``"mean"`` or ``"sum"``, as given to :func:`gradhooks.attach`.
         gradient: the ``gradient`` argument (given: the scale is unknown, no check).
-        tokens: the recorder's :class:`~gradhooks.core.token_means.TokenMeans` (``None``: the
+        tokens: the recorder's :class:`~gradhooks.core.analysis.token_means.TokenMeans` (``None``: the
             split and the factor are not judged).
 
     Returns:
-        The loss's :class:`~gradhooks.core.backward_losses.Split` where its counts are still to
+        The loss's :class:`~gradhooks.core.analysis.backward_losses.Split` where its counts are still to
         be read from the pass's first ``(B, T, D)`` grad_output
-        (:meth:`gradhooks.core.backward_pass.BackwardPass.expecting`), else ``None``.
+        (:meth:`gradhooks.core.recorder.backward_pass.BackwardPass.expecting`), else ``None``.
 
     Raises:
         UnsupportedLossError: a token-level mean over unequal valid-token counts (unless
@@ -191,9 +191,9 @@ def _note_factor(split: Split, kind, factor, seen, batch_size: int, loss_reducti
 
 
 def unscaled(batch, recorder, materialize: bool = False):
-    """The batch snapshot ``batch`` (:class:`~gradhooks.core.records.Batch`) of a DP read, read
+    """The batch snapshot ``batch`` (:class:`~gradhooks.core.recorder.records.Batch`) of a DP read, read
     as if its loss had not been multiplied by the constant factor its backward passes noted
-    (case (f); :meth:`gradhooks.core.token_means.TokenMeans.dp_factor` of ``recorder``'s): the
+    (case (f); :meth:`gradhooks.core.analysis.token_means.TokenMeans.dp_factor` of ``recorder``'s): the
     factor joins the grad scale that the readers divide out, so that norms and clipping are
     those of each sample's own unscaled loss and ``.grad`` is written at the loss's scale (as
     for a ``GradScaler``'s).
@@ -231,7 +231,7 @@ def loss_scale_of(loss: Tensor) -> Optional[Tensor]:
     """The scale tensor of a ``torch.amp.GradScaler`` that scaled ``loss`` (``scaler.scale(loss)``
     is ``loss * scaler._scale``: the graph's top node a ``MulBackward0`` whose second operand is
     a float32 0-dim leaf that requires no grad, on the loss's device), or ``None``. Its value
-    is not read here (no device sync); :func:`gradhooks.core.batch_reads.is_loss_scale` judges
+    is not read here (no device sync); :func:`gradhooks.core.recorder.batch_reads.is_loss_scale` judges
     it when a read needs it."""
     node = loss.grad_fn if isinstance(loss, Tensor) else None
     if node is None or type(node).__name__ != "MulBackward0":
@@ -327,7 +327,7 @@ def _kind(node, batch_size: int) -> Tuple[Optional[int], Optional[int]]:
 
 def _batch_first_rows(node, rows: int, batch_size: int) -> bool:
     """Whether the input rows of an ``nll_loss`` node are ``(B, T, V)`` logits flattened batch
-    first (:func:`gradhooks.core.backward_losses.flattened_logits`)."""
+    first (:func:`gradhooks.core.analysis.backward_losses.flattened_logits`)."""
     sizes = flattened_logits(node)
     return (sizes is not None and len(sizes) == 3 and sizes[0] == batch_size
             and sizes[0] * sizes[1] == rows)

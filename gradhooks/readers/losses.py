@@ -3,7 +3,7 @@ logits): its reduction, per-sample scale, sampled targets and a symmetric factor
 Hessian w.r.t. the model output.
 
 Shared by the one-call KFAC driver (:mod:`gradhooks.fisher`) and the GGN reader
-(:mod:`gradhooks.readers.ggn`); below both in the import order, so that a reader need not import the
+(:mod:`gradhooks.readers.curvature.ggn`); below both in the import order, so that a reader need not import the
 facade.
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ norm")::
 (embeddings) per ``(sample, row)`` pair, tied input / output embeddings with their cross term,
 every other layer materialised one layer at a time. Which form each parameter takes, the cost
 model and its measurements, and the sum checks are :mod:`gradhooks.readers.plan`'s (:func:`plan`,
-:func:`use_gram`, :func:`squared_norms`, also used by :mod:`gradhooks.readers.clipping`); this module
+:func:`use_gram`, :func:`squared_norms`, also used by :mod:`gradhooks.readers.dp.clipping`); this module
 reads a batch with them and scales the result.
 
 **Checks.** As :meth:`~gradhooks.GradHooks.per_sample_grads` does (``check=True``: on each new
@@ -29,8 +29,9 @@ from typing import Dict, Union
 from torch import Tensor
 
 from ..base.utils import compute_dtype, no_autocast, tf32_products
-from ..core.records import Batch
+from ..core.recorder.records import Batch
 from .plan import Forms, add_up, plan, result_sq_norms, squared_norms
+from .verify import Evidence
 
 __all__ = ["per_sample_grad_norms"]
 
@@ -75,7 +76,9 @@ def per_sample_grad_norms(batch: Batch, *, per_param: bool = False) -> Union[Ten
         return empty if per_param else next(iter(empty.values()))
     plans, units = plan(batch)
     with no_autocast(), tf32_products(batch.low):
-        sq = squared_norms(batch, plans, units, Forms(batch, plans))
+        evidence = Evidence(batch)
+        sq = squared_norms(batch, plans, units, Forms(batch, plans), evidence)
+        evidence.judge()
     if per_param:
         return {p.name: sq[pid].sqrt().mul_(batch.factor) for pid, p in plans.items()}
     return add_up(sq.values()).sqrt_().mul_(batch.factor)

@@ -1,5 +1,5 @@
 """Several backward passes through one forward, read pass by pass: the driver behind the
-per-sample Jacobians (:mod:`gradhooks.readers.jacobians`), the GGN square root (:mod:`gradhooks.readers.ggn`)
+per-sample Jacobians (:mod:`gradhooks.readers.jacobians`), the GGN square root (:mod:`gradhooks.readers.curvature.ggn`)
 and the NTK (:mod:`gradhooks.readers.gram`).
 
 The recorder accumulates the backward passes through one forward: a single-output record keeps
@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_unflatten
 
 from ..base.errors import BatchSizeError, GradHooksError, NoBackwardError
 from ..base.segments import Segments
-from ..core.capture import Layer, Recorder
+from ..core.recorder.capture import Layer, Recorder
 
 __all__ = ["PassCall", "run_passes", "check_output"]
 
@@ -37,7 +37,7 @@ class PassCall(NamedTuple):
     """One call of a hooked module in one backward pass.
 
     Attributes:
-        layer: the hooked :class:`~gradhooks.core.records.Layer`.
+        layer: the hooked :class:`~gradhooks.core.recorder.records.Layer`.
         a: the call's input activations (a :class:`~gradhooks.base.forms.Call` for ``multi_io``
             rules, with this pass's internal ``grad_inputs``).
         grads: this pass's grad_output as the rule takes it: a one-element list for
@@ -101,7 +101,7 @@ def run_passes(recorder: Recorder, output: Tensor, cotangents: Iterable[Tensor],
     """Run one backward pass of ``output`` per cotangent and yield each pass's calls.
 
     Args:
-        recorder: the :class:`~gradhooks.core.capture.Recorder`, after the forward that made
+        recorder: the :class:`~gradhooks.core.recorder.capture.Recorder`, after the forward that made
             ``output`` and before any backward pass through it (:func:`check_output`).
         output: the tensor to differentiate, ``(B, ...)``.
         cotangents: ``count`` tensors shaped like ``output`` (the gradient w.r.t. ``output`` of

@@ -5,7 +5,7 @@ the per-layer math of :mod:`gradhooks.rules`) by :func:`gradhooks.readers.canoni
 importable here), the ``loss_reduction`` scale of the batch snapshot
 is applied to whichever of input, grad_output or result is smallest, calls of one parameter
 (a layer called several times, tied weights) are summed, and the sum check
-(:mod:`gradhooks.core.checks`) runs when due.
+(:mod:`gradhooks.readers.verify`) runs when due.
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from torch import Tensor
 from ..base._pool import using_pool
 from ..base.errors import GradHooksError
 from ..base.utils import no_autocast, tensors, tf32_products
-from ..core.checks import check_sums
-from ..core.records import Batch
+from ..core.recorder.records import Batch
 from .canonical import call_grads
+from .verify import Evidence, check_unrecorded
 
 __all__ = ["per_sample_grads", "call_grads", "carries_graph"]
 
@@ -32,16 +32,16 @@ def per_sample_grads(batch: Batch) -> Dict[str, Tensor]:
 
     Args:
         batch: ``recorder.snapshot(read, release=..., result=True)``: a result kept by an
-            earlier read (:attr:`~gradhooks.core.records.Batch.result`) is returned as it is.
+            earlier read (:attr:`~gradhooks.core.recorder.records.Batch.result`) is returned as it is.
 
-    With ``sample_ids`` (:attr:`~gradhooks.core.records.Batch.groups`) each parameter's rows are
+    With ``sample_ids`` (:attr:`~gradhooks.core.recorder.records.Batch.groups`) each parameter's rows are
     summed per sample (:meth:`~gradhooks.base.sample_groups.SampleGroups.sum_rows`): ``(G,
     *param.shape)``, samples in the order of the sorted unique ids, scaled by ``G`` for
     ``loss_reduction="mean"``.
 
-    The result is kept by the recorder (:meth:`~gradhooks.core.records.Batch.keep`) until the next
+    The result is kept by the recorder (:meth:`~gradhooks.core.recorder.records.Batch.keep`) until the next
     backward pass or batch, and set as ``param.grad_sample``. When the batch is
-    :attr:`~gradhooks.core.records.Batch.releasing`, each record is released as soon as its rule has
+    :attr:`~gradhooks.core.recorder.records.Batch.releasing`, each record is released as soon as its rule has
     formed its part, so the read's peak memory is the result plus one layer's records.
     """
     if batch.result is not None:
@@ -76,13 +76,14 @@ def per_sample_grads(batch: Batch) -> Dict[str, Tensor]:
                     raw[pid].add_(t)  # another call, or a tied module (rules return owned tensors)
                 else:
                     raw[pid] = t
-    batch.check_unrecorded(raw)
+    check_unrecorded(batch, raw)
     if batch.groups is not None:  # rows sharing a sample id: one sample, its rows summed
         raw = {pid: batch.groups.sum_rows(t) for pid, t in raw.items()}
-    if batch.check_key is not None and batch.size:
-        check_sums([(batch.names[pid], t, batch.totals.get(pid), low.get(pid, t.dtype))
-                    for pid, t in raw.items()], batch.scale)
-        batch.check_passed()
+    evidence = Evidence(batch)
+    if evidence.due and batch.size:
+        for pid, t in raw.items():
+            evidence.probe(pid, t, low.get(pid, t.dtype))
+        evidence.judge(batch.scale)
     result = {}
     for pid in sorted(raw, key=batch.order.__getitem__):
         p = batch.params[pid]

@@ -1,11 +1,11 @@
 """The norm plan: per parameter, how its per-sample squared norm (and DP clipping's clipped sum)
 is formed from the records, and :func:`squared_norms`, which forms the norms by that plan. Read
-by :mod:`gradhooks.readers.norms` and :mod:`gradhooks.readers.clipping`; tensors in, tensors out (the records'
+by :mod:`gradhooks.readers.norms` and :mod:`gradhooks.readers.dp.clipping`; tensors in, tensors out (the records'
 canonical forms come from :mod:`gradhooks.readers.canonical`).
 
 Index conventions as :mod:`gradhooks.readers.canonical`: ``n`` sample, ``g`` group, ``s``, ``t``
 positions, ``i`` / ``o`` in / out features; ``g`` the recorded grad_output, UNSCALED here (the
-readers multiply the norms by the own-loss scale, :attr:`~gradhooks.core.records.Batch.factor`).
+readers multiply the norms by the own-loss scale, :attr:`~gradhooks.core.recorder.records.Batch.factor`).
 
 **Kinds** (:func:`plan`): :data:`GRAM` and :data:`CLOSED` (a rule with a linear form: Gram-form
 or materialised norm, closed-form clipped sum), :data:`FORMS` (factored forms, block by block),
@@ -13,7 +13,7 @@ or materialised norm, closed-form clipped sum), :data:`FORMS` (factored forms, b
 :data:`GENERIC` (materialised with the rule; a raw parameter whose per-sample gradient a record
 holds as :class:`~gradhooks.base.segments.Segments`, a mixture of experts' weight, per
 ``(sample, expert)`` segment instead: :func:`factored`). The decisions depend only on the call
-structure and are kept per structure (the recorder's :class:`~gradhooks.core.records.Memo`).
+structure and are kept per structure (the recorder's :class:`~gradhooks.core.recorder.records.Memo`).
 
 **Gram form** (Goodfellow 2015, arXiv:1510.01799, for ``S = 1``; Li et al. 2022, "Large language
 models can be strong differentially private learners", ICLR, arXiv:2110.05679, sec. 4, the
@@ -44,10 +44,11 @@ the joined forms; materialised parameters (factored forms too): the per-row tens
 sample first (one ``index_add``). The clipped sums need nothing of this: the readers weigh each
 row by its sample's factor.
 
-**Checks** (``batch.check_key`` set: due): the per-sample gradients must sum to autograd's:
-materialised parameters on 256 probe coordinates (:func:`gradhooks.core.checks.check_sums`),
+**Checks** (``batch.check_key`` set: due): the per-sample gradients must sum to autograd's;
+the norms declare the evidence (:class:`~gradhooks.readers.verify.Evidence`), judged by the caller:
+materialised parameters on 256 probe coordinates (:func:`gradhooks.readers.verify.check_sums`),
 Gram-form parameters on a fixed random rank-one projection computed from the records
-(:func:`gradhooks.core.checks.check_projections`, cost ``N G S (I + O)``).
+(:func:`gradhooks.readers.verify.check_projections`, cost ``N G S (I + O)``).
 """
 from __future__ import annotations
 
@@ -59,10 +60,10 @@ from torch import Tensor
 from ..base.forms import Block, Rows, from_blocks, gram_sq_norms, sq_norms, weight_grad
 from ..base.segments import Segments
 from ..base.utils import compute_dtype, tensors
-from ..core.checks import check_projections, check_sums, probed, projection_terms, user_hooks
-from ..core.records import Batch, Record
+from ..core.recorder.records import Batch, Record
 from .canonical import call_grads, canonical, canonical_call, canonical_sizes, identity_form, summed
 from .scatters import rows_of, rows_probed, rows_sq_norms, tied_cross, tied_linear
+from .verify import Evidence, check_unrecorded, probed, projection_terms
 
 __all__ = ["GRAM", "CLOSED", "FORMS", "ROWS", "TIED", "GENERIC", "MEMORY_BOUND", "BYTE_COST",
            "use_gram", "KEEP_OF_RECORDS", "keep_budget", "add_up", "PlannedParam", "plan",
@@ -179,7 +180,7 @@ def plan(batch: Batch) -> Tuple[Dict[int, PlannedParam], Tuple[int, ...]]:
 
     The decisions depend only on the batch size, on which layers were called with which
     parameters and on the grad_output shapes, so they are kept per such structure (in the
-    recorder's :attr:`~gradhooks.core.records.Batch.memo`) and reused for the next batch of the same
+    recorder's :attr:`~gradhooks.core.recorder.records.Batch.memo`) and reused for the next batch of the same
     structure.
 
     Raises:
@@ -195,7 +196,7 @@ def plan(batch: Batch) -> Tuple[Dict[int, PlannedParam], Tuple[int, ...]]:
     for pid, kind, entries in template[0]:
         p = plans[pid] = PlannedParam(pid, batch.names[pid])
         p.kind, p.entries = kind, [(caps[i], local) for i, local in entries]
-    batch.check_unrecorded(plans)
+    check_unrecorded(batch, plans)
     return plans, template[1]
 
 
@@ -373,28 +374,28 @@ def _bias_grads(cap: Record, batch_first: bool) -> Tensor:
 
 
 def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[int, ...],
-                  forms: Forms) -> Dict[int, Tensor]:
-    """Squared per-sample norms of each parameter's gradient by its plan, running the sum checks
-    when due (``batch.check_key``; module docstring).
+                  forms: Forms, evidence: Evidence) -> Dict[int, Tensor]:
+    """Squared per-sample norms of each parameter's gradient by its plan, declaring the sum
+    check's evidence in ``evidence`` where it is due (module docstring); the caller judges it
+    (:meth:`~gradhooks.readers.verify.Evidence.judge`) before it uses the norms.
 
     Args:
         batch: the snapshot (``N = batch.size`` samples, at least one).
         plans, units: :func:`plan` of ``batch``.
         forms: a :class:`Forms` of them (its factored forms and row scatters are kept for the
             clipped sum that may follow).
+        evidence: the read's :class:`~gradhooks.readers.verify.Evidence`.
 
     Returns:
         ``{id(param): (N,)}`` UNSCALED (the gradients of the reduced loss restricted to sample
-        ``n``: multiply the norms by :attr:`~gradhooks.core.records.Batch.factor` for the own-loss
+        ``n``: multiply the norms by :attr:`~gradhooks.core.recorder.records.Batch.factor` for the own-loss
         ones), in the promoted dtype of the records, at least float32.
 
     Raises:
-        GradientMismatchError: (check due) the per-sample gradients do not sum to autograd's
-            gradient, or a parameter has no autograd gradient to compare with.
+        GradientMismatchError: (check due) a parameter has no autograd gradient to compare with.
     """
     sq: Dict[int, Tensor] = {}
-    probes, projections = [], []
-    check = batch.check_key is not None
+    probes, projections, check = evidence.probes, evidence.projections, evidence.due
     groups = batch.groups  # sample_ids: norms per sample, of its rows' summed gradient
     partial: Dict[int, Tensor] = {}  # materialised params with several calls, summed so far
     left = {pid: len(p.entries) for pid, p in plans.items()
@@ -495,13 +496,6 @@ def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[int
         sq[pid] = gram_sq_norms(a, g)
         if check:
             project(pid, a, g, [cap for cap, _ in p.entries])
-    hooks = user_hooks(batch.names, batch.totals) if check else {}  # (named in the messages)
-    if probes:
-        check_sums(probes, None, hooks)
-    if projections:
-        check_projections(projections, hooks)
-    if check:
-        batch.check_passed()
     return sq
 
 

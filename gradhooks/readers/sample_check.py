@@ -3,7 +3,7 @@ their own loss term, through the same batched forward (issue 38, point 2).
 
 Where per-sample losses exist -- ``gh.clipped_backward(losses)`` with ``(B,)`` losses,
 ``gh.backward(losses, gradient)`` on a ``(B,)`` tensor, ``gh.backward(loss)`` on a loss whose graph
-proves it ``.mean()`` / ``.sum()`` of a ``(B,)`` tensor (:func:`~gradhooks.core.backward_losses.split_of`,
+proves it ``.mean()`` / ``.sum()`` of a ``(B,)`` tensor (:func:`~gradhooks.core.analysis.backward_losses.split_of`,
 the DP Trainer's book-keeping step) -- the contribution of sample ``n`` to the batch gradient is
 ``torch.autograd.grad`` of the root with its gradient masked to entry ``n`` (for a proven split:
 the reduction node's input gradient masked, so the reduction's own ``1/B`` and the constant
@@ -11,8 +11,8 @@ factors above it stay). For a forward and a loss that keep samples apart that is
 records (Goodfellow's ``g_n a_n^T``) to rounding; any op that pairs samples -- in the model, or in
 the loss after it (an InfoNCE ``z @ z.T``, a sort over the batch, a batch statistic), known to
 gradhooks' rules or not -- makes them differ. So the check is general where the separation
-whitelist (:mod:`gradhooks.core.separation`) and the forward-alone check
-(:mod:`gradhooks.core.alone`) see only the forward.
+whitelist (:mod:`gradhooks.core.analysis.separation`) and the forward-alone check
+(:mod:`gradhooks.core.analysis.alone`) see only the forward.
 
 **What is compared.** Per parameter, the norm of row ``n`` of the recorded contributions
 (:func:`gradhooks.readers.plan.squared_norms`: the Gram form where cheaper, nothing materialised)
@@ -40,8 +40,9 @@ from torch import Tensor
 
 from ..base.errors import SampleMixingError
 from ..base.utils import no_autocast, tf32_products
-from ..core.backward_losses import split_of
+from ..core.analysis import split_of
 from .plan import Forms, add_up, plan, squared_norms
+from .verify import Evidence
 
 __all__ = ["SampleCheck", "SAMPLE_CHECK_RTOL", "EVERY"]
 
@@ -93,7 +94,7 @@ class SampleCheck:
         is not due or not possible (no ``(N,)`` per-sample losses to mask, ``N`` = ``samples``).
 
         Args:
-            recorder: the :class:`~gradhooks.core.capture.Recorder`.
+            recorder: the :class:`~gradhooks.core.recorder.capture.Recorder`.
             root: the tensor the pass starts from: ``(N,)`` per-sample losses, or a 0-dim loss.
             gradient: the pass's gradient for ``root`` (``None``: ones / 1).
             samples: ``N``: ``B``, or ``G`` with ``sample_ids``.
@@ -157,7 +158,7 @@ class SampleCheck:
         batch = self.recorder.snapshot(_READ, sum_check=False)
         plans, units = plan(batch)
         with no_autocast(), tf32_products(batch.low):
-            sq = squared_norms(batch, plans, units, Forms(batch, plans))
+            sq = squared_norms(batch, plans, units, Forms(batch, plans), Evidence(batch))
         ours = {pid: t.index_select(0, torch.tensor(self.rows, device=t.device)).double()
                 for pid, t in sq.items()}
         self._judge(ours, batch.low)

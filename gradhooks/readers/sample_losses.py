@@ -14,8 +14,7 @@ from typing import Optional
 from torch import Tensor
 
 from ..base.errors import UnsupportedLossError
-from ..core.backward_losses import Split
-from ..core.token_means import rows_mean_message
+from ..core.analysis import Split, rows_mean_message
 from .loss_reduction import _MEAN, _read, check_batch_loss, loss_scale_of
 from .sample_check import SampleCheck
 
@@ -30,7 +29,7 @@ def check_backward_loss(loss: Tensor, recorder, gradient: Optional[Tensor]) -> O
 
     Args:
         loss: the tensor handed to :meth:`gradhooks.GradHooks.backward`.
-        recorder: its :class:`~gradhooks.core.capture.Recorder` (batch size, ``sample_ids``).
+        recorder: its :class:`~gradhooks.core.recorder.capture.Recorder` (batch size, ``sample_ids``).
         gradient: the ``gradient`` argument (given: no check).
 
     Raises:
@@ -57,7 +56,7 @@ def judged_backward(recorder, loss: Tensor, gradient: Optional[Tensor],
     """The backward pass of :meth:`gradhooks.GradHooks.backward` on ``loss``, judged first
     (:func:`check_backward_loss`; the GradScaler's scale:
     :func:`~gradhooks.readers.loss_reduction.loss_scale_of`) and counted in the pass where its
-    split is not proven (``recorder``: the :class:`~gradhooks.core.capture.Recorder`).
+    split is not proven (``recorder``: the :class:`~gradhooks.core.recorder.capture.Recorder`).
 
     Where the loss holds per-sample losses, the sample check through the batched graph
     (:class:`~gradhooks.readers.sample_check.SampleCheck`) is taken around the pass.

@@ -17,9 +17,9 @@ from torch import Tensor
 
 from ..base.forms import Rows, sq_norms
 from ..base.utils import compute_dtype
-from ..core.checks import no_total
-from ..core.records import Batch
+from ..core.recorder.records import Batch
 from .canonical import canonical_call
+from .verify import no_total
 
 __all__ = ["rows_of", "rows_sq_norms", "rows_probed", "tied_linear", "by_sample", "tied_cross"]
 
@@ -53,7 +53,7 @@ def rows_sq_norms(r: Rows, batch: int, num_rows: int) -> Tensor:
 
 
 def rows_probed(batch: Batch, p, r: Rows) -> tuple:
-    """The sum-check item (:func:`~gradhooks.core.checks.check_sums`) of a row-scatter parameter:
+    """The sum-check item (:func:`~gradhooks.readers.verify.check_sums`) of a row-scatter parameter:
     its per-sample gradients at the probe coordinates ``(N, K)``, formed for the probed rows only
     (at most one per probe) instead of all ``V``.
 
@@ -62,7 +62,7 @@ def rows_probed(batch: Batch, p, r: Rows) -> tuple:
 
     Raises:
         GradientMismatchError: autograd computed no gradient for the parameter
-            (:func:`~gradhooks.core.checks.no_total`).
+            (:func:`~gradhooks.readers.verify.no_total`).
     """
     total = batch.totals.get(p.pid)
     if total is None:

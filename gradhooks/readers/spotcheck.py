@@ -1,6 +1,6 @@
 """The sample spot check: a few samples of the current batch recomputed alone.
 
-The sum check (:mod:`gradhooks.core.checks`) cannot see a loss or a model that mixes samples (an
+The sum check (:mod:`gradhooks.readers.verify`) cannot see a loss or a model that mixes samples (an
 InfoNCE loss over the batch, ``h - h.mean(0)`` inside the model, BatchNorm in training mode under
 the fallback): the per-sample results then still add up to the batch gradient, but row ``n`` is
 not the gradient of sample ``n``'s own loss. Such set-ups have no per-sample gradients; this
@@ -18,9 +18,8 @@ from torch import Tensor
 
 from ..base.errors import GradientMismatchError
 from ..base.utils import paused
-from ..core.alone import largest_difference
-from ..core.alone import rows as _rows
-from ..core.capture import Recorder
+from ..core.analysis import largest_difference, sample_rows
+from ..core.recorder.capture import Recorder
 from .per_sample import per_sample_grads
 
 __all__ = ["check_samples", "SPOT_CHECK_RTOL"]
@@ -39,7 +38,7 @@ def check_samples(recorder: Recorder, loss_fn: Callable[..., Tensor], inputs: Ba
     """Recompute ``samples`` random samples of the current batch alone and compare.
 
     Args:
-        recorder: the :class:`~gradhooks.core.capture.Recorder` of a :class:`~gradhooks.GradHooks`
+        recorder: the :class:`~gradhooks.core.recorder.capture.Recorder` of a :class:`~gradhooks.GradHooks`
             (called as ``gh.check_samples(...)``), after the batch's backward pass.
         loss_fn: ``loss_fn(model(*inputs_n), targets_n) -> scalar``, the batch loss as the
             training step computed it (reduced as ``loss_reduction`` says; a batch of one
@@ -68,7 +67,7 @@ def check_samples(recorder: Recorder, loss_fn: Callable[..., Tensor], inputs: Ba
     xs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
     with paused(), torch.enable_grad():
         for n in rows:
-            loss = loss_fn(recorder.model(*_rows(xs, n)), _rows(targets, n))
+            loss = loss_fn(recorder.model(*sample_rows(xs, n)), sample_rows(targets, n))
             grads = torch.autograd.grad(loss, params, allow_unused=True)
             for name, alone in zip(names, grads):
                 ours = result[name][n]

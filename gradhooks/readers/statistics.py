@@ -8,7 +8,7 @@ from typing import Dict
 import torch
 from torch import Tensor
 
-from ..core.records import Batch
+from ..core.recorder.records import Batch
 from .per_sample import per_sample_grads
 
 __all__ = ["sum_grad_squared", "variance"]
@@ -27,7 +27,7 @@ def sum_grad_squared(batch: Batch) -> Dict[str, Tensor]:
     gradient. We follow the own-loss convention so that the value does not depend on the
     reduction or the batch size, like every other per-sample quantity of gradhooks. The
     diagonal of the empirical Fisher of the loss as reduced (the convention of
-    :func:`gradhooks.readers.kfac.kfac_factors`) is ``sgs / N`` for ``"mean"`` and ``sgs`` for ``"sum"``.
+    :func:`gradhooks.readers.curvature.kfac.kfac_factors`) is ``sgs / N`` for ``"mean"`` and ``sgs`` for ``"sum"``.
 
     Args:
         batch: ``recorder.snapshot("sum_grad_squared()", release=True, result=True)``, as

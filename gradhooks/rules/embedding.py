@@ -102,7 +102,7 @@ class EmbeddingRule(LayerRule):
         BatchSizeError: for a 0-dim index.
     """
 
-    position_wise = True  # (each index looked up alike: records relaid out, core/layouts.py)
+    position_wise = True  # (each index looked up alike: records relaid out, core/recorder/layouts.py)
     feature_dims = 0
 
     differentiable = True

@@ -127,7 +127,7 @@ class FallbackRule(LayerRule):
             BatchSizeError: an output the backward reached has no batch dim of size ``B``.
         """
         names = tuple(names)
-        if a.shared == "param":  # a raw parameter's own cotangents (gradhooks.core.provenance)
+        if a.shared == "param":  # a raw parameter's own cotangents (gradhooks.core.analysis.provenance)
             return {names[0]: g}
         _warn_container(module, names)
         r = self._replay(module, a, g, batch_first)
@@ -295,13 +295,13 @@ _PATHS: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary(
 
 def note_path(module: nn.Module, path: str) -> None:
     """Remember the path in its model of a module the fallback covers, for the messages of its
-    replays (:func:`gradhooks.core.records.find_layers` calls it at attach)."""
+    replays (:func:`gradhooks.core.recorder.records.find_layers` calls it at attach)."""
     _PATHS[module] = path
 
 
 def describe(module: nn.Module) -> str:
     """``'path' (Class)`` of a module the fallback covers, as
-    :meth:`~gradhooks.core.records.Layer.describe` writes it."""
+    :meth:`~gradhooks.core.recorder.records.Layer.describe` writes it."""
     return f"{_PATHS.get(module, '?') or '<root>'!r} ({type(module).__name__})"
 
 
@@ -312,9 +312,9 @@ def _path_prefix(module: nn.Module) -> str:
 
 def _warn_container(module: nn.Module, names: tuple) -> None:
     """A :class:`~gradhooks.base.errors.FallbackWarning` the first time a module with children is
-    replayed for its own (raw) parameters: :func:`~gradhooks.core.records.find_layers` names leaf
+    replayed for its own (raw) parameters: :func:`~gradhooks.core.recorder.records.find_layers` names leaf
     modules at ``attach``, but a container's raw parameters are usually taken at their own ops
-    (:mod:`gradhooks.core.provenance`), so only a replay that really runs is reported."""
+    (:mod:`gradhooks.core.analysis.provenance`), so only a replay that really runs is reported."""
     names = [n for n in names if "." not in n]  # (children's weights read by the parent
     if not names or next(module.children(), None) is None or module in _WARNED:  # warned of)
         return

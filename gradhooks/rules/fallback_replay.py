@@ -67,7 +67,7 @@ __all__ = ["Replay", "REPLAY_RTOL", "structure", "state_kept", "looped", "verify
 
 #: Relative tolerance of :func:`verify` by dtype: the per-sample gradients' sum may differ from
 #: the batched call's gradient by rounding, relative to ``sum_n |value_n|`` (``B * eps`` in the
-#: worst case; the values of the sum check, :data:`gradhooks.core.checks.SUM_CHECK_RTOL`). A wrong
+#: worst case; the values of the sum check, :data:`gradhooks.readers.verify.SUM_CHECK_RTOL`). A wrong
 #: replay is off by far more (a module that normalises by ``x.shape[0]``: a factor ``B``).
 REPLAY_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 
@@ -193,7 +193,7 @@ def _precision(values: Tensor) -> torch.dtype:
     """The dtype whose tolerance judges ``values``: float32 for float64 values that are all
     float32 values and not all of float16's 11 significant bits (a float64 module computing in
     float32 inside, as Gemma's RMSNorm does; the sum check's rule,
-    :func:`gradhooks.core.checks.formed_in`), else their own dtype."""
+    :func:`gradhooks.core.recorder.totals.formed_in`), else their own dtype."""
     if values.dtype != torch.float64 or not values.numel():
         return values.dtype
     exact = values.to(torch.float32).to(torch.float64) == values

@@ -25,7 +25,7 @@ forward, so call the read before the next forward).
 The recogniser registered here claims every parametrized module whose original class has a
 rule; its parameters are the rule's own ones that are not parametrized plus the originals,
 named relative to the module (``"parametrizations.weight.original0"``), so
-:func:`gradhooks.core.records.find_layers` does not hook the ``ParametrizationList`` itself.
+:func:`gradhooks.core.recorder.records.find_layers` does not hook the ``ParametrizationList`` itself.
 """
 from __future__ import annotations
 

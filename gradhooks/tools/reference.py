@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from ..base.errors import GradHooksError
 from ..base.utils import check_loss_reduction, paused
-from ..core.capture import is_hooked
+from ..core.recorder.capture import is_hooked
 from ..hooks import attach
 from .kinks import KinkDifference, first_kink_difference
 

@@ -56,7 +56,7 @@ def per_sample_token_loss(logits: Optional[Tensor] = None, labels: Optional[Tens
 
     A batch loss normalised over all the batch's tokens (``F.cross_entropy`` over ``B T`` rows,
     ``num_items_in_batch``) weighs each sample by the batch's counts; gradhooks refuses it where
-    they differ (:mod:`gradhooks.core.token_means`); these losses do not.
+    they differ (:mod:`gradhooks.core.analysis.token_means`); these losses do not.
 
     Args:
         logits: ``(B, T, V)`` scores, batch first.

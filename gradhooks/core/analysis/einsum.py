@@ -1,0 +1,58 @@
+"""``torch.einsum`` read by its equation: where the batch letter goes
+(:mod:`gradhooks.core.analysis.batch_dims`) and whether it stays one sample's
+(:mod:`gradhooks.core.analysis.separation`)."""
+from __future__ import annotations
+
+from torch import Tensor
+
+__all__ = ["einsum_subscripts", "einsum_dim"]
+
+
+def einsum_subscripts(args):
+    """``([subscripts of each operand], output subscripts, operands)`` of ``torch.einsum(equation,
+    *operands)`` (or with the operands in a list), ellipses spelled out as letters not used
+    elsewhere; ``None`` for the sublist form or an equation that does not fit the operands."""
+    if not args or not isinstance(args[0], str):
+        return None
+    eq = args[0].replace(" ", "")
+    ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(
+        args[1:])
+    lhs, arrow, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ops) or not all(isinstance(t, Tensor) for t in ops):
+        return None
+    used = set(c for c in eq if c.isalpha())
+    spare = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz" if c not in used]
+    count = lambda s: sum(c.isalpha() for c in s)
+    ell = "".join(spare[:max([op.dim() - count(s) for s, op in zip(terms, ops) if "..." in s],
+                            default=0)])
+    subs = []
+    for s, op in zip(terms, ops):
+        k = op.dim() - count(s)
+        s = s.replace("...", ell[len(ell) - k:] if k > 0 else "")
+        if len(s) != op.dim():
+            return None
+        subs.append(s)
+    if arrow:
+        out = rhs.replace("...", ell)
+    else:  # (implicit: the ellipsis, then the letters seen once, sorted)
+        joined = "".join(subs)
+        out = ell + "".join(sorted(c for c in set(joined) if joined.count(c) == 1
+                                   and c not in ell))
+    return subs, out, ops
+
+
+def einsum_dim(args, batched, out):
+    """The output's batch dim of an ``einsum`` whose operands that carry the batch all have it
+    at one letter (which the output keeps), else ``None``."""
+    parsed = einsum_subscripts(args)
+    if parsed is None or not isinstance(out, Tensor):
+        return None
+    subs, sub_out, ops = parsed
+    dims = {id(t): b for t, b in batched}
+    letters = {subs[i][dims[id(t)]] if isinstance(dims[id(t)], int) else None
+               for i, t in enumerate(ops) if id(t) in dims}
+    if len(letters) != 1:
+        return None
+    letter = letters.pop()
+    return sub_out.index(letter) if letter is not None and sub_out.count(letter) == 1 else None
