@@ -26,7 +26,6 @@ names include Gemma's ``(1 + weight)`` and OLMo-2's scale-before-cast variants
 """
 from __future__ import annotations
 
-import copy
 import warnings
 from typing import Dict, Optional, Tuple
 
@@ -77,16 +76,17 @@ SUFFIXES: Dict[str, Tuple[LayerRule, ...]] = {"RMSNorm": _RMS,
 
 def _whole(module: nn.Module) -> nn.Module:
     """``module``, or where its own parameters are FSDP2 shards (``DTensor``, after
-    ``fully_shard`` of it or of a parent) a shallow copy holding their full tensors, for the probe
+    ``fully_shard`` of a parent, such as a transformer block) a shallow copy holding their full tensors, for the probe
     to run on: one all-gather per parameter, which every rank runs in the same order, as they
-    attach the same model."""
+    attach the same model. (The copy's ``forward`` is called directly: FSDP's hooks stay out.)"""
     own = module._parameters
     if DTensor is None or not any(isinstance(p, DTensor) for p in own.values()):
         return module
-    whole = copy.copy(module)
-    whole._parameters = {n: p if not isinstance(p, DTensor) else
-                         nn.Parameter(p.detach().full_tensor(), p.requires_grad)
-                         for n, p in own.items()}
+    whole = object.__new__(type(module))  # (FSDP's class swap runs __init__ in __new__)
+    whole.__dict__.update(module.__dict__)
+    whole.__dict__["_parameters"] = {n: p if not isinstance(p, DTensor) else
+                                     nn.Parameter(p.detach().full_tensor(), p.requires_grad)
+                                     for n, p in own.items()}
     return whole
 
 
