@@ -78,13 +78,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.nn.functional as F
 import transformers
-from opacus.accountants import create_accountant
+from opacus.accountants import RDPAccountant, create_accountant
+from opacus.accountants.analysis import rdp as rdp_analysis
 from opacus.accountants.utils import get_noise_multiplier
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler
@@ -268,6 +270,16 @@ def fsdp_refusal(args, version: int) -> Optional[str]:
         f"DPTrainer with FSDP version {version} on {args.world_size} processes, "
         f"gradient_accumulation_steps={args.gradient_accumulation_steps}"
         f"{', fp16' if args.fp16 else ''}{', bf16' if args.bf16 else ''}: {why}")
+
+
+
+@functools.lru_cache(maxsize=64)
+def _rdp_of_one_lot(sample_rate: float, sigma: float):
+    """Opacus' RDP of one lot of the sampled Gaussian mechanism at the accountant's default
+    orders (``compute_rdp(..., steps=1)``; Mironov et al. 2019): ``steps`` lots are this times
+    ``steps``, as ``compute_rdp`` forms it, so the epsilon is Opacus' to the last digit."""
+    return rdp_analysis.compute_rdp(q=sample_rate, noise_multiplier=sigma, steps=1,
+                                    orders=RDPAccountant.DEFAULT_ALPHAS)
 
 
 class DPTrainerMixin:
@@ -468,10 +480,18 @@ class DPTrainerMixin:
         self._lot, self._clipped, self._norms = 0, False, []
 
     def epsilon(self) -> float:
-        """Epsilon at ``dp.delta`` of the lots taken so far (0 before the first)."""
+        """Epsilon at ``dp.delta`` of the lots taken so far (0 before the first): the
+        accountant's; for ``"rdp"`` its own formula with each ``(sigma, q)``'s one-lot RDP
+        computed once (:func:`_rdp_of_one_lot`), the same numbers as
+        ``accountant.get_epsilon`` without its cost per log (about 1.5 s at a 2-core CPU)."""
         if not self.lot_sizes:
             return 0.0
-        return float(self.accountant.get_epsilon(delta=self.dp.delta))
+        if type(self.accountant) is not RDPAccountant:
+            return float(self.accountant.get_epsilon(delta=self.dp.delta))
+        rdp = sum([_rdp_of_one_lot(q, sigma) * steps for sigma, q, steps in self.accountant.history])
+        eps, _ = rdp_analysis.get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp,
+                                                delta=self.dp.delta)
+        return float(eps)
 
     def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
         """The Trainer's logs plus ``epsilon`` (and ``noise_multiplier``)."""
