@@ -59,7 +59,37 @@ def expected_grads(ref, groups, bounds):
     return out
 
 
+class Conv1D(nn.Module):
+    """transformers' GPT-2 ``Conv1D`` (``x @ weight + bias``, weight ``(in, out)``), by name:
+    :mod:`gradhooks.rules.known` recognises it by its class name and a probe forward."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out, dtype=torch.float64))
+        self.bias = nn.Parameter(torch.randn(n_out, dtype=torch.float64))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(
+            *x.shape[:-1], -1)
+
+
+def _probe_of_sharded_layer():
+    """A known layer sharded by FSDP2 is recognised: its probe runs on the gathered parameters
+    (on the DTensor shards it failed, and the layer fell back to a replay that fails too)."""
+    from gradhooks.rules.known import recognise_known
+    from gradhooks.rules.linear import TransposedLinearRule
+    torch.manual_seed(0)
+    block = fully_shard(nn.Sequential(Conv1D(6, 4), nn.Tanh()))  # (as GPT2Block holds Conv1D)
+    conv = block[0]
+    assert conv.weight.to_local().numel() < conv.weight.numel()  # sharded
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no FallbackWarning)
+        assert isinstance(recognise_known(conv, "conv"), TransposedLinearRule)
+
+
 def _check(sizes, rank, world):
+    _probe_of_sharded_layer()
     model = mlp()
     for name in LAYERS:
         fully_shard(model.get_submodule(name))
@@ -105,5 +135,6 @@ def _check(sizes, rank, world):
 
 @pytest.mark.parametrize("sizes", [(3, 4), (4, 0)], ids=["unequal", "one-empty"])
 def test_fsdp2_clipping_two_processes_gloo(sizes):
-    """Also: with the sum check on, clipping refuses and says to attach with check=False."""
+    """Also: with the sum check on, clipping refuses and says to attach with check=False; a
+    known layer (transformers' Conv1D) sharded by FSDP2 is recognised by its probe."""
     two_process.run(functools.partial(_check, sizes))

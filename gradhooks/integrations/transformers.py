@@ -63,19 +63,30 @@ clipped micro-batches), and ``finish_step`` adds the ranks' clipped sums once (o
 per parameter), the noise drawn once, on rank 0. A rank whose share is empty clips one sample
 of weight 0 (a zero gradient), so that it joins those all-reduces. ``lot_sizes`` counts this
 rank's samples.
-FSDP and DeepSpeed are refused.
+
+**FSDP2** (accelerate's plugin, ``TrainingArguments(fsdp=True, fsdp_config={"version": 2,
+...})``): the same lot, one micro-batch per rank per lot (``gradient_accumulation_steps=1``:
+gradhooks' accumulation of micro-batches would hold full-size sums on every rank), clipped with
+the lot's noise in that call (``clip_and_accumulate`` after ``loss.backward()``, or
+``clipped_backward``; attached with ``check=False``), the ranks' clipped sums reduce-scattered
+into the shards once, the noise drawn once, on rank 0; then divided by ``L``. A rank whose share
+is empty runs one sample of weight 0 (FSDP's forward gathers the parameters on every rank).
+accelerate 1.15 enables FSDP on GPUs only: on a CPU it drops the plugin and the run is DDP.
+FSDP1, FSDP2 with accumulation or with ``fp16`` / ``bf16``, and DeepSpeed are refused.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.nn.functional as F
 import transformers
-from opacus.accountants import create_accountant
+from opacus.accountants import RDPAccountant, create_accountant
+from opacus.accountants.analysis import rdp as rdp_analysis
 from opacus.accountants.utils import get_noise_multiplier
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler
@@ -84,7 +95,7 @@ from ..hooks import attach
 from ..readers.dp.adaptive_clipping import AdaptiveClipping
 from ..tools.token_losses import per_sample_token_loss
 
-__all__ = ["DPConfig", "DPTrainer", "DPTrainerMixin", "PoissonMicroBatchSampler",
+__all__ = ["DPConfig", "DPTrainer", "DPTrainerMixin", "PoissonMicroBatchSampler", "fsdp_refusal",
            "causal_lm_collate", "causal_lm_losses", "token_mean_loss", "GradientStatsCallback"]
 
 
@@ -242,6 +253,35 @@ def _batch_size(inputs: Dict[str, Any]) -> int:
     return next(len(v) for v in inputs.values() if isinstance(v, Tensor))
 
 
+def fsdp_refusal(args, version: int) -> Optional[str]:
+    """Why :class:`DPTrainerMixin` refuses FSDP with these ``TrainingArguments`` and FSDP
+    ``version`` (the way out included), or ``None`` where it runs: FSDP2 on several processes,
+    ``gradient_accumulation_steps=1`` (accumulated micro-batches would hold full-size clipped
+    sums on every rank), in float32."""
+    why = ("gradhooks clips FSDP2 (fully_shard) models only; set fsdp_config={'version': 2}"
+           if version != 2 else "one process has nothing to shard; leave fsdp off"
+           if args.world_size < 2 else
+           "the micro-batches' clipped sums would be full-size on every rank; give the lot's "
+           "share as per_device_train_batch_size with gradient_accumulation_steps=1, or use DDP"
+           if args.gradient_accumulation_steps != 1 else
+           "fp16 / bf16 mixed precision is not supported with FSDP; train in float32 or use DDP"
+           if args.fp16 or args.bf16 else None)
+    return None if why is None else (
+        f"DPTrainer with FSDP version {version} on {args.world_size} processes, "
+        f"gradient_accumulation_steps={args.gradient_accumulation_steps}"
+        f"{', fp16' if args.fp16 else ''}{', bf16' if args.bf16 else ''}: {why}")
+
+
+
+@functools.lru_cache(maxsize=64)
+def _rdp_of_one_lot(sample_rate: float, sigma: float):
+    """Opacus' RDP of one lot of the sampled Gaussian mechanism at the accountant's default
+    orders (``compute_rdp(..., steps=1)``; Mironov et al. 2019): ``steps`` lots are this times
+    ``steps``, as ``compute_rdp`` forms it, so the epsilon is Opacus' to the last digit."""
+    return rdp_analysis.compute_rdp(q=sample_rate, noise_multiplier=sigma, steps=1,
+                                    orders=RDPAccountant.DEFAULT_ALPHAS)
+
+
 class DPTrainerMixin:
     """The DP-SGD step of :class:`DPTrainer` for any ``transformers.Trainer`` subclass (module
     docstring): put it first among the bases, ``class MyDPTrainer(DPTrainerMixin, MyTrainer)``.
@@ -264,18 +304,24 @@ class DPTrainerMixin:
     :class:`~gradhooks.AdaptiveClipping`, or ``None``) and :attr:`clip_bound`.
 
     Raises:
-        ValueError: several processes other than DDP (FSDP, DeepSpeed).
+        ValueError: several processes other than DDP and FSDP2 (DeepSpeed, ...); FSDP other
+            than FSDP2 on several processes with ``gradient_accumulation_steps=1`` in float32.
     """
 
     def __init__(self, *args, dp: DPConfig, **kwargs):
         super().__init__(*args, **kwargs)
         a = self.args
         ddp = a.parallel_mode == transformers.training_args.ParallelMode.DISTRIBUTED
-        if a.world_size != 1 and (self.is_fsdp_enabled or self.is_deepspeed_enabled or not ddp):
+        self._sharded = self.is_fsdp_enabled  # (FSDP2: refused below otherwise)
+        if self.is_fsdp_enabled:
+            why = fsdp_refusal(a, getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1))
+            if why is not None:
+                raise ValueError(why)
+        elif a.world_size != 1 and (self.is_deepspeed_enabled or not ddp):
             raise ValueError(
-                f"DPTrainer: {a.world_size} processes other than DDP (FSDP, DeepSpeed or "
+                f"DPTrainer: {a.world_size} processes other than DDP and FSDP2 (DeepSpeed or "
                 f"{a.parallel_mode}) are not supported; launch with torchrun / accelerate "
-                f"without FSDP or DeepSpeed (DDP), or run one process")
+                f"without DeepSpeed (DDP, or FSDP2), or run one process")
         self.dp = dp
         self.args.max_grad_norm = 0.0  # DP clips per sample; see the module docstring
         self.gh = None
@@ -320,7 +366,8 @@ class DPTrainerMixin:
                 sample_rate=self.sample_rate, steps=self.state.max_steps,
                 accountant=self.dp.accountant, epsilon_tolerance=self.dp.epsilon_tolerance)
         # fp16: the scaler accelerate made (None on a CPU or without fp16); see the module docstring
-        self.gh = attach(model, loss_reduction="sum", grad_scaler=self.accelerator.scaler)
+        self.gh = attach(model, loss_reduction="sum", grad_scaler=self.accelerator.scaler,
+                         check=not self._sharded)  # (FSDP2's sharded parameters: no sum check)
         self._lot, self._clipped, self._norms = 0, False, []
         dp = self.dp
         #: adaptive clipping's state (:class:`gradhooks.AdaptiveClipping`), or ``None``
@@ -335,6 +382,12 @@ class DPTrainerMixin:
         """The clipping bound of the current lot: ``dp.max_grad_norm``, or adaptive clipping's
         bound."""
         return self.dp.max_grad_norm if self.adaptive is None else self.adaptive.max_norm
+
+    @property
+    def _gradient_noise(self) -> float:
+        # sigma, or adaptive clipping's sigma_Delta (the count takes the rest of sigma's budget)
+        return (self.noise_multiplier if self.adaptive is None
+                else self.adaptive.gradient_noise_multiplier)
 
     def per_sample_losses(self, model: nn.Module, inputs: Dict[str, Any]) -> Tensor:
         """``(B,)`` losses of the micro-batch: ``dp.per_sample_loss``, else
@@ -366,19 +419,26 @@ class DPTrainerMixin:
     def _clip(self, model: nn.Module, inputs: Dict[str, Any], weight: float = 1.0) -> Tensor:
         # One micro-batch's per-sample losses (times ``weight``), clipped into the accumulator;
         # under DDP without DDP's all-reduce (no_sync): finish_step sums the ranks' clipped sums.
+        # FSDP2: the micro-batch is the lot's share, clipped with the lot's noise (summed into
+        # the shards by the clip; drawn on rank 0), after FSDP's own backward (book-keeping).
         ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+        once = (dict(noise_multiplier=self._gradient_noise, generator=self._generator)
+                if self._sharded else dict(accumulate=True))
         with model.no_sync() if ddp else contextlib.nullcontext():
             with self.compute_loss_context_manager():
                 losses = self.per_sample_losses(model, inputs)
             if weight != 1.0:
                 losses = losses * weight
             if self.dp.clipping == "two-pass":
-                norms = self.gh.clipped_backward(losses, self.clip_bound, accumulate=True)
+                norms = self.gh.clipped_backward(losses, self.clip_bound, **once)
             else:
                 scaler = self.accelerator.scaler
                 total = losses.sum()
-                self.gh.backward(total if scaler is None else scaler.scale(total))
-                norms = self.gh.clip_and_accumulate(self.clip_bound, accumulate=True)
+                if self._sharded:
+                    total.backward()
+                else:
+                    self.gh.backward(total if scaler is None else scaler.scale(total))
+                norms = self.gh.clip_and_accumulate(self.clip_bound, **once)
         if weight == 1.0:  # (a stand-in of weight 0 is no sample of the lot: not counted)
             self._norms.append(norms.detach())
         self._clipped = True
@@ -387,15 +447,20 @@ class DPTrainerMixin:
     def _finish_lot(self, model: nn.Module) -> None:
         # The noise once, the division by the expected lot size, the accountant's step; with
         # adaptive clipping the gradient's noise at sigma_Delta and the bound's update.
-        sigma = self.noise_multiplier
-        noise = sigma if self.adaptive is None else self.adaptive.gradient_noise_multiplier
+        sigma, noise = self.noise_multiplier, self._gradient_noise
         std = noise * self.clip_bound
-        if isinstance(model, nn.parallel.DistributedDataParallel) and not self._clipped:
+        ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+        if (ddp or self._sharded) and not self._clipped:
             # This rank's share of the lot is empty (the model may not run a batch of 0): one
-            # sample of weight 0 (its gradient 0, clipped to 0), so that the rank joins
-            # finish_step's all-reduces and receives the ranks' sum and rank 0's noise.
+            # sample of weight 0 (its gradient 0, clipped to 0), so that the rank joins the
+            # collectives (DDP: finish_step's all-reduces; FSDP2: the forward's and the clip's)
+            # and receives the ranks' sum and rank 0's noise.
             self._clip(model, self._prepare_inputs(self._stand_in()), weight=0.0)
-        if self._lot > 0 or self._clipped:
+        if self._sharded:  # (clipped and noised in _clip; .grad: this rank's shards)
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.grad.div_(self.expected_batch_size)
+        elif self._lot > 0 or self._clipped:
             self.gh.finish_step(noise_multiplier=noise, generator=self._generator,
                                 expected_batch_size=self.expected_batch_size)
         else:  # an empty lot: the noise alone, drawn as finish_step draws it (at the loss scale)
@@ -415,10 +480,18 @@ class DPTrainerMixin:
         self._lot, self._clipped, self._norms = 0, False, []
 
     def epsilon(self) -> float:
-        """Epsilon at ``dp.delta`` of the lots taken so far (0 before the first)."""
+        """Epsilon at ``dp.delta`` of the lots taken so far (0 before the first): the
+        accountant's; for ``"rdp"`` its own formula with each ``(sigma, q)``'s one-lot RDP
+        computed once (:func:`_rdp_of_one_lot`), the same numbers as
+        ``accountant.get_epsilon`` without its cost per log (about 1.5 s at a 2-core CPU)."""
         if not self.lot_sizes:
             return 0.0
-        return float(self.accountant.get_epsilon(delta=self.dp.delta))
+        if type(self.accountant) is not RDPAccountant:
+            return float(self.accountant.get_epsilon(delta=self.dp.delta))
+        rdp = sum([_rdp_of_one_lot(q, sigma) * steps for sigma, q, steps in self.accountant.history])
+        eps, _ = rdp_analysis.get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp,
+                                                delta=self.dp.delta)
+        return float(eps)
 
     def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
         """The Trainer's logs plus ``epsilon`` (and ``noise_multiplier``)."""

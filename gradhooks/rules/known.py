@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from ..base.errors import FallbackWarning
 from ..base.registry import LayerRule, find_type_rule, register_recogniser
+from ..base.torch_internals import DTensor
 from ..base.utils import paused
 from .embedding import ScaledEmbeddingRule
 from .linear import TransposedLinearRule
@@ -73,14 +74,32 @@ SUFFIXES: Dict[str, Tuple[LayerRule, ...]] = {"RMSNorm": _RMS,
                                                "ScaledWordEmbedding": (ScaledEmbeddingRule(),)}
 
 
+def _whole(module: nn.Module) -> nn.Module:
+    """``module``, or where its own parameters are FSDP2 shards (``DTensor``, after
+    ``fully_shard`` of a parent, such as a transformer block) a shallow copy holding their full tensors, for the probe
+    to run on: one all-gather per parameter, which every rank runs in the same order, as they
+    attach the same model. (The copy's ``forward`` is called directly: FSDP's hooks stay out.)"""
+    own = module._parameters
+    if DTensor is None or not any(isinstance(p, DTensor) for p in own.values()):
+        return module
+    whole = object.__new__(type(module))  # (FSDP's class swap runs __init__ in __new__)
+    whole.__dict__.update(module.__dict__)
+    whole.__dict__["_parameters"] = {n: p if not isinstance(p, DTensor) else
+                                     nn.Parameter(p.detach().full_tensor(), p.requires_grad)
+                                     for n, p in own.items()}
+    return whole
+
+
 def probe_matches(module: nn.Module, rule: LayerRule) -> Tuple[bool, str]:
     """Whether ``module`` computes ``rule.formula`` on ``rule.probe_input(module)`` (a tensor,
     or a tuple of the forward's positional inputs: a gated norm's input and gate).
 
     The module runs in eval mode (restored after, per submodule) without autograd and with
     every gradhooks hook paused; the random input comes from a fixed seed inside a forked
-    random state. Returns ``(ok, why)``, ``why`` saying what differed.
+    random state. Its own parameters, where they are FSDP2 shards, are gathered whole for the
+    probe (:func:`_whole`). Returns ``(ok, why)``, ``why`` saying what differed.
     """
+    module = _whole(module)
     modes = [(m, m.training) for m in module.modules()]
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:

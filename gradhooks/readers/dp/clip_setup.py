@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ...base.errors import GradHooksError
-from ..distributed import Ranks, ranks_of
+from ..distributed import Ranks, is_sharded, ranks_of
 from .accumulation import Accumulation
 
 __all__ = ["check_clip", "clip_ranks", "check_accumulation", "empty_norms", "overflowed",
@@ -28,8 +28,9 @@ __all__ = ["check_clip", "clip_ranks", "check_accumulation", "empty_norms", "ove
 def check_clip(source, max_norm, noise_multiplier) -> List[Tuple[str, nn.Parameter]]:
     """Check the clipping arguments; return the model's trainable ``(name, param)``, in
     ``named_parameters()`` order (the order the noise is drawn in). ``source``: the
-    :class:`~gradhooks.core.recorder.records.Batch` of a reader, or the recorder of a driver (its ``model``
-    and ``params``).
+    :class:`~gradhooks.core.recorder.records.Batch` of a reader, or the recorder of a driver (its
+    ``model``, ``params`` and ``names``). Under FSDP2 a parameter unsharded at the time (between
+    its module's forward and backward) stands for the hooked, sharded one of its name.
 
     Raises:
         ValueError: ``max_norm`` not a positive finite number, ``noise_multiplier`` negative.
@@ -41,6 +42,12 @@ def check_clip(source, max_norm, noise_multiplier) -> List[Tuple[str, nn.Paramet
         raise ValueError(f"noise_multiplier must be >= 0 (noise std / max_norm), got "
                          f"{noise_multiplier!r}")
     trainable = [(n, p) for n, p in source.model.named_parameters() if p.requires_grad]
+    if any(id(p) not in source.params for _, p in trainable) and any(
+            is_sharded(p) for p in source.params.values()):
+        # FSDP2 holds a module's unsharded parameters from its forward to its backward (the
+        # root module's always): the hooked (sharded) parameters of those names are meant
+        hooked = {source.names[pid]: p for pid, p in source.params.items() if pid in source.names}
+        trainable = [(n, hooked.get(n, p)) for n, p in trainable]
     missing = [n for n, p in trainable if id(p) not in source.params]
     if missing:
         raise GradHooksError(
