@@ -146,6 +146,14 @@ class _Contradiction(NamedTuple):
     message: str
 
 
+class _RowsMean(NamedTuple):
+    """A backward pass's loss that is an unscaled mean over the batch's ``rows`` rows
+    (``what``): refused at the read where ``sample_ids``, declared before or after that
+    backward, group the rows into another number of samples (:func:`rows_mean_message`)."""
+    what: str
+    rows: int
+
+
 class _Unsplit(NamedTuple):
     """A backward pass's loss whose split into per-sample terms its graph does not prove
     (:func:`gradhooks.core.backward_losses.split_of`): ``counts`` ``(B,)`` the valid-token rows
@@ -327,12 +335,13 @@ class TokenMeans:
             f"would be {factor} the gradient of each sample's own loss. Make the loss the "
             f"declared reduction ({fix}) or attach with loss_reduction={reduction!r}"))
 
-    def rows_mean(self, what: str, rows: int, samples: int) -> None:
-        """With ``sample_ids`` grouping ``rows`` rows into ``samples`` samples, a backward pass's
-        loss is ``what``, an unscaled mean over the rows: refused at the read under
-        ``loss_reduction="mean"`` (:func:`rows_mean_message`)."""
-        if getattr(self._recorder, "loss_reduction", "mean") == "mean":
-            self.batch.append(_Contradiction(rows_mean_message(what, rows, samples, "{read}")))
+    def rows_mean(self, what: str, rows: int) -> None:
+        """A backward pass's loss is ``what``, an unscaled mean over the batch's ``rows`` rows
+        (``.mean()`` of ``(B,)`` row losses, a loss function's ``reduction="mean"``): refused at
+        the read under ``loss_reduction="mean"`` where the ``sample_ids`` declared by then
+        group the rows into fewer samples (:func:`rows_mean_message`); the row count is read
+        while the pass runs, so ids declared after it are judged too."""
+        self.batch.append(_RowsMean(what, rows))
 
     def refusal(self, read: str) -> Optional[UnsupportedLossError]:
         """The error a read (``read``) of this batch raises when a token-level loss of its
@@ -341,6 +350,13 @@ class TokenMeans:
         for entry in self.batch:
             if isinstance(entry, _Contradiction):
                 return UnsupportedLossError(entry.message.replace("{read}", read))
+            if isinstance(entry, _RowsMean):
+                samples = self._recorder.reads.declared_samples()
+                if (samples is not None and samples != entry.rows
+                        and getattr(self._recorder, "loss_reduction", "mean") == "mean"):
+                    return UnsupportedLossError(rows_mean_message(entry.what, entry.rows,
+                                                                  samples, read))
+                continue
             if isinstance(entry, _Factor) or batch_wide:
                 continue  # (token_normalisation="batch": contributions are wanted)
             if isinstance(entry, _Unsplit):

@@ -1,0 +1,205 @@
+"""Loss split over padded tokens in any output layout (issue 38, point 3; the limitation "token
+counts come from the first (B, T, D) grad_output" made a refusal).
+
+A loss whose split into per-sample terms its graph does not prove (label-smoothed
+cross-entropy, a masked MSE) is refused where the samples' valid-token counts differ, whatever
+the layout of the output layer's grad_output: a ``Conv1d`` head's ``(B, V, T)``, an output over
+``(B * T, D)`` merged rows, a time-first ``(T, B, V)`` model, and a head whose rule gradhooks
+knows no position layout of (counted by nonzero entries). With equal counts, the same losses
+are exact against a loop over the samples (float64 1e-10, float32 1e-5), also for B = 1 and
+B = 0. The models act on each token alone (Embedding, tanh, a head), so each loop is each
+sample alone.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+from gradhooks.base.errors import UnsupportedLossError
+
+from conftest import assert_close_to_loop, loop_grads
+
+V, D, T = 7, 6, 5
+DTYPES = {"f64": torch.float64, "f32": torch.float32}
+
+
+class ConvHead(nn.Module):
+    """(B, T) ids -> (B, V, T) logits from a Conv1d head (the channels-first layout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.head = nn.Conv1d(D, V, 1)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids)).transpose(1, 2))
+
+
+class MergedRows(nn.Module):
+    """(B, T) ids -> (B * T, V) logits: the head runs on merged token rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids)).reshape(-1, D))
+
+
+class TimeFirst(nn.Module):
+    """(T, B) ids -> (T, B, V) logits (``batch_first=False``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+class Bilinear(nn.Module):
+    """A head with no rule (the torch.func fallback): its layout of positions is unknown."""
+
+    def __init__(self):
+        super().__init__()
+        self.u = nn.Parameter(torch.randn(D, V) / D)
+        self.c = nn.Parameter(torch.randn(V) / V)
+
+    def forward(self, h):
+        return (h @ self.u) * torch.tanh(self.c)
+
+
+class FallbackHead(nn.Module):
+    """(B, T) ids -> (B, T, V) logits from a head gradhooks replays with ``torch.func``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.head = Bilinear()
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+def _logits_tokens(out, layout):
+    """``(B * T, V)`` rows of the logits, in the samples' token order."""
+    if layout == "conv":
+        return out.transpose(1, 2).reshape(-1, V)
+    if layout == "time-first":
+        return out.transpose(0, 1).reshape(-1, V)
+    return out.reshape(-1, V)
+
+
+def smoothed(layout):
+    def loss(out, labels):
+        return F.cross_entropy(_logits_tokens(out, layout), labels.reshape(-1),
+                               label_smoothing=0.1)
+    return loss
+
+
+def masked_mse(layout):
+    def loss(out, labels):
+        rows, mask = _logits_tokens(out, layout), (labels.reshape(-1) != -100).to(out.dtype)
+        return ((rows ** 2).sum(-1) * mask).sum() / mask.sum()
+    return loss
+
+
+def plain_ce(layout):
+    def loss(out, labels):
+        if layout == "conv":  # (cross_entropy over (B, V, T) directly: nll_loss2d)
+            return F.cross_entropy(out, labels)
+        return F.cross_entropy(_logits_tokens(out, layout), labels.reshape(-1))
+    return loss
+
+
+LAYOUTS = {"conv": (ConvHead, {}), "merged-rows": (MergedRows, {}),
+           "time-first": (TimeFirst, {"batch_first": False}), "fallback": (FallbackHead, {})}
+LOSSES = {"label-smoothing": smoothed, "masked-mse": masked_mse, "cross-entropy": plain_ce}
+HOW = ["loss.backward", "gh.backward"]
+
+
+def setup(layout, dtype, valid, seed=1):
+    cls, options = LAYOUTS[layout]
+    torch.manual_seed(0)
+    model = cls().to(dtype)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (len(valid), T), generator=g)
+    labels = torch.randint(0, V, (len(valid), T), generator=g)
+    for n, k in enumerate(valid):
+        labels[n, k:] = -100
+    x = ids.t().contiguous() if layout == "time-first" else ids
+    return model, options, x, labels
+
+
+def backward(gh, loss, how):
+    if how == "gh.backward":
+        gh.backward(loss)
+    else:
+        loss.backward()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("loss", list(LOSSES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_unequal_counts_refused_in_every_layout(layout, loss, how, dtype):
+    model, options, x, labels = setup(layout, DTYPES[dtype], [5, 3, 2])
+    loss_fn = LOSSES[loss](layout)
+    with gradhooks.attach(model, **options) as gh:
+        with pytest.raises(UnsupportedLossError) as info:
+            backward(gh, loss_fn(model(x), labels), how)
+            gh.per_sample_grads()
+        message = str(info.value)
+        assert "per_sample_token_loss" in message, message
+        if "nonzero entries" in message:
+            # (a head of unknown layout: the nonzero entries of its (B, T, V) grad_output, V per
+            # valid token)
+            assert layout == "fallback", message
+            assert f"N_n = [{5 * V}, {3 * V}, {2 * V}]" in message, message
+            assert "module 'head'" in message and "does not know" in message, message
+        elif "N_n = [" in message:
+            assert "N_n = [5, 3, 2]" in message, message
+        else:
+            assert "valid tokens" in message, message
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("loss", list(LOSSES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("valid", [[3, 3, 3], [4], []], ids=["B3", "B1", "B0"])
+def test_equal_counts_exact_in_every_layout(layout, loss, how, dtype, valid):
+    dtype = DTYPES[dtype]
+    model, options, x, labels = setup(layout, dtype, valid)
+    loss_fn = LOSSES[loss](layout)
+    batch_dim = 1 if layout == "time-first" else 0
+    if valid:
+        ref = loop_grads(model, loss_fn, x, labels, batch_dim=batch_dim)
+    with gradhooks.attach(model, **options) as gh:
+        out = model(x)
+        if not valid:  # (B = 0: no token to average; the sum of the empty batch's rows)
+            backward(gh, (_logits_tokens(out, layout) ** 2).sum(), how)
+            assert all(g.shape[0] == 0 for g in gh.per_sample_grads().values())
+            return
+        backward(gh, loss_fn(out, labels), how)
+        assert_close_to_loop(gh.per_sample_grads(), ref, dtype)
+
+
+def test_zero_rows_without_positions_are_no_padding():
+    # A (B, D) output has no token positions: a sample whose gradient row is zero (its hinge
+    # satisfied) is no padding, and a mean over the B rows stays exact.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    y = torch.tensor([0, 1, 0, 1])
+
+    def hinge(out, y):
+        return F.multi_margin_loss(out, y, margin=0.0)  # (zero gradient where satisfied)
+
+    ref = loop_grads(model, hinge, x, y)
+    with gradhooks.attach(model) as gh:
+        hinge(model(x), y).backward()
+        assert_close_to_loop(gh.per_sample_grads(), ref, torch.float64)
