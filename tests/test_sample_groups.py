@@ -679,6 +679,45 @@ def test_a_mean_over_rows_is_refused_after_a_plain_backward(read, form, when):
         assert_close(ours[n], ref[n], torch.float64, n)
 
 
+@pytest.mark.parametrize("rows", ["B", "G"])
+def test_a_mean_over_rows_it_cannot_count_is_refused_after_a_plain_backward(rows):
+    """A loss function's mean over rows with an op between it and the model's output: after a
+    plain loss.backward() its row count is freed before any hook runs, so with ids it is
+    refused whatever the rows are (fail closed), naming gh.backward; gh.backward counts them
+    before the pass, refuses the mean over the B rows and gives a mean over the G samples'
+    rows exactly (against each sample's rows alone, float64)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 3)).double()
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
+    ids = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+
+    def loss_of(out):
+        if rows == "B":
+            return F.cross_entropy(out * 2.0, y)
+        return F.cross_entropy(out.view(-1, 2, 3).sum(1), y[::2])  # (one row per sample)
+
+    with gradhooks.attach(model, loss_reduction="mean") as gh:
+        out = model(x)
+        gh.set_sample_ids(ids)
+        loss_of(out).backward()
+        with pytest.raises(gradhooks.UnsupportedLossError,
+                           match=r"could not count .*G/B = 4/8 .*gh\.backward\(loss\)"):
+            gh.per_sample_grads()
+        out = model(x)
+        gh.set_sample_ids(ids)
+        if rows == "B":
+            with pytest.raises(gradhooks.UnsupportedLossError, match=r"G/B = 4/8"):
+                gh.backward(loss_of(out))
+            return
+        gh.backward(loss_of(out))
+        ours = gh.per_sample_grads()
+    for n, p in model.named_parameters():
+        ref = torch.stack([torch.autograd.grad(F.cross_entropy(
+            model(x[2 * g:2 * g + 2]).sum(0, keepdim=True), y[2 * g:2 * g + 1]), p)[0]
+            for g in range(4)])
+        assert_close(ours[n], ref, torch.float64, n)
+
+
 def test_a_mean_over_rows_without_ids_stays_exact():
     """Without ids each row is a sample: the same means are the declared mean, exact."""
     model = nn.Sequential(nn.Linear(5, 3)).double()

@@ -103,7 +103,9 @@ class BackwardPass:
                 self._split = self.expected
             else:
                 roots = backward_roots() if size else None
-                self._loss = None if roots is None else loss_of(roots, size)
+                self._loss = found = None if roots is None else loss_of(roots, size)
+                if found is not None and found.kind == "mean" and found.node is not None:
+                    tokens.rows_mean(found.what, None)  # (its rows, if counted below, replace it)
                 if roots is not None and len(roots) == 1 and roots[0].dim() == 0:
                     samples = recorder.reads.declared_samples() or size  # (G with sample_ids)
                     self._split = self._judge_split(
