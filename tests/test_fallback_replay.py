@@ -565,12 +565,14 @@ class LaterByBatchSize(nn.Module):
         return y / x.shape[0] if self.by_size else y
 
 
+@pytest.mark.parametrize("check", [False, "always"], ids=["no-check", "always"])
 @pytest.mark.parametrize("b", [2, 3])
-def test_verified_structure_is_verified_again_on_a_schedule(b, dtype, monkeypatch):
+def test_verified_structure_is_verified_again_on_a_schedule(b, check, dtype, monkeypatch):
     """A verified structure's replay is verified again on every REVERIFY_EVERY-th call (5
     here), with check=False: a replay that becomes wrong on a later batch is refused at the
     next scheduled call, naming the module; until it changes, every read is exact against a
-    loop and only the scheduled calls pay the verification."""
+    loop and only the scheduled calls pay the verification. check="always" verifies every
+    call's replay: refused on the first batch it is wrong."""
     monkeypatch.setattr(fallback_module, "REVERIFY_EVERY", 5)
     calls = []
     original = fallback_module.verify
@@ -582,21 +584,22 @@ def test_verified_structure_is_verified_again_on_a_schedule(b, dtype, monkeypatc
     loss = weighted_square_loss("mean")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", gradhooks.FallbackWarning)
-        with gradhooks.attach(model, check=False) as gh:
-            for step in range(1, 12):  # forwards 1, 6 and 11 are verified
+        with gradhooks.attach(model, check=check) as gh:
+            for step in range(1, 12):  # forwards 1, 6 and 11 are verified (all: "always")
                 x, y = torch.randn(b, 4, dtype=dtype), torch.rand(b, dtype=dtype)
                 model.zero_grad()
                 loss(model(x), y).backward()
                 assert_close_to_loop(gh.per_sample_grads(), loop_grads(twin, loss, x, y), dtype)
-            assert len(calls) == 3
+            assert len(calls) == (3 if check is False else 11)
             model[0].by_size = True  # (same structure: the next scheduled call sees it)
             for step in range(12, 17):
                 x, y = torch.randn(b, 4, dtype=dtype), torch.rand(b, dtype=dtype)
                 model.zero_grad()
                 loss(model(x), y).backward()
-                if step < 16:
+                if step < 16 and check is False:
                     gh.per_sample_grads()  # (not yet verified: the window of the schedule)
                     continue
                 with pytest.raises(gradhooks.ReplayMismatchError,
                                    match=r"module '0' \(LaterByBatchSize\)"):
                     gh.per_sample_grads()
+                break

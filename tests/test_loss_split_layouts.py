@@ -203,3 +203,49 @@ def test_zero_rows_without_positions_are_no_padding():
     with gradhooks.attach(model) as gh:
         hinge(model(x), y).backward()
         assert_close_to_loop(gh.per_sample_grads(), ref, torch.float64)
+
+
+class Segmenter(nn.Module):
+    """(B, 2, H, W) images -> (B, C, H, W) per-pixel logits (a Conv2d head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Conv2d(2, 4, 3, padding=1)
+        self.head = nn.Conv2d(4, 3, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("valid", [[10, 6, 3], [5, 5, 5], [7], []], ids=["unequal", "equal",
+                                                                          "B1", "B0"])
+def test_ignored_pixels_of_a_segmentation_loss(valid, how, dtype):
+    # Pixels are positions too: a cross-entropy mean over the valid pixels (ignore_index) of
+    # (B, C, H, W) logits is refused where the samples' valid pixels differ, exact otherwise.
+    dtype = DTYPES[dtype]
+    torch.manual_seed(0)
+    model = Segmenter().to(dtype)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(len(valid), 2, 4, 4, generator=g).to(dtype)
+    labels = torch.randint(0, 3, (len(valid), 4, 4), generator=g)
+    for n, k in enumerate(valid):
+        labels[n].view(-1)[k:] = 255
+
+    def loss_fn(out, lab):
+        return F.cross_entropy(out, lab, ignore_index=255, label_smoothing=0.1)
+
+    with gradhooks.attach(model) as gh:
+        if not valid:
+            backward(gh, (model(x) ** 2).sum(), how)
+            assert all(v.shape[0] == 0 for v in gh.per_sample_grads().values())
+            return
+        if len(set(valid)) > 1:
+            with pytest.raises(UnsupportedLossError, match=r"N_n = \[10, 6, 3\]"):
+                backward(gh, loss_fn(model(x), labels), how)
+                gh.per_sample_grads()
+            return
+        backward(gh, loss_fn(model(x), labels), how)
+        ours = gh.per_sample_grads()
+    assert_close_to_loop(ours, loop_grads(model, loss_fn, x, labels), dtype)

@@ -57,7 +57,8 @@ from ..base.utils import paused
 from .fallback_replay import (REVERIFY_EVERY, Replay, cause_of, looped, state_kept, structure,
                               verify, way_out)
 
-__all__ = ["FallbackRule", "FALLBACK", "UNVERIFIED_FALLBACK", "note_path"]
+__all__ = ["FallbackRule", "FALLBACK", "UNVERIFIED_FALLBACK", "ALWAYS_VERIFIED_FALLBACK",
+           "note_path"]
 
 
 def _batch_dim(t: Tensor, batch_first: bool) -> int:
@@ -86,11 +87,15 @@ class FallbackRule(LayerRule):
             )
         return x.shape[_batch_dim(x, batch_first)]
 
-    def __init__(self, verify_replay: bool = True):
+    def __init__(self, verify_replay: bool = True, every: Optional[int] = None):
         #: Whether the first replay of each call structure is verified
         #: (:func:`~gradhooks.rules.fallback_replay.verify`); ``False`` only for
         #: ``attach(..., unsafe_skip_replay_check=True)`` (:data:`UNVERIFIED_FALLBACK`).
         self.verify_replay = verify_replay
+        #: A verified structure is verified again on every ``every``-th call (``None``:
+        #: :data:`~gradhooks.rules.fallback_replay.REVERIFY_EVERY`; 1 for ``check="always"``,
+        #: :data:`ALWAYS_VERIFIED_FALLBACK`).
+        self.every = every
         # per module: the call structures verified, those vmap cannot replay (-> the cause),
         # and whether its looped replay was warned of (weak: the rule outlives models)
         self._memo: "weakref.WeakKeyDictionary[nn.Module, _Memo]" = weakref.WeakKeyDictionary()
@@ -114,7 +119,7 @@ class FallbackRule(LayerRule):
             key = structure(tree_flatten((args, kwargs))[0])
             if key in memo.verified and key not in memo.looped:
                 calls = memo.calls[key] = memo.calls.get(key, 0) + 1
-                if calls % REVERIFY_EVERY:
+                if calls % (self.every or REVERIFY_EVERY):
                     return None  # (else this call's replay is verified again: kept below)
         out_leaves, _ = tree_flatten(output)
         return None, {"replay_output": [t.detach().clone() if isinstance(t, Tensor) else None
@@ -339,3 +344,5 @@ def _warn_container(module: nn.Module, names: tuple) -> None:
 FALLBACK = FallbackRule()
 #: The one ``attach(..., unsafe_skip_replay_check=True)`` uses: replays are not verified.
 UNVERIFIED_FALLBACK = FallbackRule(verify_replay=False)
+#: The one ``attach(..., check="always")`` uses: every call's replay is verified.
+ALWAYS_VERIFIED_FALLBACK = FallbackRule(every=1)
