@@ -5,7 +5,7 @@ A loss whose split into per-sample terms its graph does not prove (label-smoothe
 cross-entropy, a masked MSE) is refused where the samples' valid-token counts differ, whatever
 the layout of the output layer's grad_output: a ``Conv1d`` head's ``(B, V, T)``, an output over
 ``(B * T, D)`` merged rows, a time-first ``(T, B, V)`` model, and a head whose rule gradhooks
-knows no position layout of (counted by nonzero entries). With equal counts, the same losses
+knows no position layout of (counted along the dim whose zeros are whole rows). With equal counts, the same losses
 are exact against a loop over the samples (float64 1e-10, float32 1e-5), also for B = 1 and
 B = 0. The models act on each token alone (Embedding, tanh, a head), so each loop is each
 sample alone.
@@ -154,12 +154,9 @@ def test_unequal_counts_refused_in_every_layout(layout, loss, how, dtype):
             gh.per_sample_grads()
         message = str(info.value)
         assert "per_sample_token_loss" in message, message
-        if "nonzero entries" in message:
-            # (a head of unknown layout: the nonzero entries of its (B, T, V) grad_output, V per
-            # valid token)
-            assert layout == "fallback", message
-            assert f"N_n = [{5 * V}, {3 * V}, {2 * V}]" in message, message
-            assert "module 'head'" in message and "does not know" in message, message
+        if "does not know" in message:  # (a head of unknown layout: its zero rows found)
+            assert layout == "fallback" and "module 'head'" in message, message
+            assert "N_n = [5, 3, 2]" in message, message
         elif "N_n = [" in message:
             assert "N_n = [5, 3, 2]" in message, message
         else:
@@ -249,3 +246,69 @@ def test_ignored_pixels_of_a_segmentation_loss(valid, how, dtype):
         backward(gh, loss_fn(model(x), labels), how)
         ours = gh.per_sample_grads()
     assert_close_to_loop(ours, loop_grads(model, loss_fn, x, labels), dtype)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("how", HOW)
+def test_scattered_zeros_of_an_activation_are_no_padding(how, dtype):
+    # A head of unknown layout whose gradient is zero where a ReLU after it is: zeros that form
+    # no whole rows along any dim are no padding, so a loss whose split is not proven (a sum
+    # over all entries, divided by B) is not refused, and is exact against the loop.
+    dtype = DTYPES[dtype]
+    model, options, x, labels = setup("fallback", dtype, [T, T, T])
+
+    def loss_fn(out, _):
+        return (F.relu(out) ** 2).sum() / out.shape[0]
+
+    ref = loop_grads(model, loss_fn, x, labels)
+    with gradhooks.attach(model) as gh:
+        out = model(x)
+        assert (F.relu(out) == 0).any() and (F.relu(out) != 0).any()
+        backward(gh, loss_fn(out, labels), how)
+        assert_close_to_loop(gh.per_sample_grads(), ref, dtype)
+
+
+class OneChannel(nn.Module):
+    """(B, 2, H, W) -> (B, 1, H, W): a one-channel output (a density or depth map)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Conv2d(2, 1, 3, padding=1)
+
+    def forward(self, x):
+        return self.head(x)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("b", [1, 3])
+def test_a_loss_function_over_every_element_counts_no_zero_rows(b, how, dtype):
+    # mse_loss over every element of relu(output): each sample has H * W terms whatever zeros
+    # the ReLU leaves in its gradient (one channel: each zero is a whole position), so it is
+    # not refused, and exact against the loop.
+    dtype = DTYPES[dtype]
+    torch.manual_seed(0)
+    model = OneChannel().to(dtype)
+    x, t = torch.randn(b, 2, 5, 5, dtype=dtype), torch.rand(b, 1, 5, 5, dtype=dtype)
+
+    def loss_fn(out, target):
+        return F.mse_loss(F.relu(out), target)
+
+    ref = loop_grads(model, loss_fn, x, t)
+    with gradhooks.attach(model) as gh:
+        out = model(x)
+        assert (F.relu(out) == 0).any()
+        backward(gh, loss_fn(out, t), how)
+        assert_close_to_loop(gh.per_sample_grads(), ref, dtype)
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_a_loss_function_over_selected_entries_is_refused(how):
+    # mse_loss over the valid rows selected by a mask: the samples' numbers of terms differ.
+    model, options, x, labels = setup("merged-rows", torch.float64, [5, 3, 2])
+    mask = labels.reshape(-1) != -100
+    with gradhooks.attach(model) as gh:
+        with pytest.raises(UnsupportedLossError, match=r"N_n = \[5, 3, 2\]"):
+            out = model(x)
+            backward(gh, F.mse_loss(out[mask], torch.zeros_like(out[mask])), how)
+            gh.per_sample_grads()

@@ -45,10 +45,12 @@ looks back at the pass's roots:
    divided by ``num_items_in_batch``, a masked mean, an MSE over tokens ...) the first hooked
    grad_output of the pass gives the counts of nonzero token rows per sample, laid out as
    gradhooks knows that call (:func:`position_rows`: the placement's relayout, the rule's
-   canonical form, the declared layout; the nonzero entries where the layout is unknown) and
-   counted by :func:`row_counts` (padding's rows are exactly zero), refused at the read where
-   they differ; a class-weighted ``nll_loss`` mean is refused whatever the counts (it
-   divides by the batch's total target weight, which the freed target no longer gives). A
+   canonical form, the declared layout; the dim whose zeros are whole rows where it is
+   unknown) and counted by :func:`row_counts` (padding's rows are exactly zero), refused at
+   the read where they differ (not where :func:`fixed_normaliser` shows a loss function's
+   mean over every element of the output, which gives every sample as many terms); a
+   class-weighted ``nll_loss`` mean is refused whatever the counts (it divides by the batch's
+   total target weight, which the freed target no longer gives). A
    constant scaling above the reduction is noted: its factor is freed, so the DP reads refuse
    (:meth:`gradhooks.core.token_means.TokenMeans.dp_factor`).
 
@@ -71,7 +73,8 @@ from ..base.errors import GradHooksError
 from .layouts import relayout
 
 __all__ = ["Finding", "Split", "backward_roots", "constant_of", "flattened_logits",
-           "ignore_index_of", "loss_of", "position_rows", "row_counts", "split_of",
+           "fixed_normaliser", "ignore_index_of", "loss_of", "position_rows", "row_counts",
+           "split_of",
            "valid_rows"]
 
 #: The function whose frame holds a backward pass's root tensors (argument ``t_outputs``).
@@ -404,8 +407,8 @@ def split_of(node, batch_size: int, scaler: bool = False) -> Optional[Split]:
 def position_rows(grad: Tensor, record, batch_size: int, batch_first: bool,
                   classes: Optional[int] = None) -> Optional[Tuple[Tensor, bool]]:
     """A hooked call's grad_output ``grad`` as ``(B, S, F)`` rows: ``S`` positions (token rows,
-    pixels) of ``F`` features each, and whether the layout was not known (then ``F = 1``: each
-    entry is its own row); ``None`` where ``grad`` has no position dims (``(B, D)``) or no dim
+    pixels) of ``F`` features each, and whether the layout was not known (then ``(B, ...)``);
+    ``None`` where ``grad`` has no position dims (``(B, D)``) or no dim
     of ``B`` samples. A view where the layout allows.
 
     Where the batch and the positions sit is read from what gradhooks knows of the call, not
@@ -414,9 +417,9 @@ def position_rows(grad: Tensor, record, batch_size: int, batch_first: bool,
     rule's canonical form (:meth:`~gradhooks.base.registry.LayerRule.linear_form`: ``(N, G, S,
     O)``, so that a ``Conv1d`` head's ``(B, V, T)`` has its ``T`` positions), or a
     position-wise rule's trailing feature dim at the declared layout's batch dim. For any other
-    rule (a layout of positions and features gradhooks does not know) each entry is a row:
-    padding of unequal lengths makes the nonzero entries per sample differ too, so the read
-    refuses rather than assume a layout; unless the loss's own view of the logits shows their
+    rule (a layout of positions and features gradhooks does not know) ``grad`` is returned
+    ``(B, ...)`` with ``True``: :func:`row_counts` then finds the dim whose zeros are whole rows
+    (padding) rather than assume one; unless the loss's own view of the logits shows their
     trailing dim to be its ``classes`` (a token-level mean over ``(B, T', V)`` logits)."""
     if grad.dim() < 2:
         return None
@@ -439,17 +442,71 @@ def position_rows(grad: Tensor, record, batch_size: int, batch_first: bool,
     if grad.shape[dim] != batch_size:
         return None
     grad = grad.movedim(dim, 0)
-    entries = (not rule.position_wise or rule.multi_io) and grad.shape[-1] != classes
-    return grad.reshape(batch_size, -1, 1 if entries else grad.shape[-1]), entries
+    if (not rule.position_wise or rule.multi_io) and grad.shape[-1] != classes:
+        return grad, True  # (B, ...): row_counts finds a dim whose zeros are whole rows
+    return grad.reshape(batch_size, -1, grad.shape[-1]), False
 
 
-def row_counts(rows: Tensor) -> Tensor:
+def row_counts(rows: Tensor, unknown: bool = False) -> Tensor:
     """Per-sample counts ``(B,)`` int64 of the rows of ``rows`` ``(B, S, F)``
     (:func:`position_rows`) with a nonzero gradient (a padded position, whose loss terms are
     masked out, gets an exactly zero gradient over all its features). Stays on the device (the
-    read compares)."""
+    read compares).
+
+    ``unknown``: ``rows`` is ``(B, ...)`` of a layout gradhooks does not know. Padding makes
+    whole rows zero along the features, wherever they are, while the zeros of an activation
+    (a ReLU's) are scattered: so each dim is tried as the features, and the counts of the first
+    dim along which every zero is a whole row and the samples' counts differ are returned
+    (equal counts, nothing refused, where no dim shows that: no padding to see)."""
     with torch.no_grad():  # (one reduction, no (B, S, F) temporary)
-        return (torch.linalg.vector_norm(rows, float("inf"), dim=2) != 0).sum(1)
+        if not unknown:
+            return (torch.linalg.vector_norm(rows, float("inf"), dim=2) != 0).sum(1)
+        zero, counts, flags = rows == 0, [], []
+        for d in range(1, rows.dim()):
+            whole, some = zero.all(d), zero.any(d)
+            n = (~whole).flatten(1).sum(1)
+            counts.append(n)
+            flags.append((whole == some).all() & (n != n[:1]).any())
+        counts, flags = torch.stack(counts), torch.stack(flags)
+        first = counts[flags.to(torch.uint8).argmax()]
+        return torch.where(flags.any(), first, torch.zeros_like(first))
+
+
+#: Loss functions whose mean / sum runs over every element of their input (no
+#: ``ignore_index``, no class weights): the normaliser counts every sample's elements alike.
+_ELEMENTWISE = _LOSS_FUNCTIONS - {"NllLossBackward0"}
+#: Ops that select entries of a tensor (by a boolean mask or an index; slices, which may keep
+#: some samples only): below a loss they can make the samples' element counts differ.
+_SELECT = frozenset({"IndexBackward0", "MaskedSelectBackward0", "IndexSelectBackward0",
+                     "GatherBackward0", "TakeBackward0", "SliceBackward0", "SelectBackward0",
+                     "AsStridedBackward0", "UnbindBackward0", "SplitBackward0",
+                     "SplitWithSizesBackward0"})
+
+
+def fixed_normaliser(split: Split, hooked) -> bool:
+    """Whether the unproven ``split`` is nonetheless a loss function's own mean / sum over every
+    element (:data:`_ELEMENTWISE`: ``mse_loss``, ``l1_loss`` ...; unscaled) of a tensor computed
+    from the hooked output whose autograd node is ``hooked`` through no op that selects entries
+    (:data:`_SELECT`): then every sample has the same number of terms in it, whatever zeros its
+    gradient shows (a ReLU after a one-channel output), and the zero rows are not counted.
+    Reads node types only (at most :data:`_SEARCH` nodes); ``False`` where not shown."""
+    if (split.scaled or split.top is None or len(split.losses) != 1 or hooked is None
+            or type(split.losses[0]).__name__ not in _ELEMENTWISE):
+        return False
+    todo, seen, reached = [split.losses[0]], set(), False
+    while todo:
+        node = todo.pop()
+        if node is hooked:
+            reached = True
+            continue
+        if id(node) in seen:
+            continue
+        if len(seen) >= _SEARCH or type(node).__name__ in _SELECT:
+            return False
+        seen.add(id(node))
+        todo.extend(n for n, _ in node.next_functions
+                    if n is not None and type(n).__name__ != "AccumulateGrad")
+    return reached
 
 
 def target_counts(node, batch_size: int) -> Optional[Tensor]:

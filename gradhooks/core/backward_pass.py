@@ -16,8 +16,8 @@ from torch import Tensor
 
 from ..base import torch_internals, utils
 from ..base.errors import GradHooksError
-from .backward_losses import (backward_roots, loss_of, position_rows, row_counts, split_of,
-                              valid_rows)
+from .backward_losses import (backward_roots, fixed_normaliser, loss_of, position_rows,
+                              row_counts, split_of, valid_rows)
 from .checks import GradTotal
 from .graph import walk
 from .placement import relayout
@@ -139,14 +139,15 @@ class BackwardPass:
         # may make) never do.
         split, self._split = self._split, None
         recorder = self._recorder
-        if split is None or grad is None:
+        if split is None or grad is None or fixed_normaliser(
+                split, torch_internals.current_autograd_node()):
             return
         rows = position_rows(grad, record, recorder.batch_size, recorder.batch_first)
         if rows is not None:
-            counts, entries = row_counts(rows[0]), rows[1]
-            source = (f"the nonzero entries of the {tuple(grad.shape)} grad_output of module "
-                      f"{record.layer.describe()}, whose layout of positions and features "
-                      f"gradhooks does not know" if entries else
+            counts, unknown = row_counts(*rows), rows[1]
+            source = (f"the zero rows of the {tuple(grad.shape)} grad_output of module "
+                      f"{record.layer.describe()}, along the dim whose zeros are whole rows (a "
+                      f"layout of positions and features gradhooks does not know)" if unknown else
                       f"the zero rows of the {tuple(grad.shape)} grad_output of module "
                       f"{record.layer.describe()}")
             recorder.placement.mixing.tokens.unsplit(split.what, counts, split.weighted, source,
