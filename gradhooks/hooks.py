@@ -315,7 +315,9 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
             sequence layout ``(T, B, ..., features)`` (a 2-D ``(B, features)`` input is then still
             read as batch-first). Convolutions always take the batch on dim 0.
         check: the sum check of :class:`GradHooks`: ``True`` (each new call structure, and
-            every 100th read), ``"always"`` (every read) or ``False``. ``False`` does not skip
+            every 100th read), ``"always"`` (every read; and every call's fallback replay,
+            which is otherwise verified on each new structure and every 100th call of it) or
+            ``False``. ``False`` does not skip
             the verification of the ``torch.func`` fallback's replays (see
             ``unsafe_skip_replay_check``), nor the forward-alone check of ops no rule proves
             keep the samples apart (:mod:`gradhooks.core.analysis.alone`): without it they are refused,

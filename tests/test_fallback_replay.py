@@ -6,6 +6,7 @@ and cause; never a raw torch error. A replay that computes something else than t
 batched forward is refused by the verification of the first read of each call structure,
 whatever ``check`` says; only ``unsafe_skip_replay_check=True`` skips it.
 """
+import copy
 import os
 import warnings
 
@@ -547,3 +548,58 @@ def test_parameters_changed_between_the_forward_and_the_first_read_are_refused()
             with pytest.raises(gradhooks.ReplayMismatchError,
                                match="'1' .Affine.*parameters changed since the forward"):
                 gh.per_sample_grads()
+
+
+class LaterByBatchSize(nn.Module):
+    """``tanh(x * w)``, divided by ``x.shape[0]`` once ``by_size`` is set (state that changes
+    what the forward computes on a later batch of the same call structure): its vmapped replay,
+    which sees one sample, is then B times each sample's share."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+        self.by_size = False
+
+    def forward(self, x):
+        y = torch.tanh(x * self.w)
+        return y / x.shape[0] if self.by_size else y
+
+
+@pytest.mark.parametrize("check", [False, "always"], ids=["no-check", "always"])
+@pytest.mark.parametrize("b", [2, 3])
+def test_verified_structure_is_verified_again_on_a_schedule(b, check, dtype, monkeypatch):
+    """A verified structure's replay is verified again on every REVERIFY_EVERY-th call (5
+    here), with check=False: a replay that becomes wrong on a later batch is refused at the
+    next scheduled call, naming the module; until it changes, every read is exact against a
+    loop and only the scheduled calls pay the verification. check="always" verifies every
+    call's replay: refused on the first batch it is wrong."""
+    monkeypatch.setattr(fallback_module, "REVERIFY_EVERY", 5)
+    calls = []
+    original = fallback_module.verify
+    monkeypatch.setattr(fallback_module, "verify",
+                        lambda *a, **k: calls.append(1) or original(*a, **k))
+    torch.manual_seed(0)
+    model = nn.Sequential(LaterByBatchSize(), nn.Linear(4, 2)).to(dtype)
+    twin = copy.deepcopy(model)  # (the loop's forwards are no calls of the hooked module)
+    loss = weighted_square_loss("mean")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gradhooks.FallbackWarning)
+        with gradhooks.attach(model, check=check) as gh:
+            for step in range(1, 12):  # forwards 1, 6 and 11 are verified (all: "always")
+                x, y = torch.randn(b, 4, dtype=dtype), torch.rand(b, dtype=dtype)
+                model.zero_grad()
+                loss(model(x), y).backward()
+                assert_close_to_loop(gh.per_sample_grads(), loop_grads(twin, loss, x, y), dtype)
+            assert len(calls) == (3 if check is False else 11)
+            model[0].by_size = True  # (same structure: the next scheduled call sees it)
+            for step in range(12, 17):
+                x, y = torch.randn(b, 4, dtype=dtype), torch.rand(b, dtype=dtype)
+                model.zero_grad()
+                loss(model(x), y).backward()
+                if step < 16 and check is False:
+                    gh.per_sample_grads()  # (not yet verified: the window of the schedule)
+                    continue
+                with pytest.raises(gradhooks.ReplayMismatchError,
+                                   match=r"module '0' \(LaterByBatchSize\)"):
+                    gh.per_sample_grads()
+                break

@@ -295,3 +295,65 @@ def test_rows_of_other_samples_gathered_by_an_index_are_refused(read):
     with gradhooks.attach(model) as gh:
         F.cross_entropy(model(x), y).backward()
         assert_close_to_loop(gh.per_sample_grads(), ref, F64)
+
+
+class RawAfterMixing(nn.Module):
+    """A container whose raw parameter ``scale`` meets the batch after a mean over the batch
+    (limitations: "a raw parameter under provenance after a container that mixes samples"): the
+    statistic is of a hooked layer's output (``"layer"``), of the raw parameter's own product
+    (``"raw"``), or of the raw inputs (``"inputs"``: no parameter behind it, not mixing)."""
+
+    def __init__(self, source):
+        super().__init__()
+        self.source = source
+        self.a = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+        self.b = nn.Linear(4, 3)
+        self.fixed = None  # the batch's input statistic held as data (the loop's reference)
+
+    def forward(self, x):
+        if self.source == "inputs":
+            m = x.mean(0, keepdim=True) if self.fixed is None else self.fixed
+            self.seen = m
+            h = torch.tanh(self.a(x - m))
+        else:
+            h = torch.tanh(self.a(x)) if self.source == "layer" else torch.tanh(x * self.scale)
+            h = h - h.mean(0, keepdim=True)
+        return self.b(h * self.scale)
+
+
+@pytest.mark.parametrize("b", [1, 3], ids=["B1", "B3"])
+@pytest.mark.parametrize("source", ["layer", "raw"])
+def test_raw_parameter_after_a_mixing_container_is_refused(source, b):
+    model = RawAfterMixing(source).double()
+    with gradhooks.attach(model) as gh:
+        for step in range(2):  # the tracked forward, then an untracked one of its signature
+            x, y = _batch(b, step)
+            F.cross_entropy(model(x), y).backward()
+            for read in ("per_sample_grads", "norms", "clip_and_accumulate"):
+                with pytest.raises(gradhooks.SampleMixingError) as info:
+                    _read(gh, read)
+                message = str(info.value)
+                assert "mean over the batch dim" in message, message
+                named = ("module 'a' (Linear)" if source == "layer"
+                         else "parameter 'scale' of module '<root>'")
+                assert named in message and "allow_sample_mixing=True" in message, message
+            model.zero_grad()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("b", [0, 1, 3], ids=["B0", "B1", "B3"])
+def test_raw_parameter_after_a_statistic_of_the_inputs_is_exact(b, dtype):
+    # The statistic depends on no parameter: each sample's gradient is its own loss's, the
+    # batch's input statistic held as data (as for hooked layers above).
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(b, 4, generator=g, dtype=dtype), torch.randint(0, 3, (b,), generator=g)
+    model = RawAfterMixing("inputs").to(dtype)
+    with gradhooks.attach(model) as gh:
+        F.cross_entropy(model(x), y).backward() if b else model(x).sum().backward()
+        ours = gh.per_sample_grads()
+    if b == 0:
+        assert all(v.shape[0] == 0 for v in ours.values()) and "scale" in ours
+        return
+    model.fixed = model.seen
+    assert_close_to_loop(ours, loop_grads(model, F.cross_entropy, x, y), dtype)

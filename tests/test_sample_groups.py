@@ -24,6 +24,7 @@ from gradhooks import SampleIdsError
 from gradhooks.readers import plan as plan_module
 
 import zoo_imports
+from conftest import loop_grads
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights from configs: never download
 
@@ -636,24 +637,99 @@ def test_a_mean_over_rows_is_refused(form):
         assert gh.per_sample_grads()["0.weight"].shape == (4, 3, 5)
 
 
+@pytest.mark.parametrize("when", ["ids-before", "ids-after"])
+@pytest.mark.parametrize("form", ["cross_entropy_mean", "losses_mean"])
 @pytest.mark.parametrize("read", ["per_sample_grads", "per_sample_grad_norms"])
-def test_a_mean_over_rows_is_refused_after_a_plain_backward(read):
-    """The same mean of (B,) row losses handed to a plain loss.backward(): its graph shows the
-    (B,) tensor the mean reduces, so the read refuses it; the sum over rows / G is exact."""
+def test_a_mean_over_rows_is_refused_after_a_plain_backward(read, form, when):
+    """The same means handed to a plain loss.backward(), the ids declared before or after it:
+    the graph shows the (B,) tensor a .mean() reduces, and a loss function's own mean over the
+    B rows shows them at the output's grad_output, so the read refuses it; the sum over rows
+    / G is exact."""
     model = nn.Sequential(nn.Linear(5, 3)).double()
     x, y = torch.randn(8, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
+    ref = {"0.weight": [], "0.bias": []}
+    groups = torch.unique(IDS["unequal"], return_inverse=True)[1]
+    for g in range(4):  # each sample's own loss: the sum of its rows' losses
+        model.zero_grad()
+        F.cross_entropy(model(x[groups == g]), y[groups == g], reduction="sum").backward()
+        for n, p in model.named_parameters():
+            ref[n].append(p.grad.clone())
+    ref = {n: torch.stack(v) for n, v in ref.items()}
     with gradhooks.attach(model, loss_reduction="mean") as gh:
         out = model(x)
-        gh.set_sample_ids(IDS["unequal"])
-        F.cross_entropy(out, y, reduction="none").mean().backward()
+        if when == "ids-before":
+            gh.set_sample_ids(IDS["unequal"])
+        loss = (F.cross_entropy(out, y) if form == "cross_entropy_mean"
+                else F.cross_entropy(out, y, reduction="none").mean())
+        loss.backward()
+        if when == "ids-after":
+            gh.set_sample_ids(IDS["unequal"])
         with pytest.raises(gradhooks.UnsupportedLossError,
                            match=rf"{read}\(\): sample_ids group the B = 8 rows .*G/B = 4/8"):
             getattr(gh, read)()
         model.zero_grad()
         out = model(x)
-        gh.set_sample_ids(IDS["unequal"])
+        if when == "ids-before":
+            gh.set_sample_ids(IDS["unequal"])
         (F.cross_entropy(out, y, reduction="sum") / 4).backward()
-        assert getattr(gh, read)() is not None
+        if when == "ids-after":
+            gh.set_sample_ids(IDS["unequal"])
+        ours = gh.per_sample_grads()
+    for n in ref:
+        assert_close(ours[n], ref[n], torch.float64, n)
+
+
+@pytest.mark.parametrize("rows", ["B", "G"])
+def test_a_mean_over_rows_it_cannot_count_is_refused_after_a_plain_backward(rows):
+    """A loss function's mean over rows with an op between it and the model's output: after a
+    plain loss.backward() its row count is freed before any hook runs, so with ids it is
+    refused whatever the rows are (fail closed), naming gh.backward; gh.backward counts them
+    before the pass, refuses the mean over the B rows and gives a mean over the G samples'
+    rows exactly (against each sample's rows alone, float64)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 3)).double()
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
+    ids = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+
+    def loss_of(out):
+        if rows == "B":
+            return F.cross_entropy(out * 2.0, y)
+        return F.cross_entropy(out.view(-1, 2, 3).sum(1), y[::2])  # (one row per sample)
+
+    with gradhooks.attach(model, loss_reduction="mean") as gh:
+        out = model(x)
+        gh.set_sample_ids(ids)
+        loss_of(out).backward()
+        with pytest.raises(gradhooks.UnsupportedLossError,
+                           match=r"could not count .*G/B = 4/8 .*gh\.backward\(loss\)"):
+            gh.per_sample_grads()
+        out = model(x)
+        gh.set_sample_ids(ids)
+        if rows == "B":
+            with pytest.raises(gradhooks.UnsupportedLossError, match=r"G/B = 4/8"):
+                gh.backward(loss_of(out))
+            return
+        gh.backward(loss_of(out))
+        ours = gh.per_sample_grads()
+    for n, p in model.named_parameters():
+        ref = torch.stack([torch.autograd.grad(F.cross_entropy(
+            model(x[2 * g:2 * g + 2]).sum(0, keepdim=True), y[2 * g:2 * g + 1]), p)[0]
+            for g in range(4)])
+        assert_close(ours[n], ref, torch.float64, n)
+
+
+def test_a_mean_over_rows_without_ids_stays_exact():
+    """Without ids each row is a sample: the same means are the declared mean, exact."""
+    model = nn.Sequential(nn.Linear(5, 3)).double()
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
+    ref = loop_grads(model, F.cross_entropy, x, y)
+    with gradhooks.attach(model, loss_reduction="mean") as gh:
+        for loss in (lambda o: F.cross_entropy(o, y),
+                     lambda o: F.cross_entropy(o, y, reduction="none").mean()):
+            loss(model(x)).backward()
+            ours = gh.per_sample_grads()
+            for n in ref:
+                assert_close(ours[n], ref[n], torch.float64, n)
 
 
 def test_two_forward_refusal_names_sample_ids():

@@ -39,8 +39,10 @@ or is random, and both sides would agree on another function. A mismatch raises
 :class:`~gradhooks.base.errors.ReplayMismatchError`. ``check=False`` does not skip this (it skips
 the sum check over all parameters); ``attach(..., unsafe_skip_replay_check=True)`` does. A
 structure is marked verified only by a batch of ``B >= 2`` samples (one sample cannot show a
-module that mixes samples). Cost: one batched call and backward of the module per new structure
-for a vmapped replay; on every read for a looped one (vmap fails on Python control flow on tensor
+module that mixes samples), and verified again on every :data:`REVERIFY_EVERY`-th call of it (a
+replay that becomes wrong only on a later batch: a branch on the batch size, state that changes
+what the forward computes). Cost: one batched call and backward of the module per new structure
+(and per :data:`REVERIFY_EVERY` calls) for a vmapped replay; on every read for a looped one (vmap fails on Python control flow on tensor
 values, which may take another branch on a later batch; the batched call costs about ``1/B`` of
 the loop).
 
@@ -62,7 +64,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..base.errors import ReplayError, ReplayMismatchError
 from ..base.utils import paused
 
-__all__ = ["Replay", "REPLAY_RTOL", "structure", "state_kept", "looped", "verify", "cause_of",
+__all__ = ["Replay", "REPLAY_RTOL", "REVERIFY_EVERY", "structure", "state_kept", "looped", "verify", "cause_of",
            "way_out"]
 
 #: Relative tolerance of :func:`verify` by dtype: the per-sample gradients' sum may differ from
@@ -70,6 +72,13 @@ __all__ = ["Replay", "REPLAY_RTOL", "structure", "state_kept", "looped", "verify
 #: worst case; the values of the sum check, :data:`gradhooks.readers.verify.SUM_CHECK_RTOL`). A wrong
 #: replay is off by far more (a module that normalises by ``x.shape[0]``: a factor ``B``).
 REPLAY_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+
+#: A verified call structure's replay is verified again on every this many-th call of it (as the
+#: sum check re-runs every 100th read: :class:`gradhooks.core.recorder.check_policy.SumCheck`), so that a
+#: replay that becomes wrong on a later batch of the structure (a branch on the batch *size*,
+#: state that changes what the forward computes) is refused within that many steps. Cost: one
+#: batched call and backward of the module per that many calls.
+REVERIFY_EVERY = 100
 
 _PLAIN = (int, float, bool, str, type(None))
 

@@ -20,15 +20,17 @@ from .backward_losses import (
     Split,
     backward_roots,
     constant_of,
+    fixed_normaliser,
     flattened_logits,
     ignore_index_of,
     loss_of,
+    position_rows,
     row_counts,
     split_of,
     target_counts,
     valid_rows,
 )
-from .batch_dims import Routed
+from .batch_dims import Routed, relayout
 from .mixing import Mixing
 from .provenance import (
     Provenance,
@@ -42,7 +44,7 @@ from .separation import UNPROVEN
 from .token_means import TARGETS, check_token_normalisation, rows_mean_message
 
 __all__ = ["FORWARD_RTOL", "forward_alone", "largest_difference", "sample_rows", "Split",
-           "backward_roots", "constant_of", "flattened_logits", "ignore_index_of", "loss_of",
+           "backward_roots", "constant_of", "flattened_logits", "ignore_index_of", "loss_of", "fixed_normaliser", "position_rows", "relayout",
            "row_counts", "split_of", "target_counts", "valid_rows", "Routed", "Mixing",
            "Provenance", "as_batch", "input_batch_dim", "meeting_cotangent", "shared_layout",
            "source_cotangent", "UNPROVEN", "TARGETS", "check_token_normalisation",

@@ -33,7 +33,8 @@ looks back at the pass's roots:
    gradient of a token-level cross-entropy w.r.t. a valid row of logits is
    ``(softmax - onehot) / N``, never all zero (``softmax`` has no zero entry unless a logit gap
    exceeds ~87 in float32), and exactly zero for an ignored row. So when the first hooked
-   grad_output of the pass that is ``(B, T', V)`` with the loss's ``V`` arrives (the output
+   grad_output of the pass that is ``(B, T', V)`` rows with the loss's ``V`` arrives (in the
+   call's layout, :func:`position_rows`) (the output
    layer's, usually), ``N_n`` is the count of its nonzero rows per sample. The count stays on
    the device (no sync in the backward); the read compares
    (:meth:`gradhooks.core.analysis.token_means.TokenMeans.refusal`), and equal counts pass.
@@ -42,31 +43,39 @@ looks back at the pass's roots:
    only where its top op (below constant scalings) is ``.mean()`` / ``.sum()`` of a ``(B,)``
    tensor. Otherwise (class weights, label smoothing, a z-loss or other auxiliary term, a sum
    divided by ``num_items_in_batch``, a masked mean, an MSE over tokens ...) the first hooked
-   grad_output of the pass that is ``(B, T, D)`` batch first gives the counts of nonzero token
-   rows per sample (:func:`row_counts`; padding's rows are exactly zero), refused at the read
-   where they differ; a class-weighted ``nll_loss`` mean is refused whatever the counts (it
-   divides by the batch's total target weight, which the freed target no longer gives). A
+   grad_output of the pass gives the counts of nonzero token rows per sample, laid out as
+   gradhooks knows that call (:func:`position_rows`: the placement's relayout, the rule's
+   canonical form, the declared layout; the dim whose zeros are whole rows where it is
+   unknown) and counted by :func:`row_counts` (padding's rows are exactly zero), refused at
+   the read where they differ (not where :func:`fixed_normaliser` shows a loss function's
+   mean over every element of the output, which gives every sample as many terms); a
+   class-weighted ``nll_loss`` mean is refused whatever the counts (it divides by the batch's
+   total target weight, which the freed target no longer gives). A
    constant scaling above the reduction is noted: its factor is freed, so the DP reads refuse
    (:meth:`gradhooks.core.analysis.token_means.TokenMeans.dp_factor`).
 
 Cost: one frame walk (some tens of frames) and a walk of at most :data:`_CAP` nodes (plus
 :data:`_SEARCH` below a loss that is not a proven split) per backward pass, and one
 compare-and-sum over one grad_output where the split is not proven. Not seen (nothing said): a
-model whose output layer is not hooked, or whose first hooked grad_output is not ``(B, T, D)``
-batch first (a ``(B, V, T)`` layout, merged ``(B * T, D)`` rows, ``batch_first=False``).
+model whose output layer is not hooked and whose first hooked grad_output has no position dims
+(``(B, D)``: a zero row there is a sample's zero gradient, not padding), or carries routed rows.
 """
 from __future__ import annotations
 
 import sys
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ...base import torch_internals
+from ...base.errors import GradHooksError
+from .batch_dims import relayout
 
 __all__ = ["Finding", "Split", "backward_roots", "constant_of", "flattened_logits",
-           "ignore_index_of", "loss_of", "row_counts", "split_of", "valid_rows"]
+           "fixed_normaliser", "ignore_index_of", "loss_of", "position_rows", "row_counts",
+           "split_of",
+           "valid_rows"]
 
 #: The function whose frame holds a backward pass's root tensors (argument ``t_outputs``).
 ENGINE_FRAME = torch_internals.ENGINE_FRAME
@@ -235,14 +244,13 @@ def _rows(node, batch_size: int) -> Optional[Finding]:
     return Finding("tokens", what, int(sizes[1]), int(sizes[2]))
 
 
-def valid_rows(grad: Tensor, batch_size: int, tokens: int, classes: int) -> Optional[Tensor]:
-    """The valid-token counts ``N_n``, shape ``(B,)`` int64, from a grad_output ``grad`` of the
-    logits (module docstring, step 3); ``None`` if ``grad`` is not ``(B, T >= T', V)``."""
-    if (grad.dim() != 3 or grad.shape[0] != batch_size or grad.shape[2] != classes
-            or grad.shape[1] < tokens):
+def valid_rows(rows: Tensor, tokens: int, classes: int) -> Optional[Tensor]:
+    """The valid-token counts ``N_n``, shape ``(B,)`` int64, from the logits' grad_output laid
+    out as rows ``(B, S, F)`` (:func:`position_rows`, module docstring step 3); ``None`` if
+    they are not ``(B, S >= T', V)`` rows."""
+    if rows.shape[2] != classes or rows.shape[1] < tokens:
         return None
-    with torch.no_grad():  # (one reduction over the logits' gradient, no (B, T, V) temporary)
-        return (torch.linalg.vector_norm(grad, float("inf"), dim=2) != 0).sum(1)
+    return row_counts(rows)
 
 
 # ---------------------------------------------------------------------- the split, in general
@@ -396,15 +404,109 @@ def split_of(node, batch_size: int, scaler: bool = False) -> Optional[Split]:
                  int(sizes[0]) if len(sizes) == 1 else None)
 
 
-def row_counts(grad: Tensor, batch_size: int) -> Optional[Tensor]:
-    """Per-sample counts of the token rows with a nonzero gradient, ``(B,)`` int64, from a
-    batch-first grad_output ``grad`` of shape ``(B, T, D)`` (a padded row, whose loss terms are
-    masked out, gets an exactly zero gradient); ``None`` for any other shape. Stays on the
-    device (the read compares)."""
-    if grad.dim() != 3 or grad.shape[0] != batch_size or grad.shape[1] < 1:
+def position_rows(grad: Tensor, record, batch_size: int, batch_first: bool,
+                  classes: Optional[int] = None) -> Optional[Tuple[Tensor, bool]]:
+    """A hooked call's grad_output ``grad`` as ``(B, S, F)`` rows: ``S`` positions (token rows,
+    pixels) of ``F`` features each, and whether the layout was not known (then ``(B, ...)``);
+    ``None`` where ``grad`` has no position dims (``(B, D)``) or no dim
+    of ``B`` samples. A view where the layout allows.
+
+    Where the batch and the positions sit is read from what gradhooks knows of the call, not
+    from the shape alone: its placement's relayout (:attr:`~gradhooks.core.recorder.records.Record.swap`:
+    ``(T, B, D)`` activations of a batch-first model, ``(B * T, D)`` merged rows), then the
+    rule's canonical form (:meth:`~gradhooks.base.registry.LayerRule.linear_form`: ``(N, G, S,
+    O)``, so that a ``Conv1d`` head's ``(B, V, T)`` has its ``T`` positions), or a
+    position-wise rule's trailing feature dim at the declared layout's batch dim. For any other
+    rule (a layout of positions and features gradhooks does not know) ``grad`` is returned
+    ``(B, ...)`` with ``True``: :func:`row_counts` then finds the dim whose zeros are whole rows
+    (padding) rather than assume one; unless the loss's own view of the logits shows their
+    trailing dim to be its ``classes`` (a token-level mean over ``(B, T', V)`` logits)."""
+    if grad.dim() < 2:
         return None
-    with torch.no_grad():
-        return (torch.linalg.vector_norm(grad, float("inf"), dim=2) != 0).sum(1)
+    how = record.swap
+    if how is not None:
+        if how[0] not in ("swap", "split"):
+            return None  # (routed rows, a fallback's own dims: no position layout to count)
+        grad = relayout(grad, how)
+    if grad.dim() < 3:
+        return None  # (no positions: a zero row is a sample's zero gradient, no padding)
+    rule, module = record.layer.rule, record.layer.module
+    if rule.has_linear_form and not rule.multi_io:
+        try:
+            g = rule.linear_form(module, None, grad, batch_first)[1]  # (N, G, S, O)
+        except (GradHooksError, RuntimeError):
+            g = None
+        if g is not None and g.shape[0] == batch_size:
+            return g.transpose(1, 2).flatten(2), False
+    dim = 0 if batch_first else 1
+    if grad.shape[dim] != batch_size:
+        return None
+    grad = grad.movedim(dim, 0)
+    if (not rule.position_wise or rule.multi_io) and grad.shape[-1] != classes:
+        return grad, True  # (B, ...): row_counts finds a dim whose zeros are whole rows
+    return grad.reshape(batch_size, -1, grad.shape[-1]), False
+
+
+def row_counts(rows: Tensor, unknown: bool = False) -> Tensor:
+    """Per-sample counts ``(B,)`` int64 of the rows of ``rows`` ``(B, S, F)``
+    (:func:`position_rows`) with a nonzero gradient (a padded position, whose loss terms are
+    masked out, gets an exactly zero gradient over all its features). Stays on the device (the
+    read compares).
+
+    ``unknown``: ``rows`` is ``(B, ...)`` of a layout gradhooks does not know. Padding makes
+    whole rows zero along the features, wherever they are, while the zeros of an activation
+    (a ReLU's) are scattered: so each dim is tried as the features, and the counts of the first
+    dim along which every zero is a whole row and the samples' counts differ are returned
+    (equal counts, nothing refused, where no dim shows that: no padding to see)."""
+    with torch.no_grad():  # (one reduction, no (B, S, F) temporary)
+        if not unknown:
+            return (torch.linalg.vector_norm(rows, float("inf"), dim=2) != 0).sum(1)
+        zero, counts, flags = rows == 0, [], []
+        for d in range(1, rows.dim()):
+            whole, some = zero.all(d), zero.any(d)
+            n = (~whole).flatten(1).sum(1)
+            counts.append(n)
+            flags.append((whole == some).all() & (n != n[:1]).any())
+        counts, flags = torch.stack(counts), torch.stack(flags)
+        first = counts[flags.to(torch.uint8).argmax()]
+        return torch.where(flags.any(), first, torch.zeros_like(first))
+
+
+#: Loss functions whose mean / sum runs over every element of their input (no
+#: ``ignore_index``, no class weights): the normaliser counts every sample's elements alike.
+_ELEMENTWISE = _LOSS_FUNCTIONS - {"NllLossBackward0"}
+#: Ops that select entries of a tensor (by a boolean mask or an index; slices, which may keep
+#: some samples only): below a loss they can make the samples' element counts differ.
+_SELECT = frozenset({"IndexBackward0", "MaskedSelectBackward0", "IndexSelectBackward0",
+                     "GatherBackward0", "TakeBackward0", "SliceBackward0", "SelectBackward0",
+                     "AsStridedBackward0", "UnbindBackward0", "SplitBackward0",
+                     "SplitWithSizesBackward0"})
+
+
+def fixed_normaliser(split: Split, hooked) -> bool:
+    """Whether the unproven ``split`` is nonetheless a loss function's own mean / sum over every
+    element (:data:`_ELEMENTWISE`: ``mse_loss``, ``l1_loss`` ...; unscaled) of a tensor computed
+    from the hooked output whose autograd node is ``hooked`` through no op that selects entries
+    (:data:`_SELECT`): then every sample has the same number of terms in it, whatever zeros its
+    gradient shows (a ReLU after a one-channel output), and the zero rows are not counted.
+    Reads node types only (at most :data:`_SEARCH` nodes); ``False`` where not shown."""
+    if (split.scaled or split.top is None or len(split.losses) != 1 or hooked is None
+            or type(split.losses[0]).__name__ not in _ELEMENTWISE):
+        return False
+    todo, seen, reached = [split.losses[0]], set(), False
+    while todo:
+        node = todo.pop()
+        if node is hooked:
+            reached = True
+            continue
+        if id(node) in seen:
+            continue
+        if len(seen) >= _SEARCH or type(node).__name__ in _SELECT:
+            return False
+        seen.add(id(node))
+        todo.extend(n for n, _ in node.next_functions
+                    if n is not None and type(n).__name__ != "AccumulateGrad")
+    return reached
 
 
 def target_counts(node, batch_size: int) -> Optional[Tensor]:

@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...base import torch_internals
+from ...base.segments import per_key_rows
 from .einsum import einsum_dim
 
-__all__ = ["batch_dim_after", "operands", "ROW_ALIGNED", "METADATA", "JOINS", "MATMULS",
+__all__ = ["relayout", "batch_dim_after", "operands", "ROW_ALIGNED", "METADATA", "JOINS", "MATMULS",
            "RECURRENT", "Routed", "is_grouped_mm"]
 
 
@@ -549,3 +550,16 @@ def operands(args, kwargs):
                 yield a
             elif type(a) in (list, tuple):
                 yield from (t for t in a if isinstance(t, Tensor))
+
+
+def relayout(t: Tensor, how: tuple) -> Tensor:
+    """A position-wise layer's input or grad_output in the layout its rule reads the batch from
+    (:attr:`~gradhooks.core.recorder.placement.Placed.swap`): ``("swap", d0, d1)`` transposes two dims (a ``(T, B, D)`` activation
+    in a batch-first model), ``("split", d, B, inner)`` unflattens a dim of ``B * inner`` rows
+    into ``(B, inner)`` (``(B * T, D)`` rows): views of ``t``; ``("routed", ...)`` lays rows
+    gathered by an index out per sample (:func:`~gradhooks.base.segments.routed_layout`, a new tensor)."""
+    if how[0] == "swap":
+        return t.transpose(how[1], how[2])
+    if how[0] == "routed":
+        return per_key_rows(t, how)
+    return t.unflatten(how[1], how[2:])

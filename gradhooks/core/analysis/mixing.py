@@ -189,7 +189,8 @@ def mixing_op(func, args, kwargs, ref: Tensor, bd) -> Optional[Tuple[str, str]]:
 
 def upstream_of(t: Tensor, params: dict, limit: int = 100000) -> Optional[str]:
     """The nearest recorded parameter's module upstream of ``t`` in its autograd graph (breadth
-    first), as ``"module 'path' (Type)"``; ``None`` if the graph reaches none (``t`` is computed
+    first), as ``"module 'path' (Type)"`` (``"parameter 'name' of module 'path' (Type)"`` for a
+    raw parameter provenance records at its own ops); ``None`` if the graph reaches none (``t`` is computed
     from the inputs alone). ``params``: provenance's ``{id(param): (layers, None) | (layer,
     name)}``."""
     node = t.grad_fn
@@ -204,8 +205,9 @@ def upstream_of(t: Tensor, params: dict, limit: int = 100000) -> Optional[str]:
             if var is not None:
                 info = params.get(id(var))
                 if info is not None:
-                    layer = info[0][0] if info[1] is None else info[0]
-                    return f"module {layer.describe()}"
+                    if info[1] is None:
+                        return f"module {info[0][0].describe()}"
+                    return f"parameter {info[1]!r} of module {info[0].describe()}"  # (raw)
                 continue
             seen.add(nxt)
             queue.append(nxt)

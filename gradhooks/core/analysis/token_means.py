@@ -146,6 +146,14 @@ class _Contradiction(NamedTuple):
     message: str
 
 
+class _RowsMean(NamedTuple):
+    """A backward pass's loss that is an unscaled mean over the batch's ``rows`` rows
+    (``what``): refused at the read where ``sample_ids``, declared before or after that
+    backward, group the rows into another number of samples (:func:`rows_mean_message`)."""
+    what: str
+    rows: int
+
+
 class _Unsplit(NamedTuple):
     """A backward pass's loss whose split into per-sample terms its graph does not prove
     (:func:`gradhooks.core.analysis.backward_losses.split_of`): ``counts`` ``(B,)`` the valid-token rows
@@ -327,12 +335,22 @@ class TokenMeans:
             f"would be {factor} the gradient of each sample's own loss. Make the loss the "
             f"declared reduction ({fix}) or attach with loss_reduction={reduction!r}"))
 
-    def rows_mean(self, what: str, rows: int, samples: int) -> None:
-        """With ``sample_ids`` grouping ``rows`` rows into ``samples`` samples, a backward pass's
-        loss is ``what``, an unscaled mean over the rows: refused at the read under
-        ``loss_reduction="mean"`` (:func:`rows_mean_message`)."""
-        if getattr(self._recorder, "loss_reduction", "mean") == "mean":
-            self.batch.append(_Contradiction(rows_mean_message(what, rows, samples, "{read}")))
+    def rows_mean(self, what: str, rows: Optional[int]) -> None:
+        """A backward pass's loss is ``what``, an unscaled mean over the batch's ``rows`` rows
+        (``.mean()`` of ``(B,)`` row losses, a loss function's ``reduction="mean"``; ``None``: a
+        loss function's rows not counted yet, which a later call with the count replaces):
+        refused at the read under ``loss_reduction="mean"`` where the ``sample_ids`` declared
+        by then group the batch's rows into another number of samples
+        (:func:`rows_mean_message`); the row count is read while the pass runs, so ids declared
+        after it are judged too. A mean over rows never counted is refused too: it may be one
+        over the ``B`` rows (fail closed)."""
+        entry = _RowsMean(what, rows)
+        for i in range(len(self.batch) - 1, -1, -1):
+            old = self.batch[i]
+            if isinstance(old, _RowsMean) and old.rows is None and old.what == what:
+                self.batch[i] = entry
+                return
+        self.batch.append(entry)
 
     def refusal(self, read: str) -> Optional[UnsupportedLossError]:
         """The error a read (``read``) of this batch raises when a token-level loss of its
@@ -341,6 +359,23 @@ class TokenMeans:
         for entry in self.batch:
             if isinstance(entry, _Contradiction):
                 return UnsupportedLossError(entry.message.replace("{read}", read))
+            if isinstance(entry, _RowsMean):
+                samples, size = self._recorder.reads.declared_samples(), self._recorder.batch_size
+                if (samples is None or samples == (entry.rows or size)
+                        or getattr(self._recorder, "loss_reduction", "mean") != "mean"):
+                    continue
+                if entry.rows is not None:
+                    return UnsupportedLossError(rows_mean_message(entry.what, entry.rows,
+                                                                  samples, read))
+                return UnsupportedLossError(
+                    f"{read}: sample_ids group the B = {size} rows into G = {samples} samples, "
+                    f"and the loss is {entry.what} whose rows gradhooks could not count after "
+                    f"loss.backward() (an op lies between the model's output and the loss "
+                    f"function, and autograd frees the count before any hook runs): a mean over "
+                    f"the B rows would make every result G/B = {samples}/{size} times the "
+                    f"gradient of the sample's own loss. Hand the loss to gh.backward(loss), "
+                    f"which counts its rows before the pass, or use reduction='none' and sum "
+                    f"the rows' losses / G")
             if isinstance(entry, _Factor) or batch_wide:
                 continue  # (token_normalisation="batch": contributions are wanted)
             if isinstance(entry, _Unsplit):

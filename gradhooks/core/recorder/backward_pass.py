@@ -16,7 +16,15 @@ from torch import Tensor
 
 from ...base import torch_internals, utils
 from ...base.errors import GradHooksError
-from ..analysis import backward_roots, loss_of, row_counts, split_of, valid_rows
+from ..analysis import (
+    backward_roots,
+    fixed_normaliser,
+    loss_of,
+    position_rows,
+    row_counts,
+    split_of,
+    valid_rows,
+)
 from .graph import walk
 from .placement import relayout
 from .records import Record
@@ -87,8 +95,8 @@ class BackwardPass:
         """The first hooked grad_output of a backward pass looks at its roots for a loss that is
         not the declared mean (or sum) over samples (:mod:`gradhooks.core.analysis.backward_losses`): a
         token-level mean, whose valid-token counts the logits' grad_output gives, a loss whose
-        split into per-sample terms is not proven (counted from the first ``(B, T, D)``
-        grad_output: :func:`~gradhooks.core.analysis.backward_losses.row_counts`), a constant factor, or
+        split into per-sample terms is not proven (counted from the first hooked grad_output,
+        in its call's layout: :func:`~gradhooks.core.analysis.backward_losses.row_counts`), a constant factor, or
         a reduction over the batch that contradicts ``loss_reduction``; refused at the read."""
         if self._judged and self.expected is None:
             return
@@ -102,7 +110,9 @@ class BackwardPass:
                 self._split = self.expected
             else:
                 roots = backward_roots() if size else None
-                self._loss = None if roots is None else loss_of(roots, size)
+                self._loss = found = None if roots is None else loss_of(roots, size)
+                if found is not None and found.kind == "mean" and found.node is not None:
+                    tokens.rows_mean(found.what, None)  # (its rows, if counted below, replace it)
                 if roots is not None and len(roots) == 1 and roots[0].dim() == 0:
                     samples = recorder.reads.declared_samples() or size  # (G with sample_ids)
                     self._split = self._judge_split(
@@ -113,7 +123,10 @@ class BackwardPass:
             return
         size, tokens = recorder.batch_size, recorder.placement.mixing.tokens
         if found.kind == "tokens":
-            counts = valid_rows(grad, size, found.tokens, found.classes)
+            rows = (position_rows(grad, record, size, recorder.batch_first, found.classes)
+                    if found.classes in grad.shape else None)  # (cheap: not the logits)
+            counts = (None if rows is None or rows[1]
+                      else valid_rows(rows[0], found.tokens, found.classes))
             if counts is not None:
                 self._loss = None
                 tokens.seen_after_forward(found.what, counts)
@@ -123,20 +136,29 @@ class BackwardPass:
             return  # (the loss's rows are not yet known to be the batch's)
         self._loss = None
         tokens.contradicts(found.what, found.kind, size)
+        if found.kind == "mean":  # (a loss function's own mean over the B rows)
+            tokens.rows_mean(found.what, size)
 
     def _count(self, grad: Tensor, record: Record) -> None:
         # The pass's first hooked grad_output (the output layer's: closest to the loss) gives
-        # the valid-token counts of a loss whose split is not proven, if it is (B, T, D); the
-        # later ones (inner layers, whose zero rows a ReLU may make) never do.
+        # the valid-token counts of a loss whose split is not proven, in the layout gradhooks
+        # knows for its call (row_counts); the later ones (inner layers, whose zero rows a ReLU
+        # may make) never do.
         split, self._split = self._split, None
         recorder = self._recorder
-        if split is None or grad is None or not recorder.batch_first:
+        if split is None or grad is None or fixed_normaliser(
+                split, torch_internals.current_autograd_node()):
             return
-        counts = row_counts(grad, recorder.batch_size)
-        if counts is not None:
-            recorder.placement.mixing.tokens.unsplit(
-                split.what, counts, split.weighted, f"the zero rows of the {tuple(grad.shape)} "
-                f"grad_output of module {record.layer.describe()}", split.length)
+        rows = position_rows(grad, record, recorder.batch_size, recorder.batch_first)
+        if rows is not None:
+            counts, unknown = row_counts(*rows), rows[1]
+            source = (f"the zero rows of the {tuple(grad.shape)} grad_output of module "
+                      f"{record.layer.describe()}, along the dim whose zeros are whole rows (a "
+                      f"layout of positions and features gradhooks does not know)" if unknown else
+                      f"the zero rows of the {tuple(grad.shape)} grad_output of module "
+                      f"{record.layer.describe()}")
+            recorder.placement.mixing.tokens.unsplit(split.what, counts, split.weighted, source,
+                                                     split.length)
 
     def _judge_split(self, split, tokens):
         """What a plain ``loss.backward()``'s loss split (``split``) leaves to count: ``None``
@@ -152,12 +174,14 @@ class BackwardPass:
                               .get((split.top, declared), 1.0), split.what)
             elif not (split.top == "sum" and declared == "mean"):
                 tokens.scaled(None, split.what)  # (a sum scaled under "mean": taken as sum / B)
-        if split.proven:
-            return None
         samples, size = self._recorder.reads.declared_samples(), self._recorder.batch_size
+        if split.proven:
+            if samples is None and split.reduction == "mean" and not split.scaled:
+                tokens.rows_mean(split.what, size)  # (judged at the read: ids declared later)
+            return None
         if (samples is not None and samples != size and split.top == "mean"
                 and split.length == size and not split.scaled):
-            tokens.rows_mean(split.what, size, samples)  # (sample_ids: a mean over the rows)
+            tokens.rows_mean(split.what, size)  # (sample_ids: a mean over the rows)
             return None
         if split.weighted:  # (refused even where no (B, T, D) grad_output gives the counts)
             tokens.unsplit(split.what, None, True, "")

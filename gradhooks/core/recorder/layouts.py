@@ -18,27 +18,14 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from ...base.errors import BatchSizeError, GradHooksError
-from ...base.segments import per_key_rows, routed_layout
+from ...base.segments import routed_layout
 from ...base.utils import tensors
 from ...rules.fallback import FallbackRule
-from ..analysis import Provenance, Routed, as_batch, shared_layout
+from ..analysis import Provenance, Routed, as_batch, relayout, shared_layout
 from .records import Layer
 
 __all__ = ["relayout", "reads_batch_at", "partial_batch_hint", "layout_swap",
            "shared_call_layout", "recomputed_error"]
-
-def relayout(t: Tensor, how: tuple) -> Tensor:
-    """A position-wise layer's input or grad_output in the layout its rule reads the batch from
-    (:attr:`Placed.swap`): ``("swap", d0, d1)`` transposes two dims (a ``(T, B, D)`` activation
-    in a batch-first model), ``("split", d, B, inner)`` unflattens a dim of ``B * inner`` rows
-    into ``(B, inner)`` (``(B * T, D)`` rows): views of ``t``; ``("routed", ...)`` lays rows
-    gathered by an index out per sample (:func:`~gradhooks.base.segments.routed_layout`, a new tensor)."""
-    if how[0] == "swap":
-        return t.transpose(how[1], how[2])
-    if how[0] == "routed":
-        return per_key_rows(t, how)
-    return t.unflatten(how[1], how[2:])
-
 
 def reads_batch_at(layer: Layer, shape, dtype, dim: int, batch_first: bool = False) -> bool:
     """Whether ``layer``'s rule reads the batch of an input of ``shape`` from dim ``dim``.
