@@ -26,9 +26,10 @@ bench: $(STAMP)
 # worker per core; TEST_JOBS=0 runs it in this process). The real-size tier keeps to one worker
 # (tests/conftest.py groups it), so that two real-size models never share the memory at once.
 TEST_JOBS ?= auto
+# --durations=30: the slowest tests, printed at the end of every run (CI's log shows what to cut).
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadgroup $(ARGS)
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadgroup --durations=30 $(ARGS)
 
 # The linter (ruff.toml: pyflakes' rules and import order) over the library, the tests, the
 # examples and the benchmarks; `make lint ARGS=--fix` sorts the imports.
