@@ -36,8 +36,8 @@ FISHER_TYPES = ("empirical", "mc", "type-2")
 def kfac(
     model: nn.Module,
     inputs: Union[Tensor, Sequence[Tensor]],
-    targets,
-    loss_fn: nn.Module,
+    targets: Union[Tensor, Sequence[Tensor]],
+    loss_fn: Union[nn.CrossEntropyLoss, nn.MSELoss, nn.BCEWithLogitsLoss],
     fisher: str = "empirical",
     mc_samples: int = 1,
     kfac_approx: str = "expand",
@@ -48,7 +48,7 @@ def kfac(
     modules: Optional[Iterable[str]] = None,
     max_dense: Optional[int] = None,
     all_reduce: bool = False,
-    group=None,
+    group: Optional[torch.distributed.ProcessGroup] = None,
     g_positions: str = "sum",
 ) -> Dict[str, Union[KFACFactors, DiagonalFactors]]:
     """KFAC factors of a model on one batch, for the empirical, Monte-Carlo or type-2 Fisher.
@@ -131,11 +131,12 @@ def kfac(
         if not isinstance(out, Tensor):
             raise UnsupportedLossError(
                 f"kfac() needs a model returning one tensor, got {type(out).__name__}")
-        if gh.batch_size is None:
+        batch_size = gh.batch_size
+        if batch_size is None:
             raise NoBackwardError(
                 "the forward reached no hooked layer that requires grad; the model has no "
                 "trainable parameter to compute KFAC for")
-        loss = LossModel(loss_fn, out, gh.batch_size)
+        loss = LossModel(loss_fn, out, batch_size)
         if fisher == "empirical":
             loss.check_targets(targets)
             params = [p for p in model.parameters() if p.requires_grad]
@@ -155,8 +156,8 @@ def kfac(
         else:
             cotangents = loss.hessian_sqrt_columns(out)
         total = {"mc": mc_samples, "type-2": loss.dim}[fisher]
-        sums = KFACSums(recorder.batch_size, recorder.loss_reduction, recorder.batch_first,
-                        own_loss_scale(recorder.loss_reduction, recorder.batch_size),
+        sums = KFACSums(batch_size, recorder.loss_reduction, recorder.batch_first,
+                        own_loss_scale(recorder.loss_reduction, batch_size),
                         recorder.names, kfac_approx, max_dense)
         with no_autocast():
             for p, calls in enumerate(run_passes(recorder, out, cotangents, total,
@@ -166,7 +167,7 @@ def kfac(
                                all_reduce, group, g_positions)
 
 
-def _loss_gradient(loss_fn: nn.Module, out: Tensor, targets, scale: float) -> Tensor:
+def _loss_gradient(loss_fn: nn.Module, out: Tensor, targets: Tensor, scale: float) -> Tensor:
     # d (scale * loss_fn(out, targets)) / d out, the cotangent of one Monte-Carlo pass.
     leaf = out.detach().requires_grad_(True)
     with torch.enable_grad():

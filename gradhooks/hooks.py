@@ -10,7 +10,7 @@ itself.
 from __future__ import annotations
 
 import weakref
-from typing import Dict, Optional, Union
+from typing import Callable, Dict, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -93,10 +93,12 @@ class GradHooks(DPReads, CurvatureReads, FeatureReads):
     """
 
     def __init__(self, model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
-                 check=True, strict: bool = False, allow_batchnorm_train: bool = False,
-                 forwards: str = "one", grad_scaler=None, differentiable: bool = False,
+                 check: Union[bool, str] = True, strict: bool = False,
+                 allow_batchnorm_train: bool = False, forwards: str = "one",
+                 grad_scaler: Optional[torch.amp.GradScaler] = None, differentiable: bool = False,
                  allow_sample_mixing: bool = False, unsafe_skip_replay_check: bool = False,
-                 unsafe_skip_sample_check: bool = False, token_normalisation: str = "sample"):
+                 unsafe_skip_sample_check: bool = False,
+                 token_normalisation: str = "sample") -> None:
         #: The :class:`~gradhooks.core.recorder.capture.Recorder`: hooks and records (read-only for users).
         self.recorder = Recorder(
             model, loss_reduction=loss_reduction, batch_first=batch_first, check=check,
@@ -126,7 +128,7 @@ class GradHooks(DPReads, CurvatureReads, FeatureReads):
         return self.recorder.batch_first
 
     @property
-    def check(self):
+    def check(self) -> Union[bool, str]:
         """The sum-check option given to :func:`attach`: ``True``, ``False`` or ``"always"``."""
         return self.recorder.check
 
@@ -158,7 +160,7 @@ class GradHooks(DPReads, CurvatureReads, FeatureReads):
     def __enter__(self) -> "GradHooks":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.detach()
 
     def set_sample_ids(self, sample_ids: Optional[Tensor]) -> None:
@@ -260,7 +262,8 @@ class GradHooks(DPReads, CurvatureReads, FeatureReads):
         return per_sample_grad_norms(self.recorder.snapshot("per_sample_grad_norms()", result=True),
                                      per_param=per_param)
 
-    def check_samples(self, loss_fn, inputs, targets, *, samples: int = 2,
+    def check_samples(self, loss_fn: Callable[..., Tensor], inputs: Union[Tensor, Sequence[Tensor]],
+                      targets: Union[Tensor, Sequence[Tensor]], *, samples: int = 2,
                       generator: Optional[torch.Generator] = None) -> None:
         """Spot check against mixing samples: recompute ``samples`` random samples of the
         current batch alone (``model(*inputs[n:n+1])``, ``loss_fn`` of it) and compare with their
@@ -291,8 +294,9 @@ def _dropped(recorder: Recorder) -> None:
 
 
 def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
-           check=True, strict: bool = False, allow_batchnorm_train: bool = False,
-           forwards: str = "one", grad_scaler=None, differentiable: bool = False,
+           check: Union[bool, str] = True, strict: bool = False,
+           allow_batchnorm_train: bool = False, forwards: str = "one",
+           grad_scaler: Optional[torch.amp.GradScaler] = None, differentiable: bool = False,
            allow_sample_mixing: bool = False, unsafe_skip_replay_check: bool = False,
            unsafe_skip_sample_check: bool = False, token_normalisation: str = "sample"
            ) -> GradHooks:

@@ -23,7 +23,7 @@ from test_dp import (
 from torch import nn
 
 import gradhooks
-from gradhooks.readers import per_sample
+from gradhooks.readers import verify
 
 from conftest import assert_close_to_loop, loop_grads, weighted_square_loss
 
@@ -143,13 +143,13 @@ def test_attention_first_layer_runs_its_internal_node():
 
 def _count_checks(monkeypatch):
     calls = []
-    real = per_sample.check_sums
+    real = verify.check_sums
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(per_sample, "check_sums", counting)
+    monkeypatch.setattr(verify, "check_sums", counting)
     return calls
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import gradhooks
-from gradhooks.readers import plan
+from gradhooks.readers import plan, verify
 from gradhooks.readers.dp import clipping, ghost_sums
 
 from conftest import RTOL, loop_grads, weighted_square_loss
@@ -598,8 +598,8 @@ def test_sum_check_schedule_follows_per_sample_grads(monkeypatch):
     check="always": every read."""
     calls = []
     for fn in ("check_sums", "check_projections"):
-        real = getattr(plan, fn)
-        monkeypatch.setattr(plan, fn,
+        real = getattr(verify, fn)
+        monkeypatch.setattr(verify, fn,
                             lambda *a, _real=real, **k: (calls.append(1), _real(*a, **k))[1])
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     for check, expected in ((True, 2), ("always", 2 * 4)):  # 2 calls per checked read

@@ -233,3 +233,62 @@ def test_no_old_module_paths():
     assert callable(gradhooks.kfac)
     # the one public module name: gradhooks.attribution, also as a module path
     assert importlib.import_module("gradhooks.attribution") is gradhooks.attribution
+
+
+#: Where torch's (and CPython's) internals are read: the one module that lists each with the
+#: torch versions it was checked on (tests/test_torch_internals.py checks each by behaviour).
+TORCH_INTERNALS = "base.torch_internals"
+#: namedtuple's public API (its methods start with "_" so as not to clash with field names).
+NAMEDTUPLE_API = frozenset({"_replace", "_asdict", "_make", "_fields", "_field_defaults"})
+PRIVATE_READS_LIMIT = 20
+
+
+def private_reads() -> List[Tuple[str, int, str]]:
+    """Every read (or write) of another object's private attribute in the package, as
+    ``(module, line, expression)``, found by parsing (nothing is imported).
+
+    The rule: an attribute node ``x._name`` (one leading underscore; dunders are Python's
+    protocol) counts unless ``x`` is ``self`` or ``cls`` (an object's own state), ``x`` is a
+    class defined in the same module (a class's own methods, e.g. handed to a hook registry),
+    or ``_name`` is namedtuple's public API (``_replace``, ``_asdict``, ``_make``, ``_fields``,
+    ``_field_defaults``). ``base/torch_internals.py``, the module that names every torch
+    internal read, is not counted.
+    """
+    hits = []
+    for module, path in sorted(MODULES.items()):
+        if module != TORCH_INTERNALS:
+            with open(path) as f:
+                hits += [(module, line, expr) for line, expr in _private_reads_in(f.read())]
+    return hits
+
+
+def _private_reads_in(source: str) -> List[Tuple[int, str]]:
+    tree = ast.parse(source)
+    classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+    hits = []
+    for n in ast.walk(tree):
+        if not (isinstance(n, ast.Attribute) and n.attr.startswith("_")
+                and not n.attr.startswith("__")) or n.attr in NAMEDTUPLE_API:
+            continue
+        v = n.value
+        if isinstance(v, ast.Name) and (v.id in ("self", "cls") or v.id in classes):
+            continue
+        hits.append((n.lineno, ast.unparse(n)[:80]))
+    return hits
+
+
+def test_private_read_rule():
+    """The counting rule on a sample: another object's private attributes (read or written)
+    count; self's, cls's, the module's own classes', dunders and namedtuple's API do not."""
+    source = ("class A:\n    def f(self, other, t):\n        self._x, cls._y, A._z, t.__dict__\n"
+              "        other._x = t._version\n        return t._replace(a=1), sys._getframe()\n")
+    assert [e for _, e in _private_reads_in(source)] == ["other._x", "t._version", "sys._getframe"]
+
+
+def test_private_reads_are_few():
+    """gradhooks' own objects expose what other modules need through public names, and torch
+    internals are read through gradhooks/base/torch_internals.py: fewer than
+    PRIVATE_READS_LIMIT private reads elsewhere (:func:`private_reads` states the rule)."""
+    hits = private_reads()
+    listed = "\n".join(f"gradhooks/{m.replace('.', '/')}.py:{line}: {expr}" for m, line, expr in hits)
+    assert len(hits) < PRIVATE_READS_LIMIT, f"{len(hits)} private reads:\n{listed}"

@@ -38,8 +38,8 @@ def _recorder(batch_first: bool = True, layers=()):
     received = []
     return SimpleNamespace(
         batch_first=batch_first, layers=list(layers), attachment=SimpleNamespace(raw_params={}),
-        _step=1, _forward_id=1, _calls=0, _driven=False, _edges_complete=False, _muted=False,
-        _attached=True,
+        batch_id=1, forward_id=1, calls=0, driven=False, edges_complete=False, hooks_muted=False,
+        attached=True,
         backward_pass=SimpleNamespace(receive=lambda rec, leaf, g: received.append((rec, leaf, g))),
         received=received)
 
@@ -154,7 +154,7 @@ def test_shared_call_met_by_a_broadcast_is_planned_and_pulled_back_per_sample():
     finally:
         placement.end_forward(True, 1)
     assert record.shared == "prepend" and record.a.shape == (B, T, D)
-    assert recorder._calls == 1 and id(layer) in placement.shared_layers and placement.met
+    assert recorder.calls == 1 and id(layer) in placement.shared_layers and placement.met
     assert list(placement.signatures.values()) == [{(id(layer), 1): "prepend"}]
     h.square().sum().backward()
     ((got, leaf, cotangent),) = recorder.received

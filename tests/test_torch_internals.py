@@ -80,9 +80,9 @@ def test_autograd_node_and_task_id():
 
 def test_storage_use_count_and_functorch():
     t = torch.zeros(4)
-    before = ti.storage_use_count(t.untyped_storage()._cdata)
+    before = ti.storage_use_count(ti.storage_handle(t))
     view = t[:2]  # noqa: F841 (a second reference to the storage)
-    assert ti.storage_use_count(t.untyped_storage()._cdata) == before + 1
+    assert ti.storage_use_count(ti.storage_handle(t)) == before + 1
     assert not ti.is_functorch_wrapped(t)
     seen = []
     torch.func.vmap(lambda r: seen.append(ti.is_functorch_wrapped(r)) or r)(torch.zeros(2, 3))
@@ -92,7 +92,7 @@ def test_storage_use_count_and_functorch():
 def test_optimized_module_and_dtensor():
     model = nn.Linear(2, 2)
     compiled = torch.compile(model)
-    assert isinstance(compiled, ti.OptimizedModule) and compiled._orig_mod is model
+    assert isinstance(compiled, ti.OptimizedModule) and ti.compiled_module(compiled) is model
     assert ti.DTensor is not None, "torch.distributed.tensor no longer exports DTensor"
     assert ti.Partial is not None and ti.distribute_tensor is not None
 
@@ -171,8 +171,73 @@ def test_without_dtensor(monkeypatch):
 
 
 def test_private_modules():
+    import functools
     import importlib
     for name, attrs in ti.PRIVATE_MODULES.items():
-        mod = importlib.import_module(name)
+        head, *rest = name.split(".ops.") if ".ops." in name else (name,)
+        mod = importlib.import_module(head)  # (torch.ops.aten: an attribute path, not a module)
+        mod = functools.reduce(getattr, ["ops"] + rest[0].split(".") if rest else [], mod)
         for a in attrs:
             assert hasattr(mod, a), f"{name}.{a} is gone"
+
+
+def test_saved_reads_the_node():
+    """saved(node, name) is the node's ``_saved_<name>``; a default where it is absent."""
+    x = torch.randn(4, 3, requires_grad=True)
+    node = F.nll_loss(F.log_softmax(x, 1), torch.tensor([0, 1, 2, 0]), reduction="sum").grad_fn
+    assert ti.saved(node, "reduction") == 2 and ti.saved(node, "weight") is None
+    assert ti.saved(node, "no_such", "absent") == "absent"
+    with pytest.raises(AttributeError):
+        ti.saved(node, "no_such")
+
+
+def test_version_and_view():
+    t = torch.zeros(3)
+    v = ti.version(t)
+    t.add_(1)
+    assert ti.version(t) == v + 1, "Tensor._version does not count an in-place change"
+    assert ti.is_view(t[:2]) and not ti.is_view(t)
+
+
+def test_own_parameters_and_buffers_are_the_dictionaries():
+    bn = nn.BatchNorm1d(2)
+    assert ti.own_parameters(bn)["weight"] is bn.weight
+    assert ti.own_buffers(bn)["running_mean"] is bn.running_mean
+    ti.own_buffers(bn)["extra"] = torch.ones(1)  # (the fallback's replay restores the dict itself)
+    assert "extra" in dict(bn.named_buffers())
+
+
+@pytest.mark.parametrize("kind", ["grad", "post_accumulate_grad"])
+def test_hook_dictionaries(kind):
+    """The hook dictionary is None before a first hook, holds it after, and is set back to None
+    once empty (a parameter that never had a hook pickles as before)."""
+    read = getattr(ti, f"{kind}_hooks")
+    drop = getattr(ti, f"drop_empty_{kind}_hooks")
+    p = nn.Parameter(torch.zeros(2))
+    assert read(p) is None
+    register = p.register_hook if kind == "grad" else p.register_post_accumulate_grad_hook
+    h = register(lambda *a: None)
+    assert len(read(p)) == 1
+    drop(p)
+    assert len(read(p)) == 1, "a dictionary holding a hook was dropped"
+    h.remove()
+    assert read(p) is not None and not read(p)
+    drop(p)
+    assert read(p) is None
+
+
+def test_frames():
+    """getframe(0) is the caller's frame (the builtin: depths count as with sys); current_frames
+    holds this thread's."""
+    import threading
+    assert ti.getframe(0).f_code.co_name == "test_frames"
+    assert threading.get_ident() in ti.current_frames()
+
+
+def test_private_ops():
+    """torch._VF's recurrent kernels, an aten op's type and embedding_bag's private ops."""
+    assert callable(ti.VF.lstm) and callable(ti.VF.gru_cell)
+    assert isinstance(torch.ops.aten.add.Tensor, ti.OpOverload)
+    out = torch.nn.functional.embedding_bag(torch.tensor([0, 1]), torch.randn(3, 2),
+                                            torch.tensor([0]), mode="max")
+    assert out.shape == (1, 2) and len(ti.EMBEDDING_BAG_OPS) == 2

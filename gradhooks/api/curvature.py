@@ -10,6 +10,7 @@ from typing import Dict, Iterable, Mapping, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from ..core.recorder.capture import Recorder
 from ..readers.curvature.ekfac import EKFACFactors, ekfac_factors
 from ..readers.curvature.ggn import empirical_fisher_diag, ggn_diag, ggn_sqrt, ggn_vector_product
 from ..readers.curvature.kfac import DiagonalFactors, KFACFactors, kfac_factors
@@ -23,9 +24,12 @@ class CurvatureReads:
     """Curvature from the records: KFAC (Martens & Grosse 2015), EKFAC (George et al. 2018),
     GGN and Fisher, Jacobians and the NTK. Mixed into :class:`~gradhooks.GradHooks`."""
 
+    recorder: Recorder  # (the facade's)
+
     def kfac_factors(self, kfac_approx: str = "expand", *, backward_passes: str = "sum",
                      modules: Optional[Iterable[str]] = None, max_dense: Optional[int] = None,
-                     all_reduce: bool = False, group=None, coverage: str = "all",
+                     all_reduce: bool = False,
+                     group: Optional[torch.distributed.ProcessGroup] = None, coverage: str = "all",
                      g_positions: str = "sum") -> Dict[str, Union[KFACFactors, DiagonalFactors]]:
         """KFAC factors of every hooked layer the backward reached: ``{key: KFACFactors}``
         (``A`` ``(d_in[+1], d_in[+1])``, ``G`` ``(d_out, d_out)``, stacked per group) for

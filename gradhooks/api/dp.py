@@ -4,11 +4,13 @@ lot's end (:mod:`gradhooks.readers.dp`). A mixin: its methods use the facade's `
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
+from ..core.recorder.capture import Recorder
+from ..readers.dp.accumulation import Accumulation
 from ..readers.dp.clipped_backward import clipped_backward
 from ..readers.dp.clipping import clip_and_accumulate, finish_step
 from ..readers.loss_reduction import unscaled
@@ -20,7 +22,10 @@ class DPReads:
     """DP-SGD from the records (Abadi et al. 2016): book-keeping, two-pass and materialised
     clipping, accumulation over micro-batches. Mixed into :class:`~gradhooks.GradHooks`."""
 
-    def clip_and_accumulate(self, max_norm, *, method: str = "ghost",
+    recorder: Recorder  # (the facade's)
+    accumulation: Accumulation  # (the facade's)
+
+    def clip_and_accumulate(self, max_norm: Union[float, Sequence[float]], *, method: str = "ghost",
                             noise_multiplier: float = 0.0,
                             generator: Optional[torch.Generator] = None,
                             groups: Optional[Iterable[Iterable[str]]] = None,

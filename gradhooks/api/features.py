@@ -9,6 +9,7 @@ from typing import Optional
 
 from torch import Tensor
 
+from ..core.recorder.capture import Recorder
 from ..readers.attribution.projections import projected_grads
 from ..readers.gram import GradientFeatures, gradient_features, gram
 
@@ -18,6 +19,8 @@ __all__ = ["FeatureReads"]
 class FeatureReads:
     """Per-sample gradients as features (Gram matrices, LoGra projections) for data
     attribution. Mixed into :class:`~gradhooks.GradHooks`."""
+
+    recorder: Recorder  # (the facade's)
 
     def gradient_features(self) -> GradientFeatures:
         """This batch's per-sample loss gradients in factored form (the layers' ``a`` and ``g``,

@@ -14,7 +14,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .torch_internals import storage_use_count
+from .torch_internals import storage_handle, storage_use_count
 
 __all__ = ["BufferPool", "new_empty", "using_pool"]
 
@@ -79,7 +79,7 @@ class BufferPool:
 
 
 def _use_count(t: Tensor) -> int:
-    return storage_use_count(t.untyped_storage()._cdata)
+    return storage_use_count(storage_handle(t))
 
 
 def _counts(pool: List[Tensor], i: int) -> Tuple[int, int]:

@@ -16,7 +16,8 @@ their wheels' ``torch/*.py`` and ``torch/_C/*.pyi``) that has the internal. The 
 from __future__ import annotations
 
 import inspect
-from typing import Dict, Tuple
+import sys
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.autograd.graph as _autograd_graph
@@ -27,7 +28,11 @@ from .errors import GradHooksError
 __all__ = ["FLOOR", "RUN_ON", "SEEN_SINCE", "ENGINE_FRAME", "GLOBAL_HOOK_FLAGS", "SAVED",
            "PRIVATE_ATTRIBUTES", "PRIVATE_MODULES", "torch_module", "current_autograd_node", "current_graph_task_id",
            "storage_use_count", "is_functorch_wrapped", "grouped_mm", "OptimizedModule",
-           "DTensor", "Partial", "distribute_tensor", "missing", "check"]
+           "DTensor", "Partial", "distribute_tensor", "missing", "check",
+           "VF", "OpOverload", "aten", "EMBEDDING_BAG_OPS", "getframe", "current_frames", "saved", "version",
+           "is_view", "storage_handle", "own_parameters", "own_buffers", "compiled_module",
+           "grad_hooks", "drop_empty_grad_hooks", "post_accumulate_grad_hooks",
+           "drop_empty_post_accumulate_grad_hooks"]
 
 #: The lowest torch the suite ran on (``install_requires`` in setup.cfg says the same).
 FLOOR = "2.13.0"
@@ -70,12 +75,92 @@ try:
 except ImportError:  # (refused where used: no DTensor parameter can exist then)
     DTensor = Partial = distribute_tensor = None
 
-#: Saved attributes of autograd nodes read by name (``node._saved_<name>``), per node type:
+#: ``torch._VF`` (the recurrent kernels: :mod:`gradhooks.core.analysis.batch_dims` marks their
+#: calls), ``torch._ops.OpOverload`` (an aten op's type) and ``torch.ops.aten`` (whose private
+#: ``_embedding_bag`` ops the kinks tool watches): :data:`PRIVATE_MODULES`.
+VF = torch._VF
+OpOverload = torch._ops.OpOverload
+aten = torch.ops.aten
+#: embedding_bag's private aten ops (mode 2 is "max": the kinks tool watches its picks).
+EMBEDDING_BAG_OPS = (aten._embedding_bag, aten._embedding_bag_forward_only)
+
+#: CPython's frame access (``sys._getframe``, ``sys._current_frames``; the builtins themselves,
+#: so a depth counts from the caller as with ``sys``): the engine-frame walk of
+#: :mod:`gradhooks.core.analysis.backward_losses`, the user line of messages and the call's
+#: keyword arguments (:func:`gradhooks.core.recorder.graph.call_kwargs`).
+getframe = sys._getframe
+current_frames = sys._current_frames
+
+
+def saved(node: Any, name: str, *default: Any) -> Any:
+    """``node._saved_<name>``: a saved attribute of an autograd node (:data:`SAVED` lists the
+    node types and names read; ``default``, as for ``getattr``, where it may be absent)."""
+    return getattr(node, "_saved_" + name, *default)
+
+
+def version(t: torch.Tensor) -> int:
+    """``t._version``: the counter torch bumps at each in-place change of ``t``'s data."""
+    return t._version
+
+
+def is_view(t: torch.Tensor) -> bool:
+    """``t._is_view()``: whether ``t`` is a view of another tensor's storage."""
+    return t._is_view()
+
+
+def storage_handle(t: torch.Tensor) -> int:
+    """``t.untyped_storage()._cdata``: the handle :data:`storage_use_count` takes."""
+    return t.untyped_storage()._cdata
+
+
+def own_parameters(module: torch.nn.Module) -> Dict[str, Optional[torch.Tensor]]:
+    """``module._parameters``: the parameters ``module`` registers itself (not its
+    submodules'), the dictionary itself (faster than ``nn.Module.__getattr__``)."""
+    return module._parameters
+
+
+def own_buffers(module: torch.nn.Module) -> Dict[str, Optional[torch.Tensor]]:
+    """``module._buffers``: the buffers ``module`` registers itself, the dictionary itself
+    (the fallback's replay restores it)."""
+    return module._buffers
+
+
+def compiled_module(model: torch.nn.Module) -> torch.nn.Module:
+    """``model._orig_mod``: the module an :data:`OptimizedModule` (``torch.compile``) wraps."""
+    return model._orig_mod
+
+
+def grad_hooks(t: torch.Tensor) -> Optional[dict]:
+    """``t._backward_hooks``: the hooks of ``t.register_hook`` (``None`` before the first)."""
+    return t._backward_hooks
+
+
+def drop_empty_grad_hooks(t: torch.Tensor) -> None:
+    """Set ``t._backward_hooks`` back to ``None`` where it is empty (as before a first hook:
+    a tensor that never had one pickles and deep-copies as before)."""
+    if not t._backward_hooks:
+        t._backward_hooks = None
+
+
+def post_accumulate_grad_hooks(t: torch.Tensor) -> Optional[dict]:
+    """``t._post_accumulate_grad_hooks``: the hooks of ``t.register_post_accumulate_grad_hook``
+    (``None`` before the first)."""
+    return t._post_accumulate_grad_hooks
+
+
+def drop_empty_post_accumulate_grad_hooks(t: torch.Tensor) -> None:
+    """Set ``t._post_accumulate_grad_hooks`` back to ``None`` where it is empty."""
+    if not t._post_accumulate_grad_hooks:
+        t._post_accumulate_grad_hooks = None
+
+
+#: Saved attributes of autograd nodes read by name (``node._saved_<name>``, :func:`saved`), per node type:
 #: the loss nodes whose reduction, target and weight say how the loss of a backward pass is
 #: reduced (:mod:`gradhooks.core.analysis.backward_losses`, :mod:`gradhooks.readers.loss_reduction`) and
 #: the indexing / transpose / select nodes of routed rows and experts' weights
 #: (:mod:`gradhooks.core.analysis.rows`). (Attention's ``ScaledDotProduct*Backward0._saved_output`` is
-#: read too, optionally: without it the attention rule replays the call.)
+#: read too, optionally: without it the attention rule replays the call; the mean / division
+#: nodes' ``self`` / ``other`` of a loss's scale likewise, by :func:`saved` with a default.)
 SAVED: Dict[str, Tuple[str, ...]] = {
     "NllLossBackward0": ("reduction", "target", "weight", "ignore_index", "self"),
     "MseLossBackward0": ("reduction", "self", "target"),
@@ -93,7 +178,7 @@ SAVED: Dict[str, Tuple[str, ...]] = {
 #: pool), ``OptimizedModule._orig_mod`` (a compiled model's module).
 PRIVATE_ATTRIBUTES: Dict[str, Tuple[str, ...]] = {
     "nn.Module": ("_parameters", "_buffers"),
-    "Tensor": ("_version", "_backward_hooks", "_post_accumulate_grad_hooks"),
+    "Tensor": ("_version", "_is_view", "_backward_hooks", "_post_accumulate_grad_hooks"),
     "UntypedStorage": ("_cdata",),
     "OptimizedModule": ("_orig_mod",),
 }
@@ -107,6 +192,8 @@ PRIVATE_MODULES: Dict[str, Tuple[str, ...]] = {
     "torch._VF": ("lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell",
                   "rnn_tanh_cell", "rnn_relu_cell"),
     "torch._ops": ("OpOverload",),
+    "torch.ops.aten": ("_embedding_bag", "_embedding_bag_forward_only"),
+    "sys": ("_getframe", "_current_frames"),
     "torch.utils._python_dispatch": ("TorchDispatchMode",),
 }
 

@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_map
 
 from ..base.errors import UnsupportedModuleError
 from ..base.segments import Segments
+from ..base.torch_internals import own_parameters
 from ..base.utils import LOW_PRECISION, OWNED, compute_dtype
 from ..core.recorder.records import Layer
 
@@ -289,7 +290,7 @@ def _call_grads(rule, module: nn.Module, a, grads, batch_first: bool, names: tup
         a, g = a.to(dt), g.to(dt)
     scale_a = scale_g = False
     if scale is not None:
-        own = module._parameters  # (faster than nn.Module.__getattr__)
+        own = own_parameters(module)  # (faster than nn.Module.__getattr__)
         out_numel = g.shape[0] * sum((own[n] if n in own else module.get_parameter(n)).numel()
                                      for n in names)
         # The results are linear in g, and for rules with ``weight_linear_in_input`` the

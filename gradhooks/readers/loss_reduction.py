@@ -61,6 +61,7 @@ import torch
 from torch import Tensor
 
 from ..base.errors import UnsupportedLossError
+from ..base.torch_internals import saved
 from ..core.analysis import (
     TARGETS,
     Split,
@@ -162,7 +163,7 @@ def check_batch_loss(loss: Tensor, batch_size: Optional[int], loss_reduction: st
         c = target_counts(n, batch_size) if type(n).__name__ in _NLL else None
         if c is not None:
             counts.append(c)
-        elif split.weighted and n._saved_weight is not None and n._saved_reduction == _MEAN:
+        elif split.weighted and saved(n, "weight") is not None and saved(n, "reduction") == _MEAN:
             counts.append(None)
     if split.weighted or counts:
         total = None if any(c is None for c in counts) else sum(counts)
@@ -240,7 +241,7 @@ def loss_scale_of(loss: Tensor) -> Optional[Tensor]:
     if first is None or second is not None:
         return None
     try:
-        c = node._saved_other
+        c = saved(node, "other")
     except RuntimeError:  # saved tensors already freed by an earlier backward
         return None
     if (not isinstance(c, Tensor) or c.dim() != 0 or c.dtype != torch.float32 or c.requires_grad
@@ -300,20 +301,20 @@ def _kind(node, batch_size: int) -> Tuple[Optional[int], Optional[int]]:
     name = type(node).__name__
     if name in _FULL:  # judged only over (B,) losses of a loss function (reduction='none')
         below = node.next_functions[0][0]
-        ok = (tuple(node._saved_self_sym_sizes) == (batch_size,) and below is not None
+        ok = (tuple(saved(node, "self_sym_sizes")) == (batch_size,) and below is not None
               and (type(below).__name__ in _NLL or type(below).__name__ in _REDUCING)
-              and below._saved_reduction == 0)
+              and saved(below, "reduction") == 0)
         return (_FULL[name], None) if ok else (None, None)
-    reduction = node._saved_reduction
+    reduction = saved(node, "reduction")
     if reduction not in (_MEAN, _SUM):
         return None, None
     if name in _REDUCING:
-        x = getattr(node, "_saved_self", None)
+        x = saved(node, "self", None)
         ok = isinstance(x, Tensor) and x.dim() and x.shape[0] == batch_size
         return (reduction, None) if ok else (None, None)
-    if node._saved_weight is not None:  # class weights: a weighted mean, not judged
+    if saved(node, "weight") is not None:  # class weights: a weighted mean, not judged
         return None, None
-    target = node._saved_target
+    target = saved(node, "target")
     if target.dim() >= 2 or name != "NllLossBackward0":
         return ((reduction, target[0].numel()) if target.shape[0] == batch_size
                 else (None, None))
@@ -338,7 +339,7 @@ def _unequal_counts(node, rows: int, batch_size: int) -> Optional[list]:
     samples (one comparison: on an accelerator, one sync); ``None`` if they are all equal."""
     ignore = ignore_index_of(node)
     with torch.no_grad():
-        counts = (node._saved_target.reshape(batch_size, rows) != ignore).sum(1)
+        counts = (saved(node, "target").reshape(batch_size, rows) != ignore).sum(1)
         if bool((counts == counts[0]).all()):
             return None
         return counts.tolist()

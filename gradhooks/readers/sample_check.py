@@ -100,7 +100,7 @@ class SampleCheck:
             samples: ``N``: ``B``, or ``G`` with ``sample_ids``.
         """
         if (not samples or samples < 2 or recorder.allow_sample_mixing or recorder.unsafe_skip_sample_check
-                or recorder._options.get("allow_batchnorm_train")
+                or recorder.options.get("allow_batchnorm_train")
                 or _distributed() or not isinstance(root, Tensor) or root.grad_fn is None):
             return None
         node = None

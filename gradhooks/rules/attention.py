@@ -58,6 +58,7 @@ from torch import Tensor, nn
 
 from ..base.errors import BatchSizeError, UnsupportedCallError
 from ..base.registry import Block, Call, LayerRule, register_rule
+from ..base.torch_internals import saved
 
 __all__ = ["MultiheadAttentionRule"]
 
@@ -330,7 +331,7 @@ class MultiheadAttentionRule(LayerRule):
         if node is None:
             return None
         try:
-            attn = node._saved_output
+            attn = saved(node, "output")
         except (AttributeError, RuntimeError):
             return None
         q = arg["query"]

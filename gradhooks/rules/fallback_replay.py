@@ -62,6 +62,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..base.errors import ReplayError, ReplayMismatchError
+from ..base.torch_internals import own_buffers, version
 from ..base.utils import paused
 
 __all__ = ["Replay", "REPLAY_RTOL", "REVERIFY_EVERY", "structure", "state_kept", "looped", "verify", "cause_of",
@@ -122,8 +123,8 @@ def state_kept(module: nn.Module) -> Iterator[None]:
 
     Cost: a shallow copy of each submodule's ``__dict__`` and a copy of each buffer (a replay
     costs at least one forward of the module)."""
-    saved = [(m, dict(m.__dict__), dict(m._buffers),
-              [(b, b._version, b.detach().clone()) for b in m._buffers.values() if b is not None])
+    saved = [(m, dict(m.__dict__), dict(own_buffers(m)),
+              [(b, version(b), b.detach().clone()) for b in own_buffers(m).values() if b is not None])
              for m in module.modules()]
     try:
         yield
@@ -134,11 +135,11 @@ def state_kept(module: nn.Module) -> Iterator[None]:
             for k, v in attrs.items():
                 if m.__dict__.get(k, attrs) is not v:
                     m.__dict__[k] = v
-            m._buffers.clear()
-            m._buffers.update(buffers)
+            own_buffers(m).clear()
+            own_buffers(m).update(buffers)
             with torch.no_grad():
-                for b, version, value in values:
-                    if b._version != version:
+                for b, held, value in values:
+                    if version(b) != held:
                         b.copy_(value)
 
 

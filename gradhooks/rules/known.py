@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from ..base.errors import FallbackWarning
 from ..base.registry import LayerRule, find_type_rule, register_recogniser
-from ..base.torch_internals import DTensor
+from ..base.torch_internals import DTensor, own_parameters
 from ..base.utils import paused
 from .embedding import ScaledEmbeddingRule
 from .linear import TransposedLinearRule
@@ -79,7 +79,7 @@ def _whole(module: nn.Module) -> nn.Module:
     ``fully_shard`` of a parent, such as a transformer block) a shallow copy holding their full tensors, for the probe
     to run on: one all-gather per parameter, which every rank runs in the same order, as they
     attach the same model. (The copy's ``forward`` is called directly: FSDP's hooks stay out.)"""
-    own = module._parameters
+    own = own_parameters(module)
     if DTensor is None or not any(isinstance(p, DTensor) for p in own.values()):
         return module
     whole = object.__new__(type(module))  # (FSDP's class swap runs __init__ in __new__)

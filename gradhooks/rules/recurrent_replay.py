@@ -20,6 +20,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from ..base.errors import BatchSizeError
 from ..base.registry import Block, Call
+from ..base.torch_internals import version
 from ..base.utils import compute_dtype
 
 __all__ = ["Output", "run", "weights_of", "call_inputs", "replay_dtype", "unbatched_error", "Sizes"]
@@ -47,11 +48,11 @@ class Output:
     __slots__ = ("data", "version")
 
     def __init__(self, data: Tensor):
-        self.data, self.version = data, data._version
+        self.data, self.version = data, version(data)
 
     def intact(self) -> bool:
         """Whether the output was not modified in place since the forward."""
-        return self.data._version == self.version
+        return version(self.data) == self.version
 
 
 class _Tape(NamedTuple):

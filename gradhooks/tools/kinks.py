@@ -30,6 +30,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..base.torch_internals import EMBEDDING_BAG_OPS
+
 __all__ = ["KinkRecord", "KinkDifference", "KinkRecorder", "first_kink_difference"]
 
 aten = torch.ops.aten
@@ -82,7 +84,7 @@ for _op in (aten.max, aten.min):  # only the .dim overloads return indices
     _AFTER[_op] = (("reduction picks another index", "reductions pick another index"),
                    lambda a, k, out: out[1] if isinstance(out, (tuple, list)) else None)
 _AFTER[aten.topk] = (("top-k selection differs", "top-k selections differ"), lambda a, k, out: out[1])
-for _op in (aten._embedding_bag, aten._embedding_bag_forward_only):  # mode 2 is "max"
+for _op in EMBEDDING_BAG_OPS:  # mode 2 is "max"
     _AFTER[_op] = (("bag entry picks another maximum", "bag entries pick another maximum"),
                    lambda a, k, out: out[3] if (a[4] if len(a) > 4 else k.get("mode", 0)) == 2
                    else None)

@@ -17,7 +17,7 @@ import copy
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -32,13 +32,15 @@ __all__ = ["looped_per_sample_grads", "batched_forward_per_sample_grads", "compa
            "ParamError", "max_rel_error"]
 
 Batch = Union[Tensor, Sequence[Tensor]]
+#: A model's output: a tensor or a (nested) tuple / list of them.
+Outputs = Union[Tensor, Sequence[Any]]
 
 
 def _as_tuple(x: Batch) -> Tuple[Tensor, ...]:
     return (x,) if isinstance(x, Tensor) else tuple(x)
 
 
-def _unwrap(xs: Tuple[Tensor, ...], original: Batch):
+def _unwrap(xs: Tuple[Tensor, ...], original: Batch) -> Batch:
     return xs[0] if isinstance(original, Tensor) else xs
 
 
@@ -51,7 +53,7 @@ def _batch_size(inputs: Tuple[Tensor, ...]) -> int:
     return b
 
 
-def _check_loss_module(loss_fn, loss_reduction: str) -> None:
+def _check_loss_module(loss_fn: Callable[..., Tensor], loss_reduction: str) -> None:
     """Refuse an ``nn.Module`` loss whose ``reduction`` attribute contradicts ``loss_reduction``
     (``nn.CrossEntropyLoss(reduction="sum")`` with ``"mean"``, and the reverse) or does not
     reduce (``"none"``): the batch loss would not be the declared reduction of the per-sample
@@ -76,7 +78,10 @@ def _check_loss_module(loss_fn, loss_reduction: str) -> None:
             f"pass loss_reduction={reduction!r} (or {name}(reduction={loss_reduction!r}))")
 
 
-def _prepare(model: nn.Module, loss_fn, inputs: Batch, targets: Batch, loss_reduction: str):
+def _prepare(model: nn.Module, loss_fn: Callable[..., Tensor], inputs: Batch, targets: Batch,
+             loss_reduction: str
+             ) -> Tuple[Tuple[Tensor, ...], Tuple[Tensor, ...], int, List[Tuple[str, nn.Parameter]],
+                        List[nn.Parameter]]:
     # The checks both references start with: (inputs, targets as tuples, B, trainable
     # (name, param) pairs, their params).
     check_loss_reduction(loss_reduction)
@@ -140,14 +145,14 @@ def looped_per_sample_grads(
     per_sample_losses = torch.stack(losses)
     _check_reduction(batch_loss, per_sample_losses, loss_reduction)
     out = {}
-    for (name, p), grads in zip(named, per):
-        if all(gr is None for gr in grads):
+    for (name, p), column in zip(named, per):
+        if all(gr is None for gr in column):
             continue
-        out[name] = torch.stack([torch.zeros_like(p) if gr is None else gr for gr in grads])
+        out[name] = torch.stack([torch.zeros_like(p) if gr is None else gr for gr in column])
     return out
 
 
-def _slice_output(out, i: int, b: int):
+def _slice_output(out: Outputs, i: int, b: int) -> Outputs:
     """``out[i:i+1]`` for a tensor, or for every tensor of a (nested) tuple/list of outputs."""
     if isinstance(out, Tensor):
         if out.dim() == 0 or out.shape[0] != b:
@@ -351,10 +356,12 @@ class Comparison:
         return "\n".join(lines)
 
 
-def _to_dtype(x, dtype: torch.dtype):
+def _to_dtype(x: Outputs, dtype: torch.dtype) -> Outputs:
     if isinstance(x, Tensor):
         return x.to(dtype) if x.is_floating_point() else x
-    return type(x)(_to_dtype(t, dtype) for t in x)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_dtype(t, dtype) for t in x)
+    return [_to_dtype(t, dtype) for t in x]
 
 
 def compare(

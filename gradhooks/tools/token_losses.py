@@ -131,7 +131,8 @@ def per_sample_token_loss(logits: Optional[Tensor] = None, labels: Optional[Tens
     return out
 
 
-def _masked(logits, labels, token_losses, mask, reduction: str) -> Tensor:
+def _masked(logits: Optional[Tensor], labels: Optional[Tensor], token_losses: Optional[Tensor],
+            mask: Optional[Tensor], reduction: str) -> Tensor:
     # The general path: any (B, T) token losses and their mask.
     if logits is not None or labels is not None:
         raise ValueError("per_sample_token_loss: pass either logits and labels, or "
@@ -149,5 +150,5 @@ def _masked(logits, labels, token_losses, mask, reduction: str) -> Tensor:
     return sums / torch.where(counts == 0, 1, counts)
 
 
-def _shape(x) -> str:
+def _shape(x: object) -> str:
     return str(tuple(x.shape)) if isinstance(x, Tensor) else type(x).__name__

@@ -62,7 +62,6 @@ model whose output layer is not hooked and whose first hooked grad_output has no
 """
 from __future__ import annotations
 
-import sys
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -70,6 +69,7 @@ from torch import Tensor
 
 from ...base import torch_internals
 from ...base.errors import GradHooksError
+from ...base.torch_internals import current_frames, getframe, saved
 from .batch_dims import relayout
 
 __all__ = ["Finding", "Split", "backward_roots", "constant_of", "flattened_logits",
@@ -107,13 +107,13 @@ _FLATTEN = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackw
 def backward_roots() -> Optional[tuple]:
     """The root tensors of the backward pass running now (module docstring, step 1), or
     ``None`` where no single engine frame is found."""
-    frame = sys._getframe(1)
+    frame = getframe(1)
     while frame is not None:
         if frame.f_code.co_name == ENGINE_FRAME:
             return _roots_of(frame)
         frame = frame.f_back
     found = []
-    for frame in sys._current_frames().values():  # (a device thread runs the hooks)
+    for frame in current_frames().values():  # (a device thread runs the hooks)
         while frame is not None:
             if frame.f_code.co_name == ENGINE_FRAME:
                 found.append(frame)
@@ -169,7 +169,7 @@ def loss_of(roots: tuple, batch_size: int) -> Optional[Finding]:
             if node is None:
                 return None
             name = type(node).__name__
-            if name == "NllLossBackward0" and node._saved_reduction == 1:
+            if name == "NllLossBackward0" and saved(node, "reduction") == 1:
                 found = _rows(node, batch_size)
                 if found is not None:
                     return found
@@ -188,14 +188,14 @@ def loss_of(roots: tuple, batch_size: int) -> Optional[Finding]:
 def _reduction(node, name: str, batch_size: int) -> Optional[Finding]:
     if name in _FULL:  # .sum() / .mean() of (B,) losses of reduction="none"
         below = node.next_functions[0][0]
-        if (tuple(node._saved_self_sym_sizes) != (batch_size,) or below is None
-                or type(below).__name__ not in _LOSS_FUNCTIONS or below._saved_reduction != 0):
+        if (tuple(saved(node, "self_sym_sizes")) != (batch_size,) or below is None
+                or type(below).__name__ not in _LOSS_FUNCTIONS or saved(below, "reduction") != 0):
             return None
         return Finding(_FULL[name], f"{name[:-len('Backward0')].lower()}() of the (B,) = "
                                     f"({batch_size},) per-sample losses of "
                                     f"{_CALLS[type(below).__name__]}(reduction='none')")
-    reduction = {1: "mean", 2: "sum"}.get(node._saved_reduction)
-    if reduction is None or getattr(node, "_saved_weight", None) is not None:
+    reduction = {1: "mean", 2: "sum"}.get(saved(node, "reduction"))
+    if reduction is None or saved(node, "weight", None) is not None:
         return None
     below = node.next_functions[0][0]
     for _ in range(4):  # (cross_entropy: nll_loss of log_softmax; casts)
@@ -210,7 +210,7 @@ def _reduction(node, name: str, batch_size: int) -> Optional[Finding]:
 
 def ignore_index_of(node) -> int:
     """The ``ignore_index`` an ``nll_loss`` node saved (as an unsigned 64-bit integer)."""
-    ignore = int(node._saved_ignore_index)
+    ignore = int(saved(node, "ignore_index"))
     return ignore - 2 ** 64 if ignore >= 2 ** 63 else ignore
 
 
@@ -225,7 +225,7 @@ def flattened_logits(node) -> Optional[tuple]:
             return None
         name = type(below).__name__
         if name in _FLATTEN:
-            return tuple(below._saved_self_sym_sizes)
+            return tuple(saved(below, "self_sym_sizes"))
         if name not in _ROW_OPS:
             return None
         below = below.next_functions[0][0]
@@ -233,7 +233,7 @@ def flattened_logits(node) -> Optional[tuple]:
 
 
 def _rows(node, batch_size: int) -> Optional[Finding]:
-    if node._saved_weight is not None:
+    if saved(node, "weight") is not None:
         return None
     sizes = flattened_logits(node)
     if sizes is None or len(sizes) != 3 or sizes[0] != batch_size:
@@ -313,7 +313,7 @@ def constant_of(node, name: str):
     no device sync), ``False`` if the node is no scaling by one number."""
     first, second = (list(n for n, _ in node.next_functions) + [None])[:2]
     if name in _SCALAR:
-        c = node._saved_other
+        c = saved(node, "other")
         if not isinstance(c, (int, float)):
             return False
         v = float(c)
@@ -321,7 +321,7 @@ def constant_of(node, name: str):
         if name == "DivBackward0" and second is not None:
             return False
         try:
-            c = node._saved_other if second is None else node._saved_self
+            c = saved(node, "other") if second is None else saved(node, "self")
         except RuntimeError:  # (freed by the pass that is running)
             return None
         if not isinstance(c, Tensor) or c.numel() != 1 or c.requires_grad:
@@ -364,7 +364,7 @@ def split_of(node, batch_size: int, scaler: bool = False) -> Optional[Split]:
     sizes: tuple = ()
     if name in _FULL:
         try:
-            sizes = tuple(node._saved_self_sym_sizes)
+            sizes = tuple(saved(node, "self_sym_sizes"))
         except (RuntimeError, AttributeError):
             sizes = ()
         if sizes == (batch_size,):
@@ -381,10 +381,10 @@ def split_of(node, batch_size: int, scaler: bool = False) -> Optional[Split]:
         if kind in _NLL:
             found.append(n)
             try:
-                w = n._saved_weight is not None
+                w = saved(n, "weight") is not None
             except RuntimeError:  # (a weight tensor, freed)
                 w = True
-            weighted = weighted or (w and n._saved_reduction == 1)
+            weighted = weighted or (w and saved(n, "reduction") == 1)
             continue
         if kind in _LOSS_FUNCTIONS:
             found.append(n)
@@ -397,7 +397,7 @@ def split_of(node, batch_size: int, scaler: bool = False) -> Optional[Split]:
     top = _FULL.get(name)
     if name in _LOSS_FUNCTIONS:
         try:
-            top = {1: "mean", 2: "sum"}.get(node._saved_reduction)
+            top = {1: "mean", 2: "sum"}.get(saved(node, "reduction"))
         except (RuntimeError, AttributeError):
             top = None
     return Split(False, what, None, scaled, factor, weighted, tuple(found), top,
@@ -515,7 +515,7 @@ def target_counts(node, batch_size: int) -> Optional[Tensor]:
     ``(B, T, V)`` logits); for a class-weighted mean, the sums of the targets' class weights
     instead (its normaliser). ``None`` where that is not established."""
     try:
-        target, weight = node._saved_target, node._saved_weight
+        target, weight = saved(node, "target"), saved(node, "weight")
     except RuntimeError:
         return None
     if not isinstance(target, Tensor) or target.numel() % max(batch_size, 1):
@@ -530,6 +530,6 @@ def target_counts(node, batch_size: int) -> Optional[Tensor]:
     with torch.no_grad():
         rows = target.reshape(batch_size, -1)
         valid = rows != ignore
-        if weight is None or node._saved_reduction != 1:
+        if weight is None or saved(node, "reduction") != 1:
             return valid.sum(1)
         return torch.where(valid, weight[torch.where(valid, rows, 0)], 0).sum(1)

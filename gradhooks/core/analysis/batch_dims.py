@@ -73,7 +73,7 @@ def is_grouped_mm(func) -> bool:
     if func in GROUPED_MM:
         return True
     name = getattr(func, "_qualified_op_name", None)
-    if name is None and isinstance(func, torch._ops.OpOverload):
+    if name is None and isinstance(func, torch_internals.OpOverload):
         name = func.name()
     return name == "transformers::grouped_mm_fallback"
 
@@ -101,8 +101,8 @@ _JOIN = ("cat", "concat", "concatenate", "stack")
 
 # torch's recurrent kernels: whole layers (states (layers * directions, B, H): batch dim 1) and
 # cells (states (B, H), lined up with the input (B, in))
-RECURRENT = _functions(("lstm", "gru", "rnn_tanh", "rnn_relu"), (torch._VF,))
-_CELLS = _functions(("lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell"), (torch._VF,))
+RECURRENT = _functions(("lstm", "gru", "rnn_tanh", "rnn_relu"), (torch_internals.VF,))
+_CELLS = _functions(("lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell"), (torch_internals.VF,))
 
 #: Ops whose operands line up on the batch dim by broadcasting (elementwise, batched matmul) or
 #: row by row (``cat`` / ``stack`` along another dim, a recurrent cell's state): where a source

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import collections
 import os
-import sys
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -53,6 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...base.errors import GradHooksError, SampleMixingError, UnprovenOpError
+from ...base.torch_internals import getframe
 from .batch_dims import Routed
 from .separation import UNPROVEN
 from .token_means import ForwardLosses, TokenMeans
@@ -222,7 +222,7 @@ def called_by_gradhooks(mode_file: str) -> bool:
     """Whether the innermost frame outside torch and ``mode_file`` (the provenance mode's own
     module) is gradhooks' (its hooks' ops on a batch, run under provenance: not the user's
     forward)."""
-    frame = sys._getframe(1)
+    frame = getframe(1)
     while frame is not None and (frame.f_code.co_filename.startswith(_SKIP[0])
                                  or frame.f_code.co_filename == mode_file):
         frame = frame.f_back
@@ -232,7 +232,7 @@ def called_by_gradhooks(mode_file: str) -> bool:
 def user_line() -> str:
     """``" (file.py:line in function)"``: the innermost frame of the caller outside torch and
     gradhooks (the user's forward), or ``""``."""
-    frame = sys._getframe(1)
+    frame = getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
         if not name.startswith(_SKIP) and not name.startswith("<"):
@@ -323,7 +323,7 @@ class Mixing:
         recorder = self._recorder
         if not self.batch or getattr(recorder, "allow_sample_mixing", False):
             return None
-        bn = getattr(recorder, "_options", {}).get("allow_batchnorm_train", False)
+        bn = getattr(recorder, "options", {}).get("allow_batchnorm_train", False)
         found = [what for kind, what in self.batch
                  if not (kind == BATCH_NORM and bn) and kind != UNPROVEN]
         unproven = [what for kind, what in self.batch if kind == UNPROVEN]

@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
 from ...base.segments import Segments, per_key_rows, routed_layout, segment_outer
+from ...base.torch_internals import saved
 from ...base.utils import OWNED
 from ...rules.fallback import FallbackRule
 from .batch_dims import Routed
@@ -221,7 +222,7 @@ def gathered_meeting(prov, func, args, kwargs, ref, bd):
     if (node is None or type(node).__name__ != "IndexBackward0" or u.dim() != 2
             or ref.dim() != 2 or u.shape != ref.shape):
         return None
-    index = node._saved_indices
+    index = saved(node, "indices")
     param = getattr(node.next_functions[0][0], "variable", None)
     if (param is None or param.dim() != 2 or len(index) != 1 or index[0] is None
             or index[0].dim() != 1):
@@ -311,7 +312,7 @@ def _transpose_of(prov, u: Tensor):
         return None
     # (the saved dims are int64 read back unsigned: -2 is 2**64 - 2)
     dims = {(d - (1 << 64) if d >= 1 << 63 else d) % 3
-            for d in (node._saved_dim0, node._saved_dim1)}
+            for d in (saved(node, "dim0"), saved(node, "dim1"))}
     if dims != {1, 2}:
         return None
     param, own = _own_param_of(prov, u, node)
@@ -333,11 +334,11 @@ def _slice_of(prov, u: Tensor, is_w: bool):
     # (param, e) when u is param[e] (an expert's weight (E, O, I) or bias (E, O): SelectBackward0
     # on dim 0 of a parameter that is a source of its own), else None.
     node = u.grad_fn
-    if (type(node).__name__ != "SelectBackward0" or node._saved_dim != 0
+    if (type(node).__name__ != "SelectBackward0" or saved(node, "dim") != 0
             or u.dim() != (2 if is_w else 1)):
         return None
     param, _ = _own_param_of(prov, u, node)
     if param is None:
         return None
-    index = node._saved_index  # (int64 read back unsigned: -1 is 2**64 - 1)
+    index = saved(node, "index")  # (int64 read back unsigned: -1 is 2**64 - 1)
     return param, (index - (1 << 64) if index >= 1 << 63 else index) % param.shape[0]

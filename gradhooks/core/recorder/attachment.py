@@ -26,7 +26,13 @@ from ...base.errors import (
     GradHooksError,
     UnsupportedModuleError,
 )
-from ...base.torch_internals import OptimizedModule
+from ...base.torch_internals import (
+    OptimizedModule,
+    compiled_module,
+    drop_empty_grad_hooks,
+    grad_hooks,
+    own_parameters,
+)
 from ...rules.fallback import FallbackRule, note_path
 from .records import Layer, find_layers, plain_state
 
@@ -59,7 +65,7 @@ def unwrap_compiled(model):
     hooking the original module and calling the compiled one is exact; hooking the wrapper
     itself makes dynamo trace the hooks and fail."""
     while isinstance(model, OptimizedModule):
-        model = model._orig_mod
+        model = compiled_module(model)
     return model
 
 
@@ -78,7 +84,7 @@ def _script_modules(model: nn.Module) -> List[str]:
 
 def _hook_names(p: nn.Parameter) -> str:
     # The gradient hooks a user registered on ``p`` (``p.register_hook(fn)``), for messages.
-    hooks = p._backward_hooks or {}
+    hooks = grad_hooks(p) or {}
     return ", ".join(getattr(fn, "__qualname__", type(fn).__name__) for fn in hooks.values())
 
 
@@ -166,7 +172,7 @@ class Attachment:
         layers = recorder.layers = find_layers(
             model, recorder.strict, lambda m: hooker(m) not in (None, recorder), self._demoted,
             recorder.fallback)
-        recorder._layer_of = {id(layer.module): layer for layer in layers}
+        recorder.layer_of = {id(layer.module): layer for layer in layers}
         self.raw_params = {id(p): (layer, name) for layer in layers
                            if isinstance(layer.rule, FallbackRule)
                            and next(layer.module.children(), None) is not None
@@ -187,7 +193,7 @@ class Attachment:
         self._unhooked = [p for p in model.parameters() if id(p) not in self.params]
         self._witness = next(((layer.module, name, p) for layer in layers
                               for name, p in layer.params.items()
-                              if layer.module._parameters.get(name) is p), None)
+                              if own_parameters(layer.module).get(name) is p), None)
         self.changed = None
         self._resync = False
 
@@ -198,8 +204,7 @@ class Attachment:
             h.remove()
         self.param_handles.clear()
         for p in self._hooks_were_none:
-            if not p._backward_hooks:
-                p._backward_hooks = None
+            drop_empty_grad_hooks(p)
         self._hooks_were_none.clear()
         self._watched.clear()
         self.hooks_ahead.clear()
@@ -242,7 +247,7 @@ class Attachment:
         if witness is None or utils.PAUSED:
             return
         module, name, p = witness
-        held = module._parameters.get(name)
+        held = own_parameters(module).get(name)
         self.swapped = None if held is p else (
             f"{next(layer.describe() for layer in self._recorder.layers if layer.module is module)}"
             f" held {'a tensor' if held is not None else 'nothing'} other than its parameter "
@@ -260,9 +265,9 @@ class Attachment:
         if id(p) in self._watched:
             return
         self._watched.add(id(p))
-        if p._backward_hooks:
+        if grad_hooks(p):
             self.hooks_ahead[id(p)] = _hook_names(p)
-        if p._backward_hooks is None:
+        if grad_hooks(p) is None:
             self._hooks_were_none.append(p)
         self.param_handles.append(p.register_hook(functools.partial(
             _param_grad, weakref.ref(self._recorder), id(p))))
@@ -274,7 +279,7 @@ class Attachment:
         the parent's forward hook, still to come in this forward, records it. Warns with a
         :class:`FallbackWarning`."""
         recorder = self._recorder
-        layer_of = recorder._layer_of
+        layer_of = recorder.layer_of
         if (layer_of.get(id(layer.module)) is not layer or not layer.path
                 or isinstance(layer.rule, FallbackRule)):
             return None

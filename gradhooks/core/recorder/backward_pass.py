@@ -61,7 +61,7 @@ class BackwardPass:
         (:func:`gradhooks.core.recorder.graph.on_grad`). Returns ``None`` (the gradient flows on unchanged)."""
         grad = grads[nr]
         recorder = self._recorder
-        if (utils.PAUSED or grad is None or recorder._muted or not recorder._attached
+        if (utils.PAUSED or grad is None or recorder.hooks_muted or not recorder.attached
                 or (id(record), leaf) in self.captured):
             return None
         self._see_loss(grad, record)
@@ -200,25 +200,25 @@ class BackwardPass:
         if not record.names:  # (a replay whose raw parameters came from provenance)
             return
         recorder = self._recorder
-        if record.step != recorder._step:
+        if record.step != recorder.batch_id:
             raise GradHooksError(
                 f"a backward pass reached module {record.layer.describe()} through a graph built "
                 f"before the current batch started (an earlier forward, or one with another batch "
                 f"size); per-sample results are per batch: run the backward passes of a forward "
                 f"before the next forward, and give one loss only outputs of one batch"
             )
-        if recorder._released:  # nothing to add the grad_output to: reads now raise
-            recorder._stale = recorder._stale or record.layer.describe()
-            recorder._backward_seen = True
-            recorder._drop_result()
+        if recorder.released:  # nothing to add the grad_output to: reads now raise
+            recorder.stale = recorder.stale or record.layer.describe()
+            recorder.backward_seen = True
+            recorder.drop_result()
             return
         if record.swap is not None:  # (T == B, (B * T, D) rows, (T, B) ids: placement)
             grad = relayout(grad, record.swap)
         differentiable = recorder.differentiable
-        if grad.requires_grad and recorder._higher_order is None and not differentiable:
-            recorder._higher_order = record.layer.describe()
+        if grad.requires_grad and recorder.higher_order is None and not differentiable:
+            recorder.higher_order = record.layer.describe()
         if not record.hits:  # the first grad_output this call receives
-            recorder._records.append(record)
+            recorder.reached_records.append(record)
         if grad.dtype in (torch.bfloat16, torch.float16):
             record.low = grad.dtype
         if not differentiable and grad.requires_grad:  # (else a create_graph pass's graph
@@ -238,9 +238,9 @@ class BackwardPass:
         else:
             prev = record.grads[leaf]
             record.grads[leaf] = grad if prev is None else prev + grad
-        recorder._backward_seen = True
-        if recorder._result is not None:
-            recorder._drop_result()
+        recorder.backward_seen = True
+        if recorder.result is not None:
+            recorder.drop_result()
         if self.listener is not None:
             self.listener.hit(record)
 
@@ -249,7 +249,7 @@ class BackwardPass:
         """Post-hook on a node a rule asked for (:meth:`LayerRule.internal`): sums its input
         gradients into ``saved["grad_inputs"]`` over the backward passes."""
         recorder = self._recorder
-        if utils.PAUSED or recorder._muted or recorder._released or not recorder._attached:
+        if utils.PAUSED or recorder.hooks_muted or recorder.released or not recorder.attached:
             return None
         prev = saved.get("grad_inputs")
         new = tuple(None if t is None else t.detach() for t in grad_inputs)
@@ -264,7 +264,7 @@ class BackwardPass:
         """A watched parameter's gradient (:meth:`gradhooks.core.recorder.attachment.Attachment.watch`):
         added to the batch's totals for the sum check, except in a placement's pull-back."""
         recorder = self._recorder
-        if (utils.PAUSED or recorder._muted or not recorder._attached
+        if (utils.PAUSED or recorder.hooks_muted or not recorder.attached
                 or recorder.placement.pulling):
             return None
         total = recorder.totals.get(pid)
@@ -275,8 +275,8 @@ class BackwardPass:
                 total.hooks = ahead.get(pid)
         else:
             total.add(grad)
-        recorder._param_passes[pid] = recorder._param_passes.get(pid, 0) + 1
-        recorder._backward_seen = True  # (also when no hook ran: the next forward starts anew)
+        recorder.param_passes[pid] = recorder.param_passes.get(pid, 0) + 1
+        recorder.backward_seen = True  # (also when no hook ran: the next forward starts anew)
         return None
 
     def drive(self, loss: Tensor, gradient: Optional[Tensor], retain_graph: bool,
@@ -320,13 +320,13 @@ class BackwardPass:
         key = tuple((id(c.layer), c.names) for c in records)
         # (two-pass clipping counts each record's hook calls from the tags: not those of the
         # meetings of shared calls, whose parts come from hooks on the meeting operands)
-        edges_mode = (recorder.sum_check.edges_allowed(key) and recorder._edges_complete
+        edges_mode = (recorder.sum_check.edges_allowed(key) and recorder.edges_complete
                       and bool(records) and walked is not None)
         if recorder.placement.met:
             listen = None
-        recorder._driven = True
+        recorder.driven = True
         if edges_mode:
-            recorder._sum_check = "skip"  # this batch's parameter gradients are incomplete
+            recorder.sum_check_state = "skip"  # this batch's parameter gradients are incomplete
             self.captured = {(id(record), leaf) for _, record, leaf in captures}
             self.listener = None if listen is None else listen(records, events)
             try:
@@ -352,9 +352,9 @@ class BackwardPass:
             torch.autograd.grad(loss, params, gradient, retain_graph=retain_graph,
                                 allow_unused=True, create_graph=create_graph)  # (gradient hooks
             # hand them to the sum check)
-            if recorder.check and recorder._sum_check != "skip":
-                recorder._sum_check = "due"
-                recorder._drive_key = key if recorder._edges_complete else None
+            if recorder.check and recorder.sum_check_state != "skip":
+                recorder.sum_check_state = "due"
+                recorder.drive_key = key if recorder.edges_complete else None
         return edges_mode
 
 

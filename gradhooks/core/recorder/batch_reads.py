@@ -176,19 +176,19 @@ class BatchReads:
         """
         recorder = self._recorder
         groups = self.groups(read)
-        if result and recorder._released and recorder.result is not None:
+        if result and recorder.released and recorder.result is not None:
             return Batch.of(recorder, (), None, False, self.grad_scale(), groups=groups)
-        reached = recorder._records
+        reached = recorder.reached_records
         # (A model that is itself a hooked layer, a cell called per time step, is a layer
         # called several times: its calls see the same samples.)
         forwards = len({record.forward for record in reached})
         error = refusal(
-            read, attached=recorder._attached, changed=recorder.attachment.changed,
-            stale=recorder._stale, released=recorder._released, reached=len(reached),
-            calls=recorder._calls, backward_reached_params=bool(recorder.totals),
+            read, attached=recorder.attached, changed=recorder.attachment.changed,
+            stale=recorder.stale, released=recorder.released, reached=len(reached),
+            calls=recorder.calls, backward_reached_params=bool(recorder.totals),
             forwards=forwards if recorder.forwards == "one"
-            and id(recorder.model) not in recorder._layer_of else 1,
-            higher_order=recorder._higher_order)
+            and id(recorder.model) not in recorder.layer_of else 1,
+            higher_order=recorder.higher_order)
         if error is not None:
             raise error
         error = recorder.placement.refusal(read)
@@ -210,17 +210,17 @@ class BatchReads:
         records = tuple(reached if records is None else records)
         for record in records:
             record.check_unmodified(read)
-        checking = sum_check and bool(recorder.check) and recorder._sum_check != "skip"
+        checking = sum_check and bool(recorder.check) and recorder.sum_check_state != "skip"
         key = None
         if checking:
             structure = self._structure()
-            if recorder._sum_check == "due" or recorder.sum_check.read_due(structure):
+            if recorder.sum_check_state == "due" or recorder.sum_check.read_due(structure):
                 key = structure
                 self._precision(reached)
         releasing = release and recorder.result is None  # (a kept result: nothing is formed)
         batch = Batch.of(recorder, records, key, checking, scale, releasing, groups)
         if releasing:
-            recorder._released = True
+            recorder.released = True
         return batch
 
     def set_groups(self, sample_ids: Optional[Tensor]) -> None:
@@ -272,7 +272,7 @@ class BatchReads:
         if sample_ids is None and not grouped:  # (none for this batch: nothing to drop)
             self._groups = None
             return
-        if recorder.result is not None or recorder._released:
+        if recorder.result is not None or recorder.released:
             raise SampleIdsError(
                 f"set_sample_ids({'None' if sample_ids is None else 'ids'}): per_sample_grads() "
                 f"already formed this batch's per-sample gradients "
@@ -397,13 +397,13 @@ class BatchReads:
         """A read's sum check of structure ``key`` passed (:meth:`Batch.check_passed`): the
         policy counts it, and this batch's due check is done."""
         recorder = self._recorder
-        recorder.sum_check.passed(key, recorder._drive_key)
-        recorder._sum_check = None
+        recorder.sum_check.passed(key, recorder.drive_key)
+        recorder.sum_check_state = None
 
     def _structure(self) -> tuple:
         # What the sum check's verdict depends on: the calls and backward passes each module
         # received, and the passes in which autograd reached each parameter.
         recorder = self._recorder
         calls = tuple((id(record.layer), record.names, record.hits)
-                      for record in recorder._records)
-        return calls, tuple(sorted(recorder._param_passes.items()))
+                      for record in recorder.reached_records)
+        return calls, tuple(sorted(recorder.param_passes.items()))

@@ -85,6 +85,39 @@ class Recorder:
         reads: the :class:`~gradhooks.core.recorder.batch_reads.BatchReads` (:meth:`snapshot`'s validation).
         sample_checked: the structures whose sample check through the batched graph passed
             (:mod:`gradhooks.readers.sample_check`); ``sample_checks`` counts the backwards.
+        attached: whether the hooks are attached (``False`` after :meth:`detach`).
+        options: the layer options given to :func:`gradhooks.attach` (``allow_batchnorm_train``).
+        layer_of: ``{id(module): Layer}`` of the hooked modules (the global hooks' filter).
+        on_grad_output, on_internal: the backward pass's hooks, bound once (the hot path hands
+            them to every record).
+        driven: :meth:`drive` was called once: forwards record their outputs' autograd edges.
+        hooks_muted: the hooks record nothing (inside :meth:`muted`).
+
+    The batch's state, written by the recorder and its parts (:attr:`forward_pass`,
+    :attr:`backward_pass`, :attr:`placement`, :attr:`reads`), read only elsewhere; each is reset
+    by :meth:`reset_batch`:
+
+    Attributes:
+        batch_id: a number that changes whenever a batch starts (:meth:`reset_batch`: the first
+            recording forward after a backward pass, :meth:`clear`, a consumed batch); equal for
+            every backward pass through one forward (:mod:`gradhooks.readers.dp.accumulation`
+            tells batches apart by it).
+        forward_id: counts the model's top-level forwards.
+        batch_size: ``B`` of the current batch, or ``None`` before its first forward;
+            ``batch_source`` says where it was read, ``batch_forward`` in which forward.
+        calls: the hooked-layer calls recorded in this batch.
+        reached_records: the records a backward pass reached, in that order (:attr:`records`
+            is a tuple of them).
+        param_passes: ``{id(param): backward passes that reached it}``.
+        backward_seen: a backward pass delivered a grad_output to a record.
+        edges_complete: every forward of the batch marked its output nodes for :meth:`drive`.
+        sum_check_state: how this batch's reads run the sum check: ``None`` (decided at the
+            read by :attr:`sum_check`), ``"due"`` (:meth:`drive` computed autograd's parameter
+            gradients for it) or ``"skip"`` (:meth:`drive` computed none); ``drive_key`` the
+            structure :meth:`drive` computed them for.
+        higher_order: a layer a ``create_graph=True`` backward reached, or ``None``.
+        released: a read released this batch's records (``per_sample_grads()``'s default);
+            ``stale`` names a module a backward then reached.
     """
 
     def __init__(self, model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True,
@@ -110,7 +143,10 @@ class Recorder:
         self.sum_check = SumCheck(check)
         self.check = check  # (read on every forward: a plain attribute)
         self.strict = bool(strict)
-        self._options = {"allow_batchnorm_train": bool(allow_batchnorm_train)}
+        # ``"sample"`` or ``"batch"``: how a token-mean loss splits (the facade's
+        # ``token_normalisation=``; :mod:`gradhooks.readers.loss_reduction` reads it)
+        self.token_normalisation = "sample"
+        self.options = {"allow_batchnorm_train": bool(allow_batchnorm_train)}
         self.allow_sample_mixing = bool(allow_sample_mixing)  # (read by placement.mixing)
         # The sample check through the batched graph (readers.sample_check): structures passed
         self.unsafe_skip_sample_check = bool(unsafe_skip_sample_check)
@@ -122,22 +158,22 @@ class Recorder:
         self.layers: List[Layer] = []
         self.names: Dict[int, str] = {}  # id(param) -> name in model.named_parameters()
         self.order: Dict[int, int] = {}
-        self._layer_of: Dict[int, Layer] = {}  # id(module) -> its Layer, for the global hooks
+        self.layer_of: Dict[int, Layer] = {}  # id(module) -> its Layer, for the global hooks
         self.attachment = Attachment(self)
         self.params: Dict[int, nn.Parameter] = self.attachment.params
         self._hooks: Optional[GlobalHooks] = None  # the global module hooks (graph.module_hooks)
-        self._attached = False
+        self.attached = False
         self.pool = BufferPool()
         self.memo = Memo()
         # backward(): once called, forwards record their outputs' autograd edges.
-        self._driven = False
-        self._muted = False  # hooks record nothing (muted(): clipped_backward's second pass)
-        self._step = 0
-        self._forward_id = 0
+        self.driven = False
+        self.hooks_muted = False  # hooks record nothing (muted(): clipped_backward's second pass)
+        self.batch_id = 0
+        self.forward_id = 0
         self.backward_pass = BackwardPass(self)
         # (bound once: the hot path hands them to every record's hooks)
-        self._on_grad_output = self.backward_pass.on_grad_output
-        self._on_internal = self.backward_pass.on_internal
+        self.on_grad_output = self.backward_pass.on_grad_output
+        self.on_internal = self.backward_pass.on_internal
         self.placement = Placement(self, self.attachment.demote)
         self.reads = BatchReads(self)
         self.forward_pass = ForwardPass(self)
@@ -154,9 +190,9 @@ class Recorder:
         # Global module hooks, filtered by module: the model itself carries no hook of ours, so
         # copy.deepcopy / pickle / torch.save of an attached model give a plain model.
         self._hook_modules()
-        self._attached = True
+        self.attached = True
         try:
-            self._sync()
+            self.sync()
         except BaseException:  # (a refused model: nothing of the attempt stays installed)
             self.detach()
             raise
@@ -176,7 +212,7 @@ class Recorder:
         every module of the process, this model's included, runs torch's hook-free fast path and
         nothing is recorded. For benchmarks that time other methods in the same process
         (``benchmarks/peers.py``), whose models would otherwise pay the hooks' dispatch."""
-        if not self._attached:
+        if not self.attached:
             yield
             return
         self.placement.stop()
@@ -184,10 +220,10 @@ class Recorder:
         try:
             yield
         finally:
-            if self._attached:
+            if self.attached:
                 self._hook_modules()
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
         # (Re)build what is hooked from the model as it is now (Attachment.sync); the readers'
         # cache, the signatures' plans and the batch go with the old layer maps.
         self.attachment.sync()
@@ -200,10 +236,6 @@ class Recorder:
         self.attachment.on_registration(module, name, value)
         return None
 
-    @property
-    def attached(self) -> bool:
-        """Whether the hooks are attached (``False`` after :meth:`detach`)."""
-        return self._attached
 
     def detach(self) -> None:
         """Remove every hook, record and ``grad_sample`` attribute; the model is as before attach.
@@ -211,45 +243,45 @@ class Recorder:
         Afterwards the model's hook dictionaries, ``state_dict()``, ``copy.deepcopy`` and
         ``pickle`` behave exactly as before :func:`attach`. Calling it twice is harmless.
         """
-        if not self._attached:
+        if not self.attached:
             return
         self.placement.stop()
         self._hooks.remove()
         self._hooks = None
         self.attachment.unsync()
-        self._attached = False  # graphs built before: their hooks now do nothing
+        self.attached = False  # graphs built before: their hooks now do nothing
         self.reset_batch()
         self.pool.clear()
 
     # ------------------------------------------------------------------ batch state
     def reset_batch(self) -> None:
         """Drop the current batch's records and result; the next forward starts a new batch."""
-        for record in getattr(self, "_records", ()):
+        for record in getattr(self, "reached_records", ()):
             record.release()
-        self._step += 1
-        self._records: List[Record] = []
+        self.batch_id += 1
+        self.reached_records: List[Record] = []
         # Whether every forward of this batch marked its output nodes for GradHooks.backward.
-        self._edges_complete = self._driven
+        self.edges_complete = self.driven
         # How reads run the sum check: None (decided at the read), "due" (backward() computed
         # autograd's parameter gradients for it), "skip" (backward() computed none).
-        self._sum_check: Optional[str] = None
-        self._drive_key: Optional[tuple] = None
-        self._higher_order: Optional[str] = None  # a layer a create_graph=True backward reached
-        self._batch_size: Optional[int] = None
-        self._batch_source: Optional[str] = None
-        self._batch_forward = -1  # the top-level forward in which the batch size was set
-        self._backward_seen = False
+        self.sum_check_state: Optional[str] = None
+        self.drive_key: Optional[tuple] = None
+        self.higher_order: Optional[str] = None  # a layer a create_graph=True backward reached
+        self.batch_size: Optional[int] = None
+        self.batch_source: Optional[str] = None
+        self.batch_forward = -1  # the top-level forward in which the batch size was set
+        self.backward_seen = False
         # per_sample_grads() released the records; _stale: a module a backward then reached.
-        self._released = False
-        self._stale: Optional[str] = None
+        self.released = False
+        self.stale: Optional[str] = None
         self.totals: Dict[int, GradTotal] = {}  # autograd's, for the sum check
-        self._param_passes: Dict[int, int] = {}
-        self._calls = 0  # hooked-layer calls recorded in this batch
+        self.param_passes: Dict[int, int] = {}
+        self.calls = 0  # hooked-layer calls recorded in this batch
         self.placement.reset_batch()
         self.reads.seen = None  # (the loss scale seen on this batch's loss)
-        self._drop_result()
+        self.drop_result()
 
-    def _drop_result(self) -> None:
+    def drop_result(self) -> None:
         # A superseded result's tensors may be reused for the next one (BufferPool), unless the
         # user still holds them.
         result = getattr(self, "_result", None)
@@ -265,22 +297,18 @@ class Recorder:
             if "grad_sample" in p.__dict__:
                 p.grad_sample = None
 
-    @property
-    def batch_size(self) -> Optional[int]:
-        """Batch size ``B`` of the current batch, or ``None`` before its first forward."""
-        return self._batch_size
 
     # ------------------------------------------------------------------ hooks
     def _on_pre_forward(self, module: nn.Module, args) -> None:
         # Global forward pre-hook: only the model's own forward starts anything; under
         # provenance the hooked layers whose forward runs are noted.
         if module is self.model:
-            if self._batch_size is None:  # (a new batch: no scale seen on its loss yet)
+            if self.batch_size is None:  # (a new batch: no scale seen on its loss yet)
                 self.reads.seen = None
             self._model_forward(module, args, call_kwargs())
             self._note_forward()  # (after: a forward that follows a model change syncs first)
         elif self.placement.provenance is not None:
-            layer = self._layer_of.get(id(module))
+            layer = self.layer_of.get(id(module))
             if layer is not None:
                 self.placement.enter(layer)
 
@@ -288,11 +316,11 @@ class Recorder:
         # The model's forward returned (completed, ``call``: its args, kwargs and output) or
         # raised: the placement ends its forward.
         if module is self.model:
-            self.placement.end_forward(completed, self._forward_id, call)
+            self.placement.end_forward(completed, self.forward_id, call)
 
     def _on_any_forward(self, module: nn.Module, args, kwargs, output) -> None:
         # Global forward hook: the hooked layers' calls.
-        layer = self._layer_of.get(id(module))
+        layer = self.layer_of.get(id(module))
         if module is not self.model:
             return None if layer is None else self._record(layer, module, args, kwargs, output)
         completed = False
@@ -304,30 +332,13 @@ class Recorder:
         return result
 
     # ------------------------------------------------------------------ what readers see
-    @property
-    def batch_id(self) -> int:
-        """A number that changes whenever a batch starts (:meth:`reset_batch`: the first
-        recording forward after a backward pass, :meth:`clear`, a consumed batch); equal for
-        every backward pass through one forward (:mod:`gradhooks.readers.dp.accumulation` tells batches
-        apart by it)."""
-        return self._step
 
     @property
     def records(self) -> Tuple["Record", ...]:
         """The current batch's records that a backward pass reached, in the order reached."""
-        return tuple(self._records)
+        return tuple(self.reached_records)
 
-    @property
-    def released(self) -> bool:
-        """Whether a read released this batch's records (``per_sample_grads()``'s default)."""
-        return self._released
 
-    @property
-    def sum_check_state(self) -> Optional[str]:
-        """How this batch's reads run the sum check: ``None`` (decided at the read by
-        :attr:`sum_check`), ``"due"`` (:meth:`drive` computed autograd's parameter gradients for
-        it) or ``"skip"`` (:meth:`drive` computed none)."""
-        return self._sum_check
 
     @property
     def result(self) -> Optional[Dict[str, Tensor]]:
@@ -366,11 +377,11 @@ class Recorder:
     def muted(self) -> Iterator[None]:
         """Within this context the hooks record nothing (an ordinary backward pass through a
         batch whose records were consumed: two-pass clipping's second pass)."""
-        self._muted = True
+        self.hooks_muted = True
         try:
             yield
         finally:
-            self._muted = False
+            self.hooks_muted = False
 
     # ------------------------------------------------------------------ backward
     def drive(self, loss: Tensor, gradient: Optional[Tensor], retain_graph: bool,

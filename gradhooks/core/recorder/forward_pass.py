@@ -80,7 +80,7 @@ class ForwardPass:
         placement = recorder.placement
         try:
             if layer.validates:
-                rule.check_call(module, args, kwargs, recorder._options)
+                rule.check_call(module, args, kwargs, recorder.options)
             if not names:
                 return
             placed = placement.place(layer, x, output, leaves, args, kwargs)
@@ -105,18 +105,18 @@ class ForwardPass:
             for n in names:
                 recorder.attachment.watch(layer.params[n])
             layer.watched = len(names) == len(layer.items)
-        if recorder._backward_seen and not in_backward():  # (a recomputation: this batch's)
+        if recorder.backward_seen and not in_backward():  # (a recomputation: this batch's)
             recorder.clear()
         if placed is None:
             if id(layer) in placement.shared_layers and in_backward():
                 raise recomputed_error(layer)
             # a lookup of one row in a forward whose batch has more (records.shared_lookup):
             # handed downstream expanded to the batch
-            shared = (b == 1 and recorder._batch_size is not None and recorder._batch_size > 1
-                      and recorder._forward_id == recorder._batch_forward
+            shared = (b == 1 and recorder.batch_size is not None and recorder.batch_size > 1
+                      and recorder.forward_id == recorder.batch_forward
                       and shared_lookup(x, output, recorder.batch_first))
             if shared:
-                b = recorder._batch_size
+                b = recorder.batch_size
                 x, output, args, kwargs = expand_call(b, x, output, args, kwargs)
                 if rule.multi_io:
                     leaves, spec = flatten(output)
@@ -131,19 +131,19 @@ class ForwardPass:
             shared = False
         else:  # planned: a shared call its signature's tracked forward planned
             shared = True
-            b = (recorder._batch_size if recorder._batch_size is not None
-                 and recorder._batch_forward == recorder._forward_id else placed.size)
+            b = (recorder.batch_size if recorder.batch_size is not None
+                 and recorder.batch_forward == recorder.forward_id else placed.size)
             x, output, args, kwargs = expand_call(b, x, output, args, kwargs, placed.layout)
             placement.shared_layers.add(id(layer))
             if rule.multi_io:
                 leaves, spec = flatten(output)
                 reached = [0]
-        if b != recorder._batch_size:
+        if b != recorder.batch_size:
             self._set_batch_size(b, layer, module, args, kwargs)
         tracked = placed is not None and placed.kind is BATCHED
         if tracked:
             placement.batched_call(b)
-        recorder._calls += 1
+        recorder.calls += 1
         aliased = False
         if (rule.multi_io and isinstance(rule, FallbackRule) and len(reached) > 1
                 and type(output) in (tuple, list)):
@@ -164,24 +164,24 @@ class ForwardPass:
             node = None if found is None else found[0]
             record = Record(layer, Call(detached(tuple(args)), detached(dict(kwargs)),
                                         None if found is None else found[1], dims=dims),
-                            names, recorder._step, spec, fill)
-            record.forward, record.swap = recorder._forward_id, swap  # (an Embedding's ids)
+                            names, recorder.batch_id, spec, fill)
+            record.forward, record.swap = recorder.forward_id, swap  # (an Embedding's ids)
             if tracked:
                 placement.batched_record(record)
             if node is not None:
-                node.register_hook(functools.partial(recorder._on_internal, record, found[1]))
+                node.register_hook(functools.partial(recorder.on_internal, record, found[1]))
             for i in reached:
-                on_grad(leaves[i], functools.partial(recorder._on_grad_output, record, i))
-            if recorder._driven:
-                recorder._edges_complete &= mark(recorder, record,
+                on_grad(leaves[i], functools.partial(recorder.on_grad_output, record, i))
+            if recorder.driven:
+                recorder.edges_complete &= mark(recorder, record,
                                                  [(leaves[i], i) for i in reached], node)
         else:
             record = Record(layer, x if recorder.differentiable else x.detach(), names,
-                            recorder._step)
-            record.forward, record.swap = recorder._forward_id, swap
-            on_grad(output, functools.partial(recorder._on_grad_output, record, None))
-            if recorder._driven:
-                recorder._edges_complete &= mark(recorder, record, [(output, None)], None)
+                            recorder.batch_id)
+            record.forward, record.swap = recorder.forward_id, swap
+            on_grad(output, functools.partial(recorder.on_grad_output, record, None))
+            if recorder.driven:
+                recorder.edges_complete &= mark(recorder, record, [(output, None)], None)
         return output if shared or aliased else None
 
     def _set_batch_size(self, size: int, layer: Layer, module: nn.Module, args, kwargs) -> None:
@@ -189,20 +189,20 @@ class ForwardPass:
         # dropping an earlier forward that no backward reached); any other in the same forward
         # is refused (BatchSizeError), with the fix for calls that see part of the batch.
         recorder = self._recorder
-        if (recorder._batch_size is not None and recorder._forward_id != recorder._batch_forward
+        if (recorder.batch_size is not None and recorder.forward_id != recorder.batch_forward
                 and not in_backward()):
             recorder.reset_batch()  # an earlier forward that no backward reached: drop it
-        if recorder._batch_size is None:
-            recorder._batch_size, recorder._batch_source = size, layer.describe()
-            recorder._batch_forward = recorder._forward_id
+        if recorder.batch_size is None:
+            recorder.batch_size, recorder.batch_source = size, layer.describe()
+            recorder.batch_forward = recorder.forward_id
             return
         hint = partial_batch_hint(module, "check the input layout, or pass batch_first=False "
                                           "for (T, B, ...) inputs.")
         shapes = ", ".join(str(tuple(t.shape)) for t in tensors((args, kwargs)))
         raise BatchSizeError(
             f"module {layer.describe()} sees batch size {size} (inputs {shapes}), but "
-            f"{recorder._batch_source} saw "
-            f"{recorder._batch_size} in the same forward. Per-sample gradients need every hooked "
+            f"{recorder.batch_source} saw "
+            f"{recorder.batch_size} in the same forward. Per-sample gradients need every hooked "
             f"layer to see the whole batch on the batch dim (batch_first={recorder.batch_first}); "
             + hint
         )
@@ -217,13 +217,13 @@ class ForwardPass:
         if utils.PAUSED or not torch.is_grad_enabled() or in_backward():
             return  # records nothing; or a recomputation (checkpoint) of the current batch
         if recorder.attachment.needs_sync():
-            recorder._sync()  # the model changed since attach: follow it
-        recorder._forward_id += 1
+            recorder.sync()  # the model changed since attach: follow it
+        recorder.forward_id += 1
         # A forward that will record starts a new batch: drop the last one's records here, not
         # at the first hooked layer's forward hook (after that layer's forward), so that they
         # are not held beside the new batch's first activations (about 3 MB more peak memory
         # on the Transformer block, whose first hooked layer is the attention).
-        if (recorder._backward_seen and args
+        if (recorder.backward_seen and args
                 and not any(is_functorch_wrapped(t) for t in tensors(args))):
             recorder.clear()
         recorder.placement.start(tensors((args, kwargs)), module.training)

@@ -6,7 +6,6 @@ gradients instead of the parameters' (``torch.autograd.grad`` with
 from __future__ import annotations
 
 import functools
-import sys
 import warnings
 import weakref
 from typing import Callable, Dict, List, Optional, Tuple
@@ -22,7 +21,7 @@ from torch.nn.modules.module import (
 )
 
 from ...base.errors import NotDetachedWarning
-from ...base.torch_internals import GLOBAL_HOOK_FLAGS, current_graph_task_id, torch_module
+from ...base.torch_internals import GLOBAL_HOOK_FLAGS, current_graph_task_id, getframe, torch_module
 
 __all__ = ["GlobalHooks", "module_hooks", "remove_handles", "warn_not_detached", "call_kwargs",
            "on_grad", "tag", "mark", "walk", "in_backward", "TAG", "RECOMPUTING"]
@@ -134,7 +133,7 @@ def call_kwargs() -> dict:
     running: the local ``kwargs`` of torch's ``Module._call_impl`` frame that called the hook
     (two frames above ``pre``); ``{}`` where torch calls hooks otherwise. Call it from ``pre``
     itself, and only for the modules that need it (it reads a frame)."""
-    kwargs = sys._getframe(3).f_locals.get("kwargs")
+    kwargs = getframe(3).f_locals.get("kwargs")
     return kwargs if isinstance(kwargs, dict) else {}
 
 

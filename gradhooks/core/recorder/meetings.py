@@ -35,7 +35,7 @@ def note_meeting(placement, sources: tuple, how: str, u_b: Optional[Tensor],
     meeting makes it ``B`` identical samples again. Only a call whose output itself meets
     the batch, always by broadcasts that add the batch dim as its record's layout does, or
     always row by row, can be planned (else it is added to ``plain``)."""
-    prov, recorder = placement.provenance, placement._recorder
+    prov, recorder = placement.provenance, placement.recorder
     kinds = prov.kinds
     for source in sources:
         record = source[0]
@@ -46,8 +46,8 @@ def note_meeting(placement, sources: tuple, how: str, u_b: Optional[Tensor],
     if u_b is None:
         return
     placement.met = True
-    if recorder._driven:
-        recorder._edges_complete &= mark(recorder, sources[0][0], [], u_b.grad_fn)
+    if recorder.driven:
+        recorder.edges_complete &= mark(recorder, sources[0][0], [], u_b.grad_fn)
     for record, _, _ in sources:
         if record.spec is not None:
             continue
@@ -77,17 +77,17 @@ def pull_back(placement, edge, sources: tuple, how: str, shape: tuple, grad: Ten
 
     The per-sample cotangents are :func:`meeting_cotangent`'s; ``"direct"`` for a call
     recorded on its rows (learned initial states): ``grad`` is its ordinary grad_output."""
-    recorder = placement._recorder
-    if utils.PAUSED or recorder._muted or not recorder._attached:
+    recorder = placement.recorder
+    if utils.PAUSED or recorder.hooks_muted or not recorder.attached:
         return None
     first = sources[0][0]
     if how == "direct" and first.shared == "rows":
-        if first.step == recorder._step:
+        if first.step == recorder.batch_id:
             recorder.backward_pass.receive(first, None, grad)
         return None
     cotangent = meeting_cotangent(grad, how, shape, dim)
     size = cotangent.shape[0]
-    live = [s for s in sources if s[0].step == recorder._step]
+    live = [s for s in sources if s[0].step == recorder.batch_id]
     if not live:
         return None
     # (u itself is a source: its cotangent as it is; autograd would hand back the batched

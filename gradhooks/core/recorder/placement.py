@@ -176,7 +176,7 @@ class Placement:
     """
 
     def __init__(self, recorder, demote: Callable[[Layer], None]):
-        self._recorder = recorder
+        self.recorder = recorder
         self._demote = demote
         self.provenance: Optional[Provenance] = None
         self.signatures: Dict[tuple, object] = {}
@@ -209,7 +209,7 @@ class Placement:
         first = next((t for t in inputs if t.dim() > 0), None)
         if first is None or any(is_functorch_wrapped(t) for t in inputs):
             return
-        recorder = self._recorder
+        recorder = self.recorder
         layout = 0 if recorder.batch_first else 1
         batch_dim = input_batch_dim(first, layout)
         key = (tuple((tuple(t.shape), t.dtype) for t in inputs), training)
@@ -333,7 +333,7 @@ class Placement:
                        if s[0][0].names and s[0][0].layer.module is layer.module}
             left = [n for n in names if n not in covered]
             if left:
-                self.unsplit.append((self._recorder._forward_id, (
+                self.unsplit.append((self.recorder.forward_id, (
                     f"module {layer.describe()} has no rule and is called on a batch merged with "
                     f"the dims after it ((B * n, ...) rows, as windows are), where its torch.func "
                     f"replay cannot take one sample's rows; its parameter(s) {', '.join(left)} "
@@ -377,9 +377,9 @@ class Placement:
             return Placed(MERGED, None, None, ordinal, None)
         swap = None
         if isinstance(rule, FallbackRule):  # (batched tensors where the layout does not say)
-            swap = fallback_dims(prov, args, kwargs or {}, leaves, self._recorder.batch_first)
+            swap = fallback_dims(prov, args, kwargs or {}, leaves, self.recorder.batch_first)
         elif rule.position_wise and x.dim() >= 1 + rule.feature_dims and args and args[0] is x:
-            swap = layout_swap(prov, layer, x, self._recorder.batch_first)
+            swap = layout_swap(prov, layer, x, self.recorder.batch_first)
         return Placed(BATCHED, None, swap, ordinal, None)
 
     def merged_call(self, layer: Layer, names: tuple) -> None:
@@ -436,7 +436,7 @@ class Placement:
                 "output. " + partial_batch_hint(
                     layer.module, "Pass the inputs batched (e.g. position ids expanded to (B, "
                                   "T)), or keep the module frozen."))
-        recorder, prov = self._recorder, self.provenance
+        recorder, prov = self.recorder, self.provenance
         size = prov.batch_size
         how = shared_call_layout(layer, x, output, args, kwargs, recorder.batch_first)
         x_b = as_batch(x, size, how)
@@ -446,16 +446,16 @@ class Placement:
             call_kwargs = detached(dict(kwargs))
             if not args:
                 call_kwargs[next(iter(call_kwargs))] = x_b.detach()
-            record = Record(layer, Call(call_args, call_kwargs, None, how), names, recorder._step,
+            record = Record(layer, Call(call_args, call_kwargs, None, how), names, recorder.batch_id,
                             spec, [None])
         else:
-            record = Record(layer, x_b.detach(), names, recorder._step)
-        record.forward = recorder._forward_id
+            record = Record(layer, x_b.detach(), names, recorder.batch_id)
+        record.forward = recorder.forward_id
         record.shared = how
         prov.shared_calls.append((record, (id(layer), ordinal), how))
         if isinstance(layer.rule, FallbackRule):
             prov.fallback_calls.append(record)
-        recorder._calls += 1
+        recorder.calls += 1
         self.shared_layers.add(id(layer))
         prov.add_source(output, record)
         return record
@@ -471,11 +471,11 @@ class Placement:
         layer, name = info
         if name is None:
             return self._demote(layer[0]) if len(layer) == 1 else None
-        recorder = self._recorder
-        record = Record(layer, Call((), {}, None, "param"), (name,), recorder._step,
+        recorder = self.recorder
+        record = Record(layer, Call((), {}, None, "param"), (name,), recorder.batch_id,
                         flatten(param)[1], [None])
-        record.forward, record.shared = recorder._forward_id, "param"
-        recorder._calls += 1
+        record.forward, record.shared = recorder.forward_id, "param"
+        recorder.calls += 1
         return record
 
     def on_noted(self, sources: tuple, how: str, u_b: Optional[Tensor],
@@ -522,7 +522,7 @@ def verify_unproven(placement: Placement, prov: Provenance, call: Optional[tuple
     signature and set of such ops: :attr:`Placement.verified`), else add them to the forward's
     verdicts, refused at the reads. ``call``: ``(args, kwargs, output)`` of the model's forward.
     Not traced by ``torch.compile`` (it runs the model)."""
-    recorder = placement._recorder
+    recorder = placement.recorder
     verified = placement.verified.setdefault(prov.signature, set())
     if set(prov.unproven) <= verified:
         return  # (signatures tracked on every forward, a mixture of experts' routing: once)

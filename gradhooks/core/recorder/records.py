@@ -24,6 +24,7 @@ from ...base.errors import (
 )
 from ...base.registry import LayerRule, find_rule, supported_types
 from ...base.sample_groups import SampleGroups
+from ...base.torch_internals import own_parameters, version
 from ...base.utils import own_loss_scale, tensors
 from ...rules.fallback import FALLBACK, note_path
 from ..analysis import as_batch
@@ -106,7 +107,7 @@ class Record:
     def __init__(self, layer: "Layer", a, names: Tuple[str, ...], step: int, spec=None,
                  leaves: Optional[list] = None):
         self.layer, self.a, self.names, self.step, self.spec = layer, a, names, step, spec
-        self.versions = [(a, a._version)] if isinstance(a, Tensor) else [(t, t._version) for t in tensors(a)]
+        self.versions = [(a, version(a))] if isinstance(a, Tensor) else [(t, version(t)) for t in tensors(a)]
         self.grads: list = leaves if spec is not None else []
         self.low: Optional[torch.dtype] = None  # grad_output dtype when below float32 (autocast)
         self.hits = 0  # grad_output hook calls (backward passes x output tensors reached)
@@ -127,7 +128,7 @@ class Record:
         the forward: what the read ``result`` (e.g. ``"per_sample_grads()"``) computes from it
         would be wrong."""
         for t, v in self.versions:
-            if t._version != v:
+            if version(t) != v:
                 raise GradientMismatchError(
                     f"the input of module {self.layer.describe()} was modified in place after its "
                     f"forward; what {result} computes from it would be wrong. Avoid in-place ops on the layer's input "
@@ -193,7 +194,7 @@ def find_layers(model: nn.Module, strict: bool, hooked: Callable[[nn.Module], bo
     claimed: set = set()  # ids of submodules an ancestor's rule claims (MHA's out_proj)
     registered: Dict[int, List[str]] = {}  # id(param) -> paths of the modules that register it
     for path, module in model.named_modules():
-        for p in module._parameters.values():
+        for p in own_parameters(module).values():
             if p is not None:
                 registered.setdefault(id(p), []).append(path)
 

@@ -92,7 +92,7 @@ class BlockInverse:
         shape = None if self.inverse is None else tuple(self.inverse.shape)
         return f"BlockInverse(kind={self.kind!r}, inverse={shape}, damping={self.damping!r})"
 
-    def _rotate(self, m: Tensor, back: bool = False) -> Tensor:
+    def rotate(self, m: Tensor, back: bool = False) -> Tensor:
         # (N, G, O, I') into the eigenbasis (Q_G^T m Q_A), or back (Q_G m Q_A^T)
         q_g, q_a = self.Q_G, self.Q_A
         if q_g is not None:
@@ -110,8 +110,8 @@ class BlockInverse:
             return m
         if self.kind == "diagonal":
             return m * self.inverse.to(m.dtype)
-        m = m if in_eigenbasis else self._rotate(m)
-        return self._rotate(m * self.inverse.to(m.dtype), back=True)
+        m = m if in_eigenbasis else self.rotate(m)
+        return self.rotate(m * self.inverse.to(m.dtype), back=True)
 
     def quadratic(self, m: Tensor, in_eigenbasis: bool = False) -> Tensor:
         """``(N,)`` ``m_n^T H^-1 m_n`` for per-sample ``m`` (as :meth:`apply`; already rotated
@@ -120,7 +120,7 @@ class BlockInverse:
             return m.flatten(1).square().sum(1)
         if self.kind == "diagonal":
             return (m.square() * self.inverse.to(m.dtype)).sum(1)
-        m = m if in_eigenbasis else self._rotate(m)
+        m = m if in_eigenbasis else self.rotate(m)
         return (m.square() * self.inverse.to(m.dtype)).flatten(1).sum(1)
 
 
@@ -300,7 +300,7 @@ def block_rows(term: Term, features: GradientFeatures, chunk_numel: int,
     grads = {n: features.dense[n][0] for n in term.names}
     if block.layout is not None:
         m = per_sample_matrices(block.layout, grads)
-        yield 0, block._rotate(m) if in_eigenbasis else m
+        yield 0, block.rotate(m) if in_eigenbasis else m
     else:
         yield 0, torch.cat([t.flatten(1) for t in grads.values()], 1)
 

@@ -51,6 +51,12 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 from torch import Tensor, nn
 
 from ...base.errors import AccumulationError
+from ...base.torch_internals import (
+    drop_empty_post_accumulate_grad_hooks,
+    is_view,
+    post_accumulate_grad_hooks,
+    version,
+)
 from ...base.utils import is_paused
 from ..distributed import is_sharded
 
@@ -66,12 +72,12 @@ class _Seen:
 
     def __init__(self, grad: Tensor, batch: int, consumed: bool, stale: Optional[int]):
         self.ref = weakref.ref(grad)
-        self.version = grad._version
+        self.version = version(grad)
         self.batch, self.consumed, self.stale = batch, consumed, stale
 
     def holds(self, grad: Optional[Tensor]) -> bool:
         """Whether ``grad`` is the tensor seen, not modified since."""
-        return grad is not None and self.ref() is grad and grad._version == self.version
+        return grad is not None and self.ref() is grad and version(grad) == self.version
 
 
 class Accumulation:
@@ -114,13 +120,13 @@ class Accumulation:
             if (w is not None and w() is p) or not p.requires_grad or is_sharded(p):
                 continue
             self._watched[id(p)] = weakref.ref(p)
-            if p._post_accumulate_grad_hooks is None:
+            if post_accumulate_grad_hooks(p) is None:
                 self._were_none.append(p)
             # (a weak reference: the parameters' hooks do not keep the GradHooks alive)
             self._handles.append(p.register_post_accumulate_grad_hook(
                 functools.partial(_after_accumulate, weakref.ref(self), id(p))))
 
-    def _accumulated(self, pid: int, p: Tensor) -> None:
+    def accumulated(self, pid: int, p: Tensor) -> None:
         # After autograd added a backward's gradient into p.grad.
         if is_paused() or not self.recorder.attached:
             return
@@ -128,7 +134,7 @@ class Accumulation:
         prev = self._seen.get(pid)
         stale = None
         if (prev is not None and not prev.consumed and grad is not None
-                and prev.ref() is grad and grad._version == prev.version + 1):
+                and prev.ref() is grad and version(grad) == prev.version + 1):
             # added into the tensor the last backward left, untouched since
             stale = prev.stale if prev.stale is not None else (
                 prev.batch if prev.batch != batch else None)
@@ -223,7 +229,7 @@ class Accumulation:
             if acc is None:
                 # the first micro-batch's tensor becomes the accumulator, unless it is a view
                 # (DDP's gradient_as_bucket_view: its bucket is written again by the next backward)
-                acc = self.sums[id(p)] = g.clone() if g._is_view() else g
+                acc = self.sums[id(p)] = g.clone() if is_view(g) else g
                 if factor != 1.0:
                     acc.mul_(factor)
             elif factor != 1.0:
@@ -261,8 +267,7 @@ def _unhook(handles: list, were_none: List[nn.Parameter]) -> None:
         h.remove()
     handles.clear()
     for p in were_none:
-        if not p._post_accumulate_grad_hooks:
-            p._post_accumulate_grad_hooks = None
+        drop_empty_post_accumulate_grad_hooks(p)
     were_none.clear()
 
 
@@ -270,7 +275,7 @@ def _after_accumulate(ref, pid: int, p: Tensor) -> None:
     # The post-accumulate-grad hook of a watched parameter.
     acc = ref()
     if acc is not None:
-        acc._accumulated(pid, p)
+        acc.accumulated(pid, p)
 
 
 BatchLike = Union[Tensor, Sequence[Tensor]]
