@@ -58,6 +58,24 @@ class Bottleneck(nn.Module):
         return self.head(torch.tanh(self.line(x[..., :12])).flatten(1))
 
 
+class ClassToken(nn.Module):
+    """A ViT's stem in small: a learned class token (raw parameter, expanded to the batch) and a
+    position embedding (raw parameter, broadcast) meet the batch; an MLP block; the head reads
+    the class token."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(3, 6)
+        self.cls = nn.Parameter(torch.randn(1, 1, 6))
+        self.pos = nn.Parameter(0.1 * torch.randn(1, 5, 6))
+        self.fc1, self.fc2, self.head = nn.Linear(6, 8), nn.Linear(8, 6), nn.Linear(6, 2)
+
+    def forward(self, x):                                        # (B, 4, 3)
+        h = torch.cat([self.cls.expand(x.shape[0], -1, -1), self.proj(x)], 1) + self.pos
+        h = h + self.fc2(torch.tanh(self.fc1(torch.tanh(h))))   # (B, 5, 6)
+        return self.head(torch.tanh(h[:, 0]))
+
+
 class Twice(nn.Module):
     """One Linear called twice in a forward."""
 
@@ -205,6 +223,7 @@ MODELS = {
     "mlp": (lambda: nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)), (5,), True),
     "cnn": (CNN, (2, 9, 9), True),
     "bottleneck": (Bottleneck, (4, 7, 7), True),
+    "class_token": (ClassToken, (4, 3), True),
     "seq": (lambda: nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
                                   nn.Linear(16, 2)), (4, 6), True),
     "seq_tb": (lambda: nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)), (3, 6), False),
