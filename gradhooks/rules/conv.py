@@ -100,7 +100,7 @@ def unfold(module: nn.Module, x: Tensor) -> Tensor:
 # at S=144, 75.6 vs 10.7 at S=576; C=128 (W=147456): 13.8 vs 37.1 at S=16, 50.6 vs 47.5 at S=144,
 # 102 vs 54 at S=324. "conv" iff W <= 4096 or S >= W / 512 picks the faster one (or a tie within
 # 10%) at every measured point. Pointwise convolutions (:func:`pointwise`; ResNet-50's 1x1
-# bottleneck convolutions, B=16) take "unfold", a batched matmul of the input itself: 1.5-3x
+# bottleneck convolutions, B=16) take "unfold", a batched matmul of the input itself: 1.7-3.9x
 # faster than "conv" at every measured shape (``benchmarks/results/conv_methods.md``), whose grouped
 # kernel is slow with ``N`` groups of a 1x1 kernel.
 CONV_METHOD_SMALL_WEIGHT = 4096
