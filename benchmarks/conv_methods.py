@@ -19,7 +19,12 @@ import torch
 from torch import nn
 
 from gradhooks.rules.conv import (
-    ConvRule, _pointwise_weighted, choose_method, pad_as_torch, weight_backward)
+    ConvRule,
+    _pointwise_weighted,
+    choose_method,
+    pad_as_torch,
+    weight_backward,
+)
 
 # ResNet-50's 1x1 convolutions at 224 x 224: (C_in, C_out, stride, input H = W)
 POINTWISE = [(64, 64, 1, 56), (64, 256, 1, 56), (256, 64, 1, 56), (256, 128, 1, 56),

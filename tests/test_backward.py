@@ -331,8 +331,9 @@ def test_clipped_backward_streams_beside_a_class_token(monkeypatch):
     stops the streaming: the groups without it are reduced, and their grad_outputs dropped,
     during the first pass; the group of the raw parameters (with the layer their gradients
     reach the batch through, ``proj``'s group is its own) at its end."""
-    from gradhooks.readers import clipped_backward as clipping
     from test_dp import ClassToken
+
+    from gradhooks.readers import clipped_backward as clipping
 
     events = []
     real_reduce, real_finish = clipping._NormStream._reduce, clipping._NormStream.finish
@@ -356,8 +357,9 @@ def test_clipped_backward_refuses_an_unknown_record_of_a_reduced_parameter(monke
     """Fail closed: a record the first pass reached that was not below the losses when it
     began (never met in practice: forced here by hiding one call of a layer called twice)
     shares its parameters with a group already reduced: refused, not a norm missing a part."""
-    from gradhooks.readers import clipped_backward as clipping
     from test_dp import Twice
+
+    from gradhooks.readers import clipped_backward as clipping
 
     real_init = clipping._NormStream.__init__
 
