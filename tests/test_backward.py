@@ -326,6 +326,58 @@ def test_clipped_backward_streams_the_norms(monkeypatch):
     assert seen == [(1, 1), (1, 1), (1, 1)]
 
 
+def test_clipped_backward_streams_beside_a_class_token(monkeypatch):
+    """A raw parameter meeting the batch (a ViT's class token and position embedding) no longer
+    stops the streaming: the groups without it are reduced, and their grad_outputs dropped,
+    during the first pass; the group of the raw parameters (with the layer their gradients
+    reach the batch through, ``proj``'s group is its own) at its end."""
+    from test_dp import ClassToken
+
+    from gradhooks.readers import clipped_backward as clipping
+
+    events = []
+    real_reduce, real_finish = clipping._NormStream._reduce, clipping._NormStream.finish
+    monkeypatch.setattr(clipping._NormStream, "_reduce", lambda self, group: events.append(
+        sorted(n for cap in group for n in cap.names)) or real_reduce(self, group))
+    monkeypatch.setattr(clipping._NormStream, "finish",
+                        lambda self: events.append("finish") or real_finish(self))
+    model = ClassToken().double()
+    x, w = torch.randn(5, 4, 3, dtype=torch.float64), torch.rand(5, dtype=torch.float64)
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        for _ in range(STEPS):
+            events.clear()
+            gh.clipped_backward(_per_sample_losses(model(x), w, 0), 1.0)
+    at_end = events[events.index("finish") + 1:]
+    during = events[:events.index("finish")]
+    assert ["bias", "weight"] in during and len(during) >= 3  # head, fc2, fc1 (and proj)
+    assert any("cls" in names or "pos" in names for names in at_end)
+
+
+def test_clipped_backward_refuses_an_unknown_record_of_a_reduced_parameter(monkeypatch):
+    """Fail closed: a record the first pass reached that was not below the losses when it
+    began (never met in practice: forced here by hiding one call of a layer called twice)
+    shares its parameters with a group already reduced: refused, not a norm missing a part."""
+    from test_dp import Twice
+
+    from gradhooks.readers import clipped_backward as clipping
+
+    real_init = clipping._NormStream.__init__
+
+    def hide_one(self, recorder, caps, events):
+        inner = [c for c in caps if c.layer.module is model.inner]
+        real_init(self, recorder, [c for c in caps if c is not inner[0]], events)
+
+    model = Twice().double()
+    x, w = torch.randn(4, 4, dtype=torch.float64), torch.rand(4, dtype=torch.float64)
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        for _ in range(STEPS - 1):  # (the sum check's passes keep the records: no stream)
+            gh.clipped_backward(_per_sample_losses(model(x), w, 0), 1.0)
+        monkeypatch.setattr(clipping._NormStream, "__init__", hide_one)
+        with pytest.raises(gradhooks.GradHooksError, match=r"clipped_backward\(\).*'inner'.*"
+                           r"clip_and_accumulate"):
+            gh.clipped_backward(_per_sample_losses(model(x), w, 0), 1.0)
+
+
 def test_clipped_backward_noise_and_errors():
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).double()
     x, w = torch.randn(6, 4, dtype=torch.float64), torch.rand(6, dtype=torch.float64)

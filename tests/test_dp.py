@@ -35,6 +35,48 @@ class CNN(nn.Module):
         return self.head(torch.tanh(self.conv4(x)).flatten(1))   # conv4: (B, 3, 12)
 
 
+class Bottleneck(nn.Module):
+    """Pointwise (1x1) convolutions as in a ResNet bottleneck (stride 1 and 2, grouped, 1-D and
+    3-D), whose per-sample gradients and weighted sums are batched matmuls of the input itself,
+    around a 3x3 convolution and a padded 1x1 (not pointwise: its borders see the padding)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reduce = nn.Conv2d(4, 2, 1, bias=False)
+        self.mid = nn.Conv2d(2, 2, 3, padding=1)
+        self.expand = nn.Conv2d(2, 6, 1, stride=2)
+        self.grouped = nn.Conv2d(6, 4, 1, groups=2)
+        self.padded = nn.Conv2d(4, 4, 1, padding=1, padding_mode="reflect", bias=False)
+        self.deep = nn.Conv3d(4, 3, 1, stride=(1, 2, 1))
+        self.line = nn.Conv1d(3, 2, 1)
+        self.head = nn.Linear(2 * 12, 3)
+
+    def forward(self, x):                                        # (B, 4, 7, 7)
+        x = torch.tanh(self.mid(torch.tanh(self.reduce(x))))    # (B, 2, 7, 7)
+        x = torch.tanh(self.grouped(torch.tanh(self.expand(x))))  # (B, 4, 4, 4)
+        x = torch.tanh(self.padded(x)).unsqueeze(2)             # (B, 4, 1, 6, 6)
+        x = torch.tanh(self.deep(x)).flatten(2)                 # (B, 3, 18)
+        return self.head(torch.tanh(self.line(x[..., :12])).flatten(1))
+
+
+class ClassToken(nn.Module):
+    """A ViT's stem in small: a learned class token (raw parameter, expanded to the batch) and a
+    position embedding (raw parameter, broadcast) meet the batch; an MLP block; the head reads
+    the class token."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(3, 6)
+        self.cls = nn.Parameter(torch.randn(1, 1, 6))
+        self.pos = nn.Parameter(0.1 * torch.randn(1, 5, 6))
+        self.fc1, self.fc2, self.head = nn.Linear(6, 8), nn.Linear(8, 6), nn.Linear(6, 2)
+
+    def forward(self, x):                                        # (B, 4, 3)
+        h = torch.cat([self.cls.expand(x.shape[0], -1, -1), self.proj(x)], 1) + self.pos
+        h = h + self.fc2(torch.tanh(self.fc1(torch.tanh(h))))   # (B, 5, 6)
+        return self.head(torch.tanh(h[:, 0]))
+
+
 class Twice(nn.Module):
     """One Linear called twice in a forward."""
 
@@ -181,6 +223,8 @@ class CrossAttention(nn.Module):
 MODELS = {
     "mlp": (lambda: nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)), (5,), True),
     "cnn": (CNN, (2, 9, 9), True),
+    "bottleneck": (Bottleneck, (4, 7, 7), True),
+    "class_token": (ClassToken, (4, 3), True),
     "seq": (lambda: nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
                                   nn.Linear(16, 2)), (4, 6), True),
     "seq_tb": (lambda: nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)), (3, 6), False),

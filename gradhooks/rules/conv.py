@@ -99,14 +99,26 @@ def unfold(module: nn.Module, x: Tensor) -> Tensor:
 # positions S: C=64 (W=36864): unfold 1.4 vs conv 8.0 ms at S=16, 10.1 vs 10.7 at S=64, 10.8 vs 3.3
 # at S=144, 75.6 vs 10.7 at S=576; C=128 (W=147456): 13.8 vs 37.1 at S=16, 50.6 vs 47.5 at S=144,
 # 102 vs 54 at S=324. "conv" iff W <= 4096 or S >= W / 512 picks the faster one (or a tie within
-# 10%) at every measured point.
+# 10%) at every measured point. Pointwise convolutions (:func:`pointwise`; ResNet-50's 1x1
+# bottleneck convolutions, B=16) take "unfold", a batched matmul of the input itself: 1.7-3.9x
+# faster than "conv" at every measured shape (``benchmarks/results/conv_methods.md``), whose grouped
+# kernel is slow with ``N`` groups of a 1x1 kernel.
 CONV_METHOD_SMALL_WEIGHT = 4096
 CONV_METHOD_WEIGHT_PER_POSITION = 512
 
 
+def pointwise(module: nn.Module) -> bool:
+    """Whether ``module`` is a pointwise (``1 x ... x 1`` kernel, unpadded) convolution: its
+    patches are its input itself (:func:`unfold` returns a view for stride 1, a strided copy of
+    the input's size otherwise), so the ``"unfold"`` method is one batched matmul."""
+    return (all(k == 1 for k in module.kernel_size)
+            and all(p == 0 for pair in padding_pairs(module) for p in pair))
+
+
 def choose_method(module: nn.Module, positions: int) -> str:
     """``"conv"`` or ``"unfold"`` for a convolution whose output has ``positions`` positions
-    per sample and channel (see the measurements above this function)."""
+    per sample and channel (see the measurements above this function; a pointwise convolution,
+    :func:`pointwise`, is decided by the caller)."""
     k = 1
     for ki in module.kernel_size:
         k *= ki
@@ -174,6 +186,43 @@ def conv_weight_grad(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
     return weight_backward(module, x, g, padding, per_sample=True)
 
 
+#: Output positions from which a :func:`pointwise` convolution's weighted sum (book-keeping's
+#: clipped sum) is formed by per-sample matmuls of the input itself, summed with the weights,
+#: rather than by torch's weight-backward kernel. ``benchmarks/conv_methods.py --pointwise``
+#: (ResNet-50's 1x1 convolutions, B = 16, 2 CPU cores): 1.8-4x faster at 196 to 3136 positions,
+#: 1.8x slower at 49 (a per-sample ``(O, I)`` result costs as much to write as its ``S`` = 49
+#: multiply-adds per value).
+POINTWISE_MATMUL_POSITIONS = 128
+
+#: Bytes of per-sample ``(n, O, I)`` gradients :func:`_pointwise_weighted` forms at once.
+POINTWISE_CHUNK_BYTES = 16 * 2**20
+
+
+def _pointwise_weighted(module: nn.Module, x: Tensor, g: Tensor, c: Tensor) -> Tensor:
+    """``sum_n c_n dW_n`` of a :func:`pointwise` convolution, ``weight.shape``: per chunk of
+    samples the per-sample gradients ``g_n x_n^T`` (one batched matmul of the records' own
+    layout, :func:`unfold` a view for stride 1) contracted with ``c``; chunks of at most
+    :data:`POINTWISE_CHUNK_BYTES` bytes.
+
+    Args:
+        module: a pointwise ``nn.ConvNd``.
+        x: its input ``(N, C_in, *spatial)``; g: grad_output ``(N, C_out, *spatial_out)``;
+            c: ``(N,)`` weights; all in one dtype.
+    """
+    n, groups = g.shape[0], module.groups
+    a_c = unfold(module, x)  # (N, G, S, I)
+    g_c = g.reshape(n, groups, module.out_channels // groups, a_c.shape[2])  # (N, G, O, S)
+    per = a_c.shape[1] * a_c.shape[3] * g_c.shape[2] * x.element_size()
+    step = max(1, POINTWISE_CHUNK_BYTES // max(per, 1))
+    total = None
+    for i in range(0, n, step):
+        part = torch.tensordot(c[i:i + step], torch.matmul(g_c[i:i + step], a_c[i:i + step]), 1)
+        total = part if total is None else total.add_(part)
+    if total is None:  # (an empty batch)
+        return g.new_zeros(module.weight.shape)
+    return total.view(module.weight.shape)
+
+
 @register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 class ConvRule(LayerRule):
     """``nn.Conv1d/2d/3d``: ``a`` is ``(B, C_in, *spatial)``, ``g`` is ``(B, C_out, *spatial_out)``.
@@ -187,7 +236,8 @@ class ConvRule(LayerRule):
     weight_linear_in_input = True
     has_linear_form = True
 
-    #: ``"auto"`` (per call, :func:`choose_method`), ``"conv"`` or ``"unfold"``.
+    #: ``"auto"`` (per call: ``"unfold"`` for a :func:`pointwise` convolution, else
+    #: :func:`choose_method`), ``"conv"`` or ``"unfold"``.
     method = "auto"
 
     def batch_size(self, module: nn.Module, x: Tensor, batch_first: bool) -> int:
@@ -212,10 +262,15 @@ class ConvRule(LayerRule):
                      names: Iterable[str], out: Optional[Dict[str, Tensor]] = None
                      ) -> Dict[str, Tensor]:
         """As :meth:`LayerRule.weighted_sum`; the weight by torch's convolution weight-backward
-        kernel on the weighted input or grad_output (no unfolded patches)."""
+        kernel on the weighted input or grad_output (no unfolded patches), or for a
+        :func:`pointwise` convolution of at least :data:`POINTWISE_MATMUL_POSITIONS` output
+        positions by per-sample matmuls summed with the weights (:func:`_pointwise_weighted`)."""
         names = tuple(names)
         result = {}
-        if "weight" in names:
+        if "weight" in names and pointwise(module) and (
+                math.prod(g.shape[2:]) >= POINTWISE_MATMUL_POSITIONS):
+            result["weight"] = _pointwise_weighted(module, a, g, c)
+        elif "weight" in names:
             shape = [-1] + [1] * (g.dim() - 1)
             if a.numel() < g.numel():
                 x, gw = a * c.view(shape), g
@@ -236,7 +291,8 @@ class ConvRule(LayerRule):
         if "weight" in names:
             method = self.method
             if method == "auto":
-                method = choose_method(module, math.prod(g.shape[2:]))
+                method = "unfold" if pointwise(module) else choose_method(
+                    module, math.prod(g.shape[2:]))
             if method == "conv":
                 out["weight"] = conv_weight_grad(module, a, g)
             else:

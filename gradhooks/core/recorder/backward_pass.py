@@ -291,10 +291,10 @@ class BackwardPass:
             listen: ``listen(records, events)``, called before an output-edges pass with the
                 records below ``loss`` and the hook calls each will get; returns an object whose
                 ``hit(record)`` is called on each of those calls during the pass (two-pass
-                clipping forms norms as a layer's gradients come in). Not called where a shared
-                call's output or a raw parameter met the batch in the forward (their parts come
-                from hooks on the meeting operands, which the events do not count): the pass
-                still asks for the output edges, and the reader takes the records at its end.
+                clipping forms norms as a layer's gradients come in). The calls of records of
+                shared calls and raw parameters (``record.shared`` set) are not counted by the
+                events where their output met the batch in the forward (their parts come from
+                hooks on the meeting operands): the listener must not rely on theirs.
 
         Returns:
             Whether the pass asked for the output edges (else for the parameters, whose
@@ -322,8 +322,6 @@ class BackwardPass:
         # meetings of shared calls, whose parts come from hooks on the meeting operands)
         edges_mode = (recorder.sum_check.edges_allowed(key) and recorder.edges_complete
                       and bool(records) and walked is not None)
-        if recorder.placement.met:
-            listen = None
         recorder.driven = True
         if edges_mode:
             recorder.sum_check_state = "skip"  # this batch's parameter gradients are incomplete

@@ -18,6 +18,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor
 
+from ...base.errors import GradHooksError
 from ...base.utils import no_autocast, own_loss_scale
 from ...core.recorder.capture import Recorder
 from ..distributed import Ranks
@@ -62,6 +63,10 @@ class _NormStream:
     weights). As soon as every record of a group has had all its hook calls (``events``), the
     group's norms are formed (:func:`gradhooks.readers.plan.squared_norms`) and its activations and
     grad_outputs dropped, so grad_outputs do not pile up over the backward as in book-keeping.
+    A group holding a record of a shared call or of a raw parameter (``record.shared`` set: a
+    ViT's class token and position embedding), whose parts come from the hooks where it met the
+    batch and whose calls the events do not count, is reduced at the end (:meth:`finish`); the
+    other groups stream as before.
     """
 
     def __init__(self, recorder: Recorder, caps: list, events: Dict[int, int]):
@@ -87,6 +92,7 @@ class _NormStream:
             groups.setdefault(root(id(cap)), []).append(cap)
         self.group_of = {id(c): g for g in groups.values() for c in g}
         self.waiting = {id(g): len(g) for g in groups.values()}
+        self.deferred = {id(g) for g in groups.values() if any(c.shared is not None for c in g)}
         self.groups = list(groups.values())
         self.sq: Optional[Tensor] = None
 
@@ -95,7 +101,9 @@ class _NormStream:
         k = self.hits.get(id(cap), 0) + 1
         self.hits[id(cap)] = k
         if k == self.events.get(id(cap)):
-            group = self.group_of[id(cap)]
+            group = self.group_of.get(id(cap))
+            if group is None or id(group) in self.deferred:  # (reduced by finish())
+                return
             self.waiting[id(group)] -= 1
             if not self.waiting[id(group)]:
                 self._reduce(group)
@@ -115,10 +123,29 @@ class _NormStream:
 
     def finish(self) -> Optional[Tensor]:
         """Reduce the groups some of whose hooks did not run (an output no gradient reached);
-        ``(N,)`` squared norms summed over all parameters, or ``None`` if nothing was reached."""
+        ``(N,)`` squared norms summed over all parameters, or ``None`` if nothing was reached.
+
+        Raises:
+            GradHooksError: a record the pass reached that was not below the loss when the
+                pass began shares a parameter with a group already reduced (its norm would miss
+                that part); not met by any known setup, refused rather than guessed.
+        """
         for group in self.groups:
             if id(group) in self.waiting:
                 self._reduce(group)
+        extra = [cap for cap in self.recorder.records if cap.hits and id(cap) not in self.group_of]
+        if extra:  # (reached, unknown to the walk of the graph: reduced together, at the end)
+            done = {id(cap.layer.params[n]) for g in self.groups for cap in g for n in cap.names}
+            shared = [cap for cap in extra if any(id(cap.layer.params[n]) in done
+                                                  for n in cap.names)]
+            if shared:
+                raise GradHooksError(
+                    f"clipped_backward(): the first pass reached {shared[0].layer.describe()}, "
+                    f"which the graph below the losses did not show when it began, and whose "
+                    f"parameters other layers use too, whose norms were already formed; use "
+                    f"loss.backward() and clip_and_accumulate() (book-keeping) for this model")
+            self.waiting[id(extra)] = len(extra)
+            self._reduce(extra)
         return self.sq
 
 
@@ -319,8 +346,8 @@ def _first_pass(recorder: Recorder, ranks: Optional[Ranks], total: Tensor, train
         if sq is None:
             recorder.snapshot("clipped_backward()")  # raises NoBackwardError
         return sq
-    # the sum check is due, or shared calls / raw parameters met the batch (their hook calls
-    # are not counted: no stream): records kept, then reduced
+    # the sum check is due (the pass computed the parameter gradients: no stream): records
+    # kept, then reduced
     return _kept_records_norms(recorder)
 
 
