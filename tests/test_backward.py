@@ -333,7 +333,7 @@ def test_clipped_backward_streams_beside_a_class_token(monkeypatch):
     reach the batch through, ``proj``'s group is its own) at its end."""
     from test_dp import ClassToken
 
-    from gradhooks.readers import clipped_backward as clipping
+    from gradhooks.readers.dp import clipped_backward as clipping
 
     events = []
     real_reduce, real_finish = clipping._NormStream._reduce, clipping._NormStream.finish
@@ -359,7 +359,7 @@ def test_clipped_backward_refuses_an_unknown_record_of_a_reduced_parameter(monke
     shares its parameters with a group already reduced: refused, not a norm missing a part."""
     from test_dp import Twice
 
-    from gradhooks.readers import clipped_backward as clipping
+    from gradhooks.readers.dp import clipped_backward as clipping
 
     real_init = clipping._NormStream.__init__
 
