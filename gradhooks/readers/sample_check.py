@@ -17,7 +17,7 @@ whitelist (:mod:`gradhooks.core.analysis.separation`) and the forward-alone chec
 **What is compared.** Per parameter, the norm of row ``n`` of the recorded contributions
 (:func:`gradhooks.readers.plan.squared_norms`: the Gram form where cheaper, nothing materialised)
 against the norm of autograd's gradient for that row, for rows ``0`` and ``B - 1``; within
-:data:`SAMPLE_CHECK_RTOL` of the row's norm over all parameters. Two-pass clipping's first pass
+:data:`~gradhooks.readers.verify.SAMPLE_CHECK_RTOL` of the row's norm over all parameters. Two-pass clipping's first pass
 forms the norms summed over the parameters as it goes: there the totals are compared.
 
 **When.** On the first backward of each structure (the forward's input signature, the form of
@@ -38,11 +38,10 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor
 
-from ..base.errors import SampleMixingError
 from ..base.utils import no_autocast, tf32_products
 from ..core.analysis import split_of
 from .plan import Forms, add_up, plan, squared_norms
-from .verify import Evidence
+from .verify import SAMPLE_CHECK_RTOL, Evidence, judge_sample_rows
 
 __all__ = ["SampleCheck", "SAMPLE_CHECK_RTOL", "EVERY"]
 
@@ -50,12 +49,6 @@ _READ = "per_sample_grad_norms()"  # (the read the check is, for the batch's val
 
 #: one backward in this many is checked whatever its structure (as the sum check's policy).
 EVERY = 100
-
-#: Relative tolerance per dtype of the compared values, against the row's norm over all
-#: parameters: the records' rows and autograd's masked pass round differently (float32: about
-#: 1e-6 of the norm through a 12-layer Transformer); a pairing op changes a row by order 1.
-SAMPLE_CHECK_RTOL = {torch.float64: 1e-7, torch.float32: 2e-3, torch.bfloat16: 1e-1,
-                     torch.float16: 1e-1}
 
 
 def _distributed() -> bool:
@@ -178,41 +171,8 @@ class SampleCheck:
     def _judge(self, ours: Dict[int, Tensor], low, ref: Optional[Dict[int, Tensor]] = None
                ) -> None:
         # ours / ref: {key: (len(rows),) squared norms}, keyed by id(param), or 0 for the sum
-        # over all parameters (``ref`` given); the keys of both are judged.
-        summed = ref is not None
-        ref = self.ref if ref is None else ref
-        keys = [k for k in ours if k in ref]
-        if not keys:
-            return
-        dev = ours[keys[0]].device
-        mine = torch.stack([ours[k].to(dev).clamp(min=0).sqrt() for k in keys])  # (P, R)
-        theirs = torch.stack([ref[k].to(dev).clamp(min=0).sqrt() for k in keys])
-        total = torch.maximum(mine.square().sum(0), theirs.square().sum(0)).sqrt()  # (R,)
+        # over all parameters (``ref`` given); the verdict: verify.judge_sample_rows.
         dtype = low or next(iter(self.recorder.params.values())).dtype
-        rtol = SAMPLE_CHECK_RTOL.get(dtype, 2e-3)
-        diff = (mine - theirs).abs()
-        # (a non-finite row: a float16 step that overflowed, which the GradScaler skips; judged
-        # on a later step of the structure instead)
-        finite = torch.isfinite(mine) & torch.isfinite(theirs)
-        bad = ~(diff <= rtol * total + 1e-30) & finite.all(0, keepdim=True)
-        if not bool(bad.any()):
-            if bool(finite.all()):
-                self.recorder.sample_checked.add(self.key)
-            return
-        k, r = (int(i) for i in bad.nonzero()[0])
-        name = ("all parameters together" if summed
-                else repr(self.recorder.names.get(keys[k], "?")))
-        n = self.rows[r]
-        raise SampleMixingError(
-            f"the sample check: sample {n}'s gradient of its own term of {self.what}, taken by "
-            f"autograd through the batched forward, has norm {float(theirs[k, r]):.6g} for "
-            f"{name}, but row {n} of the per-sample results has {float(mine[k, r]):.6g} (a "
-            f"difference of {float(diff[k, r]):.3g}, tolerance {rtol:g} of the row's norm "
-            f"{float(total[r]):.6g}): something between the samples' inputs and their loss terms "
-            f"pairs samples -- an op in the model or in the loss after it (z @ z.T, a sort, a "
-            f"softmax or a statistic over the batch, an index that moves rows between samples), "
-            f"so the per-sample gradients are not defined for it. Compute each sample's loss "
-            f"from its own rows only (gh.set_sample_ids groups rows that form one sample), or, "
-            f"to read the batch's contributions on purpose, attach(..., "
-            f"allow_sample_mixing=True)")
-
+        if judge_sample_rows(ours, self.ref if ref is None else ref, self.rows, dtype,
+                             self.recorder.names, self.what, summed=ref is not None):
+            self.recorder.sample_checked.add(self.key)

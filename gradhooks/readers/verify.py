@@ -19,9 +19,13 @@ is written (``param.grad``, ``grad_sample``). This module judges:
 * each at the tolerance of the precision its gradient was formed in (:data:`SUM_CHECK_RTOL`;
   the evidence of that precision: :mod:`gradhooks.core.recorder.totals`).
 
-The sample check through the batched graph (:mod:`gradhooks.readers.sample_check`) and the
-check of a forward run one sample alone (:mod:`gradhooks.readers.spotcheck`) compute their
-references themselves and judge at their own tolerances there; the replay checks of the
+* the sample check through the batched graph (:func:`judge_sample_rows`): the rows of two
+  samples against autograd's gradient of their own loss terms, which
+  :mod:`gradhooks.readers.sample_check` computes (masked backward passes through the batched
+  forward).
+
+The check of a forward run one sample alone (:mod:`gradhooks.readers.spotcheck`, an explicit
+``gh.check_samples``) judges at its own tolerance there; the replay checks of the
 ``torch.func`` fallback run inside the rule (:mod:`gradhooks.rules.fallback_replay`), below the
 readers.
 """
@@ -32,7 +36,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..base.errors import GradientMismatchError
+from ..base.errors import GradientMismatchError, SampleMixingError
 from ..base.segments import Segments
 from ..base.utils import tf32_allowed
 from ..core.recorder.records import Batch
@@ -40,7 +44,7 @@ from ..core.recorder.totals import GradTotal, bilinear_directions, float32_colum
 
 __all__ = ["Evidence", "check_sums", "projection_terms", "check_projections", "probed",
            "no_total", "check_unrecorded", "SUM_CHECK_RTOL", "TF32_RTOL", "user_hooks",
-           "formed_rtol"]
+           "formed_rtol", "SAMPLE_CHECK_RTOL", "judge_sample_rows"]
 
 # Relative tolerance of check_sums per dtype: the sum of B per-sample values may differ from
 # autograd's batch value by rounding, relative to sum_n |value_n| (B * eps in the worst case).
@@ -462,3 +466,63 @@ def check_unrecorded(batch: Batch, recorded) -> None:
             f"the parent a rule (gradhooks.register_rule) that claims them"
         )
 
+
+#: Relative tolerance of the sample check (:mod:`gradhooks.readers.sample_check`) per dtype of
+#: the compared values, against the row's norm over all parameters: the records' rows and
+#: autograd's masked pass round differently (float32: about 1e-6 of the norm through a
+#: 12-layer Transformer); a pairing op changes a row by order 1.
+SAMPLE_CHECK_RTOL = {torch.float64: 1e-7, torch.float32: 2e-3, torch.bfloat16: 1e-1,
+                     torch.float16: 1e-1}
+
+
+def judge_sample_rows(ours: Mapping[int, Tensor], ref: Mapping[int, Tensor], rows: Sequence[int],
+                      dtype: torch.dtype, names: Mapping[int, str], what: str,
+                      summed: bool = False) -> bool:
+    """The sample check's verdict: the per-sample results' squared norms of the checked rows
+    against autograd's gradient of those samples' own loss terms through the batched forward
+    (:mod:`gradhooks.readers.sample_check` computes both).
+
+    Args:
+        ours, ref: ``{key: (R,)}`` squared norms of the rows ``rows`` (``R`` of them): ``key``
+            is ``id(param)``, or 0 for the sum over all parameters (``summed``); the keys of
+            both are compared.
+        dtype: the precision of the compared values (:data:`SAMPLE_CHECK_RTOL`).
+        names: ``{id(param): name}``; ``what``: the loss (both for the message).
+
+    Returns:
+        Whether every compared value was finite (a non-finite row, a float16 step that
+        overflowed, which the GradScaler skips, is not judged: a later step of the structure
+        is).
+
+    Raises:
+        SampleMixingError: a row differs by more than ``SAMPLE_CHECK_RTOL[dtype]`` of its
+            norm: something between the samples' inputs and their loss terms pairs samples.
+    """
+    keys = [k for k in ours if k in ref]
+    if not keys:
+        return False
+    dev = ours[keys[0]].device
+    mine = torch.stack([ours[k].to(dev).clamp(min=0).sqrt() for k in keys])  # (P, R)
+    theirs = torch.stack([ref[k].to(dev).clamp(min=0).sqrt() for k in keys])
+    total = torch.maximum(mine.square().sum(0), theirs.square().sum(0)).sqrt()  # (R,)
+    rtol = SAMPLE_CHECK_RTOL.get(dtype, 2e-3)
+    diff = (mine - theirs).abs()
+    finite = torch.isfinite(mine) & torch.isfinite(theirs)
+    bad = ~(diff <= rtol * total + 1e-30) & finite.all(0, keepdim=True)
+    if not bool(bad.any()):
+        return bool(finite.all())
+    k, r = (int(i) for i in bad.nonzero()[0])
+    name = "all parameters together" if summed else repr(names.get(keys[k], "?"))
+    n = rows[r]
+    raise SampleMixingError(
+        f"the sample check: sample {n}'s gradient of its own term of {what}, taken by "
+        f"autograd through the batched forward, has norm {float(theirs[k, r]):.6g} for "
+        f"{name}, but row {n} of the per-sample results has {float(mine[k, r]):.6g} (a "
+        f"difference of {float(diff[k, r]):.3g}, tolerance {rtol:g} of the row's norm "
+        f"{float(total[r]):.6g}): something between the samples' inputs and their loss terms "
+        f"pairs samples -- an op in the model or in the loss after it (z @ z.T, a sort, a "
+        f"softmax or a statistic over the batch, an index that moves rows between samples), "
+        f"so the per-sample gradients are not defined for it. Compute each sample's loss "
+        f"from its own rows only (gh.set_sample_ids groups rows that form one sample), or, "
+        f"to read the batch's contributions on purpose, attach(..., "
+        f"allow_sample_mixing=True)")
