@@ -413,14 +413,11 @@ def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[int
             t = groups.sum_rows(t)
         sq[pid] = sq_norms(t.reshape(t.shape[0], -1), 1)
         if check:
-            probes.append(probed(plans[pid].name, t, batch.totals.get(pid), low or t.dtype))
+            evidence.probe(pid, t, low or t.dtype)
 
     def project(pid: int, a: Tensor, g: Tensor, caps) -> None:
         low = next((cap.low for cap in caps if cap.low is not None), a.dtype)
-        name = plans[pid].name
-        transposed = caps[0].layer.rule.weight_transposed
-        projections.append((name, projection_terms(name, a, g, batch.totals.get(pid),
-                                                   transposed=transposed), low))
+        evidence.project(pid, a, g, low, transposed=caps[0].layer.rule.weight_transposed)
 
     done = set()
     for cap, unit in zip(batch.records, units):
@@ -441,8 +438,7 @@ def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[int
                 if local == "bias":
                     sq[pid] = g_sq
                     if check:
-                        probes.append(probed(plans[pid].name, g, batch.totals.get(pid),
-                                              cap.low or dt))
+                        evidence.probe(pid, g, cap.low or dt)
                 else:
                     sq[pid] = torch.linalg.vecdot(a, a).mul_(g_sq)
                     if check:
@@ -456,8 +452,7 @@ def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[int
                 seg = cap.grads[0]
                 sq[pid] = seg.sq_norms()
                 if check:
-                    probes.append(probed(plans[pid].name, seg,
-                                         batch.totals.get(pid), cap.low or seg.dtype))
+                    evidence.probe(pid, seg, cap.low or seg.dtype)
             elif kind == CLOSED and local == "bias":
                 reduce(pid, _bias_grads(cap, batch.batch_first), cap.low)
             elif kind not in (GRAM, FORMS, ROWS, TIED):
