@@ -1,8 +1,9 @@
 """The real-size headline benchmark: per-sample gradients, norms and DP clipping of full-width
-models (GPT-2 small tied and untied, ViT-B/16, BERT-base, ResNet-50, a Llama-3.2-1B-width
-decoder), each as a ratio to plain training measured side by side in one process.
+models (GPT-2 small tied and untied, ViT-B/16, BERT-base, ResNet-50, ConvNeXt-T, EfficientNet-B0,
+a Llama-3.2-1B-width decoder), each as a ratio to plain training measured side by side in one process.
 
-    python benchmarks/scale.py [--models gpt2,gpt2-untied,vit-b16,bert,resnet50,llama-1b-width]
+    python benchmarks/scale.py [--models gpt2,gpt2-untied,vit-b16,bert,resnet50,convnext-t,
+        efficientnet-b0,llama-1b-width]
         [--batch 4,16] [--seq 128] [--long gpt2:4x512] [--methods ...] [--repeats 5]
         [--warmup 1] [--threads 2] [--no-memory] [--smoke] [--json PATH] [--out PATH]
     python benchmarks/scale.py --split gpt2-untied --batch 16      # where book-keeping's time goes
@@ -174,12 +175,32 @@ def _resnet50(smoke: bool):
     return tv.models.resnet50(), {"image": 224, "classes": 1000}
 
 
+def _convnext_tiny(smoke: bool):
+    tv = _tv()
+    if smoke:  # two stages of one block each
+        from torchvision.models.convnext import CNBlockConfig
+        return (tv.models.ConvNeXt([CNBlockConfig(16, 32, 1), CNBlockConfig(32, None, 1)],
+                                   num_classes=10), {"image": 32, "classes": 10})
+    # stochastic depth off: the forward is deterministic (DP's two passes, the check)
+    return tv.models.convnext_tiny(stochastic_depth_prob=0.0), {"image": 224, "classes": 1000}
+
+
+def _efficientnet_b0(smoke: bool):
+    tv = _tv()
+    # dropout and stochastic depth off: the forward is deterministic (DP's two passes, the check)
+    model = tv.models.efficientnet_b0(dropout=0.0, stochastic_depth_prob=0.0,
+                                      num_classes=10 if smoke else 1000)
+    return model, ({"image": 32, "classes": 10} if smoke else {"image": 224, "classes": 1000})
+
+
 MODELS: Dict[str, Spec] = {s.name: s for s in (
     Spec("gpt2", "GPT-2 small (tied)", "lm", _gpt2(True)),
     Spec("gpt2-untied", "GPT-2 small (untied)", "lm", _gpt2(False)),
     Spec("vit-b16", "ViT-B/16, 224x224", "image", _vit),
     Spec("bert", "BERT-base (sequence classification)", "label", _bert),
     Spec("resnet50", "ResNet-50 (eval BatchNorm), 224x224", "image", _resnet50),
+    Spec("convnext-t", "ConvNeXt-T, 224x224", "image", _convnext_tiny),
+    Spec("efficientnet-b0", "EfficientNet-B0 (eval BatchNorm), 224x224", "image", _efficientnet_b0),
     Spec("llama-1b-width", "Llama-3.2-1B width, 2 layers (tied)", "lm", _llama),
 )}
 
