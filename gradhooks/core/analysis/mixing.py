@@ -277,8 +277,10 @@ class Mixing:
 
     def learned(self, signature: tuple, found, losses: Optional[ForwardLosses] = None) -> None:
         """A tracked forward of ``signature`` returned having found the mixing ops ``found``
-        (and the token-level ``losses``)."""
-        self.signatures[signature] = tuple(found)
+        (and the token-level ``losses``). A signature tracked again keeps the ops an earlier
+        forward of it found: its later untracked forwards may take either branch."""
+        before = self.signatures.get(signature, ())
+        self.signatures[signature] = tuple(before) + tuple(f for f in found if f not in before)
         self._note(found)
         if losses is not None:
             self.tokens.learned(signature, losses)
