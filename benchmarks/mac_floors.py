@@ -1,10 +1,11 @@
-"""The multiply-add floors of norms, book-keeping and two-pass clipping on ResNet-50 and
-ViT-B/16 (224 x 224), per sample, as ratios to plain training's multiply-adds: what no
+"""The multiply-add floors of norms, book-keeping and two-pass clipping on ResNet-50, ConvNeXt-T,
+EfficientNet-B0 and ViT-B/16 (224 x 224), per sample, as ratios to plain training's multiply-adds: what no
 implementation of each form can go below at plain training's multiply-add rate.
 
     python benchmarks/mac_floors.py
 
-Per layer with a weight (convolutions, Linear; ViT's attention projections, which run inside
+Per layer with a weight (convolutions, depthwise ones as ``G`` groups of ``I = k^2``, ``O = 1``;
+Linear, over every position of a channels-last input; ViT's attention projections, which run inside
 ``F.multi_head_attention_forward``, added by their shapes), with ``S`` positions, ``G`` groups,
 ``I`` / ``O`` in / out features per group: forward ``F = S G I O`` (= the weight gradient
 ``Bw``; the input gradient ``Bi`` the same, except for the first layer, whose input needs
@@ -53,7 +54,9 @@ def _layers(model, x):
 
 def floors(name: str):
     tv = zoo.zoo_imports.import_torchvision()
-    model = tv.models.resnet50() if name == "resnet50" else tv.models.vit_b_16()
+    model = {"resnet50": tv.models.resnet50, "vit-b16": tv.models.vit_b_16,
+             "convnext-t": tv.models.convnext_tiny,
+             "efficientnet-b0": tv.models.efficientnet_b0}[name]().eval()
     layers = _layers(model, torch.randn(1, 3, 224, 224))
     att = 0
     if name == "vit-b16":  # in_proj (d -> 3d) and out_proj per block; QK^T and AV products
@@ -78,7 +81,7 @@ def floors(name: str):
 
 
 def main():
-    rows = {m: floors(m) for m in ("resnet50", "vit-b16")}
+    rows = {m: floors(m) for m in ("resnet50", "convnext-t", "efficientnet-b0", "vit-b16")}
     keys = list(next(iter(rows.values())))
     print("| model | " + " | ".join(keys) + " |")
     print("|---|" + "--:|" * len(keys))
