@@ -20,6 +20,7 @@ import gradhooks
 from gradhooks.core.recorder import placement
 
 from conftest import assert_close_to_loop, loop_grads
+from test_mixing import _read
 
 
 class Switch(nn.Module):
@@ -45,14 +46,6 @@ def _batch(b, seed, dtype):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(b, 4, generator=g, dtype=torch.float64).to(dtype),
             torch.randint(0, 3, (b,), generator=g))
-
-
-def _read(gh, read):
-    if read == "per_sample_grads":
-        return gh.per_sample_grads()
-    if read == "norms":
-        return gh.per_sample_grad_norms()
-    return gh.clip_and_accumulate(1.0)
 
 
 def _step(model, b, seed, dtype):
