@@ -10,6 +10,7 @@ from torch import nn
 
 from gradhooks.base.errors import BatchSizeError
 from gradhooks.base.registry import find_rule
+from gradhooks.core.recorder.check_policy import SumCheck
 from gradhooks.core.recorder.placement import (
     BATCHED,
     PLANNED,
@@ -39,7 +40,7 @@ def _recorder(batch_first: bool = True, layers=()):
     return SimpleNamespace(
         batch_first=batch_first, layers=list(layers), attachment=SimpleNamespace(raw_params={}),
         batch_id=1, forward_id=1, calls=0, driven=False, edges_complete=False, hooks_muted=False,
-        attached=True,
+        attached=True, sum_check=SumCheck(True),
         backward_pass=SimpleNamespace(receive=lambda rec, leaf, g: received.append((rec, leaf, g))),
         received=received)
 

@@ -1,12 +1,12 @@
 """A forward whose structure changes with the same input shapes (a branch on a flag, on a tensor's
 value), and a parameter used outside its module only in some steps. The forward-separation
 analysis (provenance) runs on each input signature's first forward and again on every
-``RETRACK_EVERY``-th forward of it, on every forward with ``attach(..., check="always")``.
+``SumCheck.EVERY``-th (100th) forward of it, on every forward with ``attach(..., check="always")``.
 
 - A mixing op that only later forwards take is refused from the first tracked forward that
   takes it, and from then on on every forward of the signature (the verdict is kept: the
   untracked forwards may take either branch).
-- Before that forward, the default policy leaves a window of at most ``RETRACK_EVERY - 1``
+- Before that forward, the default policy leaves a window of at most ``SumCheck.EVERY - 1``
   forwards (the limitations page states it); ``check="always"`` has none.
 - A parameter of a hooked module used outside it only in later steps is refused by the sum
   check on the first read it runs on: every read with ``check="always"``.
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
-from gradhooks.core.recorder import placement
+from gradhooks.core.recorder.check_policy import SumCheck
 
 from conftest import assert_close_to_loop, loop_grads
 from test_mixing import _read
@@ -72,12 +72,12 @@ def test_check_always_refuses_a_branch_that_mixes_on_a_later_forward(dtype, read
         assert "mean" in message and "test_retracking.py" in message, message
 
 
-@pytest.mark.parametrize("every", [placement.RETRACK_EVERY, 4], ids=["default", "every4"])
+@pytest.mark.parametrize("every", [SumCheck.EVERY, 4], ids=["default", "every4"])
 def test_a_later_mixing_branch_is_refused_from_the_scheduled_forward_on(every, monkeypatch):
     """Default ``check``: the forward that takes the branch first is refused when it is the
     signature's ``every``-th after its first, and every forward after it (untracked ones too,
     whichever branch they take) is refused as well."""
-    monkeypatch.setattr(placement, "RETRACK_EVERY", every)
+    monkeypatch.setattr(SumCheck, "EVERY", every)
     model = Switch().double()
     refused = []
     with gradhooks.attach(model) as gh:

@@ -60,10 +60,8 @@ on tensors that carry the batch and a gradient must be proven to keep the sample
 whitelist of :mod:`gradhooks.core.analysis.separation`; the rest are noted (:attr:`Provenance.unproven`)
 and refused unless the forward-alone check (:mod:`gradhooks.core.analysis.alone`) passes.
 
-Tracking costs a Python call per torch op of the forward (about +5% on a Transformer block's
-forward), on the first forward of each input signature (inputs' shapes and dtypes, train/eval)
-and on every 100th forward of it (every forward with ``check="always"``: the recorder's
-placement, ``RETRACK_EVERY``).
+Tracking costs a Python call per torch op (about +5% on a Transformer block's forward), on each
+input signature's first forward and every 100th (each with ``check="always"``: ``SumCheck``).
 Without shared calls nothing more is tracked; when every shared call's output meets the batch
 only by a broadcast that adds the batch dim as the record's layout does (position ids), or only
 row by row (token types of B rows), later forwards follow that plan untracked (the output handed

@@ -71,10 +71,7 @@ from .layouts import (
 from .meetings import note_meeting, pull_back
 from .records import Layer, Record
 
-#: A planned signature's every this-many-th forward is tracked again (:meth:`Placement.start`).
-RETRACK_EVERY = 100
-
-__all__ = ["Placement", "Placed", "BATCHED", "SHARED", "PLANNED", "MERGED", "RETRACK_EVERY", "relayout",
+__all__ = ["Placement", "Placed", "BATCHED", "SHARED", "PLANNED", "MERGED", "relayout",
            "reads_batch_at", "partial_batch_hint", "layout_swap", "shared_call_layout",
            "recomputed_error", "meeting_cotangent"]
 
@@ -130,9 +127,9 @@ class Placement:
     what each input signature's tracked forward found, and the shared calls of the batch.
 
     Provenance (:mod:`gradhooks.core.analysis.provenance`) costs a Python call per torch op, so
-    it runs on the first forward of each input signature, on every :data:`RETRACK_EVERY`-th
-    forward of it (every forward under ``check="always"``) and on those of signatures that need
-    it; the others follow the signature's plan (:attr:`signatures`) or nothing.
+    it runs on the first forward of each input signature, again when the check policy says so
+    (:meth:`~gradhooks.core.recorder.check_policy.SumCheck.forward_due`) and on every forward of
+    signatures that need it; the others follow the signature's plan (:attr:`signatures`).
 
     Per call it answers :meth:`place` (a :class:`Placed`: batched, shared or planned; ``B``;
     the relayout; the call's ordinal) and records shared calls (:meth:`record_shared`); per
@@ -191,7 +188,6 @@ class Placement:
         self.pulling = False
         self.mixing = Mixing(recorder)  # (per signature and per batch: ops that mix samples)
         self.verified: Dict[tuple, set] = {}  # signature -> unproven ops its forward check passed
-        self.untracked: Dict[tuple, int] = {}  # signature -> its forwards that followed its plan
         self.reset_batch()
 
     def reset_batch(self) -> None:
@@ -206,8 +202,8 @@ class Placement:
     def start(self, inputs: List[Tensor], training: bool) -> None:
         """At the model's forward: follow its signature's plan, or start tracking it.
 
-        Tracking starts when the signature (``inputs``' shapes and dtypes, ``training``) is new
-        or needs it (``"mode"``); the batch is what the top-level inputs carry on the batch dim
+        Tracking starts when the signature (``inputs``' shapes and dtypes, ``training``) is new,
+        needs it (``"mode"``) or is due again (the check policy); the batch is what the top-level inputs carry on the batch dim
         (``batch_first=False``: dim 1 of an input of 2 dims or more, torch's ``(T, B, ...)``).
         Inputs under ``torch.func`` transforms are not tracked (their batch is vmap's)."""
         self.plan, self.ordinals, self.signature = None, {}, None
@@ -220,7 +216,7 @@ class Placement:
         key = (tuple((tuple(t.shape), t.dtype) for t in inputs), training)
         self.signature = key  # (the sample check's structure: readers.sample_check)
         known = self.signatures.get(key)
-        if isinstance(known, dict) and not self._track_due(key):  # (empty: no shared calls)
+        if isinstance(known, dict) and not recorder.sum_check.forward_due(key):  # ({}: none shared)
             self.plan, self.plan_size = known or None, first.shape[batch_dim]
             self.mixing.untracked_start(key, self.plan_size)  # (joins the batch at its end)
             return
@@ -238,19 +234,6 @@ class Placement:
         prov.signature, prov.depth = key, 1
         self.provenance = prov
         prov.__enter__()
-
-    def _track_due(self, key: tuple) -> bool:
-        """Whether a forward of a planned signature ``key`` is tracked all the same: every one
-        under ``check="always"``, otherwise every :data:`RETRACK_EVERY`-th of the signature. A
-        forward whose structure changes with the same input shapes (a branch on a flag, on a
-        tensor's value), or that uses a parameter outside its module only in some steps, is
-        then judged on that forward as on its signature's first (a mixing op it finds stays in
-        the signature's verdict: :meth:`~gradhooks.core.analysis.mixing.Mixing.learned`)."""
-        if self.recorder.sum_check.mode == "always":
-            return True
-        count = self.untracked.get(key, 0) + 1
-        self.untracked[key] = count
-        return count % RETRACK_EVERY == 0
 
     def nest(self) -> bool:
         """Whether a forward is tracked now; if so the model's forward was called again from
@@ -308,7 +291,6 @@ class Placement:
         name may be others."""
         self.signatures.clear()
         self.verified.clear()
-        self.untracked.clear()
         self.mixing.forget()
 
     def _learn(self, prov: Provenance) -> None:
