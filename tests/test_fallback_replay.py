@@ -429,7 +429,8 @@ def _recurrent_gemma():
     in ``self.recurrent_states`` after the forward."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import zoo_imports  # noqa: F401  (torchvision in this venv: see the module)
-    transformers = pytest.importorskip("transformers")
+    # isort: split
+    import transformers  # (the test extra installs it: a missing one fails, never skips)
     cfg = transformers.RecurrentGemmaConfig(
         num_hidden_layers=2, vocab_size=32, hidden_size=16, intermediate_size=32,
         num_attention_heads=2, num_key_value_heads=1, head_dim=8, lru_width=16,

@@ -36,18 +36,6 @@ class ConvHead(nn.Module):
         return self.head(torch.tanh(self.emb(ids)).transpose(1, 2))
 
 
-class MergedRows(nn.Module):
-    """(B, T) ids -> (B * T, V) logits: the head runs on merged token rows."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(V, D)
-        self.head = nn.Linear(D, V)
-
-    def forward(self, ids):
-        return self.head(torch.tanh(self.emb(ids)).reshape(-1, D))
-
-
 class TimeFirst(nn.Module):
     """(T, B) ids -> (T, B, V) logits (``batch_first=False``)."""
 
@@ -58,6 +46,13 @@ class TimeFirst(nn.Module):
 
     def forward(self, ids):
         return self.head(torch.tanh(self.emb(ids)))
+
+
+class MergedRows(TimeFirst):
+    """(B, T) ids -> (B * T, V) logits: the head runs on merged token rows."""
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids)).reshape(-1, D))
 
 
 class Bilinear(nn.Module):

@@ -151,12 +151,12 @@ class BackwardPass:
             return
         rows = position_rows(grad, record, recorder.batch_size, recorder.batch_first)
         if rows is not None:
-            counts, unknown = row_counts(*rows), rows[1]
+            counts = row_counts(*rows)
             source = (f"the zero rows of the {tuple(grad.shape)} grad_output of module "
-                      f"{record.layer.describe()}, along the dim whose zeros are whole rows (a "
-                      f"layout of positions and features gradhooks does not know)" if unknown else
-                      f"the zero rows of the {tuple(grad.shape)} grad_output of module "
                       f"{record.layer.describe()}")
+            if rows[1]:  # (unknown layout)
+                source += (", along the dim whose zeros are whole rows (a layout of positions "
+                           "and features gradhooks does not know)")
             recorder.placement.mixing.tokens.unsplit(split.what, counts, split.weighted, source,
                                                      split.length)
 
