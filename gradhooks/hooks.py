@@ -319,9 +319,7 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
             sequence layout ``(T, B, ..., features)`` (a 2-D ``(B, features)`` input is then still
             read as batch-first). Convolutions always take the batch on dim 0.
         check: the sum check of :class:`GradHooks`: ``True`` (each new call structure, and
-            every 100th read), ``"always"`` (every read; and every call's fallback replay,
-            which is otherwise verified on each new structure and every 100th call of it) or
-            ``False``. ``False`` does not skip
+            every 100th read), ``"always"`` (every read) or ``False``. ``False`` does not skip
             the verification of the ``torch.func`` fallback's replays (see
             ``unsafe_skip_replay_check``), nor the forward-alone check of ops no rule proves
             keep the samples apart (:mod:`gradhooks.core.analysis.alone`): without it they are refused,
@@ -344,9 +342,9 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
             ``loss_reduction`` scale), not the gradient of its own loss; layers after the last
             mixing op still get exact own-loss gradients.
         unsafe_skip_replay_check: do not verify the ``torch.func`` fallback's replays. By default
-            the first read of each new call structure of each module the fallback replays
-            compares the replay's per-sample gradients, summed, with autograd's gradient of the
-            module's parameters through its batched call, and refuses a replay that computes
+            every read of each module the fallback replays compares the replay's per-sample
+            gradients, summed, with autograd's gradient of the module's parameters through its
+            batched call, and refuses a replay that computes
             something else (:class:`~gradhooks.base.errors.ReplayMismatchError`;
             :mod:`gradhooks.rules.fallback_replay`). ``check=False`` does **not** skip that
             verification; only this switch does, and a module whose replay is wrong then gets

@@ -3,7 +3,7 @@
 Where vmap cannot replay a module, the module is replayed sample by sample (exact against the
 loop, warned once naming its path, cause and cost) or refused with a ReplayError naming the module
 and cause; never a raw torch error. A replay that computes something else than the module's
-batched forward is refused by the verification of the first read of each call structure,
+batched forward is refused by the verification of every read,
 whatever ``check`` says; only ``unsafe_skip_replay_check=True`` skips it.
 """
 import copy
@@ -298,11 +298,9 @@ class Affine(nn.Module):
 
 
 @pytest.mark.parametrize("module", [Affine, OldStyle], ids=["vmapped", "looped"])
-def test_replay_is_verified_once_per_structure_or_every_read_when_looped(module, monkeypatch):
-    """A vmapped replay is verified once per call structure (feature shapes and dtypes; not the
-    batch size, which Poisson sampling changes every step), again for a new one, and not for
-    B = 1 alone (one sample cannot show a module that mixes samples); a looped one on every
-    read (its control flow may branch otherwise on a later batch). With check=False."""
+def test_every_read_is_verified_vmapped_or_looped(module, monkeypatch):
+    """Every read's replay is verified, vmapped or looped, B = 1 included, whatever the call
+    structure (feature shapes, dtypes, batch size) and with check=False."""
     calls = []
     original = fallback_module.verify
     monkeypatch.setattr(fallback_module, "verify",
@@ -315,7 +313,7 @@ def test_replay_is_verified_once_per_structure_or_every_read_when_looped(module,
             for shape in shapes:
                 (model(torch.randn(*shape, dtype=torch.float64)) ** 2).sum().backward()
                 gh.per_sample_grads()
-    assert calls == ([1, 1, 3, 3] if module is Affine else [s[0] for s in shapes])
+    assert calls == [s[0] for s in shapes]
 
 
 REFUSED_LOOP = {
@@ -566,15 +564,13 @@ class LaterByBatchSize(nn.Module):
         return y / x.shape[0] if self.by_size else y
 
 
-@pytest.mark.parametrize("check", [False, "always"], ids=["no-check", "always"])
+@pytest.mark.parametrize("check", [False, True, "always"], ids=["no-check", "default", "always"])
 @pytest.mark.parametrize("b", [2, 3])
-def test_verified_structure_is_verified_again_on_a_schedule(b, check, dtype, monkeypatch):
-    """A verified structure's replay is verified again on every REVERIFY_EVERY-th call (5
-    here), with check=False: a replay that becomes wrong on a later batch is refused at the
-    next scheduled call, naming the module; until it changes, every read is exact against a
-    loop and only the scheduled calls pay the verification. check="always" verifies every
-    call's replay: refused on the first batch it is wrong."""
-    monkeypatch.setattr(fallback_module, "REVERIFY_EVERY", 5)
+def test_every_replay_is_verified(b, check, dtype, monkeypatch):
+    """Every call's replay is verified, whatever ``check`` says: a replay that becomes wrong on a
+    later batch of the same call structure (state that changes what the forward computes) is
+    refused on that batch, naming the module; until it changes, every read is exact against a
+    loop."""
     calls = []
     original = fallback_module.verify
     monkeypatch.setattr(fallback_module, "verify",
@@ -586,21 +582,16 @@ def test_verified_structure_is_verified_again_on_a_schedule(b, check, dtype, mon
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", gradhooks.FallbackWarning)
         with gradhooks.attach(model, check=check) as gh:
-            for step in range(1, 12):  # forwards 1, 6 and 11 are verified (all: "always")
+            for step in range(1, 12):
                 x, y = torch.randn(b, 4, dtype=dtype), torch.rand(b, dtype=dtype)
                 model.zero_grad()
                 loss(model(x), y).backward()
                 assert_close_to_loop(gh.per_sample_grads(), loop_grads(twin, loss, x, y), dtype)
-            assert len(calls) == (3 if check is False else 11)
-            model[0].by_size = True  # (same structure: the next scheduled call sees it)
-            for step in range(12, 17):
-                x, y = torch.randn(b, 4, dtype=dtype), torch.rand(b, dtype=dtype)
-                model.zero_grad()
-                loss(model(x), y).backward()
-                if step < 16 and check is False:
-                    gh.per_sample_grads()  # (not yet verified: the window of the schedule)
-                    continue
-                with pytest.raises(gradhooks.ReplayMismatchError,
-                                   match=r"module '0' \(LaterByBatchSize\)"):
-                    gh.per_sample_grads()
-                break
+            assert len(calls) == 11
+            model[0].by_size = True  # (same structure: the next call's replay is wrong)
+            x, y = torch.randn(b, 4, dtype=dtype), torch.rand(b, dtype=dtype)
+            model.zero_grad()
+            loss(model(x), y).backward()
+            with pytest.raises(gradhooks.ReplayMismatchError,
+                               match=r"module '0' \(LaterByBatchSize\)"):
+                gh.per_sample_grads()

@@ -32,7 +32,9 @@ replayed sample by sample with plain autograd, or refused with
 :class:`~gradhooks.base.errors.ReplayError` (:mod:`gradhooks.rules.fallback_replay`).
 
 Cost: one vmapped forward and vjp of the module per read (about what ``torch.func`` costs), plus
-one batched forward and backward of the module for each new call structure (the verification).
+one batched forward and backward of the module (the verification, on every read:
+``benchmarks/results/replay_verify.md``, +11-15% of the step on torchvision's Swin-T, whose
+windowed attention is replayed, -2% to +7% on BART's replayed positional embeddings).
 """
 from __future__ import annotations
 
@@ -55,7 +57,6 @@ from ..base.errors import (
 from ..base.registry import Call, LayerRule
 from ..base.utils import paused
 from .fallback_replay import (
-    REVERIFY_EVERY,
     Replay,
     cause_of,
     looped,
@@ -65,8 +66,7 @@ from .fallback_replay import (
     way_out,
 )
 
-__all__ = ["FallbackRule", "FALLBACK", "UNVERIFIED_FALLBACK", "ALWAYS_VERIFIED_FALLBACK",
-           "note_path"]
+__all__ = ["FallbackRule", "FALLBACK", "UNVERIFIED_FALLBACK", "note_path"]
 
 
 def _batch_dim(t: Tensor, batch_first: bool) -> int:
@@ -95,16 +95,12 @@ class FallbackRule(LayerRule):
             )
         return x.shape[_batch_dim(x, batch_first)]
 
-    def __init__(self, verify_replay: bool = True, every: Optional[int] = None):
-        #: Whether the first replay of each call structure is verified
-        #: (:func:`~gradhooks.rules.fallback_replay.verify`); ``False`` only for
-        #: ``attach(..., unsafe_skip_replay_check=True)`` (:data:`UNVERIFIED_FALLBACK`).
+    def __init__(self, verify_replay: bool = True):
+        #: Whether every replay is verified (:func:`~gradhooks.rules.fallback_replay.verify`);
+        #: ``False`` only for ``attach(..., unsafe_skip_replay_check=True)``
+        #: (:data:`UNVERIFIED_FALLBACK`).
         self.verify_replay = verify_replay
-        #: A verified structure is verified again on every ``every``-th call (``None``:
-        #: :data:`~gradhooks.rules.fallback_replay.REVERIFY_EVERY`; 1 for ``check="always"``,
-        #: :data:`ALWAYS_VERIFIED_FALLBACK`).
-        self.every = every
-        # per module: the call structures verified, those vmap cannot replay (-> the cause),
+        # per module: the call structures vmap cannot replay (-> the cause),
         # and whether its looped replay was warned of (weak: the rule outlives models)
         self._memo: "weakref.WeakKeyDictionary[nn.Module, _Memo]" = weakref.WeakKeyDictionary()
 
@@ -115,20 +111,12 @@ class FallbackRule(LayerRule):
         return memo
 
     def internal(self, module: nn.Module, args: tuple, kwargs: dict, output) -> Optional[tuple]:
-        """At the forward of a call whose replay will be verified (a structure not verified
-        yet, one replayed sample by sample, or every :data:`REVERIFY_EVERY`-th call of a
-        verified one): a copy of its output leaves,
+        """At the forward of every call (its replay is verified): a copy of its output leaves,
         ``a.internal["replay_output"]``, for :func:`~gradhooks.rules.fallback_replay.verify` (a
-        call run again must give it). ``None`` otherwise (nothing kept)."""
+        call run again must give it). ``None`` under ``unsafe_skip_replay_check`` (nothing
+        kept)."""
         if not self.verify_replay:
             return None
-        memo = self._memo.get(module)
-        if memo is not None:
-            key = structure(tree_flatten((args, kwargs))[0])
-            if key in memo.verified and key not in memo.looped:
-                calls = memo.calls[key] = memo.calls.get(key, 0) + 1
-                if calls % (self.every or REVERIFY_EVERY):
-                    return None  # (else this call's replay is verified again: kept below)
         out_leaves, _ = tree_flatten(output)
         return None, {"replay_output": [t.detach().clone() if isinstance(t, Tensor) else None
                                         for t in out_leaves]}
@@ -137,8 +125,8 @@ class FallbackRule(LayerRule):
                          names: Iterable[str]) -> Dict[str, Tensor]:
         """Raises:
             ReplayError: neither vmap nor the loop over samples can replay the module.
-            ReplayMismatchError: a replay (the first of each call structure; every looped
-                one) computes something else than the module's batched call
+            ReplayMismatchError: a replay computes something else than the module's batched
+                call
                 (:func:`~gradhooks.rules.fallback_replay.verify`).
             UnsupportedCallError: a random forward (dropout in training mode).
             BatchSizeError: an output the backward reached has no batch dim of size ``B``.
@@ -174,17 +162,12 @@ class FallbackRule(LayerRule):
                     f"of its batch (state of B rows kept between calls, such as a cache or a "
                     f"recurrent state set by the forward; B rows it builds itself) cannot be "
                     f"replayed per sample. {way_out(module)}") from None
-        internal = a.internal or {}
-        if self.verify_replay and (key not in memo.verified or cause is not None
-                                   or internal.get("replay_output") is not None):
-            # (a looped replay on every read: vmap failing is often Python control flow on
-            # tensor values, which may branch otherwise on a later batch; the batched call
-            # costs about 1/B of the loop; a verified structure again on every
-            # REVERIFY_EVERY-th call, which internal() kept the output of)
-            batched = verify(module, own, r, out, internal.get("replay_output"),
+        if self.verify_replay:
+            # (every replay: one that becomes wrong on a later batch of the same structure, a
+            # branch on the batch size or state that changes what the forward computes, is
+            # refused on that batch; for a looped one the batched call costs about 1/B of it)
+            batched = verify(module, own, r, out, (a.internal or {}).get("replay_output"),
                              describe(module), _path_prefix(module), how)
-            if r.b >= 2:  # (one sample cannot show a module that mixes samples)
-                memo.verified.add(key)
         else:
             batched = None
         if seconds is not None and not memo.warned:
@@ -300,11 +283,9 @@ class FallbackRule(LayerRule):
 class _Memo:
     """What :class:`FallbackRule` keeps per module across reads."""
 
-    __slots__ = ("verified", "looped", "warned", "calls")
+    __slots__ = ("looped", "warned")
 
     def __init__(self):
-        self.verified: set = set()  # call structures whose replay was verified (B >= 2)
-        self.calls: Dict[tuple, int] = {}  # verified structure -> its calls since (internal())
         self.looped: Dict[tuple, str] = {}  # call structure -> why vmap cannot replay it
         self.warned = False  # the looped replay's FallbackWarning was issued
 
@@ -352,5 +333,3 @@ def _warn_container(module: nn.Module, names: tuple) -> None:
 FALLBACK = FallbackRule()
 #: The one ``attach(..., unsafe_skip_replay_check=True)`` uses: replays are not verified.
 UNVERIFIED_FALLBACK = FallbackRule(verify_replay=False)
-#: The one ``attach(..., check="always")`` uses: every call's replay is verified.
-ALWAYS_VERIFIED_FALLBACK = FallbackRule(every=1)

@@ -23,8 +23,7 @@ causes and the ways out; never the raw torch error.
 **Verified, whatever ``check`` says.** A replay can run and still compute another function than
 the module's batched forward: a module that reads the batch size (``x / x.shape[0]``) or
 statistics over the batch (``x - x.mean(0)``), keeps state between calls, or branches on batch
-values. The first read of each call structure (:func:`structure`) of each replayed module is
-therefore compared, by :func:`verify`, with autograd's gradient of the module's own parameters
+values. Every read of each replayed module is therefore compared, by :func:`verify`, with autograd's gradient of the module's own parameters
 through its batched call on the recorded inputs::
 
     sum_n dL_n/dθ  ==  torch.autograd.grad(module(x; θ), θ, g)          (all B samples at once)
@@ -33,18 +32,18 @@ through its batched call on the recorded inputs::
 :func:`~gradhooks.readers.canonical.call_grads` hands it), within :data:`REPLAY_RTOL` of the
 scale ``max(sum_n |dL_n/dθ|, |ref|)`` (rounding of the sum over samples, never its order). The
 batched call run again must also give the output the forward gave (saved by
-:meth:`~gradhooks.rules.fallback.FallbackRule.internal` until the structure is verified):
+:meth:`~gradhooks.rules.fallback.FallbackRule.internal`):
 otherwise the module keeps state that the forward changed (a cache, a buffer updated in place)
 or is random, and both sides would agree on another function. A mismatch raises
 :class:`~gradhooks.base.errors.ReplayMismatchError`. ``check=False`` does not skip this (it skips
-the sum check over all parameters); ``attach(..., unsafe_skip_replay_check=True)`` does. A
-structure is marked verified only by a batch of ``B >= 2`` samples (one sample cannot show a
-module that mixes samples), and verified again on every :data:`REVERIFY_EVERY`-th call of it (a
-replay that becomes wrong only on a later batch: a branch on the batch size, state that changes
-what the forward computes). Cost: one batched call and backward of the module per new structure
-(and per :data:`REVERIFY_EVERY` calls) for a vmapped replay; on every read for a looped one (vmap fails on Python control flow on tensor
-values, which may take another branch on a later batch; the batched call costs about ``1/B`` of
-the loop).
+the sum check over all parameters); ``attach(..., unsafe_skip_replay_check=True)`` does. Every
+call is verified, not the first of each call structure only: a replay that becomes wrong on a
+later batch of the same structure (a branch on the batch size, state that changes what the
+forward computes, Python control flow on tensor values that a looped replay follows) is refused
+on that batch. Cost: one batched call and backward of the module and a copy of its output per
+call (``benchmarks/results/replay_verify.md``: +11% of the per-sample-gradient step and +15%
+of the clipping step on torchvision's Swin-T, whose windowed attention is replayed, -2% and +7%
+on BART, whose positional embeddings are; for a looped replay about ``1/B`` of the loop).
 
 Every replay (vmapped, looped, the batched reference) leaves the module as it found it: plain
 attributes it sets (``self.last = x``) and buffers it changes in place are restored
@@ -65,7 +64,7 @@ from ..base.errors import ReplayError, ReplayMismatchError
 from ..base.torch_internals import own_buffers, version
 from ..base.utils import paused
 
-__all__ = ["Replay", "REPLAY_RTOL", "REVERIFY_EVERY", "structure", "state_kept", "looped", "verify", "cause_of",
+__all__ = ["Replay", "REPLAY_RTOL", "structure", "state_kept", "looped", "verify", "cause_of",
            "way_out"]
 
 #: Relative tolerance of :func:`verify` by dtype: the per-sample gradients' sum may differ from
@@ -73,13 +72,6 @@ __all__ = ["Replay", "REPLAY_RTOL", "REVERIFY_EVERY", "structure", "state_kept",
 #: worst case; the values of the sum check, :data:`gradhooks.readers.verify.SUM_CHECK_RTOL`). A wrong
 #: replay is off by far more (a module that normalises by ``x.shape[0]``: a factor ``B``).
 REPLAY_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
-
-#: A verified call structure's replay is verified again on every this many-th call of it (as the
-#: sum check re-runs every 100th read: :class:`gradhooks.core.recorder.check_policy.SumCheck`), so that a
-#: replay that becomes wrong on a later batch of the structure (a branch on the batch *size*,
-#: state that changes what the forward computes) is refused within that many steps. Cost: one
-#: batched call and backward of the module per that many calls.
-REVERIFY_EVERY = 100
 
 _PLAIN = (int, float, bool, str, type(None))
 

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from ...base._pool import BufferPool
 from ...base.utils import check_loss_reduction
-from ...rules.fallback import ALWAYS_VERIFIED_FALLBACK, FALLBACK, UNVERIFIED_FALLBACK
+from ...rules.fallback import FALLBACK, UNVERIFIED_FALLBACK
 from .attachment import Attachment, is_hooked, unwrap_compiled
 from .backward_pass import BackwardPass
 from .batch_reads import BatchReads
@@ -153,8 +153,7 @@ class Recorder:
         self.sample_checked: set = set()
         self.sample_checks = 0
         # The rule of modules without one: its replays verified, unless the user said not to
-        self.fallback = (UNVERIFIED_FALLBACK if unsafe_skip_replay_check else
-                         ALWAYS_VERIFIED_FALLBACK if check == "always" else FALLBACK)
+        self.fallback = UNVERIFIED_FALLBACK if unsafe_skip_replay_check else FALLBACK
         self.layers: List[Layer] = []
         self.names: Dict[int, str] = {}  # id(param) -> name in model.named_parameters()
         self.order: Dict[int, int] = {}
