@@ -9,8 +9,10 @@ medians of ``--repeats``:
 
 * ``plain``: forward, ``loss.backward()`` (no hooks);
 * ``steady``: forward, ``gh.backward(losses.mean())`` of the ``(B,)`` per-sample losses and
-  ``gh.per_sample_grad_norms()`` on a known structure: the signature's plan followed (no
-  provenance), the sample check passed -- what training pays on every step;
+  ``gh.per_sample_grad_norms()`` on a known structure (after three steps: the signature's first,
+  its first planned forward, whose count of autograd nodes is new, and the one analysed after
+  it): the signature's plan followed (no provenance), the sample check passed -- what training
+  pays on every step;
 * ``steady, checks skipped``: the same with ``attach(..., unsafe_skip_sample_check=True)``: the
   steady state without point 2's bookkeeping, to show it costs nothing;
 * ``first step``: the same step on a structure seen for the first time (signatures and the
@@ -79,6 +81,8 @@ def measure(name: str, batch: int, seq: int, repeats: int, smoke: bool) -> dict:
             else:
                 with gradhooks.attach(model, **options) as gh:  # (attached per round)
                     hooked(gh, True)()  # (its first step: tracked, checked)
+                    for _ in range(2):  # (the first planned forward, whose count of autograd
+                        hooked(gh, False)()  # nodes is new: checked; the next one, analysed)
                     t = _timed(hooked(gh, first))
             if r:
                 times[key].append(t)

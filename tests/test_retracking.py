@@ -1,16 +1,21 @@
 """A forward whose structure changes with the same input shapes (a branch on a flag, on a tensor's
 value), and a parameter used outside its module only in some steps. The forward-separation
-analysis (provenance) runs on each input signature's first forward and again on every
-``SumCheck.EVERY``-th (100th) forward of it, on every forward with ``attach(..., check="always")``.
+analysis (provenance) runs on each input signature's first forward, on the forward after one
+whose count of autograd nodes the signature had not shown (``SumCheck.untracked_end``), and on
+every ``SumCheck.EVERY``-th (100th) forward of it; on every forward with
+``attach(..., check="always")``.
 
-- A mixing op that only later forwards take is refused from the first tracked forward that
-  takes it, and from then on on every forward of the signature (the verdict is kept: the
-  untracked forwards may take either branch).
-- Before that forward, the default policy leaves a window of at most ``SumCheck.EVERY - 1``
-  forwards (the limitations page states it); ``check="always"`` has none.
+- A mixing op that only later forwards take is refused from the analysed forward after the
+  first that takes it, and from then on on every forward of the signature (the verdict is kept:
+  the untracked forwards may take either branch); with per-sample losses, on the forward itself
+  (the sample check through the batched graph runs on a changed count).
+- Under a plain ``loss.backward()`` the forward that first takes the branch is the window (the
+  limitations page states it); ``check="always"`` has none.
 - A parameter of a hooked module used outside it only in later steps is refused by the sum
-  check on the first read it runs on: every read with ``check="always"``.
+  check on the step that starts the use (a changed count runs it).
 """
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -72,24 +77,132 @@ def test_check_always_refuses_a_branch_that_mixes_on_a_later_forward(dtype, read
         assert "mean" in message and "test_retracking.py" in message, message
 
 
+@pytest.mark.parametrize("start", [1, 5], ids=["first-planned", "later"])
+@pytest.mark.parametrize("read", ["per_sample_grads", "norms", "clip_and_accumulate"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_a_later_mixing_branch_is_refused_from_the_next_forward_on(start, read, dtype):
+    """Default ``check``, plain ``loss.backward()``: the branch starts at forward ``start`` (its
+    autograd nodes are more), so the forward after it is analysed and refused, and every forward
+    after that (untracked ones too, whichever branch they take); the forwards before ``start``
+    are exact against the loop. Not ``SumCheck.EVERY`` forwards later."""
+    model = Switch().to(dtype)
+    refused = []
+    with gradhooks.attach(model) as gh:
+        for step in range(start + 5):
+            model.mix = start <= step != start + 4  # (the last forward takes the other branch)
+            x, y = _step(model, 3, step, dtype)
+            try:
+                ours = _read(gh, read)
+            except gradhooks.SampleMixingError as e:
+                assert "mean" in str(e) and "test_retracking.py" in str(e), str(e)
+                refused.append(step)
+                continue
+            if step < start and read == "per_sample_grads":
+                assert_close_to_loop(ours, loop_grads(model, F.cross_entropy, x, y), dtype)
+    assert refused == list(range(start + 1, start + 5)), refused
+
+
 @pytest.mark.parametrize("every", [SumCheck.EVERY, 4], ids=["default", "every4"])
-def test_a_later_mixing_branch_is_refused_from_the_scheduled_forward_on(every, monkeypatch):
-    """Default ``check``: the forward that takes the branch first is refused when it is the
-    signature's ``every``-th after its first, and every forward after it (untracked ones too,
-    whichever branch they take) is refused as well."""
+def test_a_branch_that_keeps_the_node_count_is_refused_from_the_scheduled_forward_on(
+        every, monkeypatch):
+    """A branch that swaps one op for another (``tanh`` for a centring over the batch that makes
+    as many autograd nodes: the count cannot show it) is left to the schedule: refused from the
+    signature's ``every``-th forward that followed its plan on (forward ``every + 1``: forward 2,
+    analysed after the baseline count, is not one of them)."""
+
+    class Swap(Switch):
+        def forward(self, x):
+            h = self.a(x)
+            h = h - h.mean(0, keepdim=True) if self.mix else torch.tanh(h) * 1.0
+            return self.b(h)
+
     monkeypatch.setattr(SumCheck, "EVERY", every)
-    model = Switch().double()
+    model = Swap().double()
     refused = []
     with gradhooks.attach(model) as gh:
         for step in range(every + 3):
-            model.mix = step >= 1 and step != every + 2  # (the last forward takes the other branch)
+            model.mix = step >= 3
             _step(model, 3, step, torch.float64)
             try:
                 gh.per_sample_grad_norms()
             except gradhooks.SampleMixingError as e:
                 assert "mean" in str(e), str(e)
                 refused.append(step)
-    assert refused == [every, every + 1, every + 2], refused
+    assert refused == [every + 1, every + 2], refused
+
+
+@pytest.mark.parametrize("b", [1, 3], ids=["B1", "B3"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_per_sample_losses_refuse_a_later_mixing_branch_on_its_forward(dtype, b):
+    """``gh.backward`` of ``(B,)`` per-sample losses: the forward that first takes the branch
+    made more autograd nodes, so its sample check through the batched graph runs and refuses
+    it on that forward (B = 1 cannot mix: exact against the loop)."""
+    model = Switch().to(dtype)
+    loss = nn.CrossEntropyLoss(reduction="none")
+    with gradhooks.attach(model) as gh:
+        for step in range(4):
+            x, y = _batch(b, step, dtype)
+            gh.backward(loss(model(x), y).mean())
+            ours = gh.per_sample_grads()
+            assert_close_to_loop(ours, loop_grads(model, F.cross_entropy, x, y), dtype)
+        model.mix = True
+        x, y = _batch(b, 9, dtype)
+        if b == 1:
+            gh.backward(loss(model(x), y).mean())
+            assert_close_to_loop(gh.per_sample_grads(),
+                                 loop_grads(model, F.cross_entropy, x, y), dtype)
+            return
+        with pytest.raises(gradhooks.SampleMixingError, match="the sample check"):
+            gh.backward(loss(model(x), y).mean())
+            gh.per_sample_grads()
+
+
+@pytest.mark.parametrize("start", [1, 4], ids=["first-planned", "later"])
+@pytest.mark.parametrize("backward", ["loss.backward", "gh.backward"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_a_parameter_used_outside_its_module_from_a_later_step_is_refused_on_it(
+        dtype, backward, start):
+    """Default ``check``: ``b.weight`` also used outside ``b`` from step ``start`` on: that
+    step's autograd nodes are more, so its read runs the sum check (``gh.backward`` computes
+    the parameter gradients for it) and refuses it, naming the parameter; the steps before
+    are exact against the loop."""
+    model = Switch().to(dtype)
+    with gradhooks.attach(model) as gh:
+        for step in range(start + 1):
+            model.tie = step == start
+            x, y = _batch(3, step, dtype)
+            model.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward() if backward == "loss.backward" else gh.backward(loss)
+            if step < start:
+                ours = gh.per_sample_grads()
+                assert_close_to_loop(ours, loop_grads(model, F.cross_entropy, x, y), dtype)
+                continue
+            with pytest.raises(gradhooks.GradientMismatchError, match="'b.weight'"):
+                gh.per_sample_grads()
+
+
+def test_a_constant_structure_is_analysed_twice():
+    """A structure that never changes: its signature's first forward is analysed, and the one
+    after its first planned forward (whose count is the baseline); no other forward of 30."""
+    from gradhooks.core.recorder import placement
+
+    analysed = []
+    original = placement.Provenance
+
+    class Counted(original):
+        def __init__(self, *a, **k):
+            analysed.append(step)
+            super().__init__(*a, **k)
+
+    model = Switch().double()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(placement, "Provenance", Counted)
+        with gradhooks.attach(model) as gh:
+            for step in range(30):
+                _step(model, 3, step, torch.float64)
+                gh.per_sample_grad_norms()
+    assert analysed == [0, 2], analysed
 
 
 @pytest.mark.parametrize("b", [1, 3], ids=["B1", "B3"])
@@ -120,3 +233,42 @@ def test_an_empty_batch_of_a_changed_structure_reads_empty_rows():
         _step(model, 0, 1, torch.float64)
         grads = gh.per_sample_grads()
     assert all(g.shape[0] == 0 for g in grads.values())
+
+
+def test_a_structure_that_follows_the_data_is_analysed_on_every_forward():
+    """A forward whose number of ops changes on every step (a loop as long as a flag says): each
+    new count of autograd nodes has the next forward analysed, and once the signature has shown
+    more than ``SumCheck.COUNTS`` counts every forward of it is; every step exact against the
+    loop."""
+    from gradhooks.core.recorder import placement
+
+    class Loop(Switch):
+        def forward(self, x):
+            h = self.a(x)
+            for _ in range(self.mix):
+                h = torch.tanh(h)
+            return self.b(h)
+
+    analysed = []
+    original = placement.Provenance
+
+    class Counted(original):
+        def __init__(self, *a, **k):
+            analysed.append(step)
+            super().__init__(*a, **k)
+
+    model = Loop()
+    model.double()
+    steps = 3 * SumCheck.COUNTS
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(placement, "Provenance", Counted)
+        with gradhooks.attach(model) as gh:
+            for step in range(steps):
+                model.mix = step
+                x, y = _step(model, 3, step, torch.float64)
+                twin = copy.deepcopy(model)  # (its forwards are no calls of the hooked model)
+                assert_close_to_loop(gh.per_sample_grads(),
+                                     loop_grads(twin, F.cross_entropy, x, y), torch.float64)
+    # (planned forwards 1, 3, ..., 2 COUNTS + 1 show new counts; after the last, all analysed)
+    n = SumCheck.COUNTS
+    assert analysed == list(range(0, 2 * n + 1, 2)) + list(range(2 * n + 2, steps)), analysed

@@ -124,7 +124,7 @@ def test_private_attributes():
     model = nn.Linear(2, 2)
     t = torch.zeros(2, requires_grad=True)
     objects = {"nn.Module": model, "Tensor": t, "UntypedStorage": t.untyped_storage(),
-               "OptimizedModule": torch.compile(model)}
+               "OptimizedModule": torch.compile(model), "Node": (t.requires_grad_() * 1).grad_fn}
     assert set(objects) == set(ti.PRIVATE_ATTRIBUTES)
     for kind, attrs in ti.PRIVATE_ATTRIBUTES.items():
         for a in attrs:

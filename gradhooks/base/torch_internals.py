@@ -32,7 +32,7 @@ __all__ = ["FLOOR", "RUN_ON", "SEEN_SINCE", "ENGINE_FRAME", "GLOBAL_HOOK_FLAGS",
            "VF", "OpOverload", "aten", "EMBEDDING_BAG_OPS", "getframe", "current_frames", "saved", "version",
            "is_view", "storage_handle", "own_parameters", "own_buffers", "compiled_module",
            "grad_hooks", "drop_empty_grad_hooks", "post_accumulate_grad_hooks",
-           "drop_empty_post_accumulate_grad_hooks"]
+           "drop_empty_post_accumulate_grad_hooks", "autograd_nodes_made"]
 
 #: The lowest torch the suite ran on (``install_requires`` in setup.cfg says the same).
 FLOOR = "2.13.0"
@@ -96,6 +96,17 @@ def saved(node: Any, name: str, *default: Any) -> Any:
     """``node._saved_<name>``: a saved attribute of an autograd node (:data:`SAVED` lists the
     node types and names read; ``default``, as for ``getattr``, where it may be absent)."""
     return getattr(node, "_saved_" + name, *default)
+
+
+_PROBE = torch.zeros((), requires_grad=True)
+
+
+def autograd_nodes_made() -> int:
+    """How many autograd nodes this thread has made (``Node._sequence_nr()``, torch's per-thread
+    counter, of a node made for the purpose): the difference of two readings around a forward
+    is how many differentiable ops it ran, plus one. Only with grad mode on (there is no node
+    otherwise)."""
+    return _PROBE.view(()).grad_fn._sequence_nr()
 
 
 def version(t: torch.Tensor) -> int:
@@ -179,6 +190,7 @@ SAVED: Dict[str, Tuple[str, ...]] = {
 PRIVATE_ATTRIBUTES: Dict[str, Tuple[str, ...]] = {
     "nn.Module": ("_parameters", "_buffers"),
     "Tensor": ("_version", "_is_view", "_backward_hooks", "_post_accumulate_grad_hooks"),
+    "Node": ("_sequence_nr",),
     "UntypedStorage": ("_cdata",),
     "OptimizedModule": ("_orig_mod",),
 }

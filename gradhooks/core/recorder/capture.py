@@ -276,6 +276,7 @@ class Recorder:
         self.totals: Dict[int, GradTotal] = {}  # autograd's, for the sum check
         self.param_passes: Dict[int, int] = {}
         self.calls = 0  # hooked-layer calls recorded in this batch
+        self.sum_check.changed = False
         self.placement.reset_batch()
         self.reads.seen = None  # (the loss scale seen on this batch's loss)
         self.drop_result()

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
+from ...base.torch_internals import autograd_nodes_made
+
 __all__ = ["SumCheck"]
 
 
@@ -16,11 +20,24 @@ class SumCheck:
     ``"always"``: every read; ``False``: never. :meth:`~gradhooks.GradHooks.backward` asks
     :meth:`edges_allowed` whether it may skip the parameter gradients (then the batch's reads
     skip the check), with its own structure key (the forward's recorded calls).
+
+    Between the analysed forwards of an input signature, each forward that follows its plan is
+    counted (:meth:`untracked_start` / :meth:`untracked_end`): the autograd nodes it made, i.e.
+    its differentiable ops. A count its signature has not shown before is a forward of another
+    structure (a branch on a flag, on a tensor's value, a parameter used outside its module
+    from this step): the batch's reads then run the sum check, ``backward()`` computes the
+    parameter gradients for it and the sample check through the batched graph runs
+    (:attr:`changed`), and the signature's next forward is analysed (:meth:`forward_due`).
+    A branch that keeps the count (another op for one) is left to the schedule. A signature
+    that has shown more than :attr:`COUNTS` counts (its structure follows the data) is analysed
+    on every forward instead.
     """
 
     #: one read (and one ``backward()``) in this many runs the check whatever the structure;
     #: one forward in this many of an input signature is analysed again (:meth:`forward_due`).
     EVERY = 100
+    #: more node counts than this for one signature: every forward of it is analysed.
+    COUNTS = 8
 
     def __init__(self, mode) -> None:
         if mode not in (True, False, "always"):
@@ -31,11 +48,17 @@ class SumCheck:
         self._drive_passed: set = set()  # backward() structures whose check passed
         self._drives = 0
         self._forwards: dict = {}  # input signature -> its forwards that followed its plan
+        self._nodes: dict = {}  # input signature -> autograd node counts of its planned forwards
+        self._recount: set = set()  # signatures whose next forward is analysed (a new count)
+        self._running: Optional[tuple] = None  # (signature, nodes made) of the one running
+        #: This batch has a forward whose count its signature had not shown: its reads check
+        #: (reset with the batch).
+        self.changed = False
 
     def read_due(self, structure: tuple) -> bool:
         """Count a read of ``structure``; whether it runs the check."""
         self._reads += 1
-        return (self.mode == "always" or structure not in self._passed
+        return (self.mode == "always" or structure not in self._passed or self.changed
                 or self._reads % self.EVERY == 0)
 
     def forward_due(self, signature: tuple) -> bool:
@@ -47,6 +70,10 @@ class SumCheck:
         a flag or on a tensor's value) is judged on that forward as on its signature's first."""
         if self.mode == "always":
             return True
+        if signature in self._recount:
+            if len(self._nodes[signature]) <= self.COUNTS:
+                self._recount.discard(signature)
+            return True
         count = self._forwards.get(signature, 0) + 1
         self._forwards[signature] = count
         return count % self.EVERY == 0
@@ -55,11 +82,33 @@ class SumCheck:
         """Count a ``backward()``; whether it may skip the parameter gradients."""
         self._drives += 1
         return not (self.mode == "always" or (self.mode and (
-            drive_key not in self._drive_passed or self._drives % self.EVERY == 0)))
+            drive_key not in self._drive_passed or self.changed
+            or self._drives % self.EVERY == 0)))
+
+    def untracked_start(self, signature: tuple) -> None:
+        """A forward of ``signature`` that follows its plan (not analysed) starts."""
+        self._running = (signature, autograd_nodes_made()) if torch.is_grad_enabled() else None
+
+    def untracked_end(self, completed: bool) -> None:
+        """That forward returned (``completed``) or raised: a count of autograd nodes its
+        signature has not shown sets :attr:`changed` and has the signature's next forward
+        analysed. (An analysed forward makes nodes of its own, so the first planned forward's
+        count is new too: it is checked, and the forward after it analysed.)"""
+        running, self._running = self._running, None
+        if not completed or running is None or not torch.is_grad_enabled():
+            return
+        signature, start = running
+        nodes = autograd_nodes_made() - start
+        seen = self._nodes.setdefault(signature, set())
+        if nodes not in seen:
+            seen.add(nodes)
+            self._recount.add(signature)
+            self.changed = True
 
     def passed(self, structure: tuple, drive_key: Optional[tuple]) -> None:
         """Remember that the check of ``structure`` (reached by ``drive_key``'s backward, if
         any) passed."""
         self._passed.add(structure)
+        self.changed = False  # (the batch's records passed: its other reads need not)
         if drive_key is not None:
             self._drive_passed.add(drive_key)

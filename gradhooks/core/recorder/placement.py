@@ -128,7 +128,8 @@ class Placement:
 
     Provenance (:mod:`gradhooks.core.analysis.provenance`) costs a Python call per torch op, so
     it runs on the first forward of each input signature, again when the check policy says so
-    (:meth:`~gradhooks.core.recorder.check_policy.SumCheck.forward_due`) and on every forward of
+    (:meth:`~gradhooks.core.recorder.check_policy.SumCheck.forward_due`: after a planned forward
+    whose count of autograd nodes is new, every 100th) and on every forward of
     signatures that need it; the others follow the signature's plan (:attr:`signatures`).
 
     Per call it answers :meth:`place` (a :class:`Placed`: batched, shared or planned; ``B``;
@@ -219,6 +220,7 @@ class Placement:
         if isinstance(known, dict) and not recorder.sum_check.forward_due(key):  # ({}: none shared)
             self.plan, self.plan_size = known or None, first.shape[batch_dim]
             self.mixing.untracked_start(key, self.plan_size)  # (joins the batch at its end)
+            recorder.sum_check.untracked_start(key)  # (its autograd nodes counted)
             return
         # The top-level inputs are the batch (all of them: EmbeddingBag's offsets too); its size
         # is the first hooked call's on them (the first input's batch dim until then).
@@ -262,6 +264,7 @@ class Placement:
         if prov is None:
             self.plan = None
             self.mixing.untracked_end(completed)
+            self.recorder.sum_check.untracked_end(completed)
             return
         prov.depth -= 1
         if prov.depth:
