@@ -560,8 +560,8 @@ class LaterByBatchSize(nn.Module):
         self.by_size = False
 
     def forward(self, x):
-        y = torch.tanh(x * self.w)
-        return y / x.shape[0] if self.by_size else y
+        y = torch.tanh(x * self.w)  # (a division either way: the forward's count of autograd
+        return y / (x.shape[0] if self.by_size else 1)  # nodes stays, the replay must see it)
 
 
 @pytest.mark.parametrize("check", [False, True, "always"], ids=["no-check", "default", "always"])

@@ -5,12 +5,14 @@ whose count of autograd nodes the signature had not shown (``SumCheck.untracked_
 every ``SumCheck.EVERY``-th (100th) forward of it; on every forward with
 ``attach(..., check="always")``.
 
-- A mixing op that only later forwards take is refused from the analysed forward after the
-  first that takes it, and from then on on every forward of the signature (the verdict is kept:
-  the untracked forwards may take either branch); with per-sample losses, on the forward itself
-  (the sample check through the batched graph runs on a changed count).
-- Under a plain ``loss.backward()`` the forward that first takes the branch is the window (the
-  limitations page states it); ``check="always"`` has none.
+- A mixing op that only later forwards take is refused on the forward that first takes it
+  (the forward-alone check runs on a count that differs from the earlier planned forwards';
+  with per-sample losses the sample check through the batched graph too), and from then on on
+  every forward of the signature (the next forward is analysed; the verdict is kept: the
+  untracked forwards may take either branch).
+- The window left: the signature's first planned forward, whose count is the baseline (refused
+  from the next forward on), and branches that keep the count (the 100-forward schedule; the
+  limitations page states both); ``check="always"`` has none.
 - A parameter of a hooked module used outside it only in later steps is refused by the sum
   check on the step that starts the use (a changed count runs it).
 """
@@ -82,9 +84,11 @@ def test_check_always_refuses_a_branch_that_mixes_on_a_later_forward(dtype, read
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_a_later_mixing_branch_is_refused_from_the_next_forward_on(start, read, dtype):
     """Default ``check``, plain ``loss.backward()``: the branch starts at forward ``start`` (its
-    autograd nodes are more), so the forward after it is analysed and refused, and every forward
-    after that (untracked ones too, whichever branch they take); the forwards before ``start``
-    are exact against the loop. Not ``SumCheck.EVERY`` forwards later."""
+    autograd nodes are more). On a later planned forward the count differs from the earlier
+    planned forwards', so the forward-alone check runs on it and refuses it; on the first
+    planned forward (whose count is the baseline) the forward after it is analysed and refused.
+    Every forward after that is refused too (untracked ones, whichever branch they take); the
+    forwards before are exact against the loop. Not ``SumCheck.EVERY`` forwards later."""
     model = Switch().to(dtype)
     refused = []
     with gradhooks.attach(model) as gh:
@@ -93,13 +97,16 @@ def test_a_later_mixing_branch_is_refused_from_the_next_forward_on(start, read, 
             x, y = _step(model, 3, step, dtype)
             try:
                 ours = _read(gh, read)
-            except gradhooks.SampleMixingError as e:
-                assert "mean" in str(e) and "test_retracking.py" in str(e), str(e)
+            except gradhooks.SampleMixingError as e:  # (the analysis names the op and line;
+                # the forward-alone check on a changed structure says what it found)
+                assert ("mean" in str(e) and "test_retracking.py" in str(e)) or (
+                    "structure is not" in str(e) and "mixes the samples" in str(e)), str(e)
                 refused.append(step)
                 continue
             if step < start and read == "per_sample_grads":
                 assert_close_to_loop(ours, loop_grads(model, F.cross_entropy, x, y), dtype)
-    assert refused == list(range(start + 1, start + 5)), refused
+    first = start + 1 if start == 1 else start
+    assert refused == list(range(first, start + 5)), refused
 
 
 @pytest.mark.parametrize("every", [SumCheck.EVERY, 4], ids=["default", "every4"])
@@ -131,12 +138,21 @@ def test_a_branch_that_keeps_the_node_count_is_refused_from_the_scheduled_forwar
     assert refused == [every + 1, every + 2], refused
 
 
+@pytest.mark.parametrize("alone", [True, False], ids=["alone-check", "no-alone-check"])
 @pytest.mark.parametrize("b", [1, 3], ids=["B1", "B3"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
-def test_per_sample_losses_refuse_a_later_mixing_branch_on_its_forward(dtype, b):
+def test_per_sample_losses_refuse_a_later_mixing_branch_on_its_forward(dtype, b, alone,
+                                                                       monkeypatch):
     """``gh.backward`` of ``(B,)`` per-sample losses: the forward that first takes the branch
-    made more autograd nodes, so its sample check through the batched graph runs and refuses
-    it on that forward (B = 1 cannot mix: exact against the loop)."""
+    made more autograd nodes, so the forward-alone check runs on it and its sample check
+    through the batched graph is due: refused on that forward (B = 1 cannot mix: exact against
+    the loop). Where the forward-alone check cannot run (made so here), the sample check
+    refuses it."""
+    from gradhooks.core.recorder import placement
+
+    if not alone:
+        monkeypatch.setattr(placement, "forward_alone",
+                            lambda *a: (False, "no check was possible: (the test)"))
     model = Switch().to(dtype)
     loss = nn.CrossEntropyLoss(reduction="none")
     with gradhooks.attach(model) as gh:
@@ -152,7 +168,8 @@ def test_per_sample_losses_refuse_a_later_mixing_branch_on_its_forward(dtype, b)
             assert_close_to_loop(gh.per_sample_grads(),
                                  loop_grads(model, F.cross_entropy, x, y), dtype)
             return
-        with pytest.raises(gradhooks.SampleMixingError, match="the sample check"):
+        with pytest.raises(gradhooks.SampleMixingError,
+                           match="structure is not" if alone else "the sample check"):
             gh.backward(loss(model(x), y).mean())
             gh.per_sample_grads()
 
@@ -180,29 +197,6 @@ def test_a_parameter_used_outside_its_module_from_a_later_step_is_refused_on_it(
                 continue
             with pytest.raises(gradhooks.GradientMismatchError, match="'b.weight'"):
                 gh.per_sample_grads()
-
-
-def test_a_constant_structure_is_analysed_twice():
-    """A structure that never changes: its signature's first forward is analysed, and the one
-    after its first planned forward (whose count is the baseline); no other forward of 30."""
-    from gradhooks.core.recorder import placement
-
-    analysed = []
-    original = placement.Provenance
-
-    class Counted(original):
-        def __init__(self, *a, **k):
-            analysed.append(step)
-            super().__init__(*a, **k)
-
-    model = Switch().double()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(placement, "Provenance", Counted)
-        with gradhooks.attach(model) as gh:
-            for step in range(30):
-                _step(model, 3, step, torch.float64)
-                gh.per_sample_grad_norms()
-    assert analysed == [0, 2], analysed
 
 
 @pytest.mark.parametrize("b", [1, 3], ids=["B1", "B3"])
@@ -235,12 +229,39 @@ def test_an_empty_batch_of_a_changed_structure_reads_empty_rows():
     assert all(g.shape[0] == 0 for g in grads.values())
 
 
-def test_a_structure_that_follows_the_data_is_analysed_on_every_forward():
+def _analyses(monkeypatch):
+    """``(analysed, now)``: each forward the placement analyses (a Provenance it makes) appends
+    ``now[0]``, the step the test sets, to ``analysed``."""
+    from gradhooks.core.recorder import placement
+
+    analysed, now = [], [0]
+
+    class Counted(placement.Provenance):
+        def __init__(self, *a, **k):
+            analysed.append(now[0])
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(placement, "Provenance", Counted)
+    return analysed, now
+
+
+def test_a_constant_structure_is_analysed_twice(monkeypatch):
+    """A structure that never changes: its signature's first forward is analysed, and the one
+    after its first planned forward (whose count is the baseline); no other forward of 30."""
+    analysed, now = _analyses(monkeypatch)
+    model = Switch().double()
+    with gradhooks.attach(model) as gh:
+        for now[0] in range(30):
+            _step(model, 3, now[0], torch.float64)
+            gh.per_sample_grad_norms()
+    assert analysed == [0, 2], analysed
+
+
+def test_a_structure_that_follows_the_data_is_analysed_on_every_forward(monkeypatch):
     """A forward whose number of ops changes on every step (a loop as long as a flag says): each
     new count of autograd nodes has the next forward analysed, and once the signature has shown
     more than ``SumCheck.COUNTS`` counts every forward of it is; every step exact against the
     loop."""
-    from gradhooks.core.recorder import placement
 
     class Loop(Switch):
         def forward(self, x):
@@ -249,26 +270,16 @@ def test_a_structure_that_follows_the_data_is_analysed_on_every_forward():
                 h = torch.tanh(h)
             return self.b(h)
 
-    analysed = []
-    original = placement.Provenance
-
-    class Counted(original):
-        def __init__(self, *a, **k):
-            analysed.append(step)
-            super().__init__(*a, **k)
-
-    model = Loop()
-    model.double()
+    analysed, now = _analyses(monkeypatch)
+    model = Loop().double()
     steps = 3 * SumCheck.COUNTS
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(placement, "Provenance", Counted)
-        with gradhooks.attach(model) as gh:
-            for step in range(steps):
-                model.mix = step
-                x, y = _step(model, 3, step, torch.float64)
-                twin = copy.deepcopy(model)  # (its forwards are no calls of the hooked model)
-                assert_close_to_loop(gh.per_sample_grads(),
-                                     loop_grads(twin, F.cross_entropy, x, y), torch.float64)
+    with gradhooks.attach(model) as gh:
+        for now[0] in range(steps):
+            model.mix = now[0]
+            x, y = _step(model, 3, now[0], torch.float64)
+            twin = copy.deepcopy(model)  # (its forwards are no calls of the hooked model)
+            assert_close_to_loop(gh.per_sample_grads(),
+                                 loop_grads(twin, F.cross_entropy, x, y), torch.float64)
     # (planned forwards 1, 3, ..., 2 COUNTS + 1 show new counts; after the last, all analysed)
     n = SumCheck.COUNTS
     assert analysed == list(range(0, 2 * n + 1, 2)) + list(range(2 * n + 2, steps)), analysed

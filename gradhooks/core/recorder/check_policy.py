@@ -27,7 +27,9 @@ class SumCheck:
     structure (a branch on a flag, on a tensor's value, a parameter used outside its module
     from this step): the batch's reads then run the sum check, ``backward()`` computes the
     parameter gradients for it and the sample check through the batched graph runs
-    (:attr:`changed`), and the signature's next forward is analysed (:meth:`forward_due`).
+    (:attr:`changed`), the signature's next forward is analysed (:meth:`forward_due`), and where
+    the count differs from earlier planned forwards' the placement checks the forward alone
+    (:func:`~gradhooks.core.recorder.placement.verify_changed`).
     A branch that keeps the count (another op for one) is left to the schedule. A signature
     that has shown more than :attr:`COUNTS` counts (its structure follows the data) is analysed
     on every forward instead.
@@ -89,21 +91,25 @@ class SumCheck:
         """A forward of ``signature`` that follows its plan (not analysed) starts."""
         self._running = (signature, autograd_nodes_made()) if torch.is_grad_enabled() else None
 
-    def untracked_end(self, completed: bool) -> None:
+    def untracked_end(self, completed: bool) -> bool:
         """That forward returned (``completed``) or raised: a count of autograd nodes its
         signature has not shown sets :attr:`changed` and has the signature's next forward
         analysed. (An analysed forward makes nodes of its own, so the first planned forward's
-        count is new too: it is checked, and the forward after it analysed.)"""
+        count is new too: it is checked, and the forward after it analysed.) Returns whether
+        the count differs from those of the signature's earlier planned forwards (not the
+        first's): a structure that changed."""
         running, self._running = self._running, None
         if not completed or running is None or not torch.is_grad_enabled():
-            return
+            return False
         signature, start = running
         nodes = autograd_nodes_made() - start
         seen = self._nodes.setdefault(signature, set())
-        if nodes not in seen:
-            seen.add(nodes)
-            self._recount.add(signature)
-            self.changed = True
+        if nodes in seen:
+            return False
+        seen.add(nodes)
+        self._recount.add(signature)
+        self.changed = True
+        return len(seen) > 1
 
     def passed(self, structure: tuple, drive_key: Optional[tuple]) -> None:
         """Remember that the check of ``structure`` (reached by ``drive_key``'s backward, if

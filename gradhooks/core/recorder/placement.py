@@ -264,7 +264,8 @@ class Placement:
         if prov is None:
             self.plan = None
             self.mixing.untracked_end(completed)
-            self.recorder.sum_check.untracked_end(completed)
+            if self.recorder.sum_check.untracked_end(completed):
+                verify_changed(self, call)
             return
         prov.depth -= 1
         if prov.depth:
@@ -540,3 +541,26 @@ def verify_unproven(placement: Placement, prov: Provenance, call: Optional[tuple
     else:
         prov.mixing.extend((UNPROVEN, f"{what}. The check of the forward alone: {why}")
                            for _, what in prov.unproven.values())
+
+
+def verify_changed(placement: Placement, call: Optional[tuple]) -> None:
+    """At the end of a planned forward whose count of autograd nodes differs from its input
+    signature's earlier planned forwards' (a branch taken:
+    :meth:`~gradhooks.core.recorder.check_policy.SumCheck.untracked_end`): the check of the
+    forward alone (:func:`~gradhooks.core.analysis.alone.forward_alone`) on it, so that a branch
+    that mixes the samples is refused at this batch's reads (``UnprovenOpError``), also after a
+    plain ``loss.backward()``, where no sample check can run; the next forward is analysed.
+    Where no check is possible (inputs without the batch size, a forward random in eval mode)
+    the batch is left to its sum check and sample check. ``call``: ``(args, kwargs, output)``
+    of the model's forward."""
+    recorder = placement.recorder
+    if call is None or getattr(recorder, "allow_sample_mixing", False):
+        return
+    args, kwargs, output = call
+    passed, why = forward_alone(recorder.model, args, kwargs, output, placement.plan_size,
+                                0 if recorder.batch_first else 1, lambda t: None)
+    if not passed and not why.startswith("no check was possible"):
+        placement.mixing.batch.append((UNPROVEN, (
+            f"a forward of {type(recorder.model).__name__} whose structure is not its input "
+            f"signature's earlier ones (a branch taken: it ran another number of "
+            f"differentiable ops). The check of the forward alone: {why}")))
