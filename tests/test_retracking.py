@@ -283,3 +283,40 @@ def test_a_structure_that_follows_the_data_is_analysed_on_every_forward(monkeypa
     # (planned forwards 1, 3, ..., 2 COUNTS + 1 show new counts; after the last, all analysed)
     n = SumCheck.COUNTS
     assert analysed == list(range(0, 2 * n + 1, 2)) + list(range(2 * n + 2, steps)), analysed
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_a_changed_forward_with_input_statistics_is_refused_unless_allowed(dtype):
+    """A forward that centres its raw inputs over the batch (exact: the statistic does not
+    reach a parameter) and takes another branch on a later planned forward: the check of that
+    forward alone cannot tell the statistic from mixing, so it is refused there, naming the way
+    out; ``allow_sample_mixing=True`` accepts it, exact against the loop."""
+
+    class Centred(Switch):
+        def forward(self, x):
+            h = self.a(x - x.mean(0, keepdim=True))
+            return self.b(torch.tanh(h) if self.mix else h)
+
+    for allowed in (False, True):
+        model = Centred().to(dtype)
+        with gradhooks.attach(model, allow_sample_mixing=allowed) as gh:
+            for step in range(5):
+                model.mix = step == 4
+                x, y = _step(model, 3, step, dtype)
+                if step == 4 and not allowed:
+                    with pytest.raises(gradhooks.UnprovenOpError,
+                                       match=r"raw inputs.*allow_sample_mixing=True"):
+                        gh.per_sample_grads()
+                    continue
+                twin = copy.deepcopy(model)
+                ours = gh.per_sample_grads()
+                for n in range(3):  # (each sample's loss with the batch's centring)
+                    twin.zero_grad()
+                    mean = x.mean(0, keepdim=True)
+                    h = twin.a(x[n:n + 1] - mean)
+                    out = twin.b(torch.tanh(h) if model.mix else h)
+                    F.cross_entropy(out, y[n:n + 1]).backward()
+                    for name, p in twin.named_parameters():
+                        torch.testing.assert_close(ours[name][n], p.grad, **(
+                            dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else
+                            dict(rtol=1e-4, atol=1e-6)))

@@ -563,4 +563,6 @@ def verify_changed(placement: Placement, call: Optional[tuple]) -> None:
         placement.mixing.batch.append((UNPROVEN, (
             f"a forward of {type(recorder.model).__name__} whose structure is not its input "
             f"signature's earlier ones (a branch taken: it ran another number of "
-            f"differentiable ops). The check of the forward alone: {why}")))
+            f"differentiable ops). The check of the forward alone: {why}. (A forward that "
+            f"also reads statistics of its raw inputs or detached ones, which are exact, "
+            f"fails this check too: attach(..., allow_sample_mixing=True) accepts it)")))
