@@ -104,8 +104,8 @@ class ReplayMismatchError(GradientMismatchError):
     through its batched call on the recorded inputs, or that call run again does not give the
     output the forward gave (:mod:`gradhooks.rules.fallback_replay`).
 
-    Checked on every read of each replayed module, whatever ``check`` says (``check=False`` skips only the sum check); skipped only with
-    ``attach(..., unsafe_skip_replay_check=True)``. The message names the module, the
+    Checked on every read of each replayed module, whatever ``check`` says (``check=False``
+    skips only the sum check); skipped only with ``attach(..., unsafe_skip_replay_check=True)``. The message names the module, the
     parameter, the difference and its tolerance, the likely causes (the module reads the batch
     size or statistics over the batch, keeps state between calls, or is random) and what to do.
     """

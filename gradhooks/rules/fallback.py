@@ -126,8 +126,7 @@ class FallbackRule(LayerRule):
         """Raises:
             ReplayError: neither vmap nor the loop over samples can replay the module.
             ReplayMismatchError: a replay computes something else than the module's batched
-                call
-                (:func:`~gradhooks.rules.fallback_replay.verify`).
+                call (:func:`~gradhooks.rules.fallback_replay.verify`).
             UnsupportedCallError: a random forward (dropout in training mode).
             BatchSizeError: an output the backward reached has no batch dim of size ``B``.
         """

@@ -27,13 +27,16 @@ from torch import Tensor, nn
 
 from ...base.utils import paused
 
-__all__ = ["forward_alone", "sample_rows", "largest_difference", "FORWARD_RTOL"]
+__all__ = ["forward_alone", "sample_rows", "largest_difference", "FORWARD_RTOL", "NO_CHECK"]
 
 #: Relative tolerance of :func:`forward_alone` per dtype, against the largest entry of an output:
 #: a batch of one rounds differently from the batch (float32 outputs of a 12-layer Transformer
 #: differ by about 1e-6 of their scale); an op that mixes samples changes them by far more.
 FORWARD_RTOL = {torch.float64: 1e-10, torch.float32: 1e-3, torch.bfloat16: 5e-2,
                 torch.float16: 5e-2}
+
+#: How :func:`forward_alone`'s reason starts where no check was possible (not a difference found).
+NO_CHECK = "no check was possible"
 
 Batch = Union[Tensor, Sequence[Tensor]]
 
@@ -120,7 +123,7 @@ def forward_alone(model: nn.Module, args: tuple, kwargs: dict, output, size: int
         if t.dim() > d and t.shape[d] == size:
             outs.append((i, d))
     if not outs:
-        return False, ("no check was possible: the model's output has no tensor with the batch "
+        return False, (f"{NO_CHECK}: the model's output has no tensor with the batch "
                        "on a dim gradhooks could follow")
     modes = [(m, m.training) for m in model.modules()]
     training = model.training
@@ -134,7 +137,7 @@ def forward_alone(model: nn.Module, args: tuple, kwargs: dict, output, size: int
                 hit: list = []
                 a, k = _slice(args, n, size, layout, hit), _slice(kwargs, n, size, layout, hit)
                 if not hit:
-                    return False, ("no check was possible: no input of the model's forward has "
+                    return False, (f"{NO_CHECK}: no input of the model's forward has "
                                    "the batch size on its batch dim")
                 torch.default_generator.manual_seed(n)
                 alone = _tensors(model(*a, **k))
@@ -142,10 +145,10 @@ def forward_alone(model: nn.Module, args: tuple, kwargs: dict, output, size: int
                     torch.default_generator.manual_seed(1 + size)
                     again = _tensors(model(*a, **k))
                     if len(again) != len(alone) or not all(map(_same, again, alone)):
-                        return False, ("no check was possible: the forward draws random "
+                        return False, (f"{NO_CHECK}: the forward draws random "
                                        "numbers even in eval mode")
                 if len(alone) != len(batched):
-                    return False, ("no check was possible: the model returns another structure "
+                    return False, (f"{NO_CHECK}: the model returns another structure "
                                    "for one sample")
                 for i, d in outs:
                     ours, one = batched[i].narrow(d, n, 1), alone[i]
@@ -158,7 +161,7 @@ def forward_alone(model: nn.Module, args: tuple, kwargs: dict, output, size: int
                                        f"batched output {i} (max difference {diff:.3g}, largest "
                                        f"entry {scale:.3g}): the forward mixes the samples")
     except Exception as error:  # (a forward that cannot run on one sample)
-        return False, (f"no check was possible: the model's forward on one sample raised "
+        return False, (f"{NO_CHECK}: the model's forward on one sample raised "
                        f"{type(error).__name__}: {error}")
     finally:
         for m, mode in modes:

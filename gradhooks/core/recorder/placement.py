@@ -50,6 +50,7 @@ from ...base.forms import Call
 from ...base.utils import detached, flatten, is_functorch_wrapped, tensors
 from ...rules.fallback import FallbackRule
 from ..analysis import (
+    NO_CHECK,
     UNPROVEN,
     Mixing,
     Provenance,
@@ -531,7 +532,7 @@ def verify_unproven(placement: Placement, prov: Provenance, call: Optional[tuple
     verified = placement.verified.setdefault(prov.signature, set())
     if set(prov.unproven) <= verified:
         return  # (signatures tracked on every forward, a mixture of experts' routing: once)
-    passed, why = False, "no check was possible: the model's forward was not seen whole"
+    passed, why = False, f"{NO_CHECK}: the model's forward was not seen whole"
     if call is not None and not getattr(recorder, "allow_sample_mixing", False):
         args, kwargs, output = call
         passed, why = forward_alone(recorder.model, args, kwargs, output, prov.batch_size,
@@ -559,7 +560,7 @@ def verify_changed(placement: Placement, call: Optional[tuple]) -> None:
     args, kwargs, output = call
     passed, why = forward_alone(recorder.model, args, kwargs, output, placement.plan_size,
                                 0 if recorder.batch_first else 1, lambda t: None)
-    if not passed and not why.startswith("no check was possible"):
+    if not passed and not why.startswith(NO_CHECK):
         placement.mixing.batch.append((UNPROVEN, (
             f"a forward of {type(recorder.model).__name__} whose structure is not its input "
             f"signature's earlier ones (a branch taken: it ran another number of "
