@@ -13,7 +13,12 @@ Variants, timed round robin after 2 warm-up steps each, one process, medians:
   loss ops watched (a ``TorchFunctionMode``, one Python call per torch op);
 * ``plain outside``: ``F.cross_entropy(model(ids).logits ...).backward()``, not attached;
 * ``attached outside``: the same attached, then ``per_sample_grad_norms()``: the backward's
-  roots looked at (a frame walk and a graph walk per pass, a count over the logits' gradient).
+  roots looked at (a frame walk and a graph walk per pass, a count over the logits' gradient),
+  and the loss's graph after the model proven per sample (issue 38:
+  ``gradhooks.core.analysis.loss_graph``);
+* ``attached outside, graph not judged``: the same with that proof switched off (only here),
+  so that its cost is the difference of the two; the proof alone (``judge`` on the loss's
+  graph, before its backward) is also timed directly, in microseconds.
 
 The ratio of interest is attached in-forward / attached outside (the watch's cost, the rest of
 the step being the same) next to each one's ratio to its plain step.
@@ -76,8 +81,22 @@ def main() -> None:
             gh.per_sample_grad_norms()
         return run
 
+    from gradhooks.core.analysis import judge
+    from gradhooks.core.recorder.backward_pass import BackwardPass
+    judged = BackwardPass.judge_graph
+
+    def unjudged(step):
+        def run():
+            BackwardPass.judge_graph = lambda self, roots: None
+            try:
+                attached(step)()
+            finally:
+                BackwardPass.judge_graph = judged
+        return run
+
     variants = {"plain in-forward": plain(inside), "attached in-forward": attached(inside),
-                "plain outside": plain(outside), "attached outside": attached(outside)}
+                "plain outside": plain(outside), "attached outside": attached(outside),
+                "attached outside, graph not judged": unjudged(outside)}
     times = {k: [] for k in variants}
     for k, run in variants.items():
         for _ in range(2):
@@ -98,8 +117,20 @@ def main() -> None:
     print("| variant | ms | / its plain step |")
     print("|---|--:|--:|")
     for k in variants:
-        plain = med["plain " + k.split(" ", 1)[1]] if k.startswith("attached") else med[k]
+        plain = (med["plain " + k.split(" ", 1)[1].split(",")[0]] if k.startswith("attached")
+                 else med[k])
         print(f"| {k} | {med[k]:.1f} | {med[k] / plain:.2f}x |")
+    logits = hooked(ids).logits
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
+    spans, rows = gh.recorder.backward_pass.spans, torch.arange(args.batch)
+    took = []
+    for _ in range(101):
+        t0 = time.perf_counter()
+        found = judge(loss.grad_fn, spans, rows, 0)
+        took.append(time.perf_counter() - t0)
+    assert found is None, found
+    loss.backward()
+    print(f"the loss graph's proof alone: {statistics.median(took) * 1e6:.0f} us (median of 101)")
     print(f"watch cost: attached in-forward / attached outside = "
           f"{med['attached in-forward'] / med['attached outside']:.3f} "
           f"(plain in-forward / plain outside = {med['plain in-forward'] / med['plain outside']:.3f})")

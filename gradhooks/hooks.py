@@ -363,7 +363,11 @@ def attach(model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool 
             the op (:class:`SampleMixingError`; :mod:`gradhooks.readers.sample_check`).
             ``check=False`` does **not** skip it; only this switch (or
             ``allow_sample_mixing=True``) does. Its cost is two backward passes through the
-            batched graph per new structure.
+            batched graph per new structure. Where no per-sample losses exist (a plain
+            ``loss.backward()``, ``gh.backward`` of another scalar loss), the loss computed
+            after the model must prove its split from its autograd graph instead, whatever
+            this switch says (:mod:`gradhooks.core.analysis.loss_graph`; refused as
+            :class:`SampleMixingError` / :class:`UnprovenOpError` at the read).
         token_normalisation: ``"sample"`` (default): a loss whose split into per-sample terms
             its graph does not prove (anything but ``.mean()`` / ``.sum()`` of ``(B,)``
             per-sample losses: a token mean, class weights, label smoothing, a z-loss, a sum

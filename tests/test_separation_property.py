@@ -4,7 +4,8 @@ ops that mix them, in any order, between two hooked Linear layers or after a GRU
 self-attention block (applied at each position) -- with random batch sizes,
 seeds and losses (mean, sum, a scaled mean, per-sample losses summed through ``gh.backward``,
 per-sample losses that themselves pair samples after the model -- the sample check's ground,
-tests/test_sample_check.py -- and two-pass clipping's norms), and on every draw the per-sample
+tests/test_sample_check.py; under a plain ``loss.backward()``, the loss graph's,
+tests/test_loss_graph.py -- and two-pass clipping's norms), and on every draw the per-sample
 gradients are exact against a float64 loop, or the read is refused (``SampleMixingError``). A
 draw made only of ops that keep the samples apart is never refused. Derandomized: CI runs the
 same draws every time."""
@@ -26,7 +27,7 @@ DRAWS = 2000
 
 
 def _loss(kind, mixed=None):
-    if kind == "mixed_loss":  # (B,) losses whose terms pair samples, summed
+    if kind in ("mixed_loss", "plain_mixed"):  # (B,) losses whose terms pair samples, summed
         return lambda out, y: MIXED_LOSSES[mixed](out, y).sum()
     if kind == "sum":
         return lambda out, y: F.cross_entropy(out, y, reduction="sum")
@@ -47,7 +48,8 @@ def _compose(ops):
           suppress_health_check=[HealthCheck.too_slow])
 @given(picks=st.lists(st.integers(0, len(TABLE) - 1), min_size=1, max_size=3),
        batch=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2 ** 16),
-       loss=st.sampled_from(["mean", "sum", "scaled", "per_sample", "mixed_loss", "clipped"]),
+       loss=st.sampled_from(["mean", "sum", "scaled", "per_sample", "mixed_loss", "plain_mixed",
+                             "clipped"]),
        mixed=st.sampled_from(sorted(MIXED_LOSSES)),
        front=st.sampled_from(["linear", "linear", "gru", "attention"]))
 def test_random_forwards_are_exact_or_refused(picks, batch, seed, loss, mixed, front):
@@ -58,7 +60,8 @@ def test_random_forwards_are_exact_or_refused(picks, batch, seed, loss, mixed, f
     torch.manual_seed(seed)
     op = _compose([op for _, op, _ in ops])
     model = (Between(op) if front == "linear" else AfterRecurrent(front, _seq_op(op))).double()
-    reduction = "sum" if loss in ("sum", "per_sample", "mixed_loss", "clipped") else "mean"
+    reduction = ("sum" if loss in ("sum", "per_sample", "mixed_loss", "plain_mixed", "clipped")
+                 else "mean")
     loss_fn = _loss(loss, mixed)
     try:
         ref = loop_grads(model, loss_fn, x, y)
@@ -83,7 +86,7 @@ def test_random_forwards_are_exact_or_refused(picks, batch, seed, loss, mixed, f
         except (gradhooks.SampleMixingError, gradhooks.UnsupportedLossError) as error:
             # (a mixing op that zeroes rows of the output's gradient: the loss split's counts
             # then differ, and the read refuses the loss; never a draw without a mixing op)
-            assert loss == "mixed_loss" or any(mixes for _, _, mixes in ops), (
+            assert loss in ("mixed_loss", "plain_mixed") or any(mixes for _, _, mixes in ops), (
                 f"a forward of ops that keep the samples apart was refused: "
                 f"{[name for name, _, _ in ops]}: {error}")
             return

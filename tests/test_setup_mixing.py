@@ -57,7 +57,12 @@ def test_loss_that_mixes_samples_is_caught_by_the_spot_check():
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 5)).double()
     x = torch.randn(6, 4, dtype=torch.float64)
-    with gradhooks.attach(model) as gh:
+    with gradhooks.attach(model) as gh:  # (the loss's graph refuses it first: test_loss_graph)
+        _info_nce(model(x), None).backward()
+        with pytest.raises(gradhooks.SampleMixingError, match="MmBackward"):
+            gh.check_samples(lambda out, y: F.cross_entropy(out, y), x,
+                             torch.zeros(6, dtype=torch.long), samples=6)
+    with gradhooks.attach(model, allow_sample_mixing=True) as gh:  # (accepted: the spot check)
         _info_nce(model(x), None).backward()
         with pytest.raises(gradhooks.GradientMismatchError, match="mixes the samples"):
             gh.check_samples(lambda out, y: F.cross_entropy(out, y), x,

@@ -109,6 +109,19 @@ def _nodes():
     yield x[torch.tensor([0, 2])].grad_fn
     yield w.transpose(-2, -1).grad_fn
     yield w[1].grad_fn
+    yield x.sum(1, keepdim=True).grad_fn
+    yield x.logsumexp(1).grad_fn
+    yield x.softmax(1).grad_fn
+    yield x.flip(0).grad_fn
+    yield w.permute(2, 0, 1).grad_fn
+    yield x[:, 1:].grad_fn
+    yield x.gather(1, y[:, None]).grad_fn
+    yield x.split(2)[0].grad_fn
+    yield torch.cat([x, x]).grad_fn
+    yield torch.stack([x, x]).grad_fn
+    yield F.binary_cross_entropy_with_logits(x, torch.zeros(4, 3)).grad_fn
+    yield F.layer_norm(x, (3,)).grad_fn
+    yield F.batch_norm(x, None, None, training=True).grad_fn
 
 
 def test_saved_attributes():

@@ -180,6 +180,20 @@ SAVED: Dict[str, Tuple[str, ...]] = {
     "IndexBackward0": ("indices",),
     "TransposeBackward0": ("dim0", "dim1"),
     "SelectBackward0": ("dim", "index"),
+    # the loss graph's table (core.analysis.loss_graph; a node whose value is gone is refused)
+    "SumBackward1": ("dim", "keepdim"),
+    "LogsumexpBackward0": ("dim", "keepdim"),
+    "SoftmaxBackward0": ("dim",),
+    "FlipBackward0": ("dims",),
+    "PermuteBackward0": ("dims",),
+    "SliceBackward0": ("dim", "start", "end", "step"),
+    "GatherBackward0": ("dim",),
+    "SplitBackward0": ("dim",),
+    "CatBackward0": ("dim",),
+    "StackBackward0": ("dim",),
+    "BinaryCrossEntropyWithLogitsBackward0": ("reduction",),
+    "NativeLayerNormBackward0": ("normalized_shape",),
+    "NativeBatchNormBackward0": ("training",),
 }
 
 #: Private attributes of torch objects read or written by name (object: attributes; the
@@ -190,7 +204,7 @@ SAVED: Dict[str, Tuple[str, ...]] = {
 PRIVATE_ATTRIBUTES: Dict[str, Tuple[str, ...]] = {
     "nn.Module": ("_parameters", "_buffers"),
     "Tensor": ("_version", "_is_view", "_backward_hooks", "_post_accumulate_grad_hooks"),
-    "Node": ("_sequence_nr",),
+    "Node": ("_sequence_nr", "_input_metadata"),
     "UntypedStorage": ("_cdata",),
     "OptimizedModule": ("_orig_mod",),
 }

@@ -80,6 +80,21 @@ class SampleCheck:
     def __init__(self, recorder, key: tuple, rows: List[int], ref: Dict[int, Tensor], what: str):
         self.recorder, self.key, self.rows, self.ref, self.what = recorder, key, rows, ref, what
 
+    @staticmethod
+    def form(recorder, root, gradient: Optional[Tensor], samples: int) -> Optional[tuple]:
+        """``(node, what)`` where ``root`` holds per-sample losses the check can mask: ``(N,)``
+        losses (``node`` ``None``), or a 0-dim mean / sum of them (its reduction's node, from
+        :func:`~gradhooks.core.analysis.split_of`); ``None`` where it holds none."""
+        if not isinstance(root, Tensor) or root.grad_fn is None or not samples:
+            return None
+        if root.dim() == 1 and root.shape[0] == samples:
+            return None, "losses"
+        if root.dim() == 0 and gradient is None:
+            split = split_of(root.grad_fn, samples, recorder.grad_scaler is not None)
+            if split is not None and split.proven and split.node is not None:
+                return split.node, split.what
+        return None
+
     @classmethod
     def before(cls, recorder, root: Tensor, gradient: Optional[Tensor], samples: int
                ) -> Optional["SampleCheck"]:
@@ -96,16 +111,10 @@ class SampleCheck:
                 or recorder.options.get("allow_batchnorm_train")
                 or _distributed() or not isinstance(root, Tensor) or root.grad_fn is None):
             return None
-        node = None
-        if root.dim() == 1 and root.shape[0] == samples:
-            form = "losses"
-        elif root.dim() == 0 and gradient is None:
-            split = split_of(root.grad_fn, samples, recorder.grad_scaler is not None)
-            if split is None or not split.proven or split.node is None:
-                return None
-            node, form = split.node, split.what
-        else:
+        found = cls.form(recorder, root, gradient, samples)
+        if found is None:
             return None
+        node, form = found
         key = (recorder.placement.signature, form, type(root.grad_fn).__name__,
                recorder.reads.groups(_READ) is not None)
         recorder.sample_checks += 1

@@ -59,14 +59,21 @@ def judged_backward(recorder, loss: Tensor, gradient: Optional[Tensor],
     split is not proven (``recorder``: the :class:`~gradhooks.core.recorder.capture.Recorder`).
 
     Where the loss holds per-sample losses, the sample check through the batched graph
-    (:class:`~gradhooks.readers.sample_check.SampleCheck`) is taken around the pass.
+    (:class:`~gradhooks.readers.sample_check.SampleCheck`) is taken around the pass; where it
+    holds none, the loss's graph after the model must prove its split
+    (:mod:`gradhooks.core.analysis.loss_graph`), or the batch's reads refuse it.
 
     Raises:
         UnsupportedLossError: as :func:`check_backward_loss`.
         SampleMixingError: the sample check failed: the forward or the loss pairs samples."""
     split = check_backward_loss(loss, recorder, gradient)
     recorder.reads.see_scale(loss_scale_of(loss))
-    check = SampleCheck.before(recorder, loss, gradient, recorder.reads.samples())
+    samples = recorder.reads.samples()
+    check = SampleCheck.before(recorder, loss, gradient, samples)
+    # the loss's graph proves its split where it holds no per-sample losses; where it does, an
+    # op it shows to pair samples is refused too, whatever the sample check's two rows show
+    checked = SampleCheck.form(recorder, loss, gradient, samples) is not None
+    recorder.backward_pass.judge_graph((loss,), mixing_only=checked)
     with recorder.backward_pass.expecting(split):
         recorder.drive(loss, gradient, retain_graph)
     if check is not None:

@@ -5,6 +5,7 @@ Where the batch dim of every tensor derived from the batch is (``provenance``, t
 ``rows``), whether an op keeps the samples apart (``separation``'s whitelist, ``mixing``: the
 ops that pair samples; ``alone``: the check of the forward alone, a sample run by itself), and
 how a loss splits into per-sample terms (``backward_losses``: the graph walk of a loss;
+``loss_graph``: a loss after the model, proven per sample from its graph;
 ``token_means``: token means over padded rows). It records nothing: the recorder
 (:mod:`gradhooks.core.recorder`) asks it and applies the answers.
 
@@ -31,6 +32,7 @@ from .backward_losses import (
     valid_rows,
 )
 from .batch_dims import Routed, relayout
+from .loss_graph import ForwardSpans, judge
 from .mixing import Mixing
 from .provenance import (
     Provenance,
@@ -45,7 +47,7 @@ from .token_means import TARGETS, check_token_normalisation, rows_mean_message
 
 __all__ = ["FORWARD_RTOL", "NO_CHECK", "forward_alone", "largest_difference", "sample_rows", "Split",
            "backward_roots", "constant_of", "flattened_logits", "ignore_index_of", "loss_of", "fixed_normaliser", "position_rows", "relayout",
-           "row_counts", "split_of", "target_counts", "valid_rows", "Routed", "Mixing",
+           "row_counts", "split_of", "target_counts", "valid_rows", "Routed", "Mixing", "ForwardSpans", "judge",
            "Provenance", "as_batch", "input_batch_dim", "meeting_cotangent", "shared_layout",
            "source_cotangent", "UNPROVEN", "TARGETS", "check_token_normalisation",
            "rows_mean_message"]

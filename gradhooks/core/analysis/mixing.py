@@ -38,8 +38,9 @@ is a batched product (``q @ k.transpose(-2, -1)`` with the batch in the broadcas
 op not recognised here is judged by the whitelist of :mod:`gradhooks.core.analysis.separation` (an
 ``einsum`` over the batch, a scatter along it, an op where the batch dim was lost, an op no rule
 knows: unproven, refused as :class:`~gradhooks.base.errors.UnprovenOpError` unless the
-forward-alone check of :mod:`gradhooks.core.analysis.alone` passed); a loss that mixes (outside the
-forward) is not seen: :meth:`~gradhooks.GradHooks.check_samples` recomputes samples alone.
+forward-alone check of :mod:`gradhooks.core.analysis.alone` passed); a loss that mixes after the
+forward is judged from its autograd graph (:mod:`gradhooks.core.analysis.loss_graph`), and its
+verdict joins the batch's here (:meth:`Mixing.loss_graph`).
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ from torch import Tensor
 from ...base.errors import GradHooksError, SampleMixingError, UnprovenOpError
 from ...base.torch_internals import getframe
 from .batch_dims import Routed
+from .loss_graph import judge
 from .separation import UNPROVEN
 from .token_means import ForwardLosses, TokenMeans
 
@@ -64,6 +66,9 @@ __all__ = ["MIXING_OPS", "mixing_op", "rows_of_others", "upstream_of", "user_lin
 #: :func:`mixing_op`'s kinds: an op whose batched output mixes the samples, a reduction over the
 #: batch (a statistic), batch normalisation with batch statistics.
 MIXES, STAT, BATCH_NORM = "mixes", "statistic", "batch_norm"
+#: The verdicts on a loss after the model (:meth:`Mixing.loss_graph`): pairs the samples, or not
+#: proven to keep them apart.
+LOSS_MIXES, LOSS_UNPROVEN = "loss_mixes", "loss_unproven"
 
 
 def _owners(names, owners=(torch, torch.Tensor)):
@@ -274,6 +279,7 @@ class Mixing:
         """A new batch: none of its forwards has mixed the samples yet."""
         self.batch: List[Tuple[str, str]] = []
         self.tokens.batch = []
+        self.again: list = []  # (loss verdict, what judges it again): Mixing.loss_graph
 
     def learned(self, signature: tuple, found, losses: Optional[ForwardLosses] = None) -> None:
         """A tracked forward of ``signature`` returned having found the mixing ops ``found``
@@ -307,6 +313,32 @@ class Mixing:
         self.signatures.clear()
         self.tokens.signatures.clear()
 
+    def loss_graph(self, found, again: Optional[tuple] = None) -> None:
+        """A backward pass's loss, computed after the model, whose split into per-sample terms
+        its graph does not prove (``found``:
+        :class:`~gradhooks.core.analysis.loss_rules.Unproven`) joins the batch's verdicts.
+        ``again``: ``(root node, spans, batch dim)`` of a loss judged row by row before
+        ``sample_ids`` were declared: judged again over the samples when they are (at the
+        read)."""
+        item = (LOSS_MIXES if found.mixes else LOSS_UNPROVEN, str(found))
+        self._note([item])
+        if again is not None:
+            self.again.append((item, again))
+
+    def _judge_again(self) -> None:
+        # sample_ids declared after the backward: a loss that combines rows of one sample
+        # (a DPO pair) is proven over the samples (its graph's nodes outlive the pass).
+        ids = self._recorder.reads.declared_ids() if self.again else None
+        if ids is None:
+            return
+        for item, (node, spans, batch_dim) in self.again:
+            if item in self.batch:
+                self.batch.remove(item)
+            found = judge(node, spans, ids.cpu(), batch_dim)
+            if found is not None:
+                self._note([(LOSS_MIXES if found.mixes else LOSS_UNPROVEN, str(found))])
+        self.again = []
+
     def _note(self, found) -> None:
         for item in found:
             if item not in self.batch:
@@ -323,16 +355,21 @@ class Mixing:
         if error is not None:
             return error
         recorder = self._recorder
+        self._judge_again()
         if not self.batch or getattr(recorder, "allow_sample_mixing", False):
             return None
+        loss = [(kind, what) for kind, what in self.batch if kind in (LOSS_MIXES, LOSS_UNPROVEN)]
+        forward = [(kind, what) for kind, what in self.batch if (kind, what) not in loss]
+        if loss and not forward:  # (the forward's own verdicts first: they name its ops)
+            return _loss_refusal(read, *loss[0])
         bn = getattr(recorder, "options", {}).get("allow_batchnorm_train", False)
-        found = [what for kind, what in self.batch
+        found = [what for kind, what in forward
                  if not (kind == BATCH_NORM and bn) and kind != UNPROVEN]
-        unproven = [what for kind, what in self.batch if kind == UNPROVEN]
+        unproven = [what for kind, what in forward if kind == UNPROVEN]
         if not found and unproven:
             return _unproven(read, unproven)
         if not found:
-            return None
+            return _loss_refusal(read, *loss[0]) if loss else None
         more = f" (and {len(found) - 1} more such op(s))" if len(found) > 1 else ""
         return SampleMixingError(
             f"the forward mixes the samples of the batch: {found[0]}{more}. Each sample's "
@@ -343,6 +380,24 @@ class Mixing:
             f"meant as a constant, or pass attach(..., allow_sample_mixing=True) to accept "
             f"results that are then each sample's contribution to the batch gradient, not the "
             f"gradient of its own loss")
+
+
+def _loss_refusal(read: str, kind: str, what: str) -> GradHooksError:
+    # The refusal of a loss computed after the model whose graph does not prove its split into
+    # per-sample terms (gradhooks.core.analysis.loss_graph).
+    error = SampleMixingError if kind == LOSS_MIXES else UnprovenOpError
+    said = ("pairs or mixes the samples" if kind == LOSS_MIXES
+            else "runs an op that gradhooks cannot prove keeps the samples apart")
+    return error(
+        f"the loss computed after the model {said}: autograd node {what}. Unless the loss is "
+        f"a sum of terms each of one sample's outputs, {read} would not be the gradients of "
+        f"each sample's own loss, and the sum check cannot see it. Ways out: compute the "
+        f"per-sample losses, shape (B,) (reduction='none'; (G,) with sample_ids), and hand "
+        f"them to gh.backward(losses.sum()) (or .mean()) or gh.clipped_backward(losses, "
+        f"max_norm), whose sample check judges each sample through the batched graph "
+        f"whatever the loss's ops; pass attach(..., allow_sample_mixing=True) to accept "
+        f"results that are each sample's contribution to the batch gradient; or report the op "
+        f"to gradhooks if it keeps the samples apart")
 
 
 def _unproven(read: str, unproven: list) -> UnprovenOpError:

@@ -17,8 +17,10 @@ from torch import Tensor
 from ...base import torch_internals, utils
 from ...base.errors import GradHooksError
 from ..analysis import (
+    ForwardSpans,
     backward_roots,
     fixed_normaliser,
+    judge,
     loss_of,
     position_rows,
     row_counts,
@@ -53,6 +55,7 @@ class BackwardPass:
         self._judged = 0  # > 0: inside passes on a loss gradhooks judged itself (judged())
         self._split = None  # the pass's loss split (backward_losses.Split) awaiting its counts
         self.expected = None  # the Split gh.backward read from its loss (expecting())
+        self.spans = ForwardSpans()  # the model's forwards: where a loss's graph is judged
 
     def on_grad_output(self, record: Record, leaf: Optional[int], grads: tuple,
                        nr: int) -> None:
@@ -110,6 +113,7 @@ class BackwardPass:
                 self._split = self.expected
             else:
                 roots = backward_roots() if size else None
+                self.judge_graph(roots)
                 self._loss = found = None if roots is None else loss_of(roots, size)
                 if found is not None and found.kind == "mean" and found.node is not None:
                     tokens.rows_mean(found.what, None)  # (its rows, if counted below, replace it)
@@ -138,6 +142,29 @@ class BackwardPass:
         tokens.contradicts(found.what, found.kind, size)
         if found.kind == "mean":  # (a loss function's own mean over the B rows)
             tokens.rows_mean(found.what, size)
+
+    def judge_graph(self, roots: Optional[tuple], mixing_only: bool = False) -> None:
+        """The loss (the tensors ``roots`` of a backward pass) computed after the model: its
+        split into per-sample terms proven from its graph, or the batch's per-sample reads
+        refused (:func:`gradhooks.core.analysis.loss_graph.judge`); nothing to prove with one
+        row, or where the attachment accepts mixing. ``mixing_only``: only a node shown to
+        mix the samples is refused (per-sample losses the sample check judges)."""
+        recorder = self._recorder
+        size = recorder.batch_size
+        if (roots is None or not size or size < 2
+                or getattr(recorder, "allow_sample_mixing", False)):
+            return
+        batch_dim = 0 if recorder.batch_first else 1
+        declared = recorder.reads.declared_ids()
+        samples = torch.arange(size) if declared is None else declared.cpu()
+        for root in roots:
+            if root.grad_fn is None:
+                continue
+            found = judge(root.grad_fn, self.spans, samples, batch_dim)
+            if found is not None and (found.mixes or not mixing_only):  # (sample_ids declared later judge it again: Mixing)
+                recorder.placement.mixing.loss_graph(found, None if declared is not None else (
+                    root.grad_fn, self.spans, batch_dim))
+                return
 
     def _count(self, grad: Tensor, record: Record) -> None:
         # The pass's first hooked grad_output (the output layer's: closest to the loss) gives

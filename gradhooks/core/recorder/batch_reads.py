@@ -293,6 +293,14 @@ class BatchReads:
             return None
         return held[1].count
 
+    def declared_ids(self) -> Optional[Tensor]:
+        """``(B,)`` the sample (``0 .. G - 1``) of each row where sample_ids were declared for
+        the current batch, else ``None`` (never raises)."""
+        held = self._groups
+        if held is None or held[0] != self._recorder.batch_id:
+            return None
+        return held[1].inverse
+
     def groups(self, read: str) -> Optional[SampleGroups]:
         """The :class:`~gradhooks.base.sample_groups.SampleGroups` the read ``read`` of the current
         batch takes (:meth:`set_groups`), or ``None`` (none declared for this batch).

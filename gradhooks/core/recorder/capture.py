@@ -31,6 +31,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from ...base import utils
 from ...base._pool import BufferPool
 from ...base.utils import check_loss_reduction
 from ...rules.fallback import FALLBACK, UNVERIFIED_FALLBACK
@@ -215,6 +216,7 @@ class Recorder:
             yield
             return
         self.placement.stop()
+        self.backward_pass.spans.stop()
         self._hooks.remove()
         try:
             yield
@@ -245,6 +247,7 @@ class Recorder:
         if not self.attached:
             return
         self.placement.stop()
+        self.backward_pass.spans.stop()
         self._hooks.remove()
         self._hooks = None
         self.attachment.unsync()
@@ -303,6 +306,8 @@ class Recorder:
         # Global forward pre-hook: only the model's own forward starts anything; under
         # provenance the hooked layers whose forward runs are noted.
         if module is self.model:
+            if not utils.PAUSED:  # (the loss's graph is judged above its span)
+                self.backward_pass.spans.start()
             if self.batch_size is None:  # (a new batch: no scale seen on its loss yet)
                 self.reads.seen = None
             self._model_forward(module, args, call_kwargs())
@@ -316,6 +321,8 @@ class Recorder:
         # The model's forward returned (completed, ``call``: its args, kwargs and output) or
         # raised: the placement ends its forward.
         if module is self.model:
+            if not utils.PAUSED:  # (not a replay's call of the model)
+                self.backward_pass.spans.end(None if call is None else call[2], self.placement)
             self.placement.end_forward(completed, self.forward_id, call)
 
     def _on_any_forward(self, module: nn.Module, args, kwargs, output) -> None:

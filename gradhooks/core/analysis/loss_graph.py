@@ -1,0 +1,205 @@
+"""A loss computed after the model, proven from its autograd graph to split into per-sample terms.
+
+Per-sample gradients exist only where the batch loss is ``L = sum_n l_n(z_n) + c``, each
+sample's term a function of that sample's model output ``z_n`` alone (``c``: terms without the
+model's outputs). The forward's ops are judged while the forward runs
+(:mod:`gradhooks.core.analysis.separation`), and ``gh.backward(loss)`` checks a loss's samples
+through its batched graph (:mod:`gradhooks.readers.sample_check`). A plain
+``loss.backward()`` on a loss computed after the model shows gradhooks neither: an InfoNCE
+``F.cross_entropy(z @ z.T / t, arange(B))``, a softmax or sort over the batch, ``z - z.mean(0)``
+or ``z[:B // 2] - z[B // 2:]`` would give each sample's *contribution* to the batch gradient,
+silently. So the first hooked grad_output of such a pass walks the loss's graph from the pass's
+root (:func:`~gradhooks.core.analysis.backward_losses.backward_roots`) down to the tensors the
+model made, and proves the split there, or says which node it could not prove (:func:`judge`).
+
+The nodes walked are those made after the model's forwards (each forward's span of autograd
+sequence numbers is noted: :class:`ForwardSpans`). A node made inside a forward is a boundary:
+its output carries the batch on the dim provenance followed to the model's output (its
+signature's analysed forward), else on the one dim of size ``B`` (the declared layout's dim
+where several are; ``B * u`` rows on dim 0: ``u`` rows per sample, a ``(B * T, V)`` view);
+a 0-dim one (a loss computed in the forward, judged there) is a sum over the samples. A node
+made before the first forward, and a leaf (a parameter, an input), does not depend on the
+model's outputs, nor does a node whose inputs all do not, whatever it is. Every other node
+is judged by the table of :mod:`gradhooks.core.analysis.loss_rules`, from the model's outputs
+up to the loss: a node that pairs or mixes the samples, or that no rule proves keeps them
+apart, is the verdict.
+
+Cost: one visit per node made after the forward (a loss has some tens), per backward pass.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Deque, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ...base.torch_internals import autograd_nodes_made, is_functorch_wrapped
+from ...base.utils import tree_flatten
+from .loss_rules import LINEAR, Info, Unproven, apply, rows
+
+__all__ = ["ForwardSpans", "judge"]
+
+
+#: Autograd's sequence number of a leaf's ``AccumulateGrad`` (made outside any forward).
+_LEAF = 2 ** 64 - 1
+#: The forwards whose spans are kept (a backward pass reaches its own batch's).
+_SPANS = 256
+#: At most this many nodes made after the forward are walked; more: not proven.
+_CAP = 20000
+
+
+class ForwardSpans:
+    """The autograd sequence numbers each of the model's forwards took (this thread's counter,
+    :func:`~gradhooks.base.torch_internals.autograd_nodes_made`): a node numbered inside a span
+    was made by the model, one numbered after the last span by the loss; and the batch dim of
+    each of a forward's output tensors, as provenance followed it in its signature's analysed
+    forward (:meth:`end`)."""
+
+    def __init__(self):
+        self.spans: Deque[Tuple[int, int]] = collections.deque(maxlen=_SPANS)
+        self._open: Optional[int] = None
+        self._depth = 0  # (a model whose forward calls itself: one span)
+        #: ``{(sequence number, output_nr): batch dim}`` of recent forwards' output tensors
+        #: (``int``, ``(dim, rows per sample)``, ``None``: unknown)
+        self.outputs: Dict[Tuple[int, int], object] = {}
+        self._dims: Dict[tuple, list] = {}  # input signature -> its outputs' batch dims
+
+    def start(self) -> None:
+        """The model's forward starts."""
+        self._depth += 1
+        if self._depth == 1 and torch.is_grad_enabled():
+            try:
+                self._open = autograd_nodes_made()
+            except AttributeError:  # (inside a torch.func transform: no node is made)
+                self._open = None
+
+    def end(self, output=None, placement=None) -> None:
+        """The model's forward returned (with ``output``; ``placement``: the recorder's
+        :class:`~gradhooks.core.recorder.placement.Placement`, duck-typed: its ``provenance``
+        while an analysed forward ends, its ``signature``) or raised."""
+        self._depth = max(0, self._depth - 1)
+        if self._depth or self._open is None:
+            return
+        self.spans.append((self._open, autograd_nodes_made()))
+        self._open = None
+        if output is not None and placement is not None:
+            self._note_outputs(output, placement)
+
+    def stop(self) -> None:
+        """A forward was interrupted (detach, suspended): it ends here."""
+        self._depth = 1
+        self.end()
+
+    def _note_outputs(self, output, placement) -> None:
+        tensors = [t for t in tree_flatten(output)[0]
+                   if isinstance(t, torch.Tensor) and not is_functorch_wrapped(t)]
+        prov, key = placement.provenance, placement.signature
+        if prov is not None:
+            dims = []
+            for t in tensors:  # (only a batch dim provenance followed counts: never "none")
+                batched, _, dim = prov.look(t)
+                dims.append(dim if batched else None)
+            self._dims[key] = dims
+        dims = self._dims.get(key)
+        if len(self.outputs) > _SPANS * 8:
+            self.outputs.clear()
+        if dims is None or len(dims) != len(tensors):
+            return
+        for t, dim in zip(tensors, dims):
+            node = t.grad_fn
+            if node is not None:
+                self.outputs[(node._sequence_nr(), t.output_nr)] = dim
+
+    def made_by_model(self, seq: int) -> Optional[bool]:
+        """``True``: node ``seq`` was made inside a forward; ``False``: after the first forward
+        and outside every one (by the loss); ``None``: before the first one kept, or a leaf."""
+        if not self.spans or seq == _LEAF or seq < self.spans[0][0]:
+            return None
+        return any(a <= seq <= b for a, b in self.spans)
+
+
+def judge(root, spans: ForwardSpans, samples: Tensor, batch_dim: int) -> Optional[Unproven]:
+    """Whether the loss whose autograd node is ``root`` splits into per-sample terms of the
+    model's outputs (module docstring).
+
+    Args:
+        root: the ``grad_fn`` of a root of the backward pass (its nodes have run: only their
+            types, saved sizes and shapes are read).
+        spans: the model's forwards (:class:`ForwardSpans`).
+        samples: ``(B,)`` int64, the sample of each row of the hooked layers' batch
+            (``arange(B)``, or the declared ``sample_ids``' groups), ``B`` > 1.
+        batch_dim: where the model's outputs carry it (0, or 1 with ``batch_first=False``).
+
+    Returns:
+        ``None`` where proven (or the root does not depend on the outputs), else the
+        :class:`Unproven` naming the first node (walked from the model's outputs up) that is not.
+    """
+    memo: Dict[object, List[Info]] = {}
+    todo = [root]
+    try:
+        while todo:
+            node = todo[-1]
+            if node in memo:
+                todo.pop()
+                continue
+            if len(memo) > _CAP:
+                raise Unproven(node.name(), f"the loss's graph has more than {_CAP} nodes "
+                                            f"after the model's forward", False)
+            where = spans.made_by_model(node._sequence_nr())
+            if where is None:
+                memo[node] = [None] * max(1, len(node._input_metadata))
+                todo.pop()
+                continue
+            if where:
+                seq = node._sequence_nr()
+                memo[node] = [_boundary(m.shape, samples, batch_dim, spans.outputs.get((seq, nr)))
+                              for nr, m in enumerate(node._input_metadata)]
+                todo.pop()
+                continue
+            waiting = [n for n, _ in node.next_functions if n is not None and n not in memo]
+            if waiting:
+                todo.extend(waiting)
+                continue
+            todo.pop()
+            ins = [(None, None) if n is None else (memo[n][nr], _shape(n, nr))
+                   for n, nr in node.next_functions]
+            if all(i is None for i, _ in ins):
+                memo[node] = [None] * max(1, len(node._input_metadata))
+            else:
+                outs = [list(m.shape) for m in node._input_metadata]
+                try:
+                    memo[node] = apply(_name(node), node, ins, outs)
+                except (AttributeError, TypeError, ValueError, IndexError, RuntimeError) as e:
+                    raise Unproven(_name(node), f"what autograd kept of it could not be read "
+                                                f"({type(e).__name__}: {e})", False) from e
+    except Unproven as found:
+        return found
+    return None
+
+
+def _shape(node, nr: int) -> Optional[list]:
+    meta = node._input_metadata
+    return list(meta[nr].shape) if nr < len(meta) else None
+
+
+def _boundary(shape, samples: Tensor, batch_dim: int, known) -> Info:
+    # A tensor the model's forward made: where provenance followed its batch dim (an output
+    # of the model); else the one dim of size B (the declared layout's where several are),
+    # or B * u rows on dim 0 (batch first); else a sum over the samples (a loss computed in the
+    # forward) or a tensor whose batch dim is not known, which only linear ops may follow.
+    shape, batch = list(shape), len(samples)
+    if isinstance(known, tuple) and len(shape) > known[0] and shape[known[0]] == batch * known[1]:
+        return rows(known[0], samples.repeat_interleave(known[1]))
+    if isinstance(known, int) and len(shape) > known and shape[known] == batch:
+        return rows(known, samples)
+    sized = [d for d, n in enumerate(shape) if n == batch]
+    if len(sized) == 1 or batch_dim in sized:
+        return rows(sized[0] if len(sized) == 1 else batch_dim, samples)
+    if not sized and batch_dim == 0 and shape and shape[0] and shape[0] % batch == 0:
+        return rows(0, samples.repeat_interleave(shape[0] // batch))
+    return LINEAR
+
+
+def _name(node) -> str:
+    return node.name().rsplit("::", 1)[-1]
