@@ -23,6 +23,7 @@ from gradhooks.core.analysis import loss_rules
 
 from conftest import assert_close_to_loop, loop_grads
 from test_mixing import _read
+from test_separation import Square
 
 C = 3
 
@@ -114,19 +115,7 @@ MIXING = [
 ]
 
 
-class _Square(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, z):
-        ctx.save_for_backward(z)
-        return z * z
-
-    @staticmethod
-    def backward(ctx, g):
-        z, = ctx.saved_tensors
-        return 2 * z * g
-
-
-MIXING.append(("custom_function", lambda z, y: _Square.apply(z).sum(), "_SquareBackward",
+MIXING.append(("custom_function", lambda z, y: Square.apply(z).sum(), "SquareBackward",
                False))
 READS = ["per_sample_grads", "norms", "clip_and_accumulate"]
 
@@ -328,7 +317,7 @@ def test_gh_backward_of_a_scalar_loss_without_per_sample_losses_is_judged_too(
 
 
 def _custom_losses(z, y):
-    return _Square.apply(z).sum(1)  # (a custom autograd.Function: its ops are not seen)
+    return Square.apply(z).sum(1)  # (a custom autograd.Function: its ops are not seen)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
@@ -337,7 +326,7 @@ def test_an_unproven_loss_is_refused_after_backward_and_checked_through_per_samp
     x, y = _data(4, dtype)
     with gradhooks.attach(model, loss_reduction="sum") as gh:
         _custom_losses(model(x), y).sum().backward()
-        with pytest.raises(gradhooks.UnprovenOpError, match="_SquareBackward"):
+        with pytest.raises(gradhooks.UnprovenOpError, match="SquareBackward"):
             gh.per_sample_grads()
     ref = loop_grads(model, lambda z, t: _custom_losses(z, t).sum(), x, y)
     with gradhooks.attach(model, loss_reduction="sum") as gh:
