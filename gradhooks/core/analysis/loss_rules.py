@@ -50,6 +50,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
+from torch.autograd.function import BackwardCFunction
 
 from ...base.torch_internals import saved
 
@@ -97,7 +98,9 @@ def apply(name: str, node, ins: list, outs: list) -> List[Info]:
 
     Raises:
         Unproven: the node mixes the samples, or no rule proves it keeps them apart."""
-    rule = _RULES.get(name.rstrip("0123456789"))
+    # (a custom autograd.Function's node is a Python class named after it: never a torch op's
+    # rule, whatever its name)
+    rule = None if isinstance(node, BackwardCFunction) else _RULES.get(name.rstrip("0123456789"))
     if rule is None:
         shape = next(s for i, s in ins if i is not None)
         _fail(name, f"an op no rule proves keeps the samples apart, on a tensor of shape "
@@ -483,7 +486,7 @@ _NONLINEAR_OPS = (
     "Atan", "Atan2", "Erf", "Erfc", "Erfinv", "Reciprocal", "Maximum", "Minimum", "Fmax",
     "Fmin", "Xlogy", "SpecialXlog1py", "Logit", "Lgamma", "Digamma", "Floor", "Ceil", "Round",
     "Trunc", "Frac", "NanToNum", "Hypot", "Celu", "Rrelu", "Prelu", "Softshrink", "Hardshrink",
-    "NativeDropout", "Sinc", "Square", "Logaddexp", "Logaddexp2", "Fmod", "Remainder",
+    "NativeDropout", "Sinc", "Logaddexp", "Logaddexp2", "Fmod", "Remainder",
     "PreluKernel", "RreluWithNoise", "Lerp")
 
 _RULES: Dict[str, Callable] = {}
