@@ -96,8 +96,8 @@ class SampleCheck:
         return None
 
     @classmethod
-    def before(cls, recorder, root: Tensor, gradient: Optional[Tensor], samples: int
-               ) -> Optional["SampleCheck"]:
+    def before(cls, recorder, root: Tensor, gradient: Optional[Tensor], samples: int,
+               found: object = "read") -> Optional["SampleCheck"]:
         """The references for the backward of ``root`` about to run, or ``None`` where the check
         is not due or not possible (no ``(N,)`` per-sample losses to mask, ``N`` = ``samples``).
 
@@ -106,12 +106,14 @@ class SampleCheck:
             root: the tensor the pass starts from: ``(N,)`` per-sample losses, or a 0-dim loss.
             gradient: the pass's gradient for ``root`` (``None``: ones / 1).
             samples: ``N``: ``B``, or ``G`` with ``sample_ids``.
+            found: :meth:`form` of ``root`` where the caller read it already (else read here).
         """
         if (not samples or samples < 2 or recorder.allow_sample_mixing or recorder.unsafe_skip_sample_check
                 or recorder.options.get("allow_batchnorm_train")
                 or _distributed() or not isinstance(root, Tensor) or root.grad_fn is None):
             return None
-        found = cls.form(recorder, root, gradient, samples)
+        if found == "read":
+            found = cls.form(recorder, root, gradient, samples)
         if found is None:
             return None
         node, form = found

@@ -69,11 +69,11 @@ def judged_backward(recorder, loss: Tensor, gradient: Optional[Tensor],
     split = check_backward_loss(loss, recorder, gradient)
     recorder.reads.see_scale(loss_scale_of(loss))
     samples = recorder.reads.samples()
-    check = SampleCheck.before(recorder, loss, gradient, samples)
+    form = SampleCheck.form(recorder, loss, gradient, samples)
+    check = SampleCheck.before(recorder, loss, gradient, samples, form)
     # the loss's graph proves its split where it holds no per-sample losses; where it does, an
     # op it shows to pair samples is refused too, whatever the sample check's two rows show
-    checked = SampleCheck.form(recorder, loss, gradient, samples) is not None
-    recorder.backward_pass.judge_graph((loss,), mixing_only=checked)
+    recorder.backward_pass.judge_graph((loss,), mixing_only=form is not None)
     with recorder.backward_pass.expecting(split):
         recorder.drive(loss, gradient, retain_graph)
     if check is not None:
