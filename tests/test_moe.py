@@ -221,6 +221,39 @@ def test_default_grouped_experts_float32_kernel(name, device):
     check(model, 3, 6, rtol=2e-4, device=device)
 
 
+def sentinel_masks(model):
+    """Turn on transformers' sentinel-row masks in every experts module (``_is_expert_parallel``:
+    the expert-ids compared with the number of experts, clamped in place, the sorted token rows
+    ``masked_fill_``-ed before the grouped product and its outputs after it), the path
+    transformers 5.17 takes on CUDA for every model: the rows must stay each sample's through
+    the masks of sorted ids."""
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    if not experts or not all(hasattr(m, "_is_expert_parallel") for m in experts):
+        pytest.skip("this transformers' grouped experts have no sentinel-row masks")
+    for m in experts:
+        m._is_expert_parallel = True
+    return model
+
+
+@pytest.mark.parametrize("b, t", [(3, 6), (1, 5), (3, 1)], ids=["B3", "B1", "T1"])
+@pytest.mark.parametrize("name", MODELS)
+def test_grouped_experts_sentinel_masks_float64(name, b, t, grouped_mm_in_float64):
+    """The default experts with the sentinel-row masks on (the GPU image's path), in float64."""
+    torch.manual_seed(0)
+    model = sentinel_masks(float64_internals(MODELS[name](experts=None)))
+    check(model.double().eval(), b, t, rtol=1e-10)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_grouped_experts_sentinel_masks_float32_kernel(name, device):
+    """The same through torch's grouped kernel in float32, on each device."""
+    torch.manual_seed(0)
+    model = sentinel_masks(MODELS[name](experts=None)).eval().to(device)
+    ids, _ = tokens(3, 6)
+    assert zoo_imports.routing_margin(model, ids.to(device)) > 1e-5
+    check(model, 3, 6, rtol=2e-4, device=device)
+
+
 class MoEBlockModel(nn.Module):
     """Embedding -> transformers' Mixtral sparse MoE block (router + grouped experts) -> Linear:
     the block on its own, so that batch sizes the full decoder does not take (B = 0) run."""

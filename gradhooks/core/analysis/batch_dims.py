@@ -147,6 +147,10 @@ _UNSQUEEZE = _functions(("unsqueeze", "unsqueeze_"), (torch, torch.Tensor))
 _REDUCE = _functions(("sum", "mean", "amax", "amin", "max", "min", "std", "var", "logsumexp",
                       "norm", "prod", "any", "all", "argmax", "argmin"), (torch, torch.Tensor))
 
+#: Comparisons (boolean masks of rows, e.g. the experts' sentinel rows): elementwise.
+_COMPARE = _functions(("eq", "ne", "lt", "le", "gt", "ge", "__eq__", "__ne__", "__lt__",
+                       "__le__", "__gt__", "__ge__", "logical_not", "logical_and",
+                       "logical_or", "isnan", "isfinite"), (torch, torch.Tensor))
 _UNBIND = _functions(("unbind",), (torch, torch.Tensor))
 _TOPK = _functions(("topk", "sort"), (torch, torch.Tensor))
 _TOPK_K = _functions(("topk",), (torch, torch.Tensor))  # (topk(x, k, dim), sort(x, dim))
@@ -190,6 +194,10 @@ def batch_dim_after(func, args, kwargs, ref: Tensor, bd, batched, out):
         joined = _joined(args, kwargs, batched, out)
         if joined is not None:
             return joined
+    if func in _TOPK and args and args[0] is ref:
+        ranked = _ranked(func, args, kwargs, ref, bd, out)
+        if ranked is not None:
+            return ranked
     if isinstance(bd, Routed):
         return _routed_after(func, args, kwargs, ref, bd, batched, out)
     if isinstance(bd, tuple):  # a merged batch: its dim moves as a dim does
@@ -353,6 +361,29 @@ def _gathered(ref: Tensor, bd, index, out) -> "Routed | None":
     return Routed(first // inner, first, ref.shape[0] // inner)
 
 
+def _ranked(func, args, kwargs, ref: Tensor, bd, out) -> "list | None":
+    # sort / topk of a 1-D batch along it (the B * inner rows of a merged batch, or routed
+    # rows: transformers' grouped experts sort the token-expert pairs' expert ids): values[r] =
+    # ref[indices[r]], so both outputs hold, row r, a row of the sample of row indices[r] (the
+    # rows a gather by ``indices`` would give; a sort along the batch of rows that carry a
+    # gradient is still judged by the whitelist).
+    inner = bd[1] if isinstance(bd, tuple) and bd[0] == 0 else 1 if bd == 0 else None
+    if (ref.dim() != 1 or not isinstance(out, (tuple, list)) or len(out) != 2
+            or not isinstance(out[1], Tensor) or out[1].dim() != 1
+            or (inner is None and not isinstance(bd, Routed))):
+        return None
+    dim = kwargs.get("dim", args[2 if func in _TOPK_K else 1] if len(args) > (
+        2 if func in _TOPK_K else 1) else -1)
+    if not isinstance(dim, int):  # (1-D: any dim is the batch's)
+        return None
+    order = out[1]
+    if isinstance(bd, Routed):
+        routed = Routed(bd.samples[order], order, bd.size)
+    else:
+        routed = Routed(order // inner, order, ref.shape[0] // inner)
+    return [routed, routed]
+
+
 def _joined(args, kwargs, batched, out) -> "Routed | None":
     # cat along dim 0 of batches on dim 0 (B rows, or B * inner merged rows; a mixture of
     # experts' load-balancing loss joins every layer's router logits): rows of known samples.
@@ -396,8 +427,11 @@ def _routed_after(func, args, kwargs, ref: Tensor, bd: Routed, batched, out):
     if isinstance(out, Tensor):
         if out.dim() == 0 or out.shape[0] != ref.shape[0]:
             return None
-        if func in _SAME and out.dim() == nd:
+        if (func in _SAME or func in _COMPARE) and out.dim() == nd:
             return bd
+        if func in _UNSQUEEZE and args and args[0] is ref and out.dim() == nd + 1 and (
+                _args(args, kwargs, (("dim", 1),))[0] % (nd + 1)):
+            return bd  # (a new dim after the rows)
         if args and args[0] is ref and (func is F.linear and nd >= 2 or func is _GETITEM
                                         and _index_dim(nd, 0, args[1]) == 0):
             return bd

@@ -364,10 +364,10 @@ class Provenance(TorchFunctionMode):
                     if not isinstance(t, Tensor):
                         continue
                     is_b, src, bd = self.look(t)
-                    if is_b and bd is None and func is _GETITEM and a is not args[0] and not (
-                            t.is_floating_point() or t.is_complex()):
-                        is_b = False  # (an index computed from the batch with no batch dim: the
-                        # experts a batch's tokens chose; it picks rows, it is not a sample's)
+                    if is_b and (bd is None or isinstance(bd, Routed)) and func is _GETITEM and (
+                            a is not args[0] and not (t.is_floating_point() or t.is_complex())):
+                        is_b = False  # (an index computed from the batch with no batch dim, or
+                        # sorted routed rows: the experts a batch's tokens chose; it picks rows)
                     if is_b:
                         if ref is None or t.dim() > ref.dim():
                             ref, rbd = t, bd
