@@ -79,7 +79,12 @@ def fsmt():
                         decoder_attention_heads=4, encoder_ffn_dim=2 * H, decoder_ffn_dim=2 * H,
                         max_position_embeddings=T + 4, dropout=0.0, attention_dropout=0.0,
                         activation_dropout=0.0)
-    return TokensToLogits(tr.FSMTForConditionalGeneration(cfg), decoder=True), "tokens"
+    model = TokensToLogits(tr.FSMTForConditionalGeneration(cfg), decoder=True)
+    positions = model.eval()(torch.ones(1, T, dtype=torch.long)).shape[1]
+    if positions != T:  # (use_cache=False instead breaks later versions' FSMT in float64)
+        pytest.skip(f"transformers {tr.__version__}'s FSMT in eval mode, its cache on, returns "
+                    f"{positions} of {T} positions' logits (5.17 does, on the GPU image)")
+    return model, "tokens"
 
 
 def bart():
