@@ -201,6 +201,10 @@ MIXES = {
     "h+h[0]": (lambda h: h + h[0], "getitem"),
     "h+h[:1]": (lambda h: h * h[:1], "getitem"),
     "h+h[perm]": (lambda h: h + h[_PERM(h)], "getitem|rows gathered"),
+    "h*sorted_detached": (lambda h: h * h.detach().sum(1).sort().values[:, None],
+                          "sorted from the batch"),  # (order statistics of other samples)
+    "h.masked_fill(sorted>0)": (lambda h: h.masked_fill(
+        (h.detach().sum(1).sort().values > 0)[:, None], 0.0), "sorted from the batch"),
     "h@h.T": (lambda h: torch.softmax(h @ h.T, 1) @ h, "product"),
     "h.T@h": (lambda h: h @ torch.tanh(h.T @ h), "product"),
     "unsqueezed_copies": (lambda h: (h.unsqueeze(0) * h.unsqueeze(1)).mean(1), "different dims"),

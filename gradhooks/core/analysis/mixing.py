@@ -135,9 +135,9 @@ def contraction_mixes(batched: list) -> Optional[Tuple[str, str]]:
 
 
 def rows_of_others(batched) -> Optional[Tuple[str, str]]:
-    """``(MIXES, what)`` where an op lines up rows gathered from the batch by an index
-    (:class:`~gradhooks.core.analysis.batch_dims.Routed`) with the batch's own rows (``h + h[perm]``: each
-    row meets another sample's), ``batched`` the op's ``[(tensor, batch dim)]``; else ``None``.
+    """``(MIXES, what)`` where an op lines up rows gathered from the batch by an index, or
+    sorted along it (:class:`~gradhooks.core.analysis.batch_dims.Routed`), with the batch's own
+    rows (``h + h[perm]``, ``h * s.sort().values[:, None]``: each row meets another sample's), ``batched`` the op's ``[(tensor, batch dim)]``; else ``None``.
     Rows whose samples are the batch's in order again (a routing undone) are not."""
     routed = [bd for _, bd in batched if isinstance(bd, Routed)]
     if not routed or len(routed) == len(batched):
@@ -150,8 +150,9 @@ def rows_of_others(batched) -> Optional[Tuple[str, str]]:
                                                                      else d[0]) != 0:
                 continue  # (broadcast, or the batch elsewhere: not row by row)
             if inner is None or inner != (1 if isinstance(d, int) else d[1]):
-                return (MIXES, "rows gathered from the batch by an index met other samples' "
-                               "rows (x[index] combined with x)")
+                return (MIXES, "rows gathered or sorted from the batch in a data-dependent "
+                               "order met other samples' rows (x[index] or x.sort(0) combined "
+                               "with x)")
     return None
 
 
