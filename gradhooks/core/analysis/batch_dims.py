@@ -195,7 +195,7 @@ def batch_dim_after(func, args, kwargs, ref: Tensor, bd, batched, out):
         if joined is not None:
             return joined
     if func in _TOPK and args and args[0] is ref:
-        ranked = _ranked(func, args, kwargs, ref, bd, out)
+        ranked = _ranked(ref, bd, out)
         if ranked is not None:
             return ranked
     if isinstance(bd, Routed):
@@ -361,20 +361,21 @@ def _gathered(ref: Tensor, bd, index, out) -> "Routed | None":
     return Routed(first // inner, first, ref.shape[0] // inner)
 
 
-def _ranked(func, args, kwargs, ref: Tensor, bd, out) -> "list | None":
-    # sort / topk of a 1-D batch along it (the B * inner rows of a merged batch, or routed
-    # rows: transformers' grouped experts sort the token-expert pairs' expert ids): values[r] =
-    # ref[indices[r]], so both outputs hold, row r, a row of the sample of row indices[r] (the
-    # rows a gather by ``indices`` would give; a sort along the batch of rows that carry a
-    # gradient is still judged by the whitelist).
-    inner = bd[1] if isinstance(bd, tuple) and bd[0] == 0 else 1 if bd == 0 else None
+def _row_inner(bd) -> "int | None":
+    # rows per sample of a batch on dim 0 (``B`` rows: 1; ``B * inner`` merged rows: inner)
+    return bd[1] if isinstance(bd, tuple) and bd[0] == 0 else 1 if bd == 0 else None
+
+
+def _ranked(ref: Tensor, bd, out) -> "list | None":
+    # sort / topk of a 1-D batch (along it: its one dim; the B * inner rows of a merged batch,
+    # or routed rows: transformers' grouped experts sort the token-expert pairs' expert ids):
+    # values[r] = ref[indices[r]], so both outputs hold, row r, a row of the sample of row
+    # indices[r] (the rows a gather by ``indices`` would give; a sort along the batch of rows
+    # that carry a gradient is still judged by the whitelist).
+    inner = _row_inner(bd)
     if (ref.dim() != 1 or not isinstance(out, (tuple, list)) or len(out) != 2
             or not isinstance(out[1], Tensor) or out[1].dim() != 1
             or (inner is None and not isinstance(bd, Routed))):
-        return None
-    dim = kwargs.get("dim", args[2 if func in _TOPK_K else 1] if len(args) > (
-        2 if func in _TOPK_K else 1) else -1)
-    if not isinstance(dim, int):  # (1-D: any dim is the batch's)
         return None
     order = out[1]
     if isinstance(bd, Routed):
@@ -397,7 +398,7 @@ def _joined(args, kwargs, batched, out) -> "Routed | None":
     samples = []
     for t in parts:
         bd = dims.get(id(t))
-        inner = bd[1] if isinstance(bd, tuple) and bd[0] == 0 else 1 if bd == 0 else None
+        inner = _row_inner(bd)
         if inner is None:
             return None
         samples.append(torch.arange(t.shape[0], device=t.device) // inner)

@@ -137,8 +137,9 @@ def contraction_mixes(batched: list) -> Optional[Tuple[str, str]]:
 def rows_of_others(batched) -> Optional[Tuple[str, str]]:
     """``(MIXES, what)`` where an op lines up rows gathered from the batch by an index, or
     sorted along it (:class:`~gradhooks.core.analysis.batch_dims.Routed`), with the batch's own
-    rows (``h + h[perm]``, ``h * s.sort().values[:, None]``: each row meets another sample's), ``batched`` the op's ``[(tensor, batch dim)]``; else ``None``.
-    Rows whose samples are the batch's in order again (a routing undone) are not."""
+    rows (``h + h[perm]``, ``h * s.sort().values[:, None]``: each row meets another sample's),
+    ``batched`` the op's ``[(tensor, batch dim)]``; else ``None``. Rows whose samples are the
+    batch's in order again (a routing undone) are not."""
     routed = [bd for _, bd in batched if isinstance(bd, Routed)]
     if not routed or len(routed) == len(batched):
         return None
