@@ -277,10 +277,14 @@ class MoEBlockModel(nn.Module):
 
 
 @pytest.mark.parametrize("b", [0, 1, 4], ids=["B0", "B1", "B4"])
-def test_grouped_experts_block_float64(b, grouped_mm_in_float64):
-    """The block alone, B = 0 included (every per-sample gradient ``(0, *shape)``)."""
+@pytest.mark.parametrize("masks", [False, True], ids=["no_masks", "sentinel_masks"])
+def test_grouped_experts_block_float64(b, masks, grouped_mm_in_float64):
+    """The block alone, B = 0 included (every per-sample gradient ``(0, *shape)``); with the
+    sentinel-row masks on too."""
     torch.manual_seed(0)
     model = float64_internals(MoEBlockModel()).double()
+    if masks:
+        sentinel_masks(model)
     if b:
         check(model, b, 5, rtol=1e-10)
         return
