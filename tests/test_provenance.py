@@ -497,6 +497,49 @@ def test_batch_merged_with_heads_is_followed_back_to_its_own_dim():
     assert found == [(0, 3), (1, 3), (1, 3), 1]
 
 
+def _index(x, *index):
+    return torch.Tensor.__getitem__, (x, index)
+
+
+def _cases():
+    # (func, args, batch dim of args' first tensor, expected batch dim of the output): B = 3,
+    # every other dim of size 3 too where it can be, so that no size tells
+    m, w = torch.ones(3, 3, dtype=torch.bool), torch.randn(3, 3, 3)
+    rows, cols = torch.arange(3), torch.arange(3)
+    return [
+        # x[arange(B) in place on the batch dim, others]: row p of the output is sample p's
+        (*_index(m, rows[:, None, None, None], cols[None, None, None, :]), 0, 0),
+        (*_index(m, rows, cols), 0, 0),  # (x[arange(B), labels]: one entry of each row)
+        (*_index(m.t(), cols[:, None], rows[None, :]), 1, 1),
+        (*_index(w, slice(None), rows[:, None], cols[None, :]), 1, 1),
+        (*_index(w, rows[:, None], slice(None), cols[None, :]), 0, 0),  # (not adjacent: front)
+        # not the batch's own rows in order: lost (left to the replay)
+        (*_index(m, rows.flip(0), cols), 0, None), (*_index(m, rows[:2], cols[:2]), 0, None),
+        (*_index(m, m[:, 0]), 0, None), (*_index(m, rows.double().long() * 0, cols), 0, None),
+        # ref on the right of a matmul: its batch dims and columns stay, its rows are contracted
+        (torch.matmul, (torch.randn(2, 3), w), 2, 2), (torch.matmul, (torch.randn(2, 3), w), 0, 0),
+        (torch.matmul, (torch.randn(3), w), 0, 0), (torch.matmul, (torch.randn(3, 3), w), 1, None),
+        (torch.matmul, (torch.randn(5, 1, 2, 3), w), 0, 1),
+        # a new tensor of the batched operand's shape: laid out as it is
+        (torch.Tensor.new_zeros, (m, m.shape), 1, 1), (torch.zeros_like, (w,), 2, 2),
+        (torch.Tensor.new_zeros, (m, (3,)), 0, None),
+    ]
+
+
+@pytest.mark.parametrize("i", range(len(_cases())))
+def test_batch_dim_through_own_row_indices_right_matmuls_and_new_tensors(i):
+    """Advanced indexing of the batch dim by ``arange(B)`` (transformers' padding masks:
+    ``padding_mask[batch_arange[:, None, None, None], kv_arange[None, None, None, :]]``),
+    a batched right operand of ``matmul`` (learned queries ``q @ h.transpose(1, 2)``) and
+    ``new_zeros(x.shape)`` (T5's shifted labels) keep the batch dim where it is proven; any
+    other index (a permutation, fewer rows, a mask) does not."""
+    from gradhooks.core.analysis.batch_dims import batch_dim_after
+    func, args, bd, expected = _cases()[i]
+    ref = args[1] if func is torch.matmul else args[0]
+    out = func(*args)
+    assert batch_dim_after(func, args, {}, ref, bd, [(ref, bd)], out) == expected
+
+
 def test_provenance_follows_the_batch_dim_not_the_sizes():
     """Directly on a Provenance (no model, no hooks): with T == B the batch dim after a transpose
     is the one the data flow moved it to, a (B * T, D) view merges it with the positions, and a

@@ -98,6 +98,20 @@ class LayerRule:
         """
         raise NotImplementedError
 
+    def output_dims(self, module: nn.Module, args: tuple, output, dim_of) -> list:
+        """``[(tensor, batch dim)]`` of the call's outputs whose batch dim the rule's reading of
+        the module fixes, where provenance may not have followed it through the module's own
+        ops (``dim_of(t)``: the batch dim provenance followed to the input ``t``); the batch dim
+        an int, or ``(samples, B)``: rows on dim 0, row ``r`` of sample ``samples[r]`` (int64).
+        Default: a :attr:`position_wise` layer's output keeps its input's leading dims, and
+        with them its batch dim (HF's ``Conv1D`` merges them in a view inside); else none."""
+        x = args[0] if args else None
+        if not (self.position_wise and isinstance(x, Tensor) and isinstance(output, Tensor)
+                and output.shape[:-self.feature_dims] == x.shape[:-self.feature_dims]):
+            return []
+        d = dim_of(x)
+        return [(output, d)] if isinstance(d, int) and d < x.dim() - self.feature_dims else []
+
     def internal(self, module: nn.Module, args: tuple, kwargs: dict, output) -> Optional[tuple]:
         """Optional, ``multi_io`` rules: an autograd node inside this call's graph whose input
         gradients the rule wants, so that it need not replay the call to get them.

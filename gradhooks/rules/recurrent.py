@@ -125,6 +125,21 @@ class RecurrentRule(LayerRule):
             raise unbatched_error(module, x)
         return x.shape[0 if module.batch_first else 1]
 
+    def output_dims(self, module: nn.Module, args: tuple, output, dim_of=None) -> list:
+        """The output sequence (the module's layout, or a packed sequence's rows: those of time
+        step ``t`` are the samples ``sorted_indices[:batch_sizes[t]]``) and the final states
+        ``(layers * directions, B, H)`` on dim 1, in the samples' order (torch's contract)."""
+        y, states = output
+        states = states if isinstance(states, tuple) else (states,)
+        if isinstance(y, PackedSequence):
+            pos = torch.cat([torch.arange(int(n)) for n in y.batch_sizes])
+            order = y.sorted_indices
+            rows = (pos if order is None else order.cpu()[pos]).to(y.data.device)
+            return [(y.data, (rows, int(y.batch_sizes[0])))] + [(h, 1) for h in states]
+        if y.dim() != 3:  # (unbatched)
+            return []
+        return [(y, 0 if module.batch_first else 1)] + [(h, 1) for h in states]
+
     def internal(self, module: nn.Module, args: tuple, kwargs: dict, output) -> Optional[tuple]:
         """Records the call's output sequence (no autograd node): it is the last layer's
         states ``h_t``, which the rule then need not replay with torch's kernel. Kept with its

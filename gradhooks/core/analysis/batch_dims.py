@@ -24,41 +24,10 @@ from torch import Tensor
 from ...base import torch_internals
 from ...base.segments import per_key_rows
 from .einsum import einsum_dim
+from .indexing import Routed, arange_index_dim, index_dim
 
 __all__ = ["relayout", "batch_dim_after", "operands", "ROW_ALIGNED", "METADATA", "JOINS", "MATMULS",
-           "RECURRENT", "Routed", "is_grouped_mm"]
-
-
-class Routed:
-    """The batch dim of rows gathered from a batch by a data-dependent index (a mixture of
-    experts' ``hidden[token_idx]``, ``weights[token_idx, slot]``): dim 0, row ``r`` of sample
-    ``samples[r]`` (int64), of a batch of ``size`` samples. ``key`` is the index tensor the rows
-    were gathered by: two operands are lined up row by row when they were gathered by the same
-    one, or when their rows' samples are equal (transformers' grouped experts gather the token
-    rows by ``perm // top_k`` and their routing weights by ``perm``: different rows, the same
-    sample for each)."""
-
-    __slots__ = ("samples", "key", "size")
-
-    def __init__(self, samples: Tensor, key: Tensor, size: int):
-        self.samples, self.key, self.size = samples, key, size
-
-    def lines_up(self, other: "Routed") -> bool:
-        """Whether ``other``'s row ``r`` belongs to the same sample as this one's, every ``r``."""
-        return other.key is self.key or (
-            other.size == self.size and other.samples.shape == self.samples.shape
-            and bool(torch.equal(other.samples, self.samples)))
-
-    def merged_inner(self) -> "int | None":
-        """``inner`` when the rows are the samples' in order, ``inner`` each (the layout of a
-        batch merged with the dims after it, ``(B * inner, ...)``: the routing undone), else
-        ``None``."""
-        rows = self.samples.shape[0]
-        if not rows or rows % self.size:
-            return None
-        inner = rows // self.size
-        order = torch.arange(rows, device=self.samples.device) // inner
-        return inner if bool(torch.equal(order, self.samples)) else None
+           "RECURRENT", "Routed", "is_grouped_mm", "recurrent_layout"]
 
 
 # Grouped matrix products (``out[r] = x[r] @ w[e(r)]``, rows ``offs[e-1] <= r < offs[e]`` of
@@ -141,6 +110,9 @@ _SAME = _functions(_ELEMENTWISE + (
     "bfloat16", "type_as", "detach", "requires_grad_"), (torch, torch.Tensor, F))
 _RESHAPE = _functions(("view", "reshape", "view_as", "reshape_as", "expand", "expand_as",
                        "flatten", "unflatten", "broadcast_to"), (torch, torch.Tensor))
+# Tensors of a batched operand's shape holding none of its values (T5's shifted labels): its layout.
+_LIKE = _functions(("new_zeros", "new_ones", "new_full", "new_empty", "zeros_like", "ones_like",
+                    "empty_like", "full_like"), (torch, torch.Tensor))
 _TRANSPOSE = _functions(("transpose", "transpose_", "swapaxes", "swapdims"), (torch, torch.Tensor))
 _PERMUTE = _functions(("permute",), (torch, torch.Tensor))
 _UNSQUEEZE = _functions(("unsqueeze", "unsqueeze_"), (torch, torch.Tensor))
@@ -215,7 +187,7 @@ def batch_dim_after(func, args, kwargs, ref: Tensor, bd, batched, out):
 
 def _dim_after(func, args, kwargs, ref: Tensor, bd: int, batched, out):
     # batch_dim_after for a batch dim of its own (``batched`` None: no meta replay)
-    if func in _SAME:
+    if func in _SAME or func in _COMPARE:
         if isinstance(out, Tensor) and out.dim() >= ref.dim():
             return bd + out.dim() - ref.dim()
     elif func in _ADDMM and len(args) > 2 and args[1] is ref and isinstance(out, Tensor):
@@ -236,8 +208,15 @@ def _dim_after(func, args, kwargs, ref: Tensor, bd: int, batched, out):
     elif func is F.multi_head_attention_forward and isinstance(out, (tuple, list)):
         if bd == 1 and ref.dim() == 3:  # ((L, B, E) in, (L, B, E) out, weights (B, L, S))
             return [1] + [0] * (len(out) - 1)
+    elif (func in MATMULS and len(args) > 1 and args[1] is ref and ref.dim() >= 2
+          and isinstance(out, Tensor) and batched is not None and len(batched) == 1):
+        nd = ref.dim()  # (ref on the right: its columns and batch dims stay; its rows contracted)
+        lead = out.dim() - (2 if args[0].dim() >= 2 else 1)  # (the output's broadcast dims)
+        return None if bd == nd - 2 else out.dim() - 1 if bd == nd - 1 else lead - nd + 2 + bd
     elif args and args[0] is ref and isinstance(out, Tensor):
         nd = ref.dim()
+        if func in _LIKE:
+            return bd if out.shape == ref.shape else None
         if func in _TRANSPOSE:
             d0, d1 = (a % nd for a in _args(args, kwargs, (("dim0", 1), ("dim1", 2))))
             return d1 if bd == d0 else d0 if bd == d1 else bd
@@ -265,8 +244,11 @@ def _dim_after(func, args, kwargs, ref: Tensor, bd: int, batched, out):
                 return out.dim() - (2 if isinstance(other, Tensor) and other.dim() >= 2 else 1)
             return bd + out.dim() - nd
         if func is _GETITEM:
-            got = _index_dim(nd, bd, args[1])
+            got = index_dim(nd, bd, args[1])
             if got is not False:
+                return got
+            got = arange_index_dim(ref, bd, args[1], out)  # (else: the meta replay)
+            if got is not None:
                 return got
         if func in _SPATIAL:  # (convolutions and pools: the batch on dim 0 of a batched input)
             return 0 if bd == 0 and out.dim() == nd and nd == _SPATIAL[func] + 2 else None
@@ -275,6 +257,8 @@ def _dim_after(func, args, kwargs, ref: Tensor, bd: int, batched, out):
             return bd if bd < nd - len(pad) // 2 or not any(pad[2 * (nd - 1 - bd):][:2]) else None
         if func is F.embedding:  # (indices (*), output (*, D))
             return bd
+        if func is F.embedding_bag:  # (bags on dim 0: (B, N) indices, or flat with offsets)
+            return 0 if bd == 0 else None
         if func is F.scaled_dot_product_attention:  # (the query's layout)
             return bd + out.dim() - nd if bd < nd - 1 else None
         if func in _REDUCE:
@@ -428,43 +412,20 @@ def _routed_after(func, args, kwargs, ref: Tensor, bd: Routed, batched, out):
     if isinstance(out, Tensor):
         if out.dim() == 0 or out.shape[0] != ref.shape[0]:
             return None
-        if (func in _SAME or func in _COMPARE) and out.dim() == nd:
-            return bd
+        if (func in _SAME or func in _COMPARE) and out.dim() == nd or func in _REDUCE and args[
+                0] is ref and _dim_after(func, args, kwargs, ref, 0, None, out) == 0:
+            return bd  # (elementwise, or reduced over other dims)
         if func in _UNSQUEEZE and args and args[0] is ref and out.dim() == nd + 1 and (
                 _args(args, kwargs, (("dim", 1),))[0] % (nd + 1)):
             return bd  # (a new dim after the rows)
         if args and args[0] is ref and (func is F.linear and nd >= 2 or func is _GETITEM
-                                        and _index_dim(nd, 0, args[1]) == 0):
+                                        and index_dim(nd, 0, args[1]) == 0):
             return bd
         return None
     if func in _PIECES and args and args[0] is ref and isinstance(out, (tuple, list)):
         d = kwargs.get("dim", args[_PIECES[func]] if len(args) > _PIECES[func] else 0) % nd
         return [bd if d != 0 and func not in _UNBIND else None] * len(out)
     return None
-
-
-def _index_dim(nd: int, bd: int, index):
-    # The batch dim after basic indexing x[index] (ints, slices, None, ...): None if an int or a
-    # partial slice takes the batch dim; False for advanced indexing (left to the meta replay).
-    index = index if isinstance(index, tuple) else (index,)
-    if any(not (i is None or i is Ellipsis or isinstance(i, slice)
-                or (isinstance(i, int) and not isinstance(i, bool))) for i in index):
-        return False
-    named = sum(1 for i in index if i is not None and i is not Ellipsis)
-    src = dst = 0
-    for i in index:
-        if i is Ellipsis:
-            skip = nd - named
-            if src <= bd < src + skip:
-                return dst + bd - src
-            src, dst = src + skip, dst + skip
-        elif i is None:
-            dst += 1
-        elif src == bd:
-            return dst if i == slice(None) else None
-        else:
-            src, dst = src + 1, dst + (isinstance(i, slice))
-    return dst + bd - src
 
 
 def _args(args, kwargs, spec):
@@ -532,6 +493,16 @@ def _on_meta(func, args, kwargs, batched, out):
             _REPLAYS.clear()
         _REPLAYS[key] = got
     return got
+
+
+def recurrent_layout(args) -> list:
+    """``[(tensor, batch dim)]`` of a recurrent kernel's input and initial states (``_VF.lstm(
+    input, hx, ..., batch_first)``): the input's dim 0 or 1 as ``batch_first`` says, the states'
+    dim 1; ``[]`` for a packed sequence's rows."""
+    if len(args) < 9 or not isinstance(args[0], Tensor) or args[0].dim() != 3:
+        return []
+    states = args[1] if isinstance(args[1], (tuple, list)) else (args[1],)
+    return [(args[0], 0 if args[8] else 1)] + [(h, 1) for h in states if isinstance(h, Tensor)]
 
 
 def _recurrent_dims(func, args, dims, out):

@@ -10,7 +10,7 @@ output is tagged as a *source*; tensors computed from sources but not from the b
 sources along.
 
 Batched tensors carry their *batch dim* too: dim 0 of the top-level inputs (with
-``batch_first=False``, dim 1 of those of 2 dims or more, torch's ``(T, B, ...)``), followed
+``batch_first=False``, dim 1 of those of 2 dims or more; a recurrent kernel's own), followed
 through each op by :func:`~gradhooks.core.analysis.batch_dims.batch_dim_after` (a transpose moves it, a view
 keeps it where the dims before it keep their product, any other op is replayed on ``meta``
 tensors whose batch dims have a size no other dim has). So where a shared tensor meets the
@@ -88,6 +88,7 @@ from .batch_dims import (
     batch_dim_after,
     is_grouped_mm,
     operands,
+    recurrent_layout,
 )
 from .mixing import (
     CONTRACTIONS,
@@ -114,9 +115,8 @@ _STAT = "_gradhooks_statistic"  # on statistics of the batch: (token, (kind, wha
 
 
 def input_batch_dim(t: Tensor, batch_dim: int) -> int:
-    """The batch dim of a top-level input under the declared layout: dim 0, or with
-    ``batch_dim == 1`` (``batch_first=False``) dim 1 of one of 2 dims or more (torch's
-    ``(T, B, ...)``)."""
+    """The batch dim of a top-level input under the declared layout: dim 0, or with ``batch_dim
+    == 1`` (``batch_first=False``) dim 1 of one of 2 dims or more (torch's ``(T, B, ...)``)."""
     return 0 if batch_dim == 0 or t.dim() < 2 else 1
 
 
@@ -136,12 +136,10 @@ def _layout_dim(how: str) -> int:
 
 def as_batch(t: Tensor, b: int, how: str) -> Tensor:
     """``t`` as ``b`` identical samples in the layout ``how`` (:func:`shared_layout`): a view."""
-    d = _layout_dim(how)
+    d, shape = _layout_dim(how), list(t.shape)
     if how.startswith("expand"):
-        shape = list(t.shape)
         shape[d] = b
         return t.expand(shape)
-    shape = list(t.shape)
     shape.insert(d, b)
     return t.unsqueeze(d).expand(shape)
 
@@ -314,6 +312,12 @@ class Provenance(TorchFunctionMode):
             sources = _union(sources, src)
         return sources
 
+    def retag(self, dims) -> None:
+        """Outputs of a hooked layer whose batch dim its rule knows (``[(tensor, dim)]``, ``dim`` an
+        int or ``(samples, B)`` of rows on dim 0: a recurrent layer's states, packed rows)."""
+        for t, d in ((t, d) for t, d in dims if self.batched(t)):
+            _set(t, (self.token, None, d if isinstance(d, int) else Routed(d[0], d[0], d[1])))
+
     def add_sources(self, outputs, sources: tuple) -> None:
         """Tag ``outputs`` (tensors a shared call computed from its module's own parameters)
         with ``sources`` (:meth:`param_sources_of`), and with the sources they carried."""
@@ -350,6 +354,8 @@ class Provenance(TorchFunctionMode):
             kwargs = {}
         if func in METADATA:
             return func(*args, **kwargs)
+        if func in RECURRENT:  # (top-level inputs a recurrent kernel reads: its layout counts)
+            self.inputs.update((id(t), d) for t, d in recurrent_layout(args) if id(t) in self.inputs)
         ref, sources, tainted = None, None, None  # ref: the batched operand of most dims
         batched = None  # [(tensor, its batch dim)]
         for group in (args, kwargs.values()):
@@ -482,7 +488,7 @@ class Provenance(TorchFunctionMode):
             return
         self.stats += 1
         for o in outs:
-            _set_stat(o, (self.token, (MIXES, what)))
+            _set(o, (self.token, (MIXES, what)), _STAT)
 
     def _statistics(self, func, batched, out) -> None:
         # A statistic of the batch in this op: one that meets a tensor carrying the batch is
@@ -509,7 +515,7 @@ class Provenance(TorchFunctionMode):
         for o in ((out,) if isinstance(out, Tensor) else out if isinstance(out, (tuple, list))
                   else ()):
             if isinstance(o, Tensor) and o.requires_grad:
-                _set_stat(o, (self.token, stat))
+                _set(o, (self.token, stat), _STAT)
 
     # -------------------------------------------------------------- where sources meet the batch
     def _split(self, func, args, kwargs, ref, bd, tainted, sources):
@@ -575,17 +581,10 @@ class Provenance(TorchFunctionMode):
         return tuple(sub(a) for a in args), {k: sub(v) for k, v in kwargs.items()}
 
 
-def _set(t: Tensor, tag) -> None:
+def _set(t: Tensor, tag, attr: str = _TAG) -> None:
     try:
-        setattr(t, _TAG, tag)
+        setattr(t, attr, tag)
     except (AttributeError, RuntimeError):  # (a tensor type without a __dict__)
-        pass
-
-
-def _set_stat(t: Tensor, tag) -> None:
-    try:
-        setattr(t, _STAT, tag)
-    except (AttributeError, RuntimeError):
         pass
 
 

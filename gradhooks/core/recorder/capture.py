@@ -315,7 +315,7 @@ class Recorder:
         elif self.placement.provenance is not None:
             layer = self.layer_of.get(id(module))
             if layer is not None:
-                self.placement.enter(layer)
+                self.placement.enter(layer, args)
 
     def _on_done(self, module: nn.Module, completed: bool = False, call=None) -> None:
         # The model's forward returned (completed, ``call``: its args, kwargs and output) or

@@ -84,6 +84,9 @@ class ForwardPass:
             if not names:
                 return
             placed = placement.place(layer, x, output, leaves, args, kwargs)
+            prov = placement.provenance
+            if placed is not None and prov is not None:  # (tracked)
+                prov.retag(rule.output_dims(module, args, output, lambda t: prov.look(t)[2]))
             swap = dims = None
             if placed is None:
                 b = rule.call_batch_size(module, args, kwargs, recorder.batch_first)

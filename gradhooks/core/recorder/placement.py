@@ -117,6 +117,16 @@ class Placed(NamedTuple):
     layout: Optional[str]
 
 
+def _read_by(prov: Provenance, layer: Layer, args: tuple, batch_first: bool) -> None:
+    # A top-level input a position-wise layer reads itself: the batch dim is where its rule
+    # reads it (with batch_first=False: dim 1 of 3 dims or more, dim 0 of a (B, D) input, which
+    # the declared layout took for a (T, B) one), so that its outputs carry the records' layout.
+    x, rule = args[0] if args else None, layer.rule
+    if isinstance(x, Tensor) and id(x) in prov.inputs and rule.position_wise and (
+            rule.feature_dims and x.dim() > rule.feature_dims):  # (not an embedding's indices)
+        prov.inputs[id(x)] = 0 if batch_first or x.dim() <= 2 else 1
+
+
 def _raw(prov: Provenance, param) -> bool:
     """Whether ``param`` is a raw parameter of a container (a source of its own, once read)."""
     info = prov.params.get(id(param))
@@ -247,10 +257,12 @@ class Placement:
         prov.depth += 1
         return True
 
-    def enter(self, layer: Layer) -> None:
-        """A hooked layer's forward starts (under tracking): its parameters read from now on
-        are read by it, not functionally by another module (:meth:`param_source`)."""
+    def enter(self, layer: Layer, args: tuple = ()) -> None:
+        """A hooked layer's forward starts (under tracking, with ``args``): its parameters read
+        from now on are read by it, not functionally by another module (:meth:`param_source`);
+        a top-level input it reads takes the batch dim its rule reads (:func:`_read_by`)."""
         self.provenance.entered.add(id(layer))
+        _read_by(self.provenance, layer, args, self.recorder.batch_first)
 
     def end_forward(self, completed: bool, forward_id: int, call: Optional[tuple] = None) -> None:
         """The model's forward ``forward_id`` returned (``completed``) or raised.

@@ -1,0 +1,99 @@
+"""Rows of a batch picked by an index (:class:`Routed`), and ``x[index]`` read by its index: where
+the batch dim goes through basic indexing and through advanced indexing by the batch's own rows
+in order (:mod:`gradhooks.core.analysis.batch_dims`)."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["Routed", "index_dim", "arange_index_dim"]
+
+
+class Routed:
+    """The batch dim of rows gathered from a batch by a data-dependent index (a mixture of
+    experts' ``hidden[token_idx]``, ``weights[token_idx, slot]``): dim 0, row ``r`` of sample
+    ``samples[r]`` (int64), of a batch of ``size`` samples. ``key`` is the index tensor the rows
+    were gathered by: two operands are lined up row by row when they were gathered by the same
+    one, or when their rows' samples are equal (transformers' grouped experts gather the token
+    rows by ``perm // top_k`` and their routing weights by ``perm``: different rows, the same
+    sample for each)."""
+
+    __slots__ = ("samples", "key", "size")
+
+    def __init__(self, samples: Tensor, key: Tensor, size: int):
+        self.samples, self.key, self.size = samples, key, size
+
+    def lines_up(self, other: "Routed") -> bool:
+        """Whether ``other``'s row ``r`` belongs to the same sample as this one's, every ``r``."""
+        return other.key is self.key or (
+            other.size == self.size and other.samples.shape == self.samples.shape
+            and bool(torch.equal(other.samples, self.samples)))
+
+    def merged_inner(self) -> "int | None":
+        """``inner`` when the rows are the samples' in order, ``inner`` each (the layout of a
+        batch merged with the dims after it, ``(B * inner, ...)``: the routing undone), else
+        ``None``."""
+        rows = self.samples.shape[0]
+        if not rows or rows % self.size:
+            return None
+        inner = rows // self.size
+        order = torch.arange(rows, device=self.samples.device) // inner
+        return inner if bool(torch.equal(order, self.samples)) else None
+
+
+def index_dim(nd: int, bd: int, index):
+    """The batch dim ``bd`` of a tensor of ``nd`` dims after basic indexing ``x[index]`` (ints,
+    slices, ``None``, ``...``): ``None`` where an int or a partial slice takes the batch dim;
+    ``False`` for advanced indexing (tensor indices: :func:`arange_index_dim`)."""
+    index = index if isinstance(index, tuple) else (index,)
+    if any(not (i is None or i is Ellipsis or isinstance(i, slice)
+                or (isinstance(i, int) and not isinstance(i, bool))) for i in index):
+        return False
+    named = sum(1 for i in index if i is not None and i is not Ellipsis)
+    src = dst = 0
+    for i in index:
+        if i is Ellipsis:
+            skip = nd - named
+            if src <= bd < src + skip:
+                return dst + bd - src
+            src, dst = src + skip, dst + skip
+        elif i is None:
+            dst += 1
+        elif src == bd:
+            return dst if i == slice(None) else None
+        else:
+            src, dst = src + 1, dst + (isinstance(i, slice))
+    return dst + bd - src
+
+
+def arange_index_dim(ref: Tensor, bd: int, index, out) -> "int | None":
+    """The batch dim of ``out = ref[index]`` where ``index`` indexes the batch dim ``bd`` (of
+    size ``B`` > 1) by the batch's own rows in order: an integer tensor holding ``arange(B)``
+    along its one dim of size ``B`` (size 1 elsewhere; transformers' masks read
+    ``padding_mask[batch_arange[:, None, None, None], kv_arange[None, None, None, :]]``), the
+    other entries full slices or integer tensors. Position ``p`` of the output along that dim
+    reads row ``p``, sample ``p``'s, whatever the other indices pick within it (``x[arange(B),
+    labels]``). The indices' broadcast shape goes where torch puts it: at the first tensor
+    index where the tensor indices are adjacent, else in front. ``None`` for any other index
+    (ints, ``None``, ``...``, masks: not proven here, the batch dim is lost)."""
+    index = index if isinstance(index, tuple) else (index,)
+    size = ref.shape[bd] if ref.dim() > bd else 0
+    if (size <= 1 or len(index) <= bd or len(index) > ref.dim() or not isinstance(out, Tensor)
+            or any(not (isinstance(i, Tensor) and not i.is_floating_point()
+                        and i.dtype is not torch.bool or i == slice(None)) for i in index)):
+        return None
+    tensors = [k for k, i in enumerate(index) if isinstance(i, Tensor)]
+    rows = index[bd]
+    if not isinstance(rows, Tensor) or rows.numel() != size or [n for n in rows.shape
+                                                                  if n != 1] != [size]:
+        return None
+    try:
+        shape = torch.broadcast_shapes(*(index[k].shape for k in tensors))
+    except RuntimeError:
+        return None
+    at = list(rows.shape).index(size) + len(shape) - rows.dim()
+    dim = at + (tensors[0] if tensors == list(range(tensors[0], tensors[-1] + 1)) else 0)
+    if out.dim() <= dim or out.shape[dim] != size or not bool(torch.equal(
+            rows.reshape(-1), torch.arange(size, device=rows.device, dtype=rows.dtype))):
+        return None
+    return dim
