@@ -268,6 +268,113 @@ def test_batch_first_false_puts_the_samples_on_dim_1(dim, mixes):
             torch.testing.assert_close(ours[n][i], p.grad, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("dim,mixes", [(0, False), (1, True)], ids=["over_time", "over_batch"])
+@pytest.mark.parametrize("kind", [nn.LSTM, nn.GRU, nn.RNN])
+def test_a_sequence_first_rnn_under_the_default_layout_has_its_own_batch_dim(kind, dim, mixes):
+    """A sequence-first RNN attached with the default ``batch_first=True``, T == B: its output's
+    batch dim is the kernel's own (dim 1), not the declared layout's dim 0 of the same size (a
+    softmax over dim 1 was judged over time and accepted, silently wrong)."""
+    torch.manual_seed(0)
+    model = kind(2, 4).double()
+    x = torch.randn(3, 3, 2, dtype=torch.float64)  # (T, B, I), T == B
+
+    def loss_fn(out):
+        return out[0].softmax(dim)[..., 0].pow(2).sum()
+
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        loss_fn(model(x)).backward()
+        if mixes:
+            with pytest.raises(gradhooks.SampleMixingError, match=r"batch dim \(1 of"):
+                gh.per_sample_grads()
+            return
+        ours = gh.per_sample_grads()
+    for i in range(3):
+        model.zero_grad()
+        loss_fn(model(x[:, i:i + 1])).backward()
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(ours[n][i], p.grad, rtol=1e-10, atol=1e-12)
+
+
+class _Lost(nn.Module):
+    """Its output's batch dim is one provenance does not follow (``repeat_interleave`` by a
+    tensor of repeats: the meta replay cannot run it), ``(B, B)``; ``transposed``: the batch
+    on dim 1."""
+
+    def __init__(self, b, transposed):
+        super().__init__()
+        self.lin, self.transposed = nn.Linear(3, b), transposed
+
+    def forward(self, x):
+        h = self.lin(x)
+        h = torch.repeat_interleave(h, torch.ones(h.shape[1], dtype=torch.long), dim=1)
+        return h.t() if self.transposed else h
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["batch_dim0", "batch_dim1"])
+@pytest.mark.parametrize("b", [1, 4], ids=["B1", "B4"])
+def test_an_output_whose_batch_dim_was_not_followed_is_not_guessed(b, transposed, dtype):
+    """Several dims of size B and no batch dim followed: the loss's split is not guessed from
+    the declared layout (dim 0: with the batch on dim 1, a softmax over the batch was accepted,
+    silently wrong); a plain backward is refused as unproven, per-sample losses through
+    ``gh.backward`` are checked through the batched graph (exact where they are per sample).
+    (With the batch on dim 1 the check of the forward alone refuses it already.)"""
+    torch.manual_seed(0)
+    model = _Lost(b, transposed).to(dtype)
+    x = torch.randn(b, 3, dtype=dtype)
+
+    def losses_of(out):
+        return out.softmax(1)[:, 0].log().neg() if not transposed else out.softmax(1)[0]
+
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        losses_of(model(x)).sum().backward()
+        if b > 1:  # (one sample: nothing to pair, exact)
+            with pytest.raises(gradhooks.UnprovenOpError, match=(
+                    "the forward alone" if transposed else "batch dim gradhooks did not follow")):
+                gh.per_sample_grads()
+    if transposed and b > 1:
+        return
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        gh.backward(losses_of(model(x)).sum())
+        ours = gh.per_sample_grads()
+    ref = loop_grads(model, lambda out, _: losses_of(out).sum(), x, torch.zeros(b))
+    assert_close_to_loop(ours, ref, dtype)
+
+
+class _Gathered(nn.Module):
+    """The model's output is rows gathered from the batch by an index that skips sample 0 and
+    reverses the others: row ``r`` belongs to sample ``index[r]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        index = torch.arange(x.shape[0] - 1, 0, -1)
+        return self.b(torch.tanh(self.a(x[index])))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_rows_gathered_from_the_batch_meet_the_loss_with_their_samples(dtype):
+    """A non-linear loss on rows gathered by an index (row r of sample index[r]) is proven
+    row by row with each row's own sample; each sample's gradient is its rows' (none: zero)."""
+    torch.manual_seed(0)
+    model = _Gathered().to(dtype)
+    x = torch.randn(4, 3, dtype=dtype)
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        model(x).softmax(1)[:, 0].log().neg().sum().backward()
+        ours = gh.per_sample_grads()
+    out = model(x)
+    params = dict(model.named_parameters())
+    for n in range(4):
+        rows = [r for r, s in enumerate(range(3, 0, -1)) if s == n]
+        loss = sum(out[r].softmax(0)[0].log().neg() for r in rows) if rows else out.sum() * 0
+        ref = torch.autograd.grad(loss, list(params.values()), retain_graph=True)
+        for (name, _), g in zip(params.items(), ref):
+            torch.testing.assert_close(ours[name][n], g, **(
+                dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else {}))
+
+
 class _WithLoss(nn.Module):
     def __init__(self):
         super().__init__()

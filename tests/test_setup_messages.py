@@ -103,7 +103,11 @@ def test_scripted_submodule_is_refused_at_attach():
         p.requires_grad_(False)
     with gradhooks.attach(model) as gh:
         x, y = _data()
-        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(model(x), y).backward()  # (provenance does not see into the scripted
+        with pytest.raises(gradhooks.UnprovenOpError, match="did not follow"):  # module's ops)
+            gh.per_sample_grads()
+    with gradhooks.attach(model) as gh:  # (per-sample losses: checked through the batched graph)
+        gh.backward(F.cross_entropy(model(x), y, reduction="none").mean())
         assert set(gh.per_sample_grads()) == {"0.weight", "0.bias"}
 
 

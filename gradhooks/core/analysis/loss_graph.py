@@ -15,9 +15,12 @@ model made, and proves the split there, or says which node it could not prove (:
 The nodes walked are those made after the model's forwards (each forward's span of autograd
 sequence numbers is noted: :class:`ForwardSpans`). A node made inside a forward is a boundary:
 its output carries the batch on the dim provenance followed to the model's output (its
-signature's analysed forward), else on the one dim of size ``B`` (the declared layout's dim
-where several are; ``B * u`` rows on dim 0: ``u`` rows per sample, a ``(B * T, V)`` view);
-a 0-dim one (a loss computed in the forward, judged there) is a sum over the samples. A node
+signature's analysed forward). Where provenance did not follow it, no dim is guessed from
+the sizes (a dim of size ``B`` may not be the batch's, and the batch may be merged, packed or
+on another dim of that size): the output is taken as a sum over the samples, as a 0-dim one is
+(a loss computed in the forward, judged there), which only linear ops may follow; a
+non-linear op on it is not proven (``UnprovenOpError``: per-sample losses handed to
+``gh.backward`` are judged by the sample check instead), not proven to mix. A node
 made before the first forward, and a leaf (a parameter, an input), does not depend on the
 model's outputs, nor does a node whose inputs all do not, whatever it is. Every other node
 is judged by the table of :mod:`gradhooks.core.analysis.loss_rules`, from the model's outputs
@@ -36,6 +39,7 @@ from torch import Tensor
 
 from ...base.torch_internals import autograd_nodes_made, is_functorch_wrapped
 from ...base.utils import tree_flatten
+from .batch_dims import Routed
 from .loss_rules import LINEAR, Info, Unproven, apply, rows
 
 __all__ = ["ForwardSpans", "judge"]
@@ -47,6 +51,17 @@ _LEAF = 2 ** 64 - 1
 _SPANS = 256
 #: At most this many nodes made after the forward are walked; more: not proven.
 _CAP = 20000
+
+
+class _Lost(str):
+    """A tensor of the forward whose batch dim provenance did not follow: taken as
+    :data:`LINEAR` (only linear ops may follow it), but a non-linear op on it is not proven to
+    mix the samples (it may be per-sample elements), only not proven to keep them apart."""
+
+
+_UNKNOWN = _Lost(LINEAR)
+_LOST = ("it reads a tensor the model's forward made whose batch dim gradhooks did not follow "
+         "there (so it is taken as a sum over the samples)")
 
 
 class ForwardSpans:
@@ -119,7 +134,7 @@ class ForwardSpans:
         return any(a <= seq <= b for a, b in self.spans)
 
 
-def judge(root, spans: ForwardSpans, samples: Tensor, batch_dim: int) -> Optional[Unproven]:
+def judge(root, spans: ForwardSpans, samples: Tensor) -> Optional[Unproven]:
     """Whether the loss whose autograd node is ``root`` splits into per-sample terms of the
     model's outputs (module docstring).
 
@@ -129,7 +144,6 @@ def judge(root, spans: ForwardSpans, samples: Tensor, batch_dim: int) -> Optiona
         spans: the model's forwards (:class:`ForwardSpans`).
         samples: ``(B,)`` int64, the sample of each row of the hooked layers' batch
             (``arange(B)``, or the declared ``sample_ids``' groups), ``B`` > 1.
-        batch_dim: where the model's outputs carry it (0, or 1 with ``batch_first=False``).
 
     Returns:
         ``None`` where proven (or the root does not depend on the outputs), else the
@@ -153,7 +167,7 @@ def judge(root, spans: ForwardSpans, samples: Tensor, batch_dim: int) -> Optiona
                 continue
             if where:
                 seq = node._sequence_nr()
-                memo[node] = [_boundary(m.shape, samples, batch_dim, spans.outputs.get((seq, nr)))
+                memo[node] = [_boundary(m.shape, samples, spans.outputs.get((seq, nr)))
                               for nr, m in enumerate(node._input_metadata)]
                 todo.pop()
                 continue
@@ -170,6 +184,9 @@ def judge(root, spans: ForwardSpans, samples: Tensor, batch_dim: int) -> Optiona
                 outs = [list(m.shape) for m in node._input_metadata]
                 try:
                     memo[node] = apply(_name(node), node, ins, outs)
+                except Unproven as e:  # (on a tensor whose batch dim was not followed: unproven)
+                    raise Unproven(e.node, f"{e.why}; but {_LOST}", False) if e.mixes and any(
+                        isinstance(i, _Lost) for i, _ in ins) else e
                 except (AttributeError, TypeError, ValueError, IndexError, RuntimeError) as e:
                     raise Unproven(_name(node), f"what autograd kept of it could not be read "
                                                 f"({type(e).__name__}: {e})", False) from e
@@ -183,22 +200,19 @@ def _shape(node, nr: int) -> Optional[list]:
     return list(meta[nr].shape) if nr < len(meta) else None
 
 
-def _boundary(shape, samples: Tensor, batch_dim: int, known) -> Info:
+def _boundary(shape, samples: Tensor, known) -> Info:
     # A tensor the model's forward made: where provenance followed its batch dim (an output
-    # of the model); else the one dim of size B (the declared layout's where several are),
-    # or B * u rows on dim 0 (batch first); else a sum over the samples (a loss computed in the
-    # forward) or a tensor whose batch dim is not known, which only linear ops may follow.
+    # of the model); else, 0-dim, a sum over the samples (a loss computed in the forward,
+    # judged there); else a tensor whose batch dim is not known: only linear ops may follow it.
     shape, batch = list(shape), len(samples)
     if isinstance(known, tuple) and len(shape) > known[0] and shape[known[0]] == batch * known[1]:
         return rows(known[0], samples.repeat_interleave(known[1]))
     if isinstance(known, int) and len(shape) > known and shape[known] == batch:
         return rows(known, samples)
-    sized = [d for d, n in enumerate(shape) if n == batch]
-    if len(sized) == 1 or batch_dim in sized:
-        return rows(sized[0] if len(sized) == 1 else batch_dim, samples)
-    if not sized and batch_dim == 0 and shape and shape[0] and shape[0] % batch == 0:
-        return rows(0, samples.repeat_interleave(shape[0] // batch))
-    return LINEAR
+    if isinstance(known, Routed) and shape and shape[0] == len(known.samples) and (
+            known.size == batch):  # (rows gathered from the batch: row r of sample samples[r])
+        return rows(0, samples[known.samples.cpu()])
+    return _UNKNOWN if shape else LINEAR
 
 
 def _name(node) -> str:

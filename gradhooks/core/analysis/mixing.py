@@ -319,7 +319,7 @@ class Mixing:
         """A backward pass's loss, computed after the model, whose split into per-sample terms
         its graph does not prove (``found``:
         :class:`~gradhooks.core.analysis.loss_rules.Unproven`) joins the batch's verdicts.
-        ``again``: ``(root node, spans, batch dim)`` of a loss judged row by row before
+        ``again``: ``(root node, spans)`` of a loss judged row by row before
         ``sample_ids`` were declared: judged again over the samples when they are (at the
         read)."""
         item = (LOSS_MIXES if found.mixes else LOSS_UNPROVEN, str(found))
@@ -333,10 +333,10 @@ class Mixing:
         ids = self._recorder.reads.declared_ids() if self.again else None
         if ids is None:
             return
-        for item, (node, spans, batch_dim) in self.again:
+        for item, (node, spans) in self.again:
             if item in self.batch:
                 self.batch.remove(item)
-            found = judge(node, spans, ids.cpu(), batch_dim)
+            found = judge(node, spans, ids.cpu())
             if found is not None:
                 self._note([(LOSS_MIXES if found.mixes else LOSS_UNPROVEN, str(found))])
         self.again = []

@@ -154,16 +154,15 @@ class BackwardPass:
         if (roots is None or not size or size < 2
                 or getattr(recorder, "allow_sample_mixing", False)):
             return
-        batch_dim = 0 if recorder.batch_first else 1
         declared = recorder.reads.declared_ids()
         samples = torch.arange(size) if declared is None else declared.cpu()
         for root in roots:
             if root.grad_fn is None:
                 continue
-            found = judge(root.grad_fn, self.spans, samples, batch_dim)
+            found = judge(root.grad_fn, self.spans, samples)
             if found is not None and (found.mixes or not mixing_only):  # (sample_ids declared later judge it again: Mixing)
                 recorder.placement.mixing.loss_graph(found, None if declared is not None else (
-                    root.grad_fn, self.spans, batch_dim))
+                    root.grad_fn, self.spans))
                 return
 
     def _count(self, grad: Tensor, record: Record) -> None:
