@@ -106,11 +106,12 @@ class LayerRule:
         Default: a :attr:`position_wise` layer's output keeps its input's leading dims, and
         with them its batch dim (HF's ``Conv1D`` merges them in a view inside); else none."""
         x = args[0] if args else None
-        if not (self.position_wise and isinstance(x, Tensor) and isinstance(output, Tensor)
-                and output.shape[:-self.feature_dims] == x.shape[:-self.feature_dims]):
+        if not (self.position_wise and isinstance(x, Tensor) and isinstance(output, Tensor)):
             return []
+        lead = x.dim() - self.feature_dims  # (an embedding's: all of its indices' dims)
         d = dim_of(x)
-        return [(output, d)] if isinstance(d, int) and d < x.dim() - self.feature_dims else []
+        return [(output, d)] if (isinstance(d, int) and d < lead
+                                 and output.shape[:lead] == x.shape[:lead]) else []
 
     def internal(self, module: nn.Module, args: tuple, kwargs: dict, output) -> Optional[tuple]:
         """Optional, ``multi_io`` rules: an autograd node inside this call's graph whose input
