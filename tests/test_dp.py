@@ -638,16 +638,16 @@ def test_parameter_used_only_outside_its_module(grad_totals):
 
 
 def test_sum_check_schedule_follows_per_sample_grads(monkeypatch):
-    """check=True: once per call structure (a structure checked by either path counts), and
-    once on the batch of the signature's first planned forward (its count of autograd nodes is
-    the signature's first: ``SumCheck.untracked_end``); check="always": every read."""
+    """check=True: once per call structure (a structure checked by either path counts; the
+    signature's first planned forward runs the analysed forward's ops: not checked again,
+    ``SumCheck.forward_end``); check="always": every read."""
     calls = []
     for fn in ("check_sums", "check_projections"):
         real = getattr(verify, fn)
         monkeypatch.setattr(verify, fn,
                             lambda *a, _real=real, **k: (calls.append(1), _real(*a, **k))[1])
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
-    for check, expected in ((True, 2 * 2), ("always", 2 * 4)):  # 2 calls per checked read
+    for check, expected in ((True, 2 * 1), ("always", 2 * 4)):  # 2 calls per checked read
         calls.clear()
         with gradhooks.attach(model, loss_reduction="sum", check=check) as gh:
             for _ in range(2):

@@ -1,18 +1,19 @@
 """A forward whose structure changes with the same input shapes (a branch on a flag, on a tensor's
 value), and a parameter used outside its module only in some steps. The forward-separation
 analysis (provenance) runs on each input signature's first forward, on the forward after one
-whose count of autograd nodes the signature had not shown (``SumCheck.untracked_end``), and on
+whose count of autograd nodes the signature had not shown (``SumCheck.forward_end``), and on
 every ``SumCheck.EVERY``-th (100th) forward of it; on every forward with
 ``attach(..., check="always")``.
 
 - A mixing op that only later forwards take is refused on the forward that first takes it
-  (the forward-alone check runs on a count that differs from the earlier planned forwards';
-  with per-sample losses the sample check through the batched graph too), and from then on on
-  every forward of the signature (the next forward is analysed; the verdict is kept: the
-  untracked forwards may take either branch).
-- The window left: the signature's first planned forward, whose count is the baseline (refused
-  from the next forward on), and branches that keep the count (the 100-forward schedule; the
-  limitations page states both); ``check="always"`` has none.
+  (the forward-alone check runs on a count that differs from the earlier planned forwards', or
+  on the signature's first planned forward, on a count of the model's ops its outputs depend
+  on that differs from the analysed forward's; with per-sample losses the sample check
+  through the batched graph too), and from then on on every forward of the signature (the
+  next forward is analysed; the verdict is kept: the untracked forwards may take either
+  branch).
+- The window left: branches that keep the count (the 100-forward schedule; the limitations
+  page states it); ``check="always"`` has none.
 - A parameter of a hooked module used outside it only in later steps is refused by the sum
   check on the step that starts the use (a changed count runs it).
 """
@@ -82,13 +83,14 @@ def test_check_always_refuses_a_branch_that_mixes_on_a_later_forward(dtype, read
 @pytest.mark.parametrize("start", [1, 5], ids=["first-planned", "later"])
 @pytest.mark.parametrize("read", ["per_sample_grads", "norms", "clip_and_accumulate"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
-def test_a_later_mixing_branch_is_refused_from_the_next_forward_on(start, read, dtype):
+def test_a_later_mixing_branch_is_refused_on_the_forward_that_takes_it(start, read, dtype):
     """Default ``check``, plain ``loss.backward()``: the branch starts at forward ``start`` (its
     autograd nodes are more). On a later planned forward the count differs from the earlier
-    planned forwards', so the forward-alone check runs on it and refuses it; on the first
-    planned forward (whose count is the baseline) the forward after it is analysed and refused.
-    Every forward after that is refused too (untracked ones, whichever branch they take); the
-    forwards before are exact against the loop. Not ``SumCheck.EVERY`` forwards later."""
+    planned forwards'; on the first planned forward (``start == 1``) the model's ops its
+    outputs depend on are more than the analysed forward's: either way the forward-alone check
+    runs on it and refuses it. Every forward after that is refused too (untracked ones,
+    whichever branch they take); the forwards before are exact against the loop. Not
+    ``SumCheck.EVERY`` forwards later."""
     model = Switch().to(dtype)
     refused = []
     with gradhooks.attach(model) as gh:
@@ -105,8 +107,7 @@ def test_a_later_mixing_branch_is_refused_from_the_next_forward_on(start, read, 
                 continue
             if step < start and read == "per_sample_grads":
                 assert_close_to_loop(ours, loop_grads(model, F.cross_entropy, x, y), dtype)
-    first = start + 1 if start == 1 else start
-    assert refused == list(range(first, start + 5)), refused
+    assert refused == list(range(start, start + 5)), refused
 
 
 @pytest.mark.parametrize("every", [SumCheck.EVERY, 4], ids=["default", "every4"])
@@ -114,8 +115,8 @@ def test_a_branch_that_keeps_the_node_count_is_refused_from_the_scheduled_forwar
         every, monkeypatch):
     """A branch that swaps one op for another (``tanh`` for a centring over the batch that makes
     as many autograd nodes: the count cannot show it) is left to the schedule: refused from the
-    signature's ``every``-th forward that followed its plan on (forward ``every + 1``: forward 2,
-    analysed after the baseline count, is not one of them)."""
+    signature's ``every``-th forward that followed its plan on (forward ``every``: forward 0
+    was analysed, and its first planned forward ran its ops, so no other was)."""
 
     class Swap(Switch):
         def forward(self, x):
@@ -135,7 +136,7 @@ def test_a_branch_that_keeps_the_node_count_is_refused_from_the_scheduled_forwar
             except gradhooks.SampleMixingError as e:
                 assert "mean" in str(e), str(e)
                 refused.append(step)
-    assert refused == [every + 1, every + 2], refused
+    assert refused == [every, every + 1, every + 2], refused
 
 
 @pytest.mark.parametrize("alone", [True, False], ids=["alone-check", "no-alone-check"])
@@ -245,16 +246,17 @@ def _analyses(monkeypatch):
     return analysed, now
 
 
-def test_a_constant_structure_is_analysed_twice(monkeypatch):
-    """A structure that never changes: its signature's first forward is analysed, and the one
-    after its first planned forward (whose count is the baseline); no other forward of 30."""
+def test_a_constant_structure_is_analysed_once(monkeypatch):
+    """A structure that never changes: its signature's first forward is analysed; its first
+    planned forward runs the same ops (its outputs' graph counted) and its count becomes the
+    baseline; no other forward of 30 is analysed."""
     analysed, now = _analyses(monkeypatch)
     model = Switch().double()
     with gradhooks.attach(model) as gh:
         for now[0] in range(30):
             _step(model, 3, now[0], torch.float64)
             gh.per_sample_grad_norms()
-    assert analysed == [0, 2], analysed
+    assert analysed == [0], analysed
 
 
 def test_a_structure_that_follows_the_data_is_analysed_on_every_forward(monkeypatch):

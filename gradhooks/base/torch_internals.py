@@ -32,7 +32,7 @@ __all__ = ["FLOOR", "RUN_ON", "SEEN_SINCE", "ENGINE_FRAME", "GLOBAL_HOOK_FLAGS",
            "VF", "OpOverload", "aten", "EMBEDDING_BAG_OPS", "getframe", "current_frames", "saved", "version",
            "is_view", "storage_handle", "own_parameters", "own_buffers", "compiled_module",
            "grad_hooks", "drop_empty_grad_hooks", "post_accumulate_grad_hooks",
-           "drop_empty_post_accumulate_grad_hooks", "autograd_nodes_made"]
+           "drop_empty_post_accumulate_grad_hooks", "autograd_nodes_made", "own", "graph_nodes"]
 
 #: The lowest torch the suite ran on (``install_requires`` in setup.cfg says the same).
 FLOOR = "2.13.0"
@@ -107,6 +107,46 @@ def autograd_nodes_made() -> int:
     is how many differentiable ops it ran, plus one. Only with grad mode on (there is no node
     otherwise)."""
     return _PROBE.view(()).grad_fn._sequence_nr()
+
+
+#: The key gradhooks sets in the ``metadata`` dict (public: ``torch.autograd.graph.Node``) of an
+#: autograd node it made itself in a forward (:func:`own`), which :func:`graph_nodes` skips.
+OWN = "gradhooks_own"
+
+
+def own(result: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``result``, a view or expand gradhooks made of ``source`` in a forward (a shared call's
+    output handed to the batch, an output aliased), with the autograd nodes between them marked
+    as gradhooks' own: not the model's ops (:func:`graph_nodes`)."""
+    node, stop = result.grad_fn, source.grad_fn
+    while node is not None and node is not stop and node.next_functions:
+        node.metadata[OWN] = True
+        node = node.next_functions[0][0]
+    return result
+
+
+def graph_nodes(tensors, span: Tuple[int, int]) -> int:
+    """How many autograd nodes numbered in ``span`` (``[start, end)`` of
+    :func:`autograd_nodes_made` readings around a forward) the graphs of ``tensors`` hold, less
+    those gradhooks made (:func:`own`): the model's differentiable ops that its outputs depend
+    on, whichever of gradhooks' forwards ran it (analysed or planned). Nodes made before the
+    span are not walked past. Cost: a Python step per node."""
+    start, end = span
+    stack = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set = set()
+    count = 0
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        number = node._sequence_nr()
+        if number < start:
+            continue
+        if number < end and OWN not in node.metadata:
+            count += 1
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return count
 
 
 def version(t: torch.Tensor) -> int:

@@ -78,6 +78,7 @@ from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
+from ...base.torch_internals import own
 from .batch_dims import (
     JOINS,
     MATMULS,
@@ -139,9 +140,9 @@ def as_batch(t: Tensor, b: int, how: str) -> Tensor:
     d, shape = _layout_dim(how), list(t.shape)
     if how.startswith("expand"):
         shape[d] = b
-        return t.expand(shape)
+        return own(t.expand(shape), t)
     shape.insert(d, b)
-    return t.unsqueeze(d).expand(shape)
+    return own(t.unsqueeze(d).expand(shape), t)
 
 
 def source_cotangent(cot: Tensor, how: str) -> Tensor:
@@ -562,10 +563,10 @@ class Provenance(TorchFunctionMode):
             if shape[ubd] == 1:  # (a merged batch: each sample's part summed over its rows)
                 full = list(shape)
                 full[ubd] = rows
-                u_b, how, d = u.reshape(shape).expand(full), "broadcast", ubd
+                u_b, how, d = own(u.reshape(shape).expand(full), u), "broadcast", ubd
                 fold = None if inner == 1 else (ubd, self.batch_size, inner)
             else:  # (direct: its B rows lined up with the batch's, on u's dim d)
-                u_b, how, d = u.view(u.shape), "rows" if direct is None else "direct", ubd - k
+                u_b, how, d = own(u.view(u.shape), u), "rows" if direct is None else "direct", ubd - k
                 fold = None
             self.noted(src, how, u_b, direct, d)
             u_b.register_hook(lambda g, e=edge, s=src, h=how, shp=tuple(u.shape),

@@ -6,7 +6,8 @@ from typing import Optional
 
 import torch
 
-from ...base.torch_internals import autograd_nodes_made
+from ...base.torch_internals import autograd_nodes_made, graph_nodes
+from ...base.utils import tensors
 
 __all__ = ["SumCheck"]
 
@@ -52,7 +53,8 @@ class SumCheck:
         self._forwards: dict = {}  # input signature -> its forwards that followed its plan
         self._nodes: dict = {}  # input signature -> autograd node counts of its planned forwards
         self._recount: set = set()  # signatures whose next forward is analysed (a new count)
-        self._running: Optional[tuple] = None  # (signature, nodes made) of the one running
+        self._ops: dict = {}  # input signature -> the model's ops in its last analysed forward
+        self._running: Optional[tuple] = None  # (signature, nodes made, analysed) of the one running
         #: This batch has a forward whose count its signature had not shown: its reads check
         #: (reset with the batch).
         self.changed = False
@@ -87,29 +89,42 @@ class SumCheck:
             drive_key not in self._drive_passed or self.changed
             or self._drives % self.EVERY == 0)))
 
-    def untracked_start(self, signature: tuple) -> None:
-        """A forward of ``signature`` that follows its plan (not analysed) starts."""
-        self._running = (signature, autograd_nodes_made()) if torch.is_grad_enabled() else None
+    def forward_start(self, signature: tuple, analysed: bool) -> None:
+        """A forward of ``signature`` starts: ``analysed`` (provenance runs: its count of the
+        model's ops is the baseline of the planned forward after it) or following its plan."""
+        self._running = ((signature, autograd_nodes_made(), analysed) if torch.is_grad_enabled()
+                         else None)
 
-    def untracked_end(self, completed: bool) -> bool:
-        """That forward returned (``completed``) or raised: a count of autograd nodes its
+    def forward_end(self, completed: bool, output=None) -> bool:
+        """That forward returned (``completed``, with ``output``) or raised. An analysed forward
+        leaves the count of the model's ops its outputs depend on
+        (:func:`~gradhooks.base.torch_internals.graph_nodes`: gradhooks' own nodes left out).
+        A planned forward is counted by all the nodes it made (one reading); a count its
         signature has not shown sets :attr:`changed` and has the signature's next forward
-        analysed. (An analysed forward makes nodes of its own, so the first planned forward's
-        count is new too: it is checked, and the forward after it analysed.) Returns whether
-        the count differs from those of the signature's earlier planned forwards (not the
-        first's): a structure that changed."""
+        analysed, except on the signature's first planned forward when it ran the analysed
+        forward's ops (its outputs' graph counted: the structure the analysis proved). Returns
+        whether the structure changed: a count that differs from those of the signature's
+        earlier planned forwards, or a first planned forward whose ops are not the analysed
+        forward's."""
         running, self._running = self._running, None
         if not completed or running is None or not torch.is_grad_enabled():
             return False
-        signature, start = running
-        nodes = autograd_nodes_made() - start
+        signature, start, analysed = running
+        span = (start, autograd_nodes_made())
+        if analysed:
+            self._ops[signature] = graph_nodes(tensors(output), span)
+            return False
+        nodes = span[1] - span[0]
         seen = self._nodes.setdefault(signature, set())
         if nodes in seen:
             return False
+        ops = None if seen else self._ops.get(signature)
         seen.add(nodes)
+        if ops is not None and graph_nodes(tensors(output), span) == ops:
+            return False
         self._recount.add(signature)
         self.changed = True
-        return len(seen) > 1
+        return len(seen) > 1 or ops is not None
 
     def passed(self, structure: tuple, drive_key: Optional[tuple]) -> None:
         """Remember that the check of ``structure`` (reached by ``drive_key``'s backward, if

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ...base import utils
 from ...base.errors import BatchSizeError, GradHooksError
 from ...base.forms import Call
+from ...base.torch_internals import own
 from ...base.utils import detached, flatten, is_functorch_wrapped, tensors
 from ...rules.fallback import FallbackRule
 from .graph import in_backward, mark, on_grad
@@ -155,7 +156,7 @@ class ForwardPass:
             # router's logits, from which it took its top-k weights) would otherwise bring that
             # use's gradient too, and the replay's vjp, which recomputes the use, would count it
             # twice.
-            leaves = [leaves[i].view_as(leaves[i]) if i in reached else t
+            leaves = [own(leaves[i].view_as(leaves[i]), leaves[i]) if i in reached else t
                       for i, t in enumerate(leaves)]
             output, aliased = tree_unflatten(leaves, spec), True
         if rule.multi_io:

@@ -231,7 +231,7 @@ class Placement:
         if isinstance(known, dict) and not recorder.sum_check.forward_due(key):  # ({}: none shared)
             self.plan, self.plan_size = known or None, first.shape[batch_dim]
             self.mixing.untracked_start(key, self.plan_size)  # (joins the batch at its end)
-            recorder.sum_check.untracked_start(key)  # (its autograd nodes counted)
+            recorder.sum_check.forward_start(key, False)  # (its autograd nodes counted)
             return
         # The top-level inputs are the batch (all of them: EmbeddingBag's offsets too); its size
         # is the first hooked call's on them (the first input's batch dim until then).
@@ -246,6 +246,7 @@ class Placement:
                           self.refuse_shared, self.on_noted, raw, self.param_source)
         prov.signature, prov.depth = key, 1
         self.provenance = prov
+        recorder.sum_check.forward_start(key, True)
         prov.__enter__()
 
     def nest(self) -> bool:
@@ -277,7 +278,7 @@ class Placement:
         if prov is None:
             self.plan = None
             self.mixing.untracked_end(completed)
-            if self.recorder.sum_check.untracked_end(completed):
+            if self.recorder.sum_check.forward_end(completed, None if call is None else call[2]):
                 verify_changed(self, call)
             return
         prov.depth -= 1
@@ -285,6 +286,7 @@ class Placement:
             return
         self.provenance = None
         prov.__exit__(None, None, None)
+        self.recorder.sum_check.forward_end(completed, None if call is None else call[2])
         if not completed:
             self.refused = {k: v for k, v in self.refused.items() if v[0].forward != forward_id}
             self.unsplit = [u for u in self.unsplit if u[0] != forward_id]
@@ -300,6 +302,7 @@ class Placement:
         the hooks)."""
         prov, self.provenance = self.provenance, None
         self.mixing.stop()
+        self.recorder.sum_check.forward_end(False)
         if prov is not None:
             prov.__exit__(None, None, None)
 
@@ -559,7 +562,7 @@ def verify_unproven(placement: Placement, prov: Provenance, call: Optional[tuple
 def verify_changed(placement: Placement, call: Optional[tuple]) -> None:
     """At the end of a planned forward whose count of autograd nodes differs from its input
     signature's earlier planned forwards' (a branch taken:
-    :meth:`~gradhooks.core.recorder.check_policy.SumCheck.untracked_end`): the check of the
+    :meth:`~gradhooks.core.recorder.check_policy.SumCheck.forward_end`): the check of the
     forward alone (:func:`~gradhooks.core.analysis.alone.forward_alone`) on it, so that a branch
     that mixes the samples is refused at this batch's reads (``UnprovenOpError``), also after a
     plain ``loss.backward()``, where no sample check can run; the next forward is analysed.
