@@ -14,6 +14,8 @@ every ``SumCheck.EVERY``-th (100th) forward of it; on every forward with
   branch).
 - The window left: branches that keep the count (the 100-forward schedule; the limitations
   page states it); ``check="always"`` has none.
+- A changed forward that the check of the forward alone cannot verify is refused after a plain
+  ``loss.backward()`` (per-sample losses through ``gh.backward``: its sample check verifies it).
 - A parameter of a hooked module used outside it only in later steps is refused by the sum
   check on the step that starts the use (a changed count runs it).
 """
@@ -149,10 +151,10 @@ def test_per_sample_losses_refuse_a_later_mixing_branch_on_its_forward(dtype, b,
     through the batched graph is due: refused on that forward (B = 1 cannot mix: exact against
     the loop). Where the forward-alone check cannot run (made so here), the sample check
     refuses it."""
-    from gradhooks.core.recorder import placement
+    from gradhooks.core.recorder import alone_checks
 
     if not alone:
-        monkeypatch.setattr(placement, "forward_alone",
+        monkeypatch.setattr(alone_checks, "forward_alone",
                             lambda *a: (False, "no check was possible: (the test)"))
     model = Switch().to(dtype)
     loss = nn.CrossEntropyLoss(reduction="none")
@@ -322,3 +324,102 @@ def test_a_changed_forward_with_input_statistics_is_refused_unless_allowed(dtype
                         torch.testing.assert_close(ours[name][n], p.grad, **(
                             dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else
                             dict(rtol=1e-4, atol=1e-6)))
+
+
+class Extra(Switch):
+    """``b(tanh(a(x)))``; with ``mix`` set, one more ``tanh`` (a benign branch: the samples stay
+    apart, the structure changes)."""
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.mix:
+            h = torch.tanh(h)
+        return self.b(h)
+
+
+@pytest.mark.parametrize("how", ["loss.backward", "gh.backward", "clipped_backward",
+                                 "check-always", "B1"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_a_changed_forward_no_check_can_verify_is_refused_unless_a_check_runs(dtype, how,
+                                                                            monkeypatch):
+    """A planned forward whose structure changed where the check of the forward alone cannot
+    run (made so here; ``test_a_changed_forward_of_a_model_that_returns_its_loss...`` has a
+    real cause): nothing proves the new structure keeps the samples apart, so after a plain
+    ``loss.backward()`` that batch's reads are refused (``UnprovenOpError``, naming why), and
+    the next forward, analysed, is exact. The sample check of per-sample losses through
+    ``gh.backward`` / ``gh.clipped_backward`` verifies it (exact against the loop on that
+    forward), as does ``check="always"`` (every forward analysed); a batch of one sample needs
+    no check."""
+    from gradhooks.core.recorder import alone_checks
+
+    monkeypatch.setattr(alone_checks, "forward_alone",
+                        lambda *a: (False, "no check was possible: (the test)"))
+    b = 1 if how == "B1" else 3
+    model = Extra().to(dtype)
+    loss_fn = nn.CrossEntropyLoss(reduction="none")
+    refused = []
+    with gradhooks.attach(model, check="always" if how == "check-always" else True) as gh:
+        for step in range(6):
+            model.mix = step >= 3
+            x, y = _batch(b, step, dtype)
+            model.zero_grad()
+            losses = loss_fn(model(x), y)
+            if how == "clipped_backward":
+                norms = gh.clipped_backward(losses, max_norm=1e6)
+                twin = copy.deepcopy(model)
+                ref = loop_grads(twin, F.cross_entropy, x, y)
+                want = torch.stack([sum(g[n].double().square().sum() for g in ref.values())
+                                    for n in range(b)]).sqrt()
+                torch.testing.assert_close(norms.double(), want, rtol=1e-4 if dtype ==
+                                           torch.float32 else 1e-10, atol=0)
+                continue
+            if how == "gh.backward":
+                gh.backward(losses.mean())
+            else:
+                losses.mean().backward()
+            try:
+                ours = gh.per_sample_grads()
+            except gradhooks.UnprovenOpError as e:
+                assert "could not verify" in str(e) and "(the test)" in str(e), str(e)
+                assert "Extra" in str(e) and "check='always'" in str(e), str(e)
+                refused.append(step)
+                continue
+            twin = copy.deepcopy(model)  # (its forwards are no calls of the hooked model)
+            assert_close_to_loop(ours, loop_grads(twin, F.cross_entropy, x, y), dtype)
+    assert refused == ([3] if how == "loss.backward" else []), refused
+
+
+class LossInside(Switch):
+    """A model that returns its mean loss (its output carries no batch dim, so the check of the
+    forward alone cannot compare rows); with ``mix`` set, the hidden rows are centred over
+    the batch (a mixing branch)."""
+
+    def forward(self, x, y):
+        return F.cross_entropy(super().forward(x), y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_a_changed_forward_of_a_model_that_returns_its_loss_is_refused_on_it(dtype):
+    """A real cause: a model that returns its loss has no output rows for the check of the
+    forward alone. A mixing branch taken first on a planned forward is refused on that forward
+    (the check could not run: its reason is named), and on every later one (analysed: the
+    centring found); the forwards before are exact against the loop."""
+    model = LossInside().to(dtype)
+    refused = []
+    with gradhooks.attach(model) as gh:
+        for step in range(5):
+            model.mix = step >= 2
+            x, y = _batch(3, step, dtype)
+            model.zero_grad()
+            model(x, y).backward()
+            try:
+                ours = gh.per_sample_grads()
+            except (gradhooks.UnprovenOpError, gradhooks.SampleMixingError) as e:
+                assert ("no tensor with the batch" in str(e) if step == 2
+                        else "mean" in str(e) and "test_retracking.py" in str(e)), str(e)
+                refused.append(step)
+                continue
+            twin = Switch().to(dtype)
+            twin.load_state_dict(model.state_dict())
+            assert_close_to_loop(ours, loop_grads(twin, F.cross_entropy, x, y), dtype)
+    assert refused == [2, 3, 4], refused

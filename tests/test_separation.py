@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
-import gradhooks.core.recorder.placement as placement
+import gradhooks.core.recorder.alone_checks as alone_checks
 
 from conftest import assert_close_to_loop, loop_grads
 
@@ -151,7 +151,7 @@ def _batch(b, seed=0):
 @pytest.fixture
 def no_forward_check(monkeypatch):
     """The forward-alone check switched off: what passes was accepted by the table itself."""
-    monkeypatch.setattr(placement, "forward_alone",
+    monkeypatch.setattr(alone_checks, "forward_alone",
                         lambda *a, **k: (False, "no check (switched off by the test)"))
 
 
@@ -432,8 +432,8 @@ def test_a_batch_of_graphs_is_refused_naming_the_scatter_and_the_sample_index():
 
 def test_the_check_runs_once_per_signature(monkeypatch):
     calls = []
-    real = placement.forward_alone
-    monkeypatch.setattr(placement, "forward_alone",
+    real = alone_checks.forward_alone
+    monkeypatch.setattr(alone_checks, "forward_alone",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     x, y = _batch(4)
     model = Between(UNKNOWN_KEEPS["autograd.Function"]).double()

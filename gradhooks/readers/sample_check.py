@@ -150,6 +150,7 @@ class SampleCheck:
                            else torch.linalg.vector_norm(g).double().square()
                            for p, g in zip(params, grads)])
         ref = {id(p): torch.stack([row[k] for row in sq]) for k, p in enumerate(params)}
+        recorder.placement.mixing.judging = True  # (until the verdict: Mixing.checked)
         what = ("the per-sample losses" if node is None else f"the loss ({form})")
         return cls(recorder, key, rows, ref, what)
 
@@ -185,6 +186,11 @@ class SampleCheck:
         # ours / ref: {key: (len(rows),) squared norms}, keyed by id(param), or 0 for the sum
         # over all parameters (``ref`` given); the verdict: verify.judge_sample_rows.
         dtype = low or next(iter(self.recorder.params.values())).dtype
-        if judge_sample_rows(ours, self.ref if ref is None else ref, self.rows, dtype,
-                             self.recorder.names, self.what, summed=ref is not None):
+        passed = False
+        try:
+            passed = judge_sample_rows(ours, self.ref if ref is None else ref, self.rows, dtype,
+                                       self.recorder.names, self.what, summed=ref is not None)
+        finally:
+            self.recorder.placement.mixing.checked(passed)  # (a changed structure verified)
+        if passed:
             self.recorder.sample_checked.add(self.key)

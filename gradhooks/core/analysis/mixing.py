@@ -61,7 +61,7 @@ from .token_means import ForwardLosses, TokenMeans
 
 __all__ = ["MIXING_OPS", "mixing_op", "rows_of_others", "upstream_of", "user_line",
            "called_by_gradhooks", "Mixing", "MIXES", "STAT",
-           "BATCH_NORM"]
+           "BATCH_NORM", "UNCHECKED"]
 
 #: :func:`mixing_op`'s kinds: an op whose batched output mixes the samples, a reduction over the
 #: batch (a statistic), batch normalisation with batch statistics.
@@ -69,6 +69,10 @@ MIXES, STAT, BATCH_NORM = "mixes", "statistic", "batch_norm"
 #: The verdicts on a loss after the model (:meth:`Mixing.loss_graph`): pairs the samples, or not
 #: proven to keep them apart.
 LOSS_MIXES, LOSS_UNPROVEN = "loss_mixes", "loss_unproven"
+#: The verdict kind of a planned forward whose structure changed and that no check of the
+#: forward alone could verify: refused as an unproven op unless the batch's sample check passes
+#: (:meth:`Mixing.checked`).
+UNCHECKED = "unchecked"
 
 
 def _owners(names, owners=(torch, torch.Tensor)):
@@ -281,6 +285,8 @@ class Mixing:
         """A new batch: none of its forwards has mixed the samples yet."""
         self.batch: List[Tuple[str, str]] = []
         self.tokens.batch = []
+        #: The batch's sample check is under way (its reads judge :data:`UNCHECKED` structures).
+        self.judging = False
         self.again: list = []  # (loss verdict, what judges it again): Mixing.loss_graph
 
     def learned(self, signature: tuple, found, losses: Optional[ForwardLosses] = None) -> None:
@@ -327,6 +333,15 @@ class Mixing:
         if again is not None:
             self.again.append((item, again))
 
+    def checked(self, passed: bool) -> None:
+        """The batch's sample check through the batched graph (:mod:`gradhooks.readers.sample_check`),
+        whose reads of the records :attr:`judging` let through, ended: where it ``passed``, a
+        changed structure that no check of the forward alone could verify (:data:`UNCHECKED`)
+        is verified."""
+        self.judging = False
+        if passed:
+            self.batch = [item for item in self.batch if item[0] != UNCHECKED]
+
     def _judge_again(self) -> None:
         # sample_ids declared after the backward: a loss that combines rows of one sample
         # (a DPO pair) is proven over the samples (its graph's nodes outlive the pass).
@@ -366,8 +381,9 @@ class Mixing:
             return _loss_refusal(read, *loss[0])
         bn = getattr(recorder, "options", {}).get("allow_batchnorm_train", False)
         found = [what for kind, what in forward
-                 if not (kind == BATCH_NORM and bn) and kind != UNPROVEN]
-        unproven = [what for kind, what in forward if kind == UNPROVEN]
+                 if not (kind == BATCH_NORM and bn) and kind not in (UNPROVEN, UNCHECKED)]
+        unproven = [what for kind, what in forward
+                    if kind == UNPROVEN or kind == UNCHECKED and not self.judging]
         if not found and unproven:
             return _unproven(read, unproven)
         if not found:

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
-import torch
 from torch import Tensor
 
 from ...base.errors import BatchSizeError, GradHooksError
@@ -50,16 +49,14 @@ from ...base.forms import Call
 from ...base.utils import detached, flatten, is_functorch_wrapped, tensors
 from ...rules.fallback import FallbackRule
 from ..analysis import (
-    NO_CHECK,
-    UNPROVEN,
     Mixing,
     Provenance,
     Routed,
     as_batch,
-    forward_alone,
     input_batch_dim,
     meeting_cotangent,
 )
+from .alone_checks import verify_changed, verify_unproven
 from .layouts import (
     fallback_dims,
     layout_swap,
@@ -533,52 +530,3 @@ class Placement:
         source-carrying tensor of ``shape`` where it met the batch, its per-sample part pulled
         back to the sources: :func:`~gradhooks.core.recorder.meetings.pull_back`."""
         pull_back(self, edge, sources, how, shape, grad, dim)
-
-
-@torch.compiler.disable
-def verify_unproven(placement: Placement, prov: Provenance, call: Optional[tuple]) -> None:
-    """At the end of a tracked forward that noted ops no rule proves keep the samples apart
-    (:attr:`~gradhooks.core.analysis.provenance.Provenance.unproven`): accept them when the forward
-    alone reproduces the batch's rows (:func:`~gradhooks.core.analysis.alone.forward_alone`, once per
-    signature and set of such ops: :attr:`Placement.verified`), else add them to the forward's
-    verdicts, refused at the reads. ``call``: ``(args, kwargs, output)`` of the model's forward.
-    Not traced by ``torch.compile`` (it runs the model)."""
-    recorder = placement.recorder
-    verified = placement.verified.setdefault(prov.signature, set())
-    if set(prov.unproven) <= verified:
-        return  # (signatures tracked on every forward, a mixture of experts' routing: once)
-    passed, why = False, f"{NO_CHECK}: the model's forward was not seen whole"
-    if call is not None and not getattr(recorder, "allow_sample_mixing", False):
-        args, kwargs, output = call
-        passed, why = forward_alone(recorder.model, args, kwargs, output, prov.batch_size,
-                                    prov.batch_dim, lambda t: prov.look(t)[2])
-    if passed:
-        verified.update(prov.unproven)
-    else:
-        prov.mixing.extend((UNPROVEN, f"{what}. The check of the forward alone: {why}")
-                           for _, what in prov.unproven.values())
-
-
-def verify_changed(placement: Placement, call: Optional[tuple]) -> None:
-    """At the end of a planned forward whose count of autograd nodes differs from its input
-    signature's earlier planned forwards' (a branch taken:
-    :meth:`~gradhooks.core.recorder.check_policy.SumCheck.forward_end`): the check of the
-    forward alone (:func:`~gradhooks.core.analysis.alone.forward_alone`) on it, so that a branch
-    that mixes the samples is refused at this batch's reads (``UnprovenOpError``), also after a
-    plain ``loss.backward()``, where no sample check can run; the next forward is analysed.
-    Where no check is possible (inputs without the batch size, a forward random in eval mode)
-    the batch is left to its sum check and sample check. ``call``: ``(args, kwargs, output)``
-    of the model's forward."""
-    recorder = placement.recorder
-    if call is None or getattr(recorder, "allow_sample_mixing", False):
-        return
-    args, kwargs, output = call
-    passed, why = forward_alone(recorder.model, args, kwargs, output, placement.plan_size,
-                                0 if recorder.batch_first else 1, lambda t: None)
-    if not passed and not why.startswith(NO_CHECK):
-        placement.mixing.batch.append((UNPROVEN, (
-            f"a forward of {type(recorder.model).__name__} whose structure is not its input "
-            f"signature's earlier ones (a branch taken: it ran another number of "
-            f"differentiable ops). The check of the forward alone: {why}. (A forward that "
-            f"also reads statistics of its raw inputs or detached ones, which are exact, "
-            f"fails this check too: attach(..., allow_sample_mixing=True) accepts it)")))
