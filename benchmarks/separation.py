@@ -10,8 +10,8 @@ medians of ``--repeats``:
 * ``plain``: forward, ``loss.backward()`` (no hooks);
 * ``steady``: forward, ``gh.backward(losses.mean())`` of the ``(B,)`` per-sample losses and
   ``gh.per_sample_grad_norms()`` on a known structure (after three steps: the signature's first,
-  its first planned forward, whose count of autograd nodes is new, and the one analysed after
-  it): the signature's plan followed (no provenance), the sample check passed -- what training
+  analysed, and two planned forwards of the same structure): the signature's plan followed (no
+  provenance, each forward's ops fingerprinted), the sample check passed -- what training
   pays on every step;
 * ``steady, checks skipped``: the same with ``attach(..., unsafe_skip_sample_check=True)``: the
   steady state without point 2's bookkeeping, to show it costs nothing;

@@ -75,8 +75,8 @@ class GradHooks(DPReads, CurvatureReads, FeatureReads):
     :class:`~gradhooks.core.recorder.totals.GradTotal` (large ones reduced at once, so that autograd
     still moves them into ``.grad``). With ``check=True`` (default) it runs on every read whose *structure* has not
     been checked before -- which modules were called how often, by how many backward passes,
-    and which parameters autograd reached --, on the reads of a batch whose forward made a
-    count of autograd nodes its input signature had not shown (a branch taken), and on every
+    and which parameters autograd reached --, on the reads of a batch whose forward had a
+    structure its input signature had not shown (a branch taken), and on every
     100th read: the failures above are
     properties of that structure, so a training loop pays for the check once, and any new
     structure is checked when it appears. ``check="always"`` checks every read; ``check=False``
@@ -190,8 +190,8 @@ class GradHooks(DPReads, CurvatureReads, FeatureReads):
         **Sum check.** Without the parameters' gradients the sum check of the class docstring
         has nothing to compare with. So on the steps where it is due -- the first call (whose
         forward ran before the hooks knew of this mode and recorded no edges), each new forward
-        structure (which modules were called, in which order), a forward whose count of
-        autograd nodes its input signature had not shown (a branch taken:
+        structure (which modules were called, in which order), a forward of a structure its
+        input signature had not shown (its ops' count and fingerprint, a branch taken:
         :class:`~gradhooks.core.recorder.check_policy.SumCheck`), every 100th call, and every
         call with ``check="always"`` -- this computes the parameters' gradients instead
         (``torch.autograd.grad(loss, params)``, handed to the check and dropped, ``.grad``

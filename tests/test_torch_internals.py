@@ -254,3 +254,28 @@ def test_private_ops():
     out = torch.nn.functional.embedding_bag(torch.tensor([0, 1]), torch.randn(3, 2),
                                             torch.tensor([0]), mode="max")
     assert out.shape == (1, 2) and len(ti.EMBEDDING_BAG_OPS) == 2
+
+
+def test_graph_ops_fingerprints_the_model_ops_less_gradhooks_own():
+    """graph_ops: the ops in the span that the outputs depend on; the same structure gives the
+    same (count, fingerprint), one op swapped for another the same count and another
+    fingerprint, gradhooks' own views (own) and nodes outside the span or off the outputs'
+    graph are not counted."""
+    w = torch.randn(3, 3, requires_grad=True)
+    before = torch.randn(4, 3, requires_grad=True) * 2  # (a node made before the span)
+
+    def run(swap, shared=False):
+        start = ti.autograd_nodes_made()
+        h = before @ w
+        h = torch.tanh(h) * 1.0 if not swap else h - h.mean(0, keepdim=True)
+        if shared:
+            h = ti.own(h.expand(2, 4, 3), h)[0]
+        (h * 3).sum()  # (off the outputs' graph)
+        return ti.graph_ops([h], (start, ti.autograd_nodes_made()))
+
+    plain = run(False)
+    assert plain[0] == 3 and run(False) == plain
+    assert run(False, shared=True)[0] == plain[0] + 1  # (the select is the model's; expand own)
+    swapped = run(True)
+    assert swapped[0] == plain[0] and swapped[1] != plain[1]
+    assert ti.graph_ops([torch.zeros(2)], (0, 10)) == (0, 0)

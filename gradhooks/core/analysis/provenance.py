@@ -61,7 +61,7 @@ whitelist of :mod:`gradhooks.core.analysis.separation`; the rest are noted (:att
 and refused unless the forward-alone check (:mod:`gradhooks.core.analysis.alone`) passes.
 
 Tracking costs a Python call per torch op (about +5% on a Transformer block's forward), on each
-input signature's first forward, after a forward of a new node count, every 100th (``SumCheck``).
+input signature's first forward, after a forward of a new structure, every 100th (``SumCheck``).
 Without shared calls nothing more is tracked; when every shared call's output meets the batch
 only by a broadcast that adds the batch dim as the record's layout does (position ids), or only
 row by row (token types of B rows), later forwards follow that plan untracked (the output handed

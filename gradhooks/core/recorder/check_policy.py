@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ...base.torch_internals import autograd_nodes_made, graph_nodes
+from ...base.torch_internals import autograd_nodes_made, graph_ops
 from ...base.utils import tensors
 
 __all__ = ["SumCheck"]
@@ -22,24 +22,28 @@ class SumCheck:
     :meth:`edges_allowed` whether it may skip the parameter gradients (then the batch's reads
     skip the check), with its own structure key (the forward's recorded calls).
 
-    Between the analysed forwards of an input signature, each forward that follows its plan is
-    counted (:meth:`untracked_start` / :meth:`untracked_end`): the autograd nodes it made, i.e.
-    its differentiable ops. A count its signature has not shown before is a forward of another
-    structure (a branch on a flag, on a tensor's value, a parameter used outside its module
-    from this step): the batch's reads then run the sum check, ``backward()`` computes the
-    parameter gradients for it and the sample check through the batched graph runs
-    (:attr:`changed`), the signature's next forward is analysed (:meth:`forward_due`), and where
-    the count differs from earlier planned forwards' the placement checks the forward alone
-    (:func:`~gradhooks.core.recorder.placement.verify_changed`).
-    A branch that keeps the count (another op for one) is left to the schedule. A signature
-    that has shown more than :attr:`COUNTS` counts (its structure follows the data) is analysed
-    on every forward instead.
+    Each forward of an input signature whose first forward was analysed is fingerprinted
+    (:meth:`forward_start` / :meth:`forward_end`): the model's differentiable ops its outputs
+    depend on, counted and hashed in graph order
+    (:func:`~gradhooks.base.torch_internals.graph_ops`, gradhooks' own nodes left out, so that
+    an analysed forward and a planned one of the same structure agree), and, for the forwards
+    that follow the plan, all the autograd nodes it made (side computations the outputs do not
+    depend on). A planned forward whose ops no forward of its signature has shown, or whose
+    count of nodes its earlier planned forwards have not, is a forward of another structure (a
+    branch on a flag, on a tensor's value, one op swapped for another, a parameter used outside
+    its module from this step): the batch's reads then run the sum check, ``backward()``
+    computes the parameter gradients for it and the sample check through the batched graph
+    runs (:attr:`changed`), the placement checks the forward alone
+    (:func:`~gradhooks.core.recorder.alone_checks.verify_changed`), and the signature's next
+    forward is analysed (:meth:`forward_due`). A signature that has shown more than
+    :attr:`COUNTS` structures (its structure follows the data) is analysed on every forward
+    instead. Cost: about 1 µs per autograd node of the forward, a Python step of a graph walk.
     """
 
     #: one read (and one ``backward()``) in this many runs the check whatever the structure;
     #: one forward in this many of an input signature is analysed again (:meth:`forward_due`).
     EVERY = 100
-    #: more node counts than this for one signature: every forward of it is analysed.
+    #: more structures than this for one signature: every forward of it is analysed.
     COUNTS = 8
 
     def __init__(self, mode) -> None:
@@ -52,10 +56,10 @@ class SumCheck:
         self._drives = 0
         self._forwards: dict = {}  # input signature -> its forwards that followed its plan
         self._nodes: dict = {}  # input signature -> autograd node counts of its planned forwards
-        self._recount: set = set()  # signatures whose next forward is analysed (a new count)
-        self._ops: dict = {}  # input signature -> the model's ops in its last analysed forward
+        self._recount: set = set()  # signatures whose next forward is analysed (a new structure)
+        self._ops: dict = {}  # input signature -> graph_ops of its forwards (analysed, planned)
         self._running: Optional[tuple] = None  # (signature, nodes made, analysed) of the one running
-        #: This batch has a forward whose count its signature had not shown: its reads check
+        #: This batch has a forward of a structure its signature had not shown: its reads check
         #: (reset with the batch).
         self.changed = False
 
@@ -75,7 +79,7 @@ class SumCheck:
         if self.mode == "always":
             return True
         if signature in self._recount:
-            if len(self._nodes[signature]) <= self.COUNTS:
+            if len(self._ops[signature]) <= self.COUNTS:
                 self._recount.discard(signature)
             return True
         count = self._forwards.get(signature, 0) + 1
@@ -90,41 +94,33 @@ class SumCheck:
             or self._drives % self.EVERY == 0)))
 
     def forward_start(self, signature: tuple, analysed: bool) -> None:
-        """A forward of ``signature`` starts: ``analysed`` (provenance runs: its count of the
-        model's ops is the baseline of the planned forward after it) or following its plan."""
+        """A forward of ``signature`` starts: ``analysed`` (provenance runs: its ops are a
+        structure the analysis proved) or following its plan."""
         self._running = ((signature, autograd_nodes_made(), analysed) if torch.is_grad_enabled()
                          else None)
 
     def forward_end(self, completed: bool, output=None) -> bool:
-        """That forward returned (``completed``, with ``output``) or raised. An analysed forward
-        leaves the count of the model's ops its outputs depend on
-        (:func:`~gradhooks.base.torch_internals.graph_nodes`: gradhooks' own nodes left out).
-        A planned forward is counted by all the nodes it made (one reading); a count its
-        signature has not shown sets :attr:`changed` and has the signature's next forward
-        analysed, except on the signature's first planned forward when it ran the analysed
-        forward's ops (its outputs' graph counted: the structure the analysis proved). Returns
-        whether the structure changed: a count that differs from those of the signature's
-        earlier planned forwards, or a first planned forward whose ops are not the analysed
-        forward's."""
+        """That forward returned (``completed``, with ``output``) or raised; returns whether it
+        was a planned forward of a structure its signature had not shown (the class docstring):
+        then :attr:`changed` is set and the signature's next forward is analysed."""
         running, self._running = self._running, None
         if not completed or running is None or not torch.is_grad_enabled():
             return False
         signature, start, analysed = running
-        span = (start, autograd_nodes_made())
+        end = autograd_nodes_made()
+        ops = graph_ops(tensors(output), (start, end))
+        shown = self._ops.setdefault(signature, set())
         if analysed:
-            self._ops[signature] = graph_nodes(tensors(output), span)
+            shown.add(ops)
             return False
-        nodes = span[1] - span[0]
-        seen = self._nodes.setdefault(signature, set())
-        if nodes in seen:
-            return False
-        ops = None if seen else self._ops.get(signature)
-        seen.add(nodes)
-        if ops is not None and graph_nodes(tensors(output), span) == ops:
-            return False
-        self._recount.add(signature)
-        self.changed = True
-        return len(seen) > 1 or ops is not None
+        nodes = self._nodes.setdefault(signature, set())
+        new = ops not in shown or (bool(nodes) and end - start not in nodes)
+        shown.add(ops)
+        nodes.add(end - start)
+        if new:
+            self._recount.add(signature)
+            self.changed = True
+        return new
 
     def passed(self, structure: tuple, drive_key: Optional[tuple]) -> None:
         """Remember that the check of ``structure`` (reached by ``drive_key``'s backward, if

@@ -137,7 +137,7 @@ class Placement:
     Provenance (:mod:`gradhooks.core.analysis.provenance`) costs a Python call per torch op, so
     it runs on the first forward of each input signature, again when the check policy says so
     (:meth:`~gradhooks.core.recorder.check_policy.SumCheck.forward_due`: after a planned forward
-    whose count of autograd nodes is new, every 100th) and on every forward of
+    of a structure its signature had not shown, every 100th) and on every forward of
     signatures that need it; the others follow the signature's plan (:attr:`signatures`).
 
     Per call it answers :meth:`place` (a :class:`Placed`: batched, shared or planned; ``B``;
