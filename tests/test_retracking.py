@@ -423,3 +423,63 @@ def test_a_changed_forward_of_a_model_that_returns_its_loss_is_refused_on_it(dty
             twin.load_state_dict(model.state_dict())
             assert_close_to_loop(ours, loop_grads(twin, F.cross_entropy, x, y), dtype)
     assert refused == [2, 3, 4], refused
+
+
+class TrainOnly(Switch):
+    """``b(tanh(a(x)))``; with ``mix`` set the batch's mean row is added to the hidden rows in
+    training mode only (a branch the check of the forward alone would not take in eval mode);
+    with ``p`` > 0, dropout after ``a`` (a forward random in training mode)."""
+
+    def __init__(self, p=0.0):
+        super().__init__()
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        h = self.drop(torch.tanh(self.a(x)))
+        if self.training and self.mix:
+            h = h + h.mean(0, keepdim=True)
+        return self.b(h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_a_mixing_branch_taken_only_in_training_mode_is_refused_on_its_forward(dtype):
+    """A deterministic model in training mode is checked alone in training mode, against the
+    batched output as it ran: a mixing branch that only training mode takes, first on a
+    planned forward, is refused on that forward under a plain ``loss.backward()`` (an eval-mode
+    check would not take it); the forwards before are exact against the loop."""
+    model = TrainOnly().to(dtype)
+    refused = []
+    with gradhooks.attach(model) as gh:
+        for step in range(5):
+            model.mix = step >= 2
+            x, y = _step(model, 3, step, dtype)
+            try:
+                ours = gh.per_sample_grads()
+            except gradhooks.SampleMixingError as e:
+                assert ("structure is not" in str(e) and "mixes the samples" in str(e)) or (
+                    "mean" in str(e) and "test_retracking.py" in str(e)), str(e)
+                refused.append(step)
+                continue
+            twin = copy.deepcopy(model)
+            assert_close_to_loop(ours, loop_grads(twin, F.cross_entropy, x, y), dtype)
+    assert refused == [2, 3, 4], refused
+
+
+def test_a_training_only_mixing_branch_in_a_random_model_is_refused_by_the_sample_check():
+    """With dropout the training-mode forward cannot be checked as it ran (the limitations
+    page's window under a plain ``loss.backward()``: refused from the next forward on); with
+    per-sample losses through ``gh.backward`` the sample check through the batched graph,
+    due on the forward of a new structure, refuses it on that forward."""
+    model = TrainOnly(p=0.2).double()
+    loss = nn.CrossEntropyLoss(reduction="none")
+    with gradhooks.attach(model) as gh:
+        for step in range(3):
+            model.mix = step == 2
+            x, y = _batch(3, step, torch.float64)
+            if step < 2:
+                gh.backward(loss(model(x), y).mean())
+                gh.per_sample_grad_norms()
+                continue
+            with pytest.raises(gradhooks.SampleMixingError, match="the sample check"):
+                gh.backward(loss(model(x), y).mean())
+                gh.per_sample_grad_norms()

@@ -10,13 +10,17 @@ keeps the samples apart (:mod:`gradhooks.core.analysis.separation`), the placeme
 ``0`` and ``B - 1`` alone (their inputs sliced from what the model's forward received), whose
 outputs must reproduce those rows of the batched output to rounding
 (:data:`FORWARD_RTOL`, relative to the largest entry of each output). The check runs under
-``torch.no_grad()`` with the hooks paused and every module in ``eval()`` (restored after):
-dropout draws other masks for a batch of one than for the batch, so in training mode the batch is
-rerun in eval mode too. A forward that still draws random numbers in eval mode (run twice on one
-sample with two seeds, it differs) cannot be checked, nor can one whose inputs or outputs carry
-no batch dim gradhooks can find: then the check says why, and the op stays refused. Cost, once
-per input signature with such an op: one batched forward without gradient in training mode
-(none in eval mode) and three forwards of one sample.
+``torch.no_grad()`` with the hooks paused. A model in training mode is checked in training mode,
+against the batched output as it ran, where that forward is deterministic (sample 0 run twice
+with two seeds agrees) and no module keeps running statistics (a batch norm, which a forward in
+training mode would update): so a branch taken only in training mode is judged. Otherwise every
+module is put in ``eval()`` (restored after): dropout draws other masks for a batch of one than
+for the batch, so the batch is rerun in eval mode too. A forward that still draws random numbers
+in eval mode (run twice on one sample with two seeds, it differs) cannot be checked, nor can one
+whose inputs or outputs carry no batch dim gradhooks can find: then the check says why, and the
+op stays refused. Cost, once per input signature with such an op: in training mode two forwards
+of one sample more, and one batched forward without gradient where the forward is random; three
+forwards of one sample.
 """
 from __future__ import annotations
 
@@ -93,6 +97,27 @@ def _slice(x, n: int, size: int, layout: int, hit: list):
     return x
 
 
+def _deterministic(model: nn.Module, args: tuple, kwargs: dict, size: int, layout: int) -> bool:
+    # Whether a model in training mode can be checked as it ran: no module keeps running
+    # statistics (a forward would update them), and sample 0 run twice with two seeds agrees.
+    if any(isinstance(m, nn.modules.batchnorm._NormBase)
+           and (m.track_running_stats or isinstance(m, nn.modules.batchnorm._BatchNorm))
+           for m in model.modules()):
+        return False
+    hit: list = []
+    a, k = _slice(args, 0, size, layout, hit), _slice(kwargs, 0, size, layout, hit)
+    if not hit:
+        return False
+    try:
+        torch.default_generator.manual_seed(0)
+        first = _tensors(model(*a, **k))
+        torch.default_generator.manual_seed(1 + size)
+        again = _tensors(model(*a, **k))
+    except Exception:  # (the check proper says why)
+        return False
+    return len(first) == len(again) and all(map(_same, first, again))
+
+
 def forward_alone(model: nn.Module, args: tuple, kwargs: dict, output, size: int, layout: int,
                   dim_of: Callable[[Tensor], object]) -> Tuple[bool, str]:
     """Whether samples ``0`` and ``size - 1`` run alone reproduce their rows of ``output``
@@ -129,10 +154,13 @@ def forward_alone(model: nn.Module, args: tuple, kwargs: dict, output, size: int
     training = model.training
     cuda = sorted({t.device.index or 0 for t in _tensors(output) if t.is_cuda})
     try:
-        model.eval()
         # (the caller's random streams are left as they were: its next dropout masks too)
         with torch.no_grad(), paused(), torch.random.fork_rng(devices=cuda):
-            batched = _tensors(model(*args, **kwargs)) if training else _tensors(output)
+            as_ran = training and _deterministic(model, args, kwargs, size, layout)
+            if not as_ran:
+                model.eval()
+            batched = (_tensors(model(*args, **kwargs)) if training and not as_ran
+                       else _tensors(output))
             for n in sorted({0, size - 1}):
                 hit: list = []
                 a, k = _slice(args, n, size, layout, hit), _slice(kwargs, n, size, layout, hit)
@@ -141,7 +169,7 @@ def forward_alone(model: nn.Module, args: tuple, kwargs: dict, output, size: int
                                    "the batch size on its batch dim")
                 torch.default_generator.manual_seed(n)
                 alone = _tensors(model(*a, **k))
-                if n == 0:
+                if n == 0 and not as_ran:
                     torch.default_generator.manual_seed(1 + size)
                     again = _tensors(model(*a, **k))
                     if len(again) != len(alone) or not all(map(_same, again, alone)):
