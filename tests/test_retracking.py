@@ -262,9 +262,9 @@ def test_a_constant_structure_is_analysed_once(monkeypatch):
 
 def test_a_structure_that_follows_the_data_is_analysed_on_every_forward(monkeypatch):
     """A forward whose number of ops changes on every step (a loop as long as a flag says): each
-    planned forward of a new structure has the next forward analysed, and once the signature
-    has shown more than ``SumCheck.COUNTS`` structures (analysed forwards' and planned ones')
-    every forward of it is; every step exact against the loop."""
+    planned forward of a new structure has the next forward analysed, and once the signature's
+    analysed forwards have shown more than ``SumCheck.COUNTS`` structures every forward of it
+    is; every step exact against the loop."""
 
     class Loop(Switch):
         def forward(self, x):
@@ -283,10 +283,11 @@ def test_a_structure_that_follows_the_data_is_analysed_on_every_forward(monkeypa
             twin = copy.deepcopy(model)  # (its forwards are no calls of the hooked model)
             assert_close_to_loop(gh.per_sample_grads(),
                                  loop_grads(twin, F.cross_entropy, x, y), torch.float64)
-    # (every forward shows a new structure: planned forwards 1, 3, ..., COUNTS + 1 have the
-    # next analysed; from the one after the last, all are)
+    # (every forward shows a new structure; a structure joins the signature's when analysed:
+    # planned forwards 1, 3, ..., 2 COUNTS + 1 have the next analysed; from the one after the
+    # last, all are)
     n = SumCheck.COUNTS
-    assert analysed == list(range(0, n + 1, 2)) + list(range(n + 2, steps)), analysed
+    assert analysed == list(range(0, 2 * n + 1, 2)) + list(range(2 * n + 2, steps)), analysed
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])

@@ -33,7 +33,7 @@ from .backward_losses import (
 )
 from .batch_dims import Routed, relayout
 from .loss_graph import ForwardSpans, judge
-from .mixing import UNCHECKED, Mixing
+from .mixing import IN_ORDER, UNCHECKED, Mixing
 from .provenance import (
     Provenance,
     as_batch,
@@ -49,5 +49,5 @@ __all__ = ["FORWARD_RTOL", "NO_CHECK", "forward_alone", "largest_difference", "s
            "backward_roots", "constant_of", "flattened_logits", "ignore_index_of", "loss_of", "fixed_normaliser", "position_rows", "relayout",
            "row_counts", "split_of", "target_counts", "valid_rows", "Routed", "Mixing", "ForwardSpans", "judge",
            "Provenance", "as_batch", "input_batch_dim", "meeting_cotangent", "shared_layout",
-           "source_cotangent", "UNPROVEN", "UNCHECKED", "TARGETS", "check_token_normalisation",
+           "source_cotangent", "UNPROVEN", "UNCHECKED", "IN_ORDER", "TARGETS", "check_token_normalisation",
            "rows_mean_message"]

@@ -61,7 +61,7 @@ from .token_means import ForwardLosses, TokenMeans
 
 __all__ = ["MIXING_OPS", "mixing_op", "rows_of_others", "upstream_of", "user_line",
            "called_by_gradhooks", "Mixing", "MIXES", "STAT",
-           "BATCH_NORM", "UNCHECKED"]
+           "BATCH_NORM", "UNCHECKED", "IN_ORDER"]
 
 #: :func:`mixing_op`'s kinds: an op whose batched output mixes the samples, a reduction over the
 #: batch (a statistic), batch normalisation with batch statistics.
@@ -73,6 +73,11 @@ LOSS_MIXES, LOSS_UNPROVEN = "loss_mixes", "loss_unproven"
 #: forward alone could verify: refused as an unproven op unless the batch's sample check passes
 #: (:meth:`Mixing.checked`).
 UNCHECKED = "unchecked"
+#: Not a verdict: rows gathered or sorted from the batch by a data-dependent index met the
+#: batch's own rows in the samples' order on this batch (:func:`rows_of_others`): another batch
+#: of the signature may be in another order, so its forwards are all analysed (the placement's
+#: plan ``"mode"``).
+IN_ORDER = "in_order"
 
 
 def _owners(names, owners=(torch, torch.Tensor)):
@@ -142,12 +147,14 @@ def rows_of_others(batched) -> Optional[Tuple[str, str]]:
     """``(MIXES, what)`` where an op lines up rows gathered from the batch by an index, or
     sorted along it (:class:`~gradhooks.core.analysis.batch_dims.Routed`), with the batch's own
     rows (``h + h[perm]``, ``h * s.sort().values[:, None]``: each row meets another sample's),
-    ``batched`` the op's ``[(tensor, batch dim)]``; else ``None``. Rows whose samples are the
-    batch's in order again (a routing undone) are not."""
+    ``batched`` the op's ``[(tensor, batch dim)]``; ``(IN_ORDER, what)`` where the rows are
+    the batch's in order on this batch (a routing undone, or a sort that found the batch
+    sorted: a fact of these values, not of the forward); else ``None``."""
     routed = [bd for _, bd in batched if isinstance(bd, Routed)]
     if not routed or len(routed) == len(batched):
         return None
     own = [(t, bd) for t, bd in batched if isinstance(bd, (int, tuple))]
+    in_order = None
     for bd in routed:
         inner = bd.merged_inner()
         for t, d in own:
@@ -158,7 +165,9 @@ def rows_of_others(batched) -> Optional[Tuple[str, str]]:
                 return (MIXES, "rows gathered or sorted from the batch in a data-dependent "
                                "order met other samples' rows (x[index] or x.sort(0) combined "
                                "with x)")
-    return None
+            in_order = (IN_ORDER, "rows gathered or sorted from the batch in a data-dependent "
+                                  "order met the batch's rows in the samples' own order")
+    return in_order
 
 
 def mixing_op(func, args, kwargs, ref: Tensor, bd) -> Optional[Tuple[str, str]]:
@@ -293,6 +302,7 @@ class Mixing:
         """A tracked forward of ``signature`` returned having found the mixing ops ``found``
         (and the token-level ``losses``). A signature tracked again keeps the ops an earlier
         forward of it found: its later untracked forwards may take either branch."""
+        found = [f for f in found if f[0] != IN_ORDER]  # (not a verdict: Placement._learn)
         before = self.signatures.get(signature, ())
         self.signatures[signature] = tuple(before) + tuple(f for f in found if f not in before)
         self._note(found)

@@ -59,13 +59,14 @@ def verify_changed(placement, call: Optional[tuple]) -> None:
     kwargs, output)`` of the model's forward. Not traced by ``torch.compile``."""
     recorder = placement.recorder
     if getattr(recorder, "allow_sample_mixing", False) or placement.plan_size < 2:
+        recorder.sum_check.accept()
         return
     passed, why = False, f"{NO_CHECK}: the model's forward was not seen whole"
     if call is not None:
         args, kwargs, output = call
         passed, why = forward_alone(recorder.model, args, kwargs, output, placement.plan_size,
                                     0 if recorder.batch_first else 1, lambda t: None)
-    if passed:
+    if passed:  # (this batch's: a structure joins its signature's once an analysis proves it)
         return
     what = (f"a forward of {type(recorder.model).__name__} whose structure is not its input "
             f"signature's earlier ones (a branch taken: it ran other differentiable ops)")

@@ -29,15 +29,17 @@ class SumCheck:
     an analysed forward and a planned one of the same structure agree), and, for the forwards
     that follow the plan, all the autograd nodes it made (side computations the outputs do not
     depend on). A planned forward whose ops no forward of its signature has shown, or whose
-    count of nodes its earlier planned forwards have not, is a forward of another structure (a
-    branch on a flag, on a tensor's value, one op swapped for another, a parameter used outside
-    its module from this step): the batch's reads then run the sum check, ``backward()``
+    count of nodes the earlier planned forwards of those ops have not, is a forward of another
+    structure (a branch on a flag, on a tensor's value, one op swapped for another, a parameter
+    used outside its module from this step): the batch's reads then run the sum check, ``backward()``
     computes the parameter gradients for it and the sample check through the batched graph
     runs (:attr:`changed`), the placement checks the forward alone
     (:func:`~gradhooks.core.recorder.alone_checks.verify_changed`), and the signature's next
-    forward is analysed (:meth:`forward_due`). A signature that has shown more than
-    :attr:`COUNTS` structures (its structure follows the data) is analysed on every forward
-    instead. Cost: about 1 µs per autograd node of the forward, a Python step of a graph walk.
+    forward is analysed (:meth:`forward_due`); the structure joins the signature's once an
+    analysed forward shows it, and is checked on each of its forwards until then (the check of
+    the forward alone holds for its batch only: :meth:`accept`). A signature that has shown
+    more than :attr:`COUNTS` structures (its structure follows the data) is analysed on every
+    forward instead. Cost: about 1 µs per autograd node of the forward, a Python step of a graph walk.
     """
 
     #: one read (and one ``backward()``) in this many runs the check whatever the structure;
@@ -55,10 +57,11 @@ class SumCheck:
         self._drive_passed: set = set()  # backward() structures whose check passed
         self._drives = 0
         self._forwards: dict = {}  # input signature -> its forwards that followed its plan
-        self._nodes: dict = {}  # input signature -> autograd node counts of its planned forwards
+        self._nodes: dict = {}  # input signature -> {ops: node counts of its planned forwards}
         self._recount: set = set()  # signatures whose next forward is analysed (a new structure)
         self._ops: dict = {}  # input signature -> graph_ops of its forwards (analysed, planned)
         self._running: Optional[tuple] = None  # (signature, nodes made, analysed) of the one running
+        self._pending: Optional[tuple] = None  # (signature, ops, nodes) of a new structure: accept()
         #: This batch has a forward of a structure its signature had not shown: its reads check
         #: (reset with the batch).
         self.changed = False
@@ -102,7 +105,8 @@ class SumCheck:
     def forward_end(self, completed: bool, output=None) -> bool:
         """That forward returned (``completed``, with ``output``) or raised; returns whether it
         was a planned forward of a structure its signature had not shown (the class docstring):
-        then :attr:`changed` is set and the signature's next forward is analysed."""
+        then :attr:`changed` is set, the signature's next forward is analysed, and the structure
+        is the signature's once the caller verified it (:meth:`accept`)."""
         running, self._running = self._running, None
         if not completed or running is None or not torch.is_grad_enabled():
             return False
@@ -113,14 +117,26 @@ class SumCheck:
         if analysed:
             shown.add(ops)
             return False
-        nodes = self._nodes.setdefault(signature, set())
-        new = ops not in shown or (bool(nodes) and end - start not in nodes)
-        shown.add(ops)
-        nodes.add(end - start)
-        if new:
-            self._recount.add(signature)
-            self.changed = True
-        return new
+        nodes = self._nodes.setdefault(signature, {}).setdefault(ops, set())
+        if ops in shown and (not nodes or end - start in nodes):
+            nodes.add(end - start)  # (a structure's first planned forward: its baseline)
+            return False
+        self._pending = (signature, ops, end - start)
+        self._recount.add(signature)
+        self.changed = True
+        return True
+
+    def accept(self) -> None:
+        """The planned forward of a new structure that :meth:`forward_end` reported needs no
+        check (a batch of one sample, mixing accepted): its structure joins its signature's.
+        Any other joins when an analysed forward shows it; until then each of its forwards is
+        checked again (the check of the forward alone holds for the batch it ran on: a sort
+        of the batch's values that found them sorted passes it on that batch only)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            signature, ops, nodes = pending
+            self._ops[signature].add(ops)
+            self._nodes[signature][ops].add(nodes)
 
     def passed(self, structure: tuple, drive_key: Optional[tuple]) -> None:
         """Remember that the check of ``structure`` (reached by ``drive_key``'s backward, if

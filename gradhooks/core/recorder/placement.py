@@ -49,6 +49,7 @@ from ...base.forms import Call
 from ...base.utils import detached, flatten, is_functorch_wrapped, tensors
 from ...rules.fallback import FallbackRule
 from ..analysis import (
+    IN_ORDER,
     Mixing,
     Provenance,
     Routed,
@@ -317,8 +318,8 @@ class Placement:
         # itself: an initial state made from the batch size), no raw parameter, no relayout.
         plan = {key: "rows" if prov.kinds.get(id(cap)) == "direct" else how
                 for cap, key, how in prov.shared_calls}
-        if (prov.param_sources or prov.plain or prov.swapped
-                or len(plan) < len(prov.shared_calls)):
+        if (prov.param_sources or prov.plain or prov.swapped or len(plan) < len(prov.shared_calls)
+                or any(kind == IN_ORDER for kind, _ in prov.mixing)):  # (verdicts of the values)
             plan = "mode"
         before = self.signatures.get(prov.signature)
         self.signatures[prov.signature] = (plan if before is None or before == plan
