@@ -484,3 +484,42 @@ def test_a_training_only_mixing_branch_in_a_random_model_is_refused_by_the_sampl
             with pytest.raises(gradhooks.SampleMixingError, match="the sample check"):
                 gh.backward(loss(model(x), y).mean())
                 gh.per_sample_grad_norms()
+
+
+@pytest.mark.parametrize("form", ["sorted-rows", "gathered-view"])
+def test_rows_in_the_samples_order_by_chance_do_not_carry_to_other_batches(form):
+    """Rows sorted or gathered from the batch by its values meet the batch's rows; on the first
+    batch they happen to be in the samples' own order (exact: each row is its own sample's), on
+    the later ones not. That verdict is one of the values: the signature's every forward is
+    analysed, and the later batches are refused (they were planned, and silently wrong)."""
+
+    class Sorted(Switch):
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            key = h.detach().sum(1)
+            if form == "sorted-rows":
+                h = h * key.sort().values[:, None]
+            else:
+                h = h + h[key.argsort()].reshape(h.shape)
+            return self.b(h)
+
+    model = Sorted().double()
+    refused = []
+    with gradhooks.attach(model) as gh:
+        for step in range(3):
+            x, y = _batch(2, step, torch.float64)
+            key = torch.tanh(model.a(x)).sum(1)
+            if (step == 0) == bool(key[0] > key[1]):  # (sorted on step 0 only)
+                x = x.flip(0)
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            try:
+                ours = gh.per_sample_grads()
+            except gradhooks.SampleMixingError:
+                refused.append(step)
+                continue
+            twin = copy.deepcopy(model)
+            assert_close_to_loop(ours, loop_grads(twin, F.cross_entropy, x, y), torch.float64)
+        assert gh.recorder.placement.signatures[next(iter(gh.recorder.placement.signatures))] \
+            == "mode"
+    assert refused == [1, 2], refused

@@ -3,10 +3,20 @@ the batch dim goes through basic indexing and through advanced indexing by the b
 in order (:mod:`gradhooks.core.analysis.batch_dims`)."""
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 import torch
 from torch import Tensor
 
-__all__ = ["Routed", "index_dim", "arange_index_dim"]
+__all__ = ["Routed", "index_dim", "arange_index_dim", "IN_ORDER", "IN_ORDER_NOTES"]
+
+#: Not a verdict: rows gathered or sorted from the batch by an index were found in the samples'
+#: own order (:meth:`Routed.merged_inner`), a fact of this batch's values: another batch of the
+#: input signature may be in another order, so every forward of it is analysed (the placement's
+#: plan ``"mode"``).
+IN_ORDER = "in_order"
+#: The list the analysed forward's notes go to (its ``Provenance.mixing``, set when it starts).
+IN_ORDER_NOTES: ContextVar = ContextVar("gradhooks_in_order_notes", default=None)
 
 
 class Routed:
@@ -32,13 +42,20 @@ class Routed:
     def merged_inner(self) -> "int | None":
         """``inner`` when the rows are the samples' in order, ``inner`` each (the layout of a
         batch merged with the dims after it, ``(B * inner, ...)``: the routing undone), else
-        ``None``."""
+        ``None``. Found by the index's values: noted (:data:`IN_ORDER`) where a forward is
+        analysed."""
         rows = self.samples.shape[0]
         if not rows or rows % self.size:
             return None
         inner = rows // self.size
         order = torch.arange(rows, device=self.samples.device) // inner
-        return inner if bool(torch.equal(order, self.samples)) else None
+        if not bool(torch.equal(order, self.samples)):
+            return None
+        notes = IN_ORDER_NOTES.get()
+        if notes is not None and not any(kind == IN_ORDER for kind, _ in notes):
+            notes.append((IN_ORDER, "rows gathered or sorted from the batch by an index were in "
+                                    "the samples' own order on this batch"))
+        return inner
 
 
 def index_dim(nd: int, bd: int, index):

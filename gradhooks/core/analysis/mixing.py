@@ -55,6 +55,7 @@ from torch import Tensor
 from ...base.errors import GradHooksError, SampleMixingError, UnprovenOpError
 from ...base.torch_internals import getframe
 from .batch_dims import Routed
+from .indexing import IN_ORDER
 from .loss_graph import judge
 from .separation import UNPROVEN
 from .token_means import ForwardLosses, TokenMeans
@@ -73,11 +74,7 @@ LOSS_MIXES, LOSS_UNPROVEN = "loss_mixes", "loss_unproven"
 #: forward alone could verify: refused as an unproven op unless the batch's sample check passes
 #: (:meth:`Mixing.checked`).
 UNCHECKED = "unchecked"
-#: Not a verdict: rows gathered or sorted from the batch by a data-dependent index met the
-#: batch's own rows in the samples' order on this batch (:func:`rows_of_others`): another batch
-#: of the signature may be in another order, so its forwards are all analysed (the placement's
-#: plan ``"mode"``).
-IN_ORDER = "in_order"
+
 
 
 def _owners(names, owners=(torch, torch.Tensor)):
@@ -147,14 +144,13 @@ def rows_of_others(batched) -> Optional[Tuple[str, str]]:
     """``(MIXES, what)`` where an op lines up rows gathered from the batch by an index, or
     sorted along it (:class:`~gradhooks.core.analysis.batch_dims.Routed`), with the batch's own
     rows (``h + h[perm]``, ``h * s.sort().values[:, None]``: each row meets another sample's),
-    ``batched`` the op's ``[(tensor, batch dim)]``; ``(IN_ORDER, what)`` where the rows are
-    the batch's in order on this batch (a routing undone, or a sort that found the batch
-    sorted: a fact of these values, not of the forward); else ``None``."""
+    ``batched`` the op's ``[(tensor, batch dim)]``; else ``None``. Rows whose samples are the
+    batch's in order again (a routing undone, or a sort that found the batch sorted) are not:
+    a fact of these values, noted by :meth:`~gradhooks.core.analysis.indexing.Routed.merged_inner`."""
     routed = [bd for _, bd in batched if isinstance(bd, Routed)]
     if not routed or len(routed) == len(batched):
         return None
     own = [(t, bd) for t, bd in batched if isinstance(bd, (int, tuple))]
-    in_order = None
     for bd in routed:
         inner = bd.merged_inner()
         for t, d in own:
@@ -165,9 +161,7 @@ def rows_of_others(batched) -> Optional[Tuple[str, str]]:
                 return (MIXES, "rows gathered or sorted from the batch in a data-dependent "
                                "order met other samples' rows (x[index] or x.sort(0) combined "
                                "with x)")
-            in_order = (IN_ORDER, "rows gathered or sorted from the batch in a data-dependent "
-                                  "order met the batch's rows in the samples' own order")
-    return in_order
+    return None
 
 
 def mixing_op(func, args, kwargs, ref: Tensor, bd) -> Optional[Tuple[str, str]]:

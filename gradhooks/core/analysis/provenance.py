@@ -91,6 +91,7 @@ from .batch_dims import (
     operands,
     recurrent_layout,
 )
+from .indexing import IN_ORDER_NOTES
 from .mixing import (
     CONTRACTIONS,
     MIXES,
@@ -274,12 +275,10 @@ class Provenance(TorchFunctionMode):
         self.met_by_rows: set = set()  # ids of parameters met at a linear / grouped product
         self.entered: set = set()  # ids of the hooked layers whose forward ran in this forward
         self.signature: tuple = ()
-        self.shared_calls: list = []
-        self.fallback_calls: list = []
-        self.plain: set = set()
-        self.kinds: dict = {}
+        self.shared_calls, self.fallback_calls, self.plain, self.kinds = [], [], set(), {}
         self.swapped = False
         self.mixing: list = []  # [(kind, what)]: ops of this forward that mix the samples
+        IN_ORDER_NOTES.set(self.mixing)  # (and notes of this batch's values: indexing.IN_ORDER)
         self.stats = 0  # statistics of the batch made so far (gradhooks.core.analysis.mixing)
         self.unproven: dict = {}  # (op, line) -> what: ops no rule proves keep samples apart
         self.token_losses = ForwardLosses()
