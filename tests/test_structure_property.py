@@ -3,9 +3,10 @@ shapes (issue 38: "exact or refused" between analysed forwards). Hypothesis draw
 from the op table of tests/test_separation.py -- ops that keep the samples apart and ops that
 mix them, between two hooked Linear layers -- and a schedule of steps that takes one or the
 other (the first step takes the first), with a batch of the same shape on every step, a seed
-per step and a loss (a plain ``loss.backward()`` of the mean, or per-sample losses through
-``gh.backward``). On every step the per-sample gradients are exact against a float64 loop of
-that step's forward, or the read is refused (``SampleMixingError``, of which
+per step and a loss (a plain ``loss.backward()`` of the mean, per-sample losses through
+``gh.backward``, or two-pass clipping's norms, ``gh.clipped_backward``). On every step the
+per-sample gradients (the norms) are exact against a float64 loop of that step's forward, or
+the read is refused (``SampleMixingError``, of which
 ``UnprovenOpError`` is one); a refusal needs a mixing op in a forward the schedule ran so far
 (a signature keeps the verdicts of its analysed forwards: its planned forwards may take either
 branch), or names a changed forward that no check could verify. A schedule of ops that keep
@@ -46,7 +47,7 @@ class Switched(nn.Module):
        second=st.lists(st.integers(0, len(TABLE) - 1), min_size=1, max_size=2),
        schedule=st.lists(st.integers(0, 1), min_size=2, max_size=5),
        batch=st.sampled_from([2, 4]), seed=st.integers(0, 2 ** 16),
-       loss=st.sampled_from(["plain", "per_sample"]))
+       loss=st.sampled_from(["plain", "per_sample", "clipped"]))
 def test_structure_changes_are_exact_or_refused(first, second, schedule, batch, seed, loss):
     forwards = [[TABLE[i] for i in first], [TABLE[i] for i in second]]
     model = Switched([_compose([op for _, op, _ in ops]) for ops in forwards]).double()
@@ -69,11 +70,17 @@ def test_structure_changes_are_exact_or_refused(first, second, schedule, batch, 
             model.zero_grad()
             out = model(x)
             try:
-                if loss == "per_sample":
+                if loss == "clipped":  # (a bound no norm reaches: the norms are the result)
+                    norms = gh.clipped_backward(F.cross_entropy(out, y, reduction="none"), 1e30)
+                    ours = {"norm": norms}
+                    ref = {"norm": torch.stack([torch.cat([r[n].reshape(-1) for r in ref.values()])
+                                                .norm() for n in range(batch)])}
+                elif loss == "per_sample":
                     gh.backward(F.cross_entropy(out, y, reduction="none").mean())
+                    ours = gh.per_sample_grads()
                 else:
                     F.cross_entropy(out, y).backward()
-                ours = gh.per_sample_grads()
+                    ours = gh.per_sample_grads()
             except gradhooks.SampleMixingError as error:
                 mixed = any(mixes for k in ran for _, _, mixes in forwards[k])
                 assert mixed or "could not verify" in str(error), (
