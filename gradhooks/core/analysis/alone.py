@@ -110,12 +110,17 @@ def _deterministic(model: nn.Module, args: tuple, kwargs: dict, size: int, layou
         return False
     try:
         torch.default_generator.manual_seed(0)
-        first = _tensors(model(*a, **k))
-        torch.default_generator.manual_seed(1 + size)
-        again = _tensors(model(*a, **k))
+        return _same_again(model, a, k, _tensors(model(*a, **k)), size)
     except Exception:  # (the check proper says why)
         return False
-    return len(first) == len(again) and all(map(_same, first, again))
+
+
+def _same_again(model: nn.Module, a: tuple, k: dict, first: List[Tensor], size: int) -> bool:
+    # Whether the model run again on one sample's inputs, with another seed than the run that
+    # gave ``first``, returns the same outputs: it draws no random numbers.
+    torch.default_generator.manual_seed(1 + size)
+    again = _tensors(model(*a, **k))
+    return len(again) == len(first) and all(map(_same, again, first))
 
 
 def forward_alone(model: nn.Module, args: tuple, kwargs: dict, output, size: int, layout: int,
@@ -169,12 +174,9 @@ def forward_alone(model: nn.Module, args: tuple, kwargs: dict, output, size: int
                                    "the batch size on its batch dim")
                 torch.default_generator.manual_seed(n)
                 alone = _tensors(model(*a, **k))
-                if n == 0 and not as_ran:
-                    torch.default_generator.manual_seed(1 + size)
-                    again = _tensors(model(*a, **k))
-                    if len(again) != len(alone) or not all(map(_same, again, alone)):
-                        return False, (f"{NO_CHECK}: the forward draws random "
-                                       "numbers even in eval mode")
+                if n == 0 and not as_ran and not _same_again(model, a, k, alone, size):
+                    return False, (f"{NO_CHECK}: the forward draws random "
+                                   "numbers even in eval mode")
                 if len(alone) != len(batched):
                     return False, (f"{NO_CHECK}: the model returns another structure "
                                    "for one sample")
