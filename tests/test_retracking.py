@@ -429,14 +429,19 @@ def test_a_changed_forward_of_a_model_that_returns_its_loss_is_refused_on_it(dty
 class TrainOnly(Switch):
     """``b(tanh(a(x)))``; with ``mix`` set the batch's mean row is added to the hidden rows in
     training mode only (a branch the check of the forward alone would not take in eval mode);
-    with ``p`` > 0, dropout after ``a`` (a forward random in training mode)."""
+    with ``p`` > 0, dropout after ``a`` (a forward random in training mode); with ``norm``, a
+    batch norm on its running statistics (in eval mode, the model in training mode: frozen)."""
 
-    def __init__(self, p=0.0):
+    def __init__(self, p=0.0, norm=False):
         super().__init__()
         self.drop = nn.Dropout(p)
+        self.norm = nn.BatchNorm1d(6).eval() if norm else nn.Identity()
+        if norm:
+            self.norm.running_mean.uniform_(-0.5, 0.5)
+            self.norm.running_var.uniform_(0.5, 2.0)
 
     def forward(self, x):
-        h = self.drop(torch.tanh(self.a(x)))
+        h = self.drop(self.norm(torch.tanh(self.a(x))))
         if self.training and self.mix:
             h = h + h.mean(0, keepdim=True)
         return self.b(h)
@@ -466,24 +471,60 @@ def test_a_mixing_branch_taken_only_in_training_mode_is_refused_on_its_forward(d
     assert refused == [2, 3, 4], refused
 
 
-def test_a_training_only_mixing_branch_in_a_random_model_is_refused_by_the_sample_check():
-    """With dropout the training-mode forward cannot be checked as it ran (the limitations
-    page's window under a plain ``loss.backward()``: refused from the next forward on); with
-    per-sample losses through ``gh.backward`` the sample check through the batched graph,
-    due on the forward of a new structure, refuses it on that forward."""
-    model = TrainOnly(p=0.2).double()
-    loss = nn.CrossEntropyLoss(reduction="none")
+@pytest.mark.parametrize("losses", [False, True], ids=["loss.backward", "gh.backward(losses)"])
+@pytest.mark.parametrize("kind", ["dropout", "frozen-norm"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_a_training_only_mixing_branch_in_a_random_model_is_refused_on_its_forward(
+        dtype, kind, losses):
+    """A model in training mode whose forward draws random numbers (dropout) or keeps running
+    statistics (a frozen batch norm) cannot be rerun alone as it ran: its check reruns the
+    batch with torch's random generators put back as they were at the forward's start, on
+    sample 0's (and B-1's) inputs copied to every row, whose rows must be those of the batch.
+    A mixing branch that only training mode takes, first on a planned forward, is refused on
+    that forward under a plain ``loss.backward()`` too (it was the limitations page's window);
+    the forwards before are exact against the loop (their dropout masks replayed there); the
+    check leaves the random streams and the running statistics as they were."""
+    torch.manual_seed(0)
+    model = TrainOnly(p=0.3 if kind == "dropout" else 0.0, norm=kind == "frozen-norm").to(dtype)
+    per_sample = nn.CrossEntropyLoss(reduction="none")
+    stats = [b.clone() for b in model.buffers()]
+    refused = []
     with gradhooks.attach(model) as gh:
-        for step in range(3):
-            model.mix = step == 2
-            x, y = _batch(3, step, torch.float64)
-            if step < 2:
-                gh.backward(loss(model(x), y).mean())
-                gh.per_sample_grad_norms()
+        for step in range(5):
+            model.mix = step >= 2
+            x, y = _batch(4, step, dtype)
+            model.zero_grad()
+            state = torch.get_rng_state()
+            loss = per_sample(model(x), y).mean()
+            after = torch.get_rng_state()
+            try:
+                gh.backward(loss) if losses else loss.backward()
+                ours = gh.per_sample_grads()
+            except gradhooks.SampleMixingError as e:
+                assert ("structure is not" in str(e) and "mixes the samples" in str(e)) or (
+                    "the sample check" in str(e)) or (
+                    "mean" in str(e) and "test_retracking.py" in str(e)), str(e)
+                refused.append(step)
                 continue
-            with pytest.raises(gradhooks.SampleMixingError, match="the sample check"):
-                gh.backward(loss(model(x), y).mean())
-                gh.per_sample_grad_norms()
+            finally:
+                assert torch.equal(torch.get_rng_state(), after)  # (the check drew nothing)
+            torch.set_rng_state(state)
+            masks = model.drop(torch.ones(4, 6, dtype=dtype))  # (the batch's, replayed)
+            assert_close_to_loop(ours, _masked_loop(copy.deepcopy(model), masks, x, y), dtype)
+    assert refused == [2, 3, 4], refused
+    assert all(torch.equal(b, s) for b, s in zip(model.buffers(), stats))
+
+
+def _masked_loop(model, masks, x, y):
+    # Each sample's gradient alone, with its row of the batch's dropout masks.
+    grads = {n: [] for n, p in model.named_parameters()}
+    for i in range(x.shape[0]):
+        model.zero_grad()
+        h = model.norm(torch.tanh(model.a(x[i:i + 1]))) * masks[i:i + 1]
+        F.cross_entropy(model.b(h), y[i:i + 1]).backward()
+        for n, p in model.named_parameters():
+            grads[n].append(p.grad.clone())
+    return {n: torch.stack(g) for n, g in grads.items()}
 
 
 @pytest.mark.parametrize("form", ["sorted-rows", "gathered-view"])

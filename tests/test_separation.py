@@ -316,15 +316,56 @@ def test_an_unknown_op_that_keeps_samples_apart_passes_the_forward_check(op, b, 
 
 
 def test_an_unknown_op_is_refused_when_no_check_is_possible():
-    # (the forward draws random numbers in eval mode: one sample alone cannot be compared)
+    # (the forward draws random numbers from Python's generator: rerun with torch's put back as
+    # they were at its start it does not reproduce its output, and one sample alone cannot be
+    # compared either)
+    import random
+
     def noisy(h):
-        return Square.apply(h) + 1e-3 * torch.randn_like(h)
+        return Square.apply(h) + 1e-3 * random.random()
     x, y = _batch(4)
     model = Between(noisy).double()
     with gradhooks.attach(model) as gh:
         F.cross_entropy(model(x), y).backward()
-        with pytest.raises(gradhooks.UnprovenOpError, match="Square.*random numbers"):
+        with pytest.raises(gradhooks.UnprovenOpError, match="Square.*another source"):
             gh.per_sample_grads()
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("mixes", [False, True], ids=["keeps", "mixes"])
+def test_an_unknown_op_in_a_random_forward_is_checked_as_it_ran(mixes, mode, dtype):
+    """A forward that draws torch's random numbers (noise added in training and in eval mode,
+    dropout) is checked as it ran: rerun with torch's random generators put back as they were
+    at its start, on sample 0's (B-1's) inputs copied to every row, whose rows must be the
+    batch's. An unknown op that keeps the samples apart is then accepted, exact against the
+    loop (each sample with its row of the batch's noise, replayed); one that mixes them is
+    refused on the first forward."""
+    def noisy(h):
+        h = Centre.apply(h) if mixes else Square.apply(h)
+        return h + 1e-3 * torch.randn_like(h)
+    x, y = _batch(4)
+    x = x.to(dtype)
+    torch.manual_seed(0)
+    model = Between(noisy).to(dtype).train(mode == "train")
+    with gradhooks.attach(model) as gh:
+        state = torch.get_rng_state()
+        F.cross_entropy(model(x), y).backward()
+        if mixes:
+            with pytest.raises(gradhooks.UnprovenOpError, match="Centre.*copied to every row"):
+                gh.per_sample_grads()
+            return
+        ours = gh.per_sample_grads()
+    torch.set_rng_state(state)
+    noise = 1e-3 * torch.randn(4, D, dtype=dtype)  # (the batch's, replayed)
+    ref = {n: [] for n, _ in model.named_parameters()}
+    for i in range(4):
+        model.zero_grad()
+        h = Square.apply(torch.tanh(model.a(x[i:i + 1]))) + noise[i:i + 1]
+        F.cross_entropy(model.b(h), y[i:i + 1]).backward()
+        for name, p in model.named_parameters():
+            ref[name].append(p.grad.clone())
+    assert_close_to_loop(ours, {n: torch.stack(g) for n, g in ref.items()}, dtype)
 
 
 def test_the_check_leaves_the_random_streams_and_modes_as_they_were():

@@ -15,7 +15,7 @@ from . import torch_internals
 
 __all__ = ["paused", "is_paused", "no_autocast", "tf32_allowed", "tf32_products", "is_functorch_wrapped", "tensors", "detached",
            "flatten", "compute_dtype", "LOW_PRECISION", "LOSS_REDUCTIONS", "check_loss_reduction",
-           "own_loss_scale", "OWNED"]
+           "own_loss_scale", "OWNED", "rng_states", "set_rng_states"]
 
 #: The values ``loss_reduction`` may take.
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -38,6 +38,23 @@ def paused() -> Iterator[None]:
         yield
     finally:
         PAUSED -= 1
+
+
+def rng_states(inputs: List[Tensor]) -> tuple:
+    """The states of torch's random number generators a forward on ``inputs`` draws from: the
+    CPU's default generator and the default generator of each CUDA device an input is on
+    (about 1 µs), for :func:`set_rng_states` (a forward rerun as it ran draws the same numbers)."""
+    cuda = {t.device.index for t in inputs if t.is_cuda}
+    return (torch.default_generator.get_state(),
+            {i: torch.cuda.get_rng_state(i) for i in cuda} if cuda else {})
+
+
+def set_rng_states(states: tuple) -> None:
+    """Put torch's random number generators back to ``states`` (:func:`rng_states`)."""
+    cpu, cuda = states
+    torch.default_generator.set_state(cpu)
+    for i, state in cuda.items():
+        torch.cuda.set_rng_state(state, i)
 
 
 def is_paused() -> bool:

@@ -13,23 +13,30 @@ outputs must reproduce those rows of the batched output to rounding
 ``torch.no_grad()`` with the hooks paused. A model in training mode is checked in training mode,
 against the batched output as it ran, where that forward is deterministic (sample 0 run twice
 with two seeds agrees) and no module keeps running statistics (a batch norm, which a forward in
-training mode would update): so a branch taken only in training mode is judged. Otherwise every
-module is put in ``eval()`` (restored after): dropout draws other masks for a batch of one than
-for the batch, so the batch is rerun in eval mode too. A forward that still draws random numbers
-in eval mode (run twice on one sample with two seeds, it differs) cannot be checked, nor can one
-whose inputs or outputs carry no batch dim gradhooks can find: then the check says why, and the
-op stays refused. Cost, once per input signature with such an op: in training mode two forwards
-of one sample more, and one batched forward without gradient where the forward is random; three
-forwards of one sample.
+training mode would update). A forward in training mode that draws random numbers (dropout)
+or keeps running statistics, and one random in eval mode, is checked as it ran too, by copies
+(:func:`_copies_as_ran`): torch's random generators put back to their states at the forward's
+start (:func:`~gradhooks.base.utils.rng_states`, saved by the placement), the batch rerun must
+reproduce its output (the same dropout masks), and the batch with every row sample ``n``'s
+inputs must reproduce sample ``n``'s rows (its masks are the batch's, row for row, while a
+statistic of the batch or a pairing of rows changes them); buffers the reruns update (running
+statistics) are put back. So a branch taken only in training mode is judged. Without those
+states (a caller of :func:`forward_alone` that has none) every module is put in ``eval()``
+(restored after) and the batch rerun in eval mode, the samples alone against it. A forward
+whose rerun does not reproduce it (random numbers from Python's or NumPy's generators) cannot
+be checked, nor can one whose inputs or outputs carry no batch dim gradhooks can find: then the
+check says why, and the op stays refused. Cost, once per input signature with such an op, or a
+forward of a new structure: two or three forwards of one sample where the forward is
+deterministic; three batched forwards without gradient where it is random.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
-from ...base.utils import paused
+from ...base.utils import paused, set_rng_states
 
 __all__ = ["forward_alone", "sample_rows", "largest_difference", "FORWARD_RTOL", "NO_CHECK"]
 
@@ -81,19 +88,21 @@ def _tensors(x) -> List[Tensor]:
     return []
 
 
-def _slice(x, n: int, size: int, layout: int, hit: list):
+def _slice(x, n: int, size: int, layout: int, hit: list, fill: bool = False):
     # x with every tensor's batch dim (dim 0, or dim 1 of one of 2 dims or more with
-    # layout 1) of size ``size`` narrowed to sample n; others unchanged.
+    # layout 1) of size ``size`` narrowed to sample n (``fill``: sample n copied to all ``size``
+    # rows); others unchanged.
     if isinstance(x, Tensor):
         d = 0 if layout == 0 or x.dim() < 2 else 1
         if x.dim() > d and x.shape[d] == size:
             hit.append(True)
-            return x.narrow(d, n, 1)
+            row = x.narrow(d, n, 1)
+            return row.expand(x.shape).contiguous() if fill else row
         return x
     if isinstance(x, dict):
-        return type(x)({k: _slice(v, n, size, layout, hit) for k, v in x.items()})
+        return type(x)({k: _slice(v, n, size, layout, hit, fill) for k, v in x.items()})
     if type(x) in (list, tuple):
-        return type(x)(_slice(v, n, size, layout, hit) for v in x)
+        return type(x)(_slice(v, n, size, layout, hit, fill) for v in x)
     return x
 
 
@@ -124,7 +133,8 @@ def _same_again(model: nn.Module, a: tuple, k: dict, first: List[Tensor], size: 
 
 
 def forward_alone(model: nn.Module, args: tuple, kwargs: dict, output, size: int, layout: int,
-                  dim_of: Callable[[Tensor], object]) -> Tuple[bool, str]:
+                  dim_of: Callable[[Tensor], object],
+                  rng: Optional[tuple] = None) -> Tuple[bool, str]:
     """Whether samples ``0`` and ``size - 1`` run alone reproduce their rows of ``output``
     (module docstring).
 
@@ -135,6 +145,10 @@ def forward_alone(model: nn.Module, args: tuple, kwargs: dict, output, size: int
         layout: ``0`` (``batch_first``) or ``1`` (``batch_first=False``: dim 1 of inputs of 2
             dims or more); where ``dim_of`` finds no batch dim of an output, the same.
         dim_of: an output tensor's batch dim as provenance followed it (an int, else unknown).
+        rng: the states of torch's random generators at the start of the forward that returned
+            ``output`` (:func:`~gradhooks.base.utils.rng_states`), if known: a forward that
+            draws random numbers or keeps running statistics is then checked as it ran, by
+            batches of one sample's copies (:func:`_copies_as_ran`).
 
     Returns:
         ``(True, "")`` if every floating output with the batch on a known dim agrees to
@@ -158,42 +172,105 @@ def forward_alone(model: nn.Module, args: tuple, kwargs: dict, output, size: int
     modes = [(m, m.training) for m in model.modules()]
     training = model.training
     cuda = sorted({t.device.index or 0 for t in _tensors(output) if t.is_cuda})
+    batch = (model, args, kwargs, _tensors(output), outs, size, layout)
     try:
         # (the caller's random streams are left as they were: its next dropout masks too)
         with torch.no_grad(), paused(), torch.random.fork_rng(devices=cuda):
             as_ran = training and _deterministic(model, args, kwargs, size, layout)
+            if training and not as_ran and rng is not None:
+                return _copies_as_ran(*batch, rng)
             if not as_ran:
                 model.eval()
-            batched = (_tensors(model(*args, **kwargs)) if training and not as_ran
-                       else _tensors(output))
-            for n in sorted({0, size - 1}):
-                hit: list = []
-                a, k = _slice(args, n, size, layout, hit), _slice(kwargs, n, size, layout, hit)
-                if not hit:
-                    return False, (f"{NO_CHECK}: no input of the model's forward has "
-                                   "the batch size on its batch dim")
-                torch.default_generator.manual_seed(n)
-                alone = _tensors(model(*a, **k))
-                if n == 0 and not as_ran and not _same_again(model, a, k, alone, size):
-                    return False, (f"{NO_CHECK}: the forward draws random "
-                                   "numbers even in eval mode")
-                if len(alone) != len(batched):
-                    return False, (f"{NO_CHECK}: the model returns another structure "
-                                   "for one sample")
-                for i, d in outs:
-                    ours, one = batched[i].narrow(d, n, 1), alone[i]
-                    if ours.shape != one.shape:
-                        return False, (f"sample {n} run alone returns output {i} of shape "
-                                       f"{tuple(one.shape)}, not {tuple(ours.shape)}")
-                    diff, scale = largest_difference(ours, one)
-                    if not diff <= FORWARD_RTOL.get(ours.dtype, 1e-3) * scale + 1e-30:
-                        return False, (f"sample {n} run alone does not reproduce its row of the "
-                                       f"batched output {i} (max difference {diff:.3g}, largest "
-                                       f"entry {scale:.3g}): the forward mixes the samples")
+            why = _alone(*batch, training, as_ran)
+            if why == _RANDOM and rng is not None:  # (in eval mode: as it ran, then)
+                for m, mode in modes:
+                    m.training = mode
+                return _copies_as_ran(*batch, rng)
+            return not why, why
     except Exception as error:  # (a forward that cannot run on one sample)
         return False, (f"{NO_CHECK}: the model's forward on one sample raised "
                        f"{type(error).__name__}: {error}")
     finally:
         for m, mode in modes:
             m.training = mode
+
+
+_RANDOM = f"{NO_CHECK}: the forward draws random numbers even in eval mode"
+
+
+def _differs(batched: List[Tensor], again: List[Tensor], outs: list, n: Optional[int],
+             whole: bool) -> str:
+    # The first output whose rows of sample n (all rows: n None) differ between the batch's
+    # run and another (of the whole batch: ``whole``, else of sample n alone) beyond
+    # FORWARD_RTOL, as "output i (max difference, largest entry)"; "" if none.
+    for i, d in outs:
+        ours, one = batched[i], again[i]
+        if n is not None:
+            ours = ours.narrow(d, n, 1)
+            if whole and one.dim() > d and one.shape[d] == batched[i].shape[d]:
+                one = one.narrow(d, n, 1)
+        if ours.shape != one.shape:
+            return f"output {i} of shape {tuple(one.shape)}, not {tuple(ours.shape)}"
+        diff, scale = largest_difference(ours, one)
+        if not diff <= FORWARD_RTOL.get(ours.dtype, 1e-3) * scale + 1e-30:
+            return f"output {i} (max difference {diff:.3g}, largest entry {scale:.3g})"
+    return ""
+
+
+def _alone(model: nn.Module, args: tuple, kwargs: dict, output: List[Tensor], outs: list,
+           size: int, layout: int, training: bool, as_ran: bool) -> str:
+    # Samples 0 and size - 1 run alone against their rows of the batch (output as it ran, or
+    # the batch rerun in eval mode); "" where they agree, else why not.
+    batched = _tensors(model(*args, **kwargs)) if training and not as_ran else output
+    for n in sorted({0, size - 1}):
+        hit: list = []
+        a, k = _slice(args, n, size, layout, hit), _slice(kwargs, n, size, layout, hit)
+        if not hit:
+            return f"{NO_CHECK}: no input of the model's forward has the batch size on its batch dim"
+        torch.default_generator.manual_seed(n)
+        alone = _tensors(model(*a, **k))
+        if n == 0 and not as_ran and not _same_again(model, a, k, alone, size):
+            return _RANDOM
+        if len(alone) != len(batched):
+            return f"{NO_CHECK}: the model returns another structure for one sample"
+        found = _differs(batched, alone, outs, n, False)
+        if found:
+            return (f"sample {n} run alone does not reproduce its rows of the batched {found}: "
+                    "the forward mixes the samples")
+    return ""
+
+
+def _copies_as_ran(model: nn.Module, args: tuple, kwargs: dict, output: List[Tensor],
+                   outs: list, size: int, layout: int, rng: tuple) -> Tuple[bool, str]:
+    # The forward as it ran (its modes, torch's random generators put back to their states at
+    # its start): rerun on the batch it must reproduce ``output`` (else its random numbers come
+    # from elsewhere: no check), and on sample n's inputs copied to every row (n = 0, size - 1)
+    # it must reproduce sample n's rows: its dropout masks are the batch's, row for row, and a
+    # statistic of the batch (a batch norm in training mode) or a pairing of rows changes them.
+    # The buffers a rerun updates (running statistics) are put back after.
+    buffers = [(b, b.clone()) for b in model.buffers()]
+    try:
+        for n in (None, *sorted({0, size - 1})):
+            hit: list = [True]
+            a, k = ((args, kwargs) if n is None else
+                    (_slice(args, n, size, layout, hit, True), _slice(kwargs, n, size, layout, hit, True)))
+            if len(hit) == 1 and n is not None:
+                return False, (f"{NO_CHECK}: no input of the model's forward has the batch size "
+                               "on its batch dim")
+            set_rng_states(rng)
+            again = _tensors(model(*a, **k))
+            found = ("another structure" if len(again) != len(output) else
+                     _differs(output, again, outs, n, True))
+            if found and n is None:
+                return False, (f"{NO_CHECK}: the forward rerun with torch's random generators "
+                               f"put back as they were at its start does not reproduce its "
+                               f"{found} (random numbers from another source?)")
+            if found:
+                return False, (f"sample {n}'s inputs copied to every row of the batch, the "
+                               f"forward rerun as it ran, do not reproduce its rows of the "
+                               f"{found}: the forward mixes the samples")
+    finally:
+        for b, saved in buffers:
+            if not _same(b, saved):  # (through .data: the version the batch's graph saved stays)
+                b.data.copy_(saved)
     return True, ""

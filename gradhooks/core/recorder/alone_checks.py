@@ -33,7 +33,8 @@ def verify_unproven(placement, prov, call: Optional[tuple]) -> None:
     if call is not None and not getattr(recorder, "allow_sample_mixing", False):
         args, kwargs, output = call
         passed, why = forward_alone(recorder.model, args, kwargs, output, prov.batch_size,
-                                    prov.batch_dim, lambda t: prov.look(t)[2])
+                                    prov.batch_dim, lambda t: prov.look(t)[2],
+                                    recorder.sum_check.rng)
     if passed:
         verified.update(prov.unproven)
     else:
@@ -50,7 +51,7 @@ def verify_changed(placement, call: Optional[tuple]) -> None:
     (``UnprovenOpError``), also after a plain ``loss.backward()``; the next forward is analysed.
 
     Where no check is possible (inputs without the batch size on their batch dim, an output
-    without it, a forward random in eval mode) nothing proves the new structure keeps the
+    without it, a forward whose rerun with the random generators put back does not reproduce it) nothing proves the new structure keeps the
     samples apart: the batch's reads are refused (``UnprovenOpError``, naming why) unless its
     sample check through the batched graph passes (per-sample losses through ``gh.backward``
     or ``gh.clipped_backward``: :meth:`~gradhooks.core.analysis.mixing.Mixing.checked`). A
@@ -65,7 +66,8 @@ def verify_changed(placement, call: Optional[tuple]) -> None:
     if call is not None:
         args, kwargs, output = call
         passed, why = forward_alone(recorder.model, args, kwargs, output, placement.plan_size,
-                                    0 if recorder.batch_first else 1, lambda t: None)
+                                    0 if recorder.batch_first else 1, lambda t: None,
+                                    recorder.sum_check.rng)
     if passed:  # (this batch's: a structure joins its signature's once an analysis proves it)
         return
     what = (f"a forward of {type(recorder.model).__name__} whose structure is not its input "

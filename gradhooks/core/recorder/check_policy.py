@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from ...base.torch_internals import autograd_nodes_made, graph_ops
-from ...base.utils import tensors
+from ...base.utils import rng_states, tensors
 
 __all__ = ["SumCheck"]
 
@@ -62,6 +62,9 @@ class SumCheck:
         self._ops: dict = {}  # input signature -> graph_ops of its forwards (analysed, planned)
         self._running: Optional[tuple] = None  # (signature, nodes made, analysed) of the one running
         self._pending: Optional[tuple] = None  # (signature, ops, nodes) of a new structure: accept()
+        #: The random generators' states at the start of the last forward (:func:`rng_states`):
+        #: the check of the forward alone reruns it as it ran.
+        self.rng: Optional[tuple] = None
         #: This batch has a forward of a structure its signature had not shown: its reads check
         #: (reset with the batch).
         self.changed = False
@@ -96,11 +99,12 @@ class SumCheck:
             drive_key not in self._drive_passed or self.changed
             or self._drives % self.EVERY == 0)))
 
-    def forward_start(self, signature: tuple, analysed: bool) -> None:
-        """A forward of ``signature`` starts: ``analysed`` (provenance runs: its ops are a
-        structure the analysis proved) or following its plan."""
-        self._running = ((signature, autograd_nodes_made(), analysed) if torch.is_grad_enabled()
-                         else None)
+    def forward_start(self, signature: tuple, analysed: bool, inputs: list) -> None:
+        """A forward of ``signature`` on ``inputs`` starts: ``analysed`` (provenance runs: its
+        ops are a structure the analysis proved) or following its plan."""
+        grad = torch.is_grad_enabled()
+        self._running = (signature, autograd_nodes_made(), analysed) if grad else None
+        self.rng = rng_states(inputs) if grad else None
 
     def forward_end(self, completed: bool, output=None) -> bool:
         """That forward returned (``completed``, with ``output``) or raised; returns whether it

@@ -229,7 +229,7 @@ class Placement:
         if isinstance(known, dict) and not recorder.sum_check.forward_due(key):  # ({}: none shared)
             self.plan, self.plan_size = known or None, first.shape[batch_dim]
             self.mixing.untracked_start(key, self.plan_size)  # (joins the batch at its end)
-            recorder.sum_check.forward_start(key, False)  # (its autograd nodes counted)
+            recorder.sum_check.forward_start(key, False, inputs)  # (its nodes counted)
             return
         # The top-level inputs are the batch (all of them: EmbeddingBag's offsets too); its size
         # is the first hooked call's on them (the first input's batch dim until then).
@@ -244,7 +244,7 @@ class Placement:
                           self.refuse_shared, self.on_noted, raw, self.param_source)
         prov.signature, prov.depth = key, 1
         self.provenance = prov
-        recorder.sum_check.forward_start(key, True)
+        recorder.sum_check.forward_start(key, True, inputs)
         prov.__enter__()
 
     def nest(self) -> bool:
