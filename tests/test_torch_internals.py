@@ -279,3 +279,31 @@ def test_graph_ops_fingerprints_the_model_ops_less_gradhooks_own():
     swapped = run(True)
     assert swapped[0] == plain[0] and swapped[1] != plain[1]
     assert ti.graph_ops([torch.zeros(2)], (0, 10)) == (0, 0)
+
+
+@pytest.mark.parametrize("op", ["mean", "sum", "softmax", "flip", "cumsum", "transpose",
+                                "cat", "narrow", "select"])
+def test_graph_ops_fingerprints_the_dims_an_op_ran_along(op):
+    """The same op along another dim (a square batch: the same shapes) changes the fingerprint,
+    the same op along the same dim does not: autograd's saved dim arguments are hashed."""
+    forms = {
+        "mean": lambda h, d: h - h.mean(d, keepdim=True),
+        "sum": lambda h, d: h * h.sum(d, keepdim=True),
+        "softmax": lambda h, d: h.softmax(d),
+        "flip": lambda h, d: h * h.flip(d),
+        "cumsum": lambda h, d: h.cumsum(d),
+        "transpose": lambda h, d: h.transpose(d, 1 - d) if d else h.transpose(0, 1),
+        "cat": lambda h, d: torch.cat([h, h], d).narrow(d, 0, 4),
+        "narrow": lambda h, d: h.narrow(d, 1, 3) * 2,
+        "select": lambda h, d: h * h.select(d, 0).unsqueeze(d),
+    }
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def run(d):
+        start = ti.autograd_nodes_made()
+        h = forms[op](torch.randn(4, 4) @ w, d)
+        return ti.graph_ops([h], (start, ti.autograd_nodes_made()))
+
+    assert run(0) == run(0) and run(1) == run(1)
+    if op != "transpose":  # (transpose(1, 0) and transpose(0, 1) are one op)
+        assert run(0)[0] == run(1)[0] and run(0)[1] != run(1)[1]

@@ -133,14 +133,16 @@ def graph_ops(tensors, span: Tuple[int, int]) -> Tuple[int, int]:
     less those gradhooks made (:func:`own`): the model's differentiable ops its outputs depend
     on, whichever of gradhooks' forwards ran it (analysed or planned). The fingerprint hashes
     the node types in the order of a depth-first walk from ``tensors``, which follows the
-    graph's edges: another op in place of one (same count) changes it. Nodes made before the
-    span are not walked past. Cost: a Python step per node (about 1 µs; GPT-2 small's 707
-    nodes take 0.7 ms)."""
+    graph's edges, with the dims each node's op ran along (its saved ``dim`` / ``dims`` /
+    ``dim0`` / ``dim1`` / ``keepdim`` arguments: ``h.mean(0)`` is not ``h.mean(1)``,
+    ``h.flip(0)`` not ``h.flip(1)``): another op in place of one (same count), or the same op
+    along another dim, changes it. Nodes made before the span are not walked past. Cost: a
+    Python step per node (about 1 µs; GPT-2 small's 707 nodes take 0.7 ms)."""
     start, end = span
     stack = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     seen: set = set()
     count = fingerprint = 0
-    own_types = _OWN_TYPES
+    own_types, dims_of = _OWN_TYPES, _DIMS
     while stack:
         node = stack.pop()
         if node in seen:
@@ -152,9 +154,31 @@ def graph_ops(tensors, span: Tuple[int, int]) -> Tuple[int, int]:
         kind = type(node)
         if number < end and not (kind in own_types and OWN in node.metadata):
             count += 1
-            fingerprint = hash((fingerprint, kind))
+            dims = dims_of.get(kind)
+            if dims is None:
+                dims = dims_of[kind] = tuple(a for a in dir(kind)
+                                             if a.startswith("_saved_") and "dim" in a)
+            fingerprint = hash((fingerprint, kind, _dims(node, dims) if dims else None))
         stack.extend(n for n, _ in node.next_functions if n is not None)
     return count, fingerprint
+
+
+#: node type -> the names of its saved dim arguments (graph_ops; autograd's ``_saved_<name>``)
+_DIMS: Dict[type, tuple] = {}
+
+
+def _dims(node, names: tuple) -> tuple:
+    # The saved dim arguments of ``node`` as graph_ops hashes them (a list as a tuple; a tensor,
+    # or one autograd cannot give, as None: not a dim).
+    values = []
+    for name in names:
+        try:
+            value = getattr(node, name)
+        except RuntimeError:
+            value = None
+        values.append(tuple(value) if isinstance(value, list) else
+                      None if isinstance(value, torch.Tensor) else value)
+    return tuple(values)
 
 
 def version(t: torch.Tensor) -> int:

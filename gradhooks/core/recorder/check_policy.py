@@ -24,14 +24,15 @@ class SumCheck:
 
     Each forward of an input signature whose first forward was analysed is fingerprinted
     (:meth:`forward_start` / :meth:`forward_end`): the model's differentiable ops its outputs
-    depend on, counted and hashed in graph order
+    depend on, counted and hashed in graph order with the dims each ran along
     (:func:`~gradhooks.base.torch_internals.graph_ops`, gradhooks' own nodes left out, so that
     an analysed forward and a planned one of the same structure agree), and, for the forwards
     that follow the plan, all the autograd nodes it made (side computations the outputs do not
     depend on). A planned forward whose ops no forward of its signature has shown, or whose
     count of nodes the earlier planned forwards of those ops have not, is a forward of another
-    structure (a branch on a flag, on a tensor's value, one op swapped for another, a parameter
-    used outside its module from this step): the batch's reads then run the sum check, ``backward()``
+    structure (a branch on a flag, on a tensor's value, one op swapped for another or run
+    along another dim, a parameter used outside its module from this step): the batch's reads
+    then run the sum check, ``backward()``
     computes the parameter gradients for it and the sample check through the batched graph
     runs (:attr:`changed`), the placement checks the forward alone
     (:func:`~gradhooks.core.recorder.alone_checks.verify_changed`), and the signature's next
