@@ -45,6 +45,7 @@ from .base.errors import (
 )
 from .base.forms import Block, Call, Rows
 from .base.registry import LayerRule, register_rule, supported_types
+from .base.utils import is_paused
 from .fisher import kfac  # gradhooks.kfac: the one-call KFAC driver (a function)
 from .hooks import GradHooks, attach
 from .readers import attribution  # gradhooks.attribution: influence scores from the records
@@ -76,6 +77,7 @@ LAYERS = ("base", "rules", "core", "readers", "api", "tools", "integrations")
 __all__ = [
     "attach",
     "GradHooks",
+    "is_paused",
     "AdaptiveClipping",
     "micro_batches",
     "per_sample_token_loss",

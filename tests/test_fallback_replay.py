@@ -116,7 +116,7 @@ class RunningUsed(Running):
 
 class Memory(nn.Module):
     """(c) Holds the first batch it saw (B rows) and adds it to every later input: one sample
-    cannot run against it."""
+    cannot run against it whole; the looped replay gives it sample n's row."""
 
     def __init__(self, d=4):
         super().__init__()
@@ -317,7 +317,6 @@ def test_every_read_is_verified_vmapped_or_looped(module, monkeypatch):
 
 
 REFUSED_LOOP = {
-    "whole-batch-memory": (lambda: seq(Memory()), "'1' (Memory)", "Memory"),
     "builds-B-rows": (BuildsRowsModel, "'m' (BuildsRows)", "BuildsRows"),
 }
 
@@ -339,6 +338,29 @@ def test_module_neither_vmap_nor_the_loop_can_replay_is_refused_naming_it(case, 
     assert "one call per sample (RuntimeError: " in msg
     assert f"register_rule({cls})" in msg and "strict=True" in msg and "requires_grad_(False)" in msg
     assert isinstance(e.value, gradhooks.UnsupportedCallError)
+
+
+def test_state_of_b_rows_kept_on_a_module_is_replayed_row_by_row(dtype):
+    """(c) A module that keeps B rows of state as a plain attribute (a cache of the whole
+    batch; RecurrentGemma's recurrence states) cannot run on one sample against all of them:
+    the looped replay gives each sample its own row (set back after), verified against the
+    batched call; exact against a loop where each sample meets its row."""
+    model = seq(Memory()).to(dtype)
+    x = torch.randn(3, 4, dtype=dtype)
+    model(x)  # (Memory keeps this batch)
+    y = torch.rand(3, dtype=dtype)
+    memory = model[1].memory
+    got, warned = _read(model, x, y)
+    assert model[1].memory is memory and warned
+    ref = {n: [] for n, _ in model.named_parameters()}
+    for n in range(3):
+        model[1].memory = memory[n:n + 1]
+        model.zero_grad()
+        weighted_square_loss("mean")(model(x[n:n + 1]), y[n:n + 1]).backward()
+        for name, p in model.named_parameters():
+            ref[name].append(p.grad.clone())
+    model[1].memory = memory
+    assert_close_to_loop(got, {n: torch.stack(g) for n, g in ref.items()}, dtype)
 
 
 WRONG = {

@@ -368,6 +368,105 @@ def test_an_unknown_op_in_a_random_forward_is_checked_as_it_ran(mixes, mode, dty
     assert_close_to_loop(ours, {n: torch.stack(g) for n, g in ref.items()}, dtype)
 
 
+class SideOp(nn.Module):
+    """``b(tanh(a(x)))``; off its output, ``self.aux = op(tanh(a(x))).pow(2).mean()`` kept on
+    the module (a side computation), which the loss adds when ``read`` is set."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, D), nn.Linear(D, 3)
+        self.op = op
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        self.aux = self.op(h).pow(2).mean()
+        return self.b(h)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("read", [True, False], ids=["read", "unread"])
+@pytest.mark.parametrize("op", ["flip0", "Centre", "Square"])
+def test_an_unknown_op_off_the_outputs_is_judged_where_the_loss_reads_it(op, read, dtype):
+    """An op no rule proves in a side computation the outputs do not depend on: the check of
+    the forward alone compares outputs, so it cannot see it (it passed vacuously, and a
+    pairing there was silently wrong, found by the structure property test). Where the loss
+    reads it, the batch is refused, naming the op and why (also an op that keeps the samples
+    apart: nothing proves it there); unread it changes nothing (exact);
+    the check's runs leave ``self.aux`` as the batch's forward set it."""
+    ops = {"flip0": lambda h: h * h.flip(0), "Centre": Centre.apply, "Square": Square.apply}
+    x, y = _batch(4)
+    x = x.to(dtype)
+    torch.manual_seed(0)
+    model = SideOp(ops[op]).to(dtype)
+    with gradhooks.attach(model) as gh:
+        out = model(x)
+        aux = model.aux
+        loss = F.cross_entropy(out, y) + (0.1 * model.aux if read else 0)
+        loss.backward()
+        assert model.aux is aux
+        del model.aux
+        if read:  # (a custom Function that keeps them apart too: nothing proves it there)
+            with pytest.raises(gradhooks.UnprovenOpError, match="off the model's outputs"):
+                gh.per_sample_grads()
+            return
+        ours = gh.per_sample_grads()
+    ref = {n: [] for n, _ in model.named_parameters()}
+    for i in range(4):
+        model.zero_grad()
+        out = model(x[i:i + 1])
+        (F.cross_entropy(out, y[i:i + 1]) + (0.1 * model.aux if read else 0)).backward()
+        for name, p in model.named_parameters():
+            ref[name].append(p.grad.clone())
+    assert_close_to_loop(ours, {n: torch.stack(g) for n, g in ref.items()}, dtype)
+
+
+@pytest.mark.parametrize("keeper", ["module", "hook", "hook-skips"])
+def test_the_check_leaves_what_the_forward_keeps_for_the_loss(keeper):
+    """The check of the forward alone runs the model again (here for a custom Function on the
+    outputs' path). What the forward keeps for the loss: on a module (``self.feat = h``), put
+    back after the check (exact: it was the check's, without gradient, silently wrong); in a
+    forward hook's list, refused naming the way out (the loss may read the check's), unless
+    the hook skips gradhooks' runs (``gradhooks.is_paused()``): exact."""
+    feats = []
+
+    class Keeps(Between):
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            if keeper == "module":
+                self.feat = h
+            return self.b(Square.apply(h))
+
+    def hook(module, args, out):
+        if keeper == "hook" or not gradhooks.is_paused():
+            feats.append(out)
+
+    x, y = _batch(4)
+    torch.manual_seed(0)
+    model = Keeps(None).double()
+    if keeper != "module":
+        model.a.register_forward_hook(hook)
+
+    def loss_of(out, t):
+        feat = model.feat if keeper == "module" else feats[0]
+        return F.cross_entropy(out, t) + 0.1 * feat.mean()  # (linear in feat)
+
+    with gradhooks.attach(model) as gh:
+        loss_of(model(x), y).backward()
+        if keeper == "hook":
+            with pytest.raises(gradhooks.UnprovenOpError, match="is_paused"):
+                gh.per_sample_grads()
+            return
+        ours = gh.per_sample_grads()
+    ref = {n: [] for n, _ in model.named_parameters()}
+    for i in range(4):
+        model.zero_grad()
+        feats.clear()
+        loss_of(model(x[i:i + 1]), y[i:i + 1]).backward()
+        for name, p in model.named_parameters():
+            ref[name].append(p.grad.clone())
+    assert_close_to_loop(ours, {n: torch.stack(g) for n, g in ref.items()}, F64)
+
+
 def test_the_check_leaves_the_random_streams_and_modes_as_they_were():
     from gradhooks.core.analysis.alone import forward_alone
     model = Between(nn.Dropout(0.5)).double().train()

@@ -9,8 +9,12 @@ per-sample gradients (the norms) are exact against a float64 loop of that step's
 the read is refused (``SampleMixingError``, of which
 ``UnprovenOpError`` is one); a refusal needs a mixing op in a forward the schedule ran so far
 (a signature keeps the verdicts of its analysed forwards: its planned forwards may take either
-branch), or names a changed forward that no check could verify. A schedule of ops that keep
-the samples apart is exact on every step. Derandomized: CI runs the same draws every time."""
+branch), or names a changed forward that no check could verify, or a side computation whose
+ops no analysed forward showed, or (a side computation kept in a list) one whose list the
+check of the forward alone's runs of the model added to. The drawn ops run in the forward's
+output path, or in a side computation off it (kept on the module or in a list as a forward
+hook would) that the loss adds. A schedule of ops that keep the samples apart is exact on every step. Derandomized: CI
+runs the same draws every time."""
 import copy
 
 import torch
@@ -29,16 +33,36 @@ F64 = torch.float64
 DRAWS = 300
 
 
-class Switched(nn.Module):
-    """``b(op_k(tanh(a(x))))`` with ``k = which``: two structures of one input signature."""
+STASH: list = []  # (where a forward hook would keep a side computation)
 
-    def __init__(self, ops):
+
+class Switched(nn.Module):
+    """``b(op_k(tanh(a(x))))`` with ``k = which``: two structures of one input signature. With
+    ``side`` set, ``b(tanh(a(x)))`` and, off the output, ``aux = op_k(tanh(a(x))).pow(2)
+    .mean()`` kept on the module (``"module"``) or in a list as a forward hook would
+    (``"hook"``): the loss adds ``0.1 * aux``."""
+
+    def __init__(self, ops, side=None):
         super().__init__()
         self.a, self.b = nn.Linear(4, D), nn.Linear(D, 3)
-        self.ops, self.which = ops, 0
+        self.ops, self.which, self.side = ops, 0, side
 
     def forward(self, x):
-        return self.b(self.ops[self.which](torch.tanh(self.a(x))))
+        h = torch.tanh(self.a(x))
+        if self.side is None:
+            return self.b(self.ops[self.which](h))
+        aux = self.ops[self.which](h).pow(2).mean()
+        if self.side == "module":
+            self.aux = aux
+        else:
+            STASH.append(aux)
+        return self.b(h)
+
+    def loss(self, out, y):
+        """Cross-entropy, plus ``0.1 * aux`` of the last forward with ``side`` set."""
+        if self.side is None:
+            return F.cross_entropy(out, y)
+        return F.cross_entropy(out, y) + 0.1 * (self.aux if self.side == "module" else STASH[-1])
 
 
 @settings(max_examples=DRAWS, deadline=None, derandomize=True, database=None,
@@ -47,10 +71,13 @@ class Switched(nn.Module):
        second=st.lists(st.integers(0, len(TABLE) - 1), min_size=1, max_size=2),
        schedule=st.lists(st.integers(0, 1), min_size=2, max_size=5),
        batch=st.sampled_from([2, 4]), seed=st.integers(0, 2 ** 16),
-       loss=st.sampled_from(["plain", "per_sample", "clipped"]))
-def test_structure_changes_are_exact_or_refused(first, second, schedule, batch, seed, loss):
+       loss=st.sampled_from(["plain", "per_sample", "clipped"]),
+       side=st.sampled_from([None, None, "module", "hook"]))
+def test_structure_changes_are_exact_or_refused(first, second, schedule, batch, seed, loss,
+                                                side):
     forwards = [[TABLE[i] for i in first], [TABLE[i] for i in second]]
-    model = Switched([_compose([op for _, op, _ in ops]) for ops in forwards]).double()
+    model = Switched([_compose([op for _, op, _ in ops]) for ops in forwards], side).double()
+    loss = "plain" if side else loss  # (a side computation's loss is the batch's, plain)
     torch.manual_seed(seed)
     ran: set = set()
     with gradhooks.attach(model) as gh:
@@ -60,9 +87,10 @@ def test_structure_changes_are_exact_or_refused(first, second, schedule, batch, 
             y = torch.randint(0, 3, (batch,), generator=g)
             model.which = which
             ran.add(which)
+            model.__dict__.pop("aux", None)  # (a non-leaf tensor cannot be deep-copied)
             twin = copy.deepcopy(model)  # (its forwards are no calls of the hooked model)
             try:
-                ref = loop_grads(twin, F.cross_entropy, x, y)
+                ref = loop_grads(twin, twin.loss, x, y)
             except (RuntimeError, ValueError):  # (torch refuses the form on one sample)
                 return
             if not all(bool(torch.isfinite(r).all()) for r in ref.values()):
@@ -79,11 +107,13 @@ def test_structure_changes_are_exact_or_refused(first, second, schedule, batch, 
                     gh.backward(F.cross_entropy(out, y, reduction="none").mean())
                     ours = gh.per_sample_grads()
                 else:
-                    F.cross_entropy(out, y).backward()
+                    model.loss(out, y).backward()
                     ours = gh.per_sample_grads()
             except gradhooks.SampleMixingError as error:
                 mixed = any(mixes for k in ran for _, _, mixes in forwards[k])
-                assert mixed or "could not verify" in str(error), (
+                assert mixed or "could not verify" in str(error) or (
+                    side is not None and "off its outputs" in str(error)) or (
+                    side == "hook" and "gradhooks.is_paused()" in str(error)), (
                     f"step {step}: a schedule of ops that keep the samples apart was refused: "
                     f"{[[n for n, _, _ in ops] for ops in forwards]} {schedule}: {error}")
                 continue

@@ -32,7 +32,8 @@ __all__ = ["FLOOR", "RUN_ON", "SEEN_SINCE", "ENGINE_FRAME", "GLOBAL_HOOK_FLAGS",
            "VF", "OpOverload", "aten", "EMBEDDING_BAG_OPS", "getframe", "current_frames", "saved", "version",
            "is_view", "storage_handle", "own_parameters", "own_buffers", "compiled_module",
            "grad_hooks", "drop_empty_grad_hooks", "post_accumulate_grad_hooks",
-           "drop_empty_post_accumulate_grad_hooks", "autograd_nodes_made", "own", "graph_ops"]
+           "drop_empty_post_accumulate_grad_hooks", "autograd_nodes_made", "own", "graph_ops",
+           "reached"]
 
 #: The lowest torch the suite ran on (``install_requires`` in setup.cfg says the same).
 FLOOR = "2.13.0"
@@ -127,7 +128,7 @@ def own(result: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     return result
 
 
-def graph_ops(tensors, span: Tuple[int, int]) -> Tuple[int, int]:
+def graph_ops(tensors, span: Tuple[int, int], nodes: tuple = ()) -> Tuple[int, int]:
     """``(count, fingerprint)`` of the autograd nodes numbered in ``span`` (``[start, end)`` of
     :func:`autograd_nodes_made` readings around a forward) that the graphs of ``tensors`` hold,
     less those gradhooks made (:func:`own`): the model's differentiable ops its outputs depend
@@ -140,6 +141,7 @@ def graph_ops(tensors, span: Tuple[int, int]) -> Tuple[int, int]:
     Python step per node (about 1 µs; GPT-2 small's 707 nodes take 0.7 ms)."""
     start, end = span
     stack = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    stack.extend(nodes)  # (autograd nodes to walk from, as the tensors' grad_fn)
     seen: set = set()
     count = fingerprint = 0
     own_types, dims_of = _OWN_TYPES, _DIMS
@@ -161,6 +163,25 @@ def graph_ops(tensors, span: Tuple[int, int]) -> Tuple[int, int]:
             fingerprint = hash((fingerprint, kind, _dims(node, dims) if dims else None))
         stack.extend(n for n, _ in node.next_functions if n is not None)
     return count, fingerprint
+
+
+def reached(tensors, nodes: tuple, targets: set) -> set:
+    """Which of the autograd nodes ``targets`` the graphs of ``tensors`` (and of the nodes
+    ``nodes``) hold: a walk that does not go below the lowest sequence number of the targets
+    (a node's inputs were made before it)."""
+    if not targets:
+        return set()
+    low = min(t._sequence_nr() for t in targets)
+    stack = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    stack.extend(nodes)
+    seen: set = set()
+    while stack:
+        node = stack.pop()
+        if node in seen or node._sequence_nr() < low:
+            continue
+        seen.add(node)
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return seen & targets
 
 
 #: node type -> the names of its saved dim arguments (graph_ops; autograd's ``_saved_<name>``)

@@ -58,7 +58,11 @@ def set_rng_states(states: tuple) -> None:
 
 
 def is_paused() -> bool:
-    """Whether a :func:`paused` context is active."""
+    """Whether gradhooks is running the model itself now (the check of the forward alone, the
+    looped reference, a replay: a :func:`paused` context): a forward hook of the user's that
+    keeps tensors outside the model's modules (a list of features) can skip those runs,
+    ``if gradhooks.is_paused(): return``, or the check refuses the batch
+    (:data:`~gradhooks.core.analysis.alone.KEPT`). Public as ``gradhooks.is_paused``."""
     return PAUSED > 0
 
 

@@ -158,9 +158,10 @@ class FallbackRule(LayerRule):
                     f"module {describe(module)}: gradhooks cannot replay it per sample for its "
                     f"parameters {', '.join(names)}: torch.func.vmap fails ({cause}), and so does "
                     f"one call per sample ({cause_of(e)}). A module that cannot run on one sample "
-                    f"of its batch (state of B rows kept between calls, such as a cache or a "
-                    f"recurrent state set by the forward; B rows it builds itself) cannot be "
-                    f"replayed per sample. {way_out(module)}") from None
+                    f"of its batch (B rows it builds itself; state kept between calls, such "
+                    f"as a cache or a recurrent state, other than tensors of B rows kept as "
+                    f"attributes, whose rows each sample's call is given) cannot be replayed "
+                    f"per sample. {way_out(module)}") from None
         if self.verify_replay:
             # (every replay: one that becomes wrong on a later batch of the same structure, a
             # branch on the batch size or state that changes what the forward computes, is

@@ -135,6 +135,23 @@ def state_kept(module: nn.Module) -> Iterator[None]:
                         b.copy_(value)
 
 
+@contextlib.contextmanager
+def _state_rows(module: nn.Module, n: int, b: int) -> Iterator[None]:
+    """Sample ``n``'s row of each tensor of ``b`` rows the module and its submodules keep as
+    plain attributes (state its forward left for the batch: a recurrence's last states), for a
+    replay of that sample alone; set back after. (Rows that are no sample's make the replay
+    another function: :func:`verify` refuses it.)"""
+    saved = [(m, k, v) for m in module.modules() for k, v in list(vars(m).items())
+             if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == b and b > 1]
+    try:
+        for m, k, v in saved:
+            m.__dict__[k] = v[n:n + 1]
+        yield
+    finally:
+        for m, k, v in saved:
+            m.__dict__[k] = v
+
+
 def _pull(module: nn.Module, own: Dict[str, Tensor], leaves: list, spec, reached: List[int],
           gs: List[Tensor]) -> Tuple[Dict[str, Tensor], list]:
     """``(grads, outputs)``: ``torch.autograd.grad`` of ``module(*args, **kwargs)`` (``leaves``
@@ -178,7 +195,8 @@ def looped(module: nn.Module, own: Dict[str, Tensor], r: Replay) -> Tuple[Dict[s
         leaves = list(r.in_leaves)
         for i, d in zip(r.batched, r.in_dims):
             leaves[i] = leaves[i].narrow(d, n, 1)
-        grads, _ = _pull(module, own, leaves, r.in_spec, r.reached, _sample_cotangents(r, n))
+        with _state_rows(module, n, r.b):
+            grads, _ = _pull(module, own, leaves, r.in_spec, r.reached, _sample_cotangents(r, n))
         for name, t in grads.items():
             rows[name].append(t)
     out = {n: torch.stack(ts) for n, ts in rows.items()}

@@ -25,20 +25,27 @@ states (a caller of :func:`forward_alone` that has none) every module is put in 
 (restored after) and the batch rerun in eval mode, the samples alone against it. A forward
 whose rerun does not reproduce it (random numbers from Python's or NumPy's generators) cannot
 be checked, nor can one whose inputs or outputs carry no batch dim gradhooks can find: then the
-check says why, and the op stays refused. Cost, once per input signature with such an op, or a
+check says why, and the op stays refused. The check runs the model: each module's attributes
+(and the lists and dicts among them) are put back after it, so that what the forward keeps for
+the loss there (an auxiliary loss, features) is the batch's; a run whose tensors stay alive
+elsewhere (a forward hook's list, a global cache) is refused (:data:`KEPT`), since the loss may
+read them without their gradient. Cost, once per input signature with such an op, or a
 forward of a new structure: two or three forwards of one sample where the forward is
 deterministic; three batched forwards without gradient where it is random.
 """
 from __future__ import annotations
 
+import copy
+import weakref
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from ...base.utils import paused, set_rng_states
 
-__all__ = ["forward_alone", "sample_rows", "largest_difference", "FORWARD_RTOL", "NO_CHECK"]
+__all__ = ["forward_alone", "sample_rows", "largest_difference", "FORWARD_RTOL", "NO_CHECK", "KEPT"]
 
 #: Relative tolerance of :func:`forward_alone` per dtype, against the largest entry of an output:
 #: a batch of one rounds differently from the batch (float32 outputs of a 12-layer Transformer
@@ -169,12 +176,53 @@ def forward_alone(model: nn.Module, args: tuple, kwargs: dict, output, size: int
     if not outs:
         return False, (f"{NO_CHECK}: the model's output has no tensor with the batch "
                        "on a dim gradhooks could follow")
-    modes = [(m, m.training) for m in model.modules()]
+    kept = [_kept(m) for m in model.modules()]  # (modes, tensors kept: aux losses, caches)
+    made = _Made({id(t) for t in (*_tensors(args), *_tensors(kwargs), *_tensors(output),
+                                  *model.parameters(), *model.buffers(),
+                                  *(t for _, v, _ in kept for t in _tensors(list(v.values()))))})
+    try:
+        with made:
+            passed, why = _checked(model, args, kwargs, output, outs, size, layout, rng, kept)
+    finally:
+        _restore(kept)
+    if any(r() is not None for r in made.refs):
+        return False, KEPT
+    return passed, why
+
+
+class _Made(TorchFunctionMode):
+    """Weak references to the tensors torch's ops return while it is active, less those in
+    ``known`` (ids of tensors that existed before: an in-place op returns its input)."""
+
+    def __init__(self, known: set):
+        super().__init__()
+        self.known, self.refs = known, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        given = {id(t) for t in _tensors(list(args)) + _tensors(kwargs)}  # (x.to(), in place)
+        self.refs.extend(weakref.ref(t) for t in _tensors(out)
+                         if id(t) not in self.known and id(t) not in given)
+        return out
+
+
+#: Why :func:`forward_alone` refuses a forward that kept its runs' tensors outside its modules.
+KEPT = ("the model's forward kept tensors of gradhooks' own runs of it (the check of the "
+        "forward alone) outside its modules, in a forward hook's list or a cache, where the "
+        "loss may read them instead of the batch's, without their gradient (tensors kept on a "
+        "module are put back after the check). A hook can skip gradhooks' runs: "
+        "`if gradhooks.is_paused(): return`")
+
+
+def _checked(model: nn.Module, args: tuple, kwargs: dict, output, outs: list, size: int,
+             layout: int, rng: Optional[tuple], kept: list) -> Tuple[bool, str]:
+    # forward_alone's checks, without gradient and with gradhooks' hooks paused, the caller's
+    # random streams left as they were (its next dropout masks too).
     training = model.training
     cuda = sorted({t.device.index or 0 for t in _tensors(output) if t.is_cuda})
     batch = (model, args, kwargs, _tensors(output), outs, size, layout)
     try:
-        # (the caller's random streams are left as they were: its next dropout masks too)
         with torch.no_grad(), paused(), torch.random.fork_rng(devices=cuda):
             as_ran = training and _deterministic(model, args, kwargs, size, layout)
             if training and not as_ran and rng is not None:
@@ -183,19 +231,48 @@ def forward_alone(model: nn.Module, args: tuple, kwargs: dict, output, size: int
                 model.eval()
             why = _alone(*batch, training, as_ran)
             if why == _RANDOM and rng is not None:  # (in eval mode: as it ran, then)
-                for m, mode in modes:
-                    m.training = mode
+                _restore(kept)
                 return _copies_as_ran(*batch, rng)
             return not why, why
     except Exception as error:  # (a forward that cannot run on one sample)
         return False, (f"{NO_CHECK}: the model's forward on one sample raised "
                        f"{type(error).__name__}: {error}")
-    finally:
-        for m, mode in modes:
-            m.training = mode
 
 
 _RANDOM = f"{NO_CHECK}: the forward draws random numbers even in eval mode"
+
+
+def _kept(module: nn.Module) -> tuple:
+    # (module, its attributes, copies of the lists and dicts among them) for _restore.
+    saved = dict(vars(module))
+    return module, saved, {k: copy.copy(v) for k, v in saved.items() if type(v) in (list, dict)}
+
+
+def _restore(kept: list) -> None:
+    # Each module's attributes as they were before the check ran the model (its modes, what a
+    # forward keeps on a module, ``self.aux_loss = ...``, which the loss may read: the
+    # reruns' would have no gradient, and what it adds to a list or dict kept there, a cache),
+    # set back in place.
+    for module, saved, contents in kept:
+        now = vars(module)
+        for name in [n for n in now if n not in saved]:
+            del now[name]
+        for name, value in saved.items():
+            if now.get(name, saved) is not value:
+                now[name] = value
+        for name, old in contents.items():
+            if _changed(saved[name], old):
+                saved[name].clear()
+                saved[name].extend(old) if type(old) is list else saved[name].update(old)
+
+
+def _changed(now, old) -> bool:
+    # Whether a list or dict holds other objects than its copy ``old`` (by identity: tensors).
+    if len(now) != len(old):
+        return True
+    if type(old) is dict:
+        return any(old.get(k, old) is not v for k, v in now.items())
+    return any(a is not b for a, b in zip(now, old))
 
 
 def _differs(batched: List[Tensor], again: List[Tensor], outs: list, n: Optional[int],

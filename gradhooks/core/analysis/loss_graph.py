@@ -27,7 +27,14 @@ is judged by the table of :mod:`gradhooks.core.analysis.loss_rules`, from the mo
 up to the loss: a node that pairs or mixes the samples, or that no rule proves keeps them
 apart, is the verdict.
 
-Cost: one visit per node made after the forward (a loss has some tens), per backward pass.
+A node made inside a forward that is not one of its outputs (a side computation kept on a
+module or by a hook, added to the loss) is also collected (``judge``'s ``sides``): its ops,
+counted and hashed (:func:`~gradhooks.base.torch_internals.graph_ops`), must be ones an
+analysed forward of the same input signature showed (:meth:`ForwardSpans.unshown`), since a
+planned forward's fingerprint covers its outputs' graph only.
+
+Cost: one visit per node made after the forward (a loss has some tens), per backward pass;
+where the loss reads side computations, a walk of their graphs in the forward.
 """
 from __future__ import annotations
 
@@ -37,7 +44,8 @@ from typing import Deque, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ...base.torch_internals import autograd_nodes_made, is_functorch_wrapped
+from ...base.torch_internals import autograd_nodes_made, graph_ops, is_functorch_wrapped, reached
+from ...base.utils import tensors as tensors_in
 from ...base.utils import tree_flatten
 from .batch_dims import Routed
 from .loss_rules import LINEAR, Info, Unproven, apply, rows
@@ -79,6 +87,16 @@ class ForwardSpans:
         #: (``int``, ``(dim, rows per sample)``, ``None``: unknown)
         self.outputs: Dict[Tuple[int, int], object] = {}
         self._dims: Dict[tuple, list] = {}  # input signature -> its outputs' batch dims
+        #: span -> (input signature, analysed) of the forwards the placement followed
+        self.kinds: Dict[Tuple[int, int], Tuple[tuple, bool]] = {}
+        self.tops: set = set()  #: the sequence numbers of the forwards' output nodes
+        #: input signature -> graph_ops of the tensors its analysed forwards made off their
+        #: outputs (side computations: :meth:`unshown`)
+        self.sides: Dict[tuple, set] = {}
+        #: span -> {node: what} of an analysed forward's unproven ops off its outputs, which
+        #: the check of the forward alone cannot see (:meth:`off_outputs`)
+        self._off: Dict[Tuple[int, int], dict] = {}
+        self._attrs: Dict[Tuple[int, int], list] = {}  # span -> [(node, ops)] kept on modules
 
     def start(self) -> None:
         """The model's forward starts."""
@@ -96,10 +114,18 @@ class ForwardSpans:
         self._depth = max(0, self._depth - 1)
         if self._depth or self._open is None:
             return
-        self.spans.append((self._open, autograd_nodes_made()))
+        span = (self._open, autograd_nodes_made())
+        self.spans.append(span)
         self._open = None
         if output is not None and placement is not None:
             self._note_outputs(output, placement)
+            if len(self.kinds) > _SPANS * 2:
+                self.kinds.clear()
+            if placement.signature is not None:
+                analysed = placement.provenance is not None
+                self.kinds[span] = (placement.signature, analysed)
+                if analysed:
+                    self._side_attributes(placement.recorder.model, span, placement.signature)
 
     def stop(self) -> None:
         """A forward was interrupted (detach, suspended): it ends here."""
@@ -109,6 +135,9 @@ class ForwardSpans:
     def _note_outputs(self, output, placement) -> None:
         tensors = [t for t in tree_flatten(output)[0]
                    if isinstance(t, torch.Tensor) and not is_functorch_wrapped(t)]
+        if len(self.tops) > _SPANS * 64:
+            self.tops.clear()
+        self.tops.update(t.grad_fn._sequence_nr() for t in tensors if t.grad_fn is not None)
         prov, key = placement.provenance, placement.signature
         if prov is not None:
             dims = []
@@ -126,6 +155,74 @@ class ForwardSpans:
             if node is not None:
                 self.outputs[(node._sequence_nr(), t.output_nr)] = dim
 
+    def _side_attributes(self, model, span: Tuple[int, int], signature: tuple) -> None:
+        # An analysed forward's tensors kept on its modules (``self.aux_loss = ...``), off its
+        # outputs: the analysis proved their ops (unless off_outputs finds an unproven one
+        # there), which a planned forward's loss may read.
+        kept = self._attrs.setdefault(span, [])
+        for module in model.modules():
+            for value in vars(module).values():
+                if isinstance(value, (torch.Tensor, list, tuple, dict)):
+                    for t in tensors_in(value):
+                        node = t.grad_fn
+                        if node is not None and span[0] <= node._sequence_nr() < span[1]:
+                            kept.append((node, graph_ops((), span, (node,))))
+                            self.sides.setdefault(signature, set()).add(kept[-1][1])
+
+    def reset_batch(self) -> None:
+        """A new batch: its forwards' side computations are the ones its loss reads (the
+        autograd nodes of the last batch's are let go)."""
+        self._off.clear()
+        self._attrs.clear()
+
+    def off_outputs(self, unproven: dict) -> None:
+        """The last forward, analysed, ran ops no rule proves keep the samples apart whose
+        results its outputs do not depend on (``{node: what}``): the check of the forward
+        alone cannot see them. A side computation that holds one is not proven (its tensors
+        kept on modules are not the signature's), and a loss that reads it is refused
+        (:meth:`unshown`)."""
+        span = self.spans[-1]
+        self._off[span] = unproven
+        signature = self.kinds.get(span, (None,))[0]
+        for node, ops in self._attrs.get(span, ()):
+            if reached((), (node,), set(unproven)):
+                self.sides.get(signature, set()).discard(ops)
+
+    def unshown(self, found: Dict[Tuple[int, int], list]
+                ) -> Tuple[List[Tuple[tuple, List[str]]], set, List[str]]:
+        """``found``: ``{span: nodes}``, the nodes of the model's forwards that a loss read off
+        their outputs (:func:`judge`'s ``sides``): side computations. Those of an analysed
+        forward join its signature's (the analysis proved their ops) unless they hold an op
+        no rule proves keeps the samples apart (:meth:`off_outputs`). Returns, for each
+        planned forward, its signature and the nodes whose ops (count and fingerprint,
+        :func:`~gradhooks.base.torch_internals.graph_ops`) no analysed forward of it showed
+        (nothing proves they keep the samples apart); the signatures of the analysed forwards
+        that showed some; and what names each unproven op such a side computation holds."""
+        unproven, shown_by, ops_off = [], set(), []
+        for span, nodes in found.items():
+            kind = self.kinds.get(span)
+            if kind is None:  # (a forward the placement did not follow)
+                continue
+            signature, analysed = kind
+            shown = self.sides.setdefault(signature, set())
+            if analysed:
+                off = self._off.get(span, {})
+                hit = reached((), tuple(nodes), set(off))
+                if hit:
+                    ops_off.extend(sorted(off[n] for n in hit))
+                    continue
+                shown.update(graph_ops((), span, (node,)) for node in nodes)
+                shown_by.add(signature)
+                continue
+            new = [node.name() for node in nodes if graph_ops((), span, (node,)) not in shown]
+            if new:
+                unproven.append((signature, new))
+        return unproven, shown_by, ops_off
+
+    def span_of(self, seq: int) -> Optional[Tuple[int, int]]:
+        """The span of the forward that made node ``seq``, if one kept did."""
+        return next(((a, b) for a, b in self.spans if a <= seq <= b), None)
+
     def made_by_model(self, seq: int) -> Optional[bool]:
         """``True``: node ``seq`` was made inside a forward; ``False``: after the first forward
         and outside every one (by the loss); ``None``: before the first one kept, or a leaf."""
@@ -134,7 +231,8 @@ class ForwardSpans:
         return any(a <= seq <= b for a, b in self.spans)
 
 
-def judge(root, spans: ForwardSpans, samples: Tensor) -> Optional[Unproven]:
+def judge(root, spans: ForwardSpans, samples: Tensor,
+          sides: Optional[dict] = None) -> Optional[Unproven]:
     """Whether the loss whose autograd node is ``root`` splits into per-sample terms of the
     model's outputs (module docstring).
 
@@ -144,6 +242,8 @@ def judge(root, spans: ForwardSpans, samples: Tensor) -> Optional[Unproven]:
         spans: the model's forwards (:class:`ForwardSpans`).
         samples: ``(B,)`` int64, the sample of each row of the hooked layers' batch
             (``arange(B)``, or the declared ``sample_ids``' groups), ``B`` > 1.
+        sides: if given, filled with ``{span: nodes}``: the nodes of a forward the loss reads
+            that are not the forward's outputs (:meth:`ForwardSpans.unshown`).
 
     Returns:
         ``None`` where proven (or the root does not depend on the outputs), else the
@@ -167,6 +267,8 @@ def judge(root, spans: ForwardSpans, samples: Tensor) -> Optional[Unproven]:
                 continue
             if where:
                 seq = node._sequence_nr()
+                if sides is not None and seq not in spans.tops:
+                    sides.setdefault(spans.span_of(seq), []).append(node)
                 memo[node] = [_boundary(m.shape, samples, spans.outputs.get((seq, nr)))
                               for nr, m in enumerate(node._input_metadata)]
                 todo.pop()

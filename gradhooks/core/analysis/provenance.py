@@ -105,7 +105,7 @@ from .mixing import (
     user_line,
 )
 from .rows import ADDS, gathered_meeting, grouped_meeting, linear_meeting, own_weights
-from .separation import custom_function, separation_verdict
+from .separation import custom_function, output_node, separation_verdict
 from .token_means import TOKEN_OPS, ForwardLosses
 
 __all__ = ["Provenance", "ROW_ALIGNED", "shared_layout", "as_batch", "source_cotangent",
@@ -247,10 +247,10 @@ class Provenance(TorchFunctionMode):
             statistics, or a statistic of the batch that met the batch again), ``what`` naming
             the op, the module upstream and the line of the forward.
         stats: how many statistics of the batch (reductions over it) this forward made.
-        unproven: ``{(op, line): what}``: the ops of this forward that take a tensor carrying
-            the batch and a parameter's gradient and that no rule of
-            :mod:`gradhooks.core.analysis.separation` proves keep the samples apart, ``what`` naming the
-            op, the reason, the module upstream and the line of the forward (refused unless the
+        unproven: ``{(op, line): (op, what, node)}``: the ops of this forward on a tensor that
+            carries the batch and a parameter's gradient that no rule of :mod:`.separation` proves
+            keep the samples apart, ``what`` naming the op, the reason, the module upstream and
+            the line of the forward, ``node`` its output's autograd node (refused unless the
             forward-alone check passes: :mod:`gradhooks.core.analysis.alone`).
         token_losses: the token-level losses over the batch of this forward
             (:class:`~gradhooks.core.analysis.token_means.ForwardLosses`).
@@ -280,7 +280,7 @@ class Provenance(TorchFunctionMode):
         self.mixing: list = []  # [(kind, what)]: ops of this forward that mix the samples
         IN_ORDER_NOTES.set(self.mixing)  # (and notes of this batch's values: indexing.IN_ORDER)
         self.stats = 0  # statistics of the batch made so far (gradhooks.core.analysis.mixing)
-        self.unproven: dict = {}  # (op, line) -> what: ops no rule proves keep samples apart
+        self.unproven: dict = {}  # (op, line) -> (op, what, node): ops no rule proves keep apart
         self.token_losses = ForwardLosses()
 
     # -------------------------------------------------------------- tags
@@ -465,7 +465,7 @@ class Provenance(TorchFunctionMode):
         if upstream is None:
             return  # (computed from the inputs alone: each sample's loss is still its own)
         self.unproven[(name, line)] = (name, f"op {name}: {why}; on a tensor computed from "
-                                             f"{upstream}{line}")
+                                             f"{upstream}{line}", output_node(out))
 
     def _mixing(self, func, args, kwargs, ref, bd, out, found=False) -> None:
         # An op on the batch that mixes the samples (gradhooks.core.analysis.mixing; ``found``: what a

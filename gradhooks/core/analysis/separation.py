@@ -69,10 +69,18 @@ from .batch_dims import (
 )
 from .einsum import einsum_subscripts
 
-__all__ = ["separation_verdict", "custom_function", "SCATTERS", "UNPROVEN"]
+__all__ = ["separation_verdict", "custom_function", "output_node", "SCATTERS", "UNPROVEN"]
 
 #: :class:`~gradhooks.core.analysis.mixing.Mixing`'s kind of an op no rule proves keeps samples apart.
 UNPROVEN = "unproven"
+
+
+def output_node(out):
+    """The autograd node of an op's output ``out`` (a tensor, or the first of a tuple / list
+    that requires grad), or ``None``."""
+    outs = (out,) if isinstance(out, torch.Tensor) else out
+    return next((o.grad_fn for o in outs if isinstance(o, torch.Tensor) and o.requires_grad),
+                None)
 
 _MODS = (torch, torch.Tensor, F, torch.special, torch.linalg)
 

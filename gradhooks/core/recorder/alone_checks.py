@@ -10,6 +10,8 @@ from typing import Optional
 
 import torch
 
+from ...base.torch_internals import reached
+from ...base.utils import tensors
 from ..analysis import NO_CHECK, UNCHECKED, UNPROVEN, forward_alone
 
 __all__ = ["verify_unproven", "verify_changed"]
@@ -26,8 +28,15 @@ def verify_unproven(placement, prov, call: Optional[tuple]) -> None:
     :class:`~gradhooks.core.analysis.provenance.Provenance`; ``call``: ``(args, kwargs, output)``
     of the model's forward. Not traced by ``torch.compile`` (it runs the model)."""
     recorder = placement.recorder
+    ops = prov.unproven
+    if call is not None:  # (those whose results the outputs do not depend on: a side computation)
+        on = reached(tensors(call[2]), (), {n for _, _, n in ops.values() if n is not None})
+        off = {n: what for _, what, n in ops.values() if n is not None and n not in on}
+        if off:
+            recorder.backward_pass.spans.off_outputs(off)
+            ops = {k: v for k, v in ops.items() if v[2] not in off}
     verified = placement.verified.setdefault(prov.signature, set())
-    if set(prov.unproven) <= verified:
+    if set(ops) <= verified:
         return  # (signatures tracked on every forward, a mixture of experts' routing: once)
     passed, why = False, f"{NO_CHECK}: the model's forward was not seen whole"
     if call is not None and not getattr(recorder, "allow_sample_mixing", False):
@@ -36,10 +45,10 @@ def verify_unproven(placement, prov, call: Optional[tuple]) -> None:
                                     prov.batch_dim, lambda t: prov.look(t)[2],
                                     recorder.sum_check.rng)
     if passed:
-        verified.update(prov.unproven)
+        verified.update(ops)
     else:
         prov.mixing.extend((UNPROVEN, f"{what}. The check of the forward alone: {why}")
-                           for _, what in prov.unproven.values())
+                           for _, what, _ in ops.values())
 
 
 @torch.compiler.disable

@@ -17,6 +17,8 @@ from torch import Tensor
 from ...base import torch_internals, utils
 from ...base.errors import GradHooksError
 from ..analysis import (
+    UNCHECKED,
+    UNPROVEN,
     ForwardSpans,
     backward_roots,
     fixed_normaliser,
@@ -159,11 +161,37 @@ class BackwardPass:
         for root in roots:
             if root.grad_fn is None:
                 continue
-            found = judge(root.grad_fn, self.spans, samples)
+            sides: dict = {}
+            found = judge(root.grad_fn, self.spans, samples, sides)
+            self._sides(sides)
             if found is not None and (found.mixes or not mixing_only):  # (sample_ids declared later judge it again: Mixing)
                 recorder.placement.mixing.loss_graph(found, None if declared is not None else (
                     root.grad_fn, self.spans))
                 return
+
+    def _sides(self, sides: dict) -> None:
+        # Tensors a planned forward made off its outputs that the loss reads (a side
+        # computation kept on a module or by a hook) whose ops no analysed forward of its
+        # signature showed: the batch's reads are refused unless its sample check passes, and
+        # the signature's forwards are analysed until one's loss reads it (ForwardSpans.unshown).
+        recorder = self._recorder
+        unproven, shown_by, ops_off = self.spans.unshown(sides)
+        for signature in shown_by:
+            recorder.sum_check.side_shown(signature)
+        recorder.placement.mixing.batch.extend((UNPROVEN, (
+            f"{what}. Its result is off the model's outputs (a side computation the loss "
+            f"reads), where the check of the forward alone cannot see it: return it as an "
+            f"output of the model (per sample, shape (B, ...)) to have it checked")) for what in ops_off)
+        for signature, names in unproven:
+            recorder.sum_check.side_unshown(signature)
+            recorder.placement.mixing.batch.append((UNCHECKED, (
+                f"the loss reads tensors a forward of {type(recorder.model).__name__} made off "
+                f"its outputs (a side computation kept on a module or by a hook: autograd's "
+                f"{', '.join(sorted(set(names)))}) whose ops no analysed forward of its input "
+                f"signature showed: nothing proves they keep the samples apart. A sample check "
+                f"verifies it: per-sample losses, shape (B,), through gh.backward(losses.mean()) "
+                f"or gh.clipped_backward(losses, max_norm); attach(..., check='always') "
+                f"analyses every forward instead")))
 
     def _count(self, grad: Tensor, record: Record) -> None:
         # The pass's first hooked grad_output (the output layer's: closest to the loss) gives

@@ -281,6 +281,7 @@ class Recorder:
         self.calls = 0  # hooked-layer calls recorded in this batch
         self.sum_check.changed = False
         self.placement.reset_batch()
+        self.backward_pass.spans.reset_batch()
         self.reads.seen = None  # (the loss scale seen on this batch's loss)
         self.drop_result()
 

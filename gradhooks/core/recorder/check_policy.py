@@ -61,6 +61,7 @@ class SumCheck:
         self._nodes: dict = {}  # input signature -> {ops: node counts of its planned forwards}
         self._recount: set = set()  # signatures whose next forward is analysed (a new structure)
         self._ops: dict = {}  # input signature -> graph_ops of its forwards (analysed, planned)
+        self._wanted: dict = {}  # signature -> forwards left to analyse for a side computation
         self._running: Optional[tuple] = None  # (signature, nodes made, analysed) of the one running
         self._pending: Optional[tuple] = None  # (signature, ops, nodes) of a new structure: accept()
         #: The random generators' states at the start of the last forward (:func:`rng_states`):
@@ -84,6 +85,11 @@ class SumCheck:
         sum check). A forward whose structure changes with the same input shapes (a branch on
         a flag or on a tensor's value) is judged on that forward as on its signature's first."""
         if self.mode == "always":
+            return True
+        if signature in self._wanted:
+            self._wanted[signature] -= 1
+            if not self._wanted[signature]:
+                del self._wanted[signature]
             return True
         if signature in self._recount:
             if len(self._ops[signature]) <= self.COUNTS:
@@ -130,6 +136,21 @@ class SumCheck:
         self._recount.add(signature)
         self.changed = True
         return True
+
+    def side_unshown(self, signature: tuple) -> None:
+        """A planned forward of ``signature`` ran ops no analysed forward showed, found after
+        it: a side computation its loss read
+        (:meth:`~gradhooks.core.analysis.loss_graph.ForwardSpans.unshown`). The batch's reads
+        check (:attr:`changed`), and the signature's forwards are analysed until one's loss
+        reads a side computation (:meth:`side_shown`; at most :attr:`EVERY` of them): a loss
+        that reads it every few steps has it proven at its next read."""
+        self._wanted[signature] = self.EVERY
+        self.changed = True
+
+    def side_shown(self, signature: tuple) -> None:
+        """An analysed forward of ``signature`` whose loss read a side computation (its ops
+        proven): its forwards follow the plan again."""
+        self._wanted.pop(signature, None)
 
     def accept(self) -> None:
         """The planned forward of a new structure that :meth:`forward_end` reported needs no
