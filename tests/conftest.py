@@ -56,6 +56,20 @@ def weighted_square_loss(reduction="mean", batch_dim=0):
     return loss_fn
 
 
+def looped_by(model, b, sample_loss):
+    """Reference per-sample gradients of a forward and loss the test writes out per sample:
+    ``sample_loss(i)`` (sample ``i``'s loss, computed alone) backward, one per sample.
+
+    Returns {name: (b, *shape)} for every parameter (each needs a gradient)."""
+    grads = {n: [] for n, _ in model.named_parameters()}
+    for i in range(b):
+        model.zero_grad()
+        sample_loss(i).backward()
+        for n, p in model.named_parameters():
+            grads[n].append(p.grad.clone())
+    return {n: torch.stack(g) for n, g in grads.items()}
+
+
 def loop_grads(model, loss_fn, x, y, batch_dim=0):
     """Reference per-sample gradients: one forward + loss.backward() per sample.
 

@@ -17,7 +17,7 @@ from torch import nn
 import gradhooks
 import gradhooks.rules.fallback as fallback_module
 
-from conftest import RTOL, assert_close_to_loop, loop_grads, weighted_square_loss
+from conftest import RTOL, assert_close_to_loop, loop_grads, looped_by, weighted_square_loss
 
 
 class OldSqrtTanh(torch.autograd.Function):
@@ -352,15 +352,12 @@ def test_state_of_b_rows_kept_on_a_module_is_replayed_row_by_row(dtype):
     memory = model[1].memory
     got, warned = _read(model, x, y)
     assert model[1].memory is memory and warned
-    ref = {n: [] for n, _ in model.named_parameters()}
-    for n in range(3):
+    def alone(n):  # (sample n meets its row of the memory)
         model[1].memory = memory[n:n + 1]
-        model.zero_grad()
-        weighted_square_loss("mean")(model(x[n:n + 1]), y[n:n + 1]).backward()
-        for name, p in model.named_parameters():
-            ref[name].append(p.grad.clone())
+        return weighted_square_loss("mean")(model(x[n:n + 1]), y[n:n + 1])
+    ref = looped_by(model, 3, alone)
     model[1].memory = memory
-    assert_close_to_loop(got, {n: torch.stack(g) for n, g in ref.items()}, dtype)
+    assert_close_to_loop(got, ref, dtype)
 
 
 WRONG = {

@@ -30,7 +30,7 @@ from torch import nn
 import gradhooks
 from gradhooks.core.recorder.check_policy import SumCheck
 
-from conftest import assert_close_to_loop, loop_grads
+from conftest import assert_close_to_loop, loop_grads, looped_by
 from test_mixing import _read
 
 
@@ -507,14 +507,11 @@ class Side(Switch):
 def _side_loop(model, x, y):
     # Each sample's gradient of its own loss, cross-entropy + 0.1 * aux, alone.
     twin = copy.deepcopy(model)
-    grads = {n: [] for n, _ in twin.named_parameters()}
-    for i in range(x.shape[0]):
-        twin.zero_grad()
+
+    def alone(i):
         out = twin(x[i:i + 1])
-        (F.cross_entropy(out, y[i:i + 1]) + 0.1 * twin.side()).backward()
-        for n, p in twin.named_parameters():
-            grads[n].append(p.grad.clone())
-    return {n: torch.stack(g) for n, g in grads.items()}
+        return F.cross_entropy(out, y[i:i + 1]) + 0.1 * twin.side()
+    return looped_by(twin, x.shape[0], alone)
 
 
 def _side_steps(model, gh, dtype, mixes, used):
@@ -666,14 +663,8 @@ def test_a_training_only_mixing_branch_in_a_random_model_is_refused_on_its_forwa
 
 def _masked_loop(model, masks, x, y):
     # Each sample's gradient alone, with its row of the batch's dropout masks.
-    grads = {n: [] for n, p in model.named_parameters()}
-    for i in range(x.shape[0]):
-        model.zero_grad()
-        h = model.norm(torch.tanh(model.a(x[i:i + 1]))) * masks[i:i + 1]
-        F.cross_entropy(model.b(h), y[i:i + 1]).backward()
-        for n, p in model.named_parameters():
-            grads[n].append(p.grad.clone())
-    return {n: torch.stack(g) for n, g in grads.items()}
+    return looped_by(model, x.shape[0], lambda i: F.cross_entropy(model.b(
+        model.norm(torch.tanh(model.a(x[i:i + 1]))) * masks[i:i + 1]), y[i:i + 1]))
 
 
 @pytest.mark.parametrize("form", ["sorted-rows", "gathered-view"])

@@ -21,7 +21,7 @@ from torch import nn
 import gradhooks
 import gradhooks.core.recorder.alone_checks as alone_checks
 
-from conftest import assert_close_to_loop, loop_grads
+from conftest import assert_close_to_loop, loop_grads, looped_by
 
 F64 = torch.float64
 D = 6
@@ -358,14 +358,9 @@ def test_an_unknown_op_in_a_random_forward_is_checked_as_it_ran(mixes, mode, dty
         ours = gh.per_sample_grads()
     torch.set_rng_state(state)
     noise = 1e-3 * torch.randn(4, D, dtype=dtype)  # (the batch's, replayed)
-    ref = {n: [] for n, _ in model.named_parameters()}
-    for i in range(4):
-        model.zero_grad()
-        h = Square.apply(torch.tanh(model.a(x[i:i + 1]))) + noise[i:i + 1]
-        F.cross_entropy(model.b(h), y[i:i + 1]).backward()
-        for name, p in model.named_parameters():
-            ref[name].append(p.grad.clone())
-    assert_close_to_loop(ours, {n: torch.stack(g) for n, g in ref.items()}, dtype)
+    ref = looped_by(model, 4, lambda i: F.cross_entropy(model.b(
+        Square.apply(torch.tanh(model.a(x[i:i + 1]))) + noise[i:i + 1]), y[i:i + 1]))
+    assert_close_to_loop(ours, ref, dtype)
 
 
 class SideOp(nn.Module):
@@ -410,14 +405,10 @@ def test_an_unknown_op_off_the_outputs_is_judged_where_the_loss_reads_it(op, rea
                 gh.per_sample_grads()
             return
         ours = gh.per_sample_grads()
-    ref = {n: [] for n, _ in model.named_parameters()}
-    for i in range(4):
-        model.zero_grad()
+    def alone(i):
         out = model(x[i:i + 1])
-        (F.cross_entropy(out, y[i:i + 1]) + (0.1 * model.aux if read else 0)).backward()
-        for name, p in model.named_parameters():
-            ref[name].append(p.grad.clone())
-    assert_close_to_loop(ours, {n: torch.stack(g) for n, g in ref.items()}, dtype)
+        return F.cross_entropy(out, y[i:i + 1]) + (0.1 * model.aux if read else 0)
+    assert_close_to_loop(ours, looped_by(model, 4, alone), dtype)
 
 
 @pytest.mark.parametrize("keeper", ["module", "hook", "hook-skips"])
@@ -457,14 +448,10 @@ def test_the_check_leaves_what_the_forward_keeps_for_the_loss(keeper):
                 gh.per_sample_grads()
             return
         ours = gh.per_sample_grads()
-    ref = {n: [] for n, _ in model.named_parameters()}
-    for i in range(4):
-        model.zero_grad()
+    def alone(i):
         feats.clear()
-        loss_of(model(x[i:i + 1]), y[i:i + 1]).backward()
-        for name, p in model.named_parameters():
-            ref[name].append(p.grad.clone())
-    assert_close_to_loop(ours, {n: torch.stack(g) for n, g in ref.items()}, F64)
+        return loss_of(model(x[i:i + 1]), y[i:i + 1])
+    assert_close_to_loop(ours, looped_by(model, 4, alone), F64)
 
 
 def test_the_check_leaves_the_random_streams_and_modes_as_they_were():

@@ -4,7 +4,9 @@ one definition of ``loss_reduction`` and its own-loss scale.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -15,7 +17,7 @@ from . import torch_internals
 
 __all__ = ["paused", "is_paused", "no_autocast", "tf32_allowed", "tf32_products", "is_functorch_wrapped", "tensors", "detached",
            "flatten", "compute_dtype", "LOW_PRECISION", "LOSS_REDUCTIONS", "check_loss_reduction",
-           "own_loss_scale", "OWNED", "rng_states", "set_rng_states"]
+           "own_loss_scale", "OWNED", "rng_states", "set_rng_states", "state_kept"]
 
 #: The values ``loss_reduction`` may take.
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -38,6 +40,64 @@ def paused() -> Iterator[None]:
         yield
     finally:
         PAUSED -= 1
+
+
+@contextlib.contextmanager
+def state_kept(module: torch.nn.Module) -> Iterator[None]:
+    """Run ``module`` (the model, or one module) without side effects: when it ends, the
+    attributes of it and its submodules are as before (``self.last = x``, an auxiliary loss
+    kept for the loss; a vmapped tensor must not outlive the transform), and so are the lists
+    and dicts among them, by their contents (a cache; the registered parameters, buffers,
+    submodules), and the buffers' values (a running statistic updated in place, also inside a
+    kernel that does not bump its version): a changed buffer is set back through ``.data``,
+    so that the version an autograd graph saved of it stays valid.
+
+    Cost: a shallow copy of each submodule's ``__dict__`` and of its lists and dicts, a copy
+    of each buffer and a comparison with it."""
+    saved = []
+    for m in module.modules():
+        attrs = dict(vars(m))
+        saved.append((m, attrs, {k: copy.copy(v) for k, v in attrs.items() if type(v) in _HELD},
+                      [(b, b.detach().clone()) for b in torch_internals.own_buffers(m).values()
+                       if b is not None]))
+    try:
+        yield
+    finally:
+        for m, attrs, contents, values in saved:
+            now = vars(m)
+            for k in [k for k in now if k not in attrs]:
+                del now[k]
+            for k, v in attrs.items():
+                if now.get(k, attrs) is not v:
+                    now[k] = v
+            for k, old in contents.items():
+                if _changed(attrs[k], old):
+                    attrs[k].clear()
+                    attrs[k].extend(old) if type(old) is list else attrs[k].update(old)
+            with torch.no_grad():
+                for b, value in values:
+                    if not _equal(b, value):
+                        b.data.copy_(value)
+
+
+#: The containers state_kept restores by their contents (OrderedDict: a module's hooks).
+_HELD = (list, dict, collections.OrderedDict)
+
+
+def _changed(now, old) -> bool:
+    # Whether a list or dict holds other objects than its copy ``old`` (by identity: tensors).
+    if len(now) != len(old):
+        return True
+    if isinstance(old, dict):
+        return any(old.get(k, old) is not v for k, v in now.items())
+    return any(a is not b for a, b in zip(now, old))
+
+
+def _equal(x: Tensor, y: Tensor) -> bool:
+    # Equal values (NaN equal to NaN).
+    if x.is_floating_point() or x.is_complex():
+        return bool(torch.allclose(x, y, rtol=0, atol=0, equal_nan=True))
+    return bool(torch.equal(x, y))
 
 
 def rng_states(inputs: List[Tensor]) -> tuple:

@@ -55,12 +55,11 @@ from ..base.errors import (
     UnsupportedCallError,
 )
 from ..base.registry import Call, LayerRule
-from ..base.utils import paused
+from ..base.utils import paused, state_kept
 from .fallback_replay import (
     Replay,
     cause_of,
     looped,
-    state_kept,
     structure,
     verify,
     way_out,

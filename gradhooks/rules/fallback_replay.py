@@ -47,7 +47,8 @@ on BART, whose positional embeddings are; for a looped replay about ``1/B`` of t
 
 Every replay (vmapped, looped, the batched reference) leaves the module as it found it: plain
 attributes it sets (``self.last = x``) and buffers it changes in place are restored
-(:func:`state_kept`), so that a replay does not feed a cache or a running statistic.
+(:func:`~gradhooks.base.utils.state_kept`), so that a replay does not feed a cache or a running
+statistic.
 """
 from __future__ import annotations
 
@@ -61,10 +62,9 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..base.errors import ReplayError, ReplayMismatchError
-from ..base.torch_internals import own_buffers, version
-from ..base.utils import paused
+from ..base.utils import paused, state_kept
 
-__all__ = ["Replay", "REPLAY_RTOL", "structure", "state_kept", "looped", "verify", "cause_of",
+__all__ = ["Replay", "REPLAY_RTOL", "structure", "looped", "verify", "cause_of",
            "way_out"]
 
 #: Relative tolerance of :func:`verify` by dtype: the per-sample gradients' sum may differ from
@@ -105,34 +105,6 @@ def structure(leaves: Sequence) -> tuple:
     the plain values (ints, flags) passed beside the tensors; other objects by type."""
     return tuple((t.dtype, tuple(t.shape[1:])) if isinstance(t, Tensor)
                  else (t if isinstance(t, _PLAIN) else type(t).__qualname__) for t in leaves)
-
-
-@contextlib.contextmanager
-def state_kept(module: nn.Module) -> Iterator[None]:
-    """Run a replay of ``module`` without side effects: the attributes of it and its
-    submodules (``self.last = x``; a vmapped tensor must not outlive the transform) and its
-    buffers' values (a running statistic updated in place) are as before when it ends.
-
-    Cost: a shallow copy of each submodule's ``__dict__`` and a copy of each buffer (a replay
-    costs at least one forward of the module)."""
-    saved = [(m, dict(m.__dict__), dict(own_buffers(m)),
-              [(b, version(b), b.detach().clone()) for b in own_buffers(m).values() if b is not None])
-             for m in module.modules()]
-    try:
-        yield
-    finally:
-        for m, attrs, buffers, values in saved:
-            for k in [k for k in m.__dict__ if k not in attrs]:
-                del m.__dict__[k]
-            for k, v in attrs.items():
-                if m.__dict__.get(k, attrs) is not v:
-                    m.__dict__[k] = v
-            own_buffers(m).clear()
-            own_buffers(m).update(buffers)
-            with torch.no_grad():
-                for b, held, value in values:
-                    if version(b) != held:
-                        b.copy_(value)
 
 
 @contextlib.contextmanager

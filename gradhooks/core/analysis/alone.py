@@ -35,7 +35,6 @@ deterministic; three batched forwards without gradient where it is random.
 """
 from __future__ import annotations
 
-import copy
 import weakref
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
@@ -43,7 +42,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from ...base.utils import paused, set_rng_states
+from ...base.utils import paused, set_rng_states, state_kept
 
 __all__ = ["forward_alone", "sample_rows", "largest_difference", "FORWARD_RTOL", "NO_CHECK", "KEPT"]
 
@@ -176,15 +175,13 @@ def forward_alone(model: nn.Module, args: tuple, kwargs: dict, output, size: int
     if not outs:
         return False, (f"{NO_CHECK}: the model's output has no tensor with the batch "
                        "on a dim gradhooks could follow")
-    kept = [_kept(m) for m in model.modules()]  # (modes, tensors kept: aux losses, caches)
+    modes = [(m, m.training) for m in model.modules()]
     made = _Made({id(t) for t in (*_tensors(args), *_tensors(kwargs), *_tensors(output),
                                   *model.parameters(), *model.buffers(),
-                                  *(t for _, v, _ in kept for t in _tensors(list(v.values()))))})
-    try:
+                                  *(t for m, _ in modes for t in _tensors(list(vars(m).values()))))})
+    with state_kept(model):  # (modes, tensors kept for the loss: aux losses, caches; buffers)
         with made:
-            passed, why = _checked(model, args, kwargs, output, outs, size, layout, rng, kept)
-    finally:
-        _restore(kept)
+            passed, why = _checked(model, args, kwargs, output, outs, size, layout, rng, modes)
     if any(r() is not None for r in made.refs):
         return False, KEPT
     return passed, why
@@ -216,7 +213,7 @@ KEPT = ("the model's forward kept tensors of gradhooks' own runs of it (the chec
 
 
 def _checked(model: nn.Module, args: tuple, kwargs: dict, output, outs: list, size: int,
-             layout: int, rng: Optional[tuple], kept: list) -> Tuple[bool, str]:
+             layout: int, rng: Optional[tuple], modes: list) -> Tuple[bool, str]:
     # forward_alone's checks, without gradient and with gradhooks' hooks paused, the caller's
     # random streams left as they were (its next dropout masks too).
     training = model.training
@@ -231,7 +228,8 @@ def _checked(model: nn.Module, args: tuple, kwargs: dict, output, outs: list, si
                 model.eval()
             why = _alone(*batch, training, as_ran)
             if why == _RANDOM and rng is not None:  # (in eval mode: as it ran, then)
-                _restore(kept)
+                for m, mode in modes:
+                    m.training = mode
                 return _copies_as_ran(*batch, rng)
             return not why, why
     except Exception as error:  # (a forward that cannot run on one sample)
@@ -240,39 +238,6 @@ def _checked(model: nn.Module, args: tuple, kwargs: dict, output, outs: list, si
 
 
 _RANDOM = f"{NO_CHECK}: the forward draws random numbers even in eval mode"
-
-
-def _kept(module: nn.Module) -> tuple:
-    # (module, its attributes, copies of the lists and dicts among them) for _restore.
-    saved = dict(vars(module))
-    return module, saved, {k: copy.copy(v) for k, v in saved.items() if type(v) in (list, dict)}
-
-
-def _restore(kept: list) -> None:
-    # Each module's attributes as they were before the check ran the model (its modes, what a
-    # forward keeps on a module, ``self.aux_loss = ...``, which the loss may read: the
-    # reruns' would have no gradient, and what it adds to a list or dict kept there, a cache),
-    # set back in place.
-    for module, saved, contents in kept:
-        now = vars(module)
-        for name in [n for n in now if n not in saved]:
-            del now[name]
-        for name, value in saved.items():
-            if now.get(name, saved) is not value:
-                now[name] = value
-        for name, old in contents.items():
-            if _changed(saved[name], old):
-                saved[name].clear()
-                saved[name].extend(old) if type(old) is list else saved[name].update(old)
-
-
-def _changed(now, old) -> bool:
-    # Whether a list or dict holds other objects than its copy ``old`` (by identity: tensors).
-    if len(now) != len(old):
-        return True
-    if type(old) is dict:
-        return any(old.get(k, old) is not v for k, v in now.items())
-    return any(a is not b for a, b in zip(now, old))
 
 
 def _differs(batched: List[Tensor], again: List[Tensor], outs: list, n: Optional[int],
@@ -324,30 +289,24 @@ def _copies_as_ran(model: nn.Module, args: tuple, kwargs: dict, output: List[Ten
     # from elsewhere: no check), and on sample n's inputs copied to every row (n = 0, size - 1)
     # it must reproduce sample n's rows: its dropout masks are the batch's, row for row, and a
     # statistic of the batch (a batch norm in training mode) or a pairing of rows changes them.
-    # The buffers a rerun updates (running statistics) are put back after.
-    buffers = [(b, b.clone()) for b in model.buffers()]
-    try:
-        for n in (None, *sorted({0, size - 1})):
-            hit: list = [True]
-            a, k = ((args, kwargs) if n is None else
-                    (_slice(args, n, size, layout, hit, True), _slice(kwargs, n, size, layout, hit, True)))
-            if len(hit) == 1 and n is not None:
-                return False, (f"{NO_CHECK}: no input of the model's forward has the batch size "
-                               "on its batch dim")
-            set_rng_states(rng)
-            again = _tensors(model(*a, **k))
-            found = ("another structure" if len(again) != len(output) else
-                     _differs(output, again, outs, n, True))
-            if found and n is None:
-                return False, (f"{NO_CHECK}: the forward rerun with torch's random generators "
-                               f"put back as they were at its start does not reproduce its "
-                               f"{found} (random numbers from another source?)")
-            if found:
-                return False, (f"sample {n}'s inputs copied to every row of the batch, the "
-                               f"forward rerun as it ran, do not reproduce its rows of the "
-                               f"{found}: the forward mixes the samples")
-    finally:
-        for b, saved in buffers:
-            if not _same(b, saved):  # (through .data: the version the batch's graph saved stays)
-                b.data.copy_(saved)
+    # (The buffers a rerun updates, running statistics, are put back after: state_kept.)
+    for n in (None, *sorted({0, size - 1})):
+        hit: list = [True]
+        a, k = ((args, kwargs) if n is None else
+                (_slice(args, n, size, layout, hit, True), _slice(kwargs, n, size, layout, hit, True)))
+        if len(hit) == 1 and n is not None:
+            return False, (f"{NO_CHECK}: no input of the model's forward has the batch size "
+                           "on its batch dim")
+        set_rng_states(rng)
+        again = _tensors(model(*a, **k))
+        found = ("another structure" if len(again) != len(output) else
+                 _differs(output, again, outs, n, True))
+        if found and n is None:
+            return False, (f"{NO_CHECK}: the forward rerun with torch's random generators "
+                           f"put back as they were at its start does not reproduce its "
+                           f"{found} (random numbers from another source?)")
+        if found:
+            return False, (f"sample {n}'s inputs copied to every row of the batch, the "
+                           f"forward rerun as it ran, do not reproduce its rows of the "
+                           f"{found}: the forward mixes the samples")
     return True, ""
