@@ -454,6 +454,37 @@ def test_the_check_leaves_what_the_forward_keeps_for_the_loss(keeper):
     assert_close_to_loop(ours, looped_by(model, 4, alone), F64)
 
 
+@pytest.mark.parametrize("dtype", [F64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("form", ["flip", "mixup", "keeps", "slice"])
+def test_a_hooked_layer_called_outside_the_forward_is_judged_on_its_input(form, dtype):
+    """Hooked layers called in the loss, outside the model's forward, on rows computed from the
+    batch outside it (``h = tanh(model.a(x)); model.b(g(h))``): provenance does not follow
+    them, so each such call's input must be proven to have the samples' own rows, from its
+    graph down to the outputs of the earlier such calls and of the model. A flip of the rows,
+    or a mixup with them, is refused (it was silently wrong: rel err 0.2); rows kept apart are
+    exact against the loop."""
+    forms = {"flip": lambda h: h.flip(0), "mixup": lambda h: 0.7 * h + 0.3 * h.flip(0),
+             "keeps": lambda h: h * 2, "slice": lambda h: torch.cat([h[:, :3], h[:, 3:]], 1)}
+    x, y = _batch(4)
+    x = x.to(dtype)
+    torch.manual_seed(0)
+    model = Between(lambda h: h).to(dtype)
+
+    def extra(xs):  # (the hooked layers called outside the model's forward)
+        return model.b(forms[form](torch.tanh(model.a(xs)))).pow(2).sum(1).mean()
+
+    with gradhooks.attach(model) as gh:
+        (F.cross_entropy(model(x), y) + 0.1 * extra(x)).backward()
+        if form in ("flip", "mixup"):
+            with pytest.raises(gradhooks.SampleMixingError, match="Flip"):
+                gh.per_sample_grads()
+            return
+        ours = gh.per_sample_grads()
+    ref = looped_by(model, 4, lambda i: F.cross_entropy(model(x[i:i + 1]), y[i:i + 1])
+                    + 0.1 * extra(x[i:i + 1]))
+    assert_close_to_loop(ours, ref, dtype)
+
+
 def test_the_check_leaves_the_random_streams_and_modes_as_they_were():
     from gradhooks.core.analysis.alone import forward_alone
     model = Between(nn.Dropout(0.5)).double().train()

@@ -32,7 +32,7 @@ from .backward_losses import (
     valid_rows,
 )
 from .batch_dims import Routed, relayout
-from .loss_graph import ForwardSpans, judge
+from .loss_graph import ForwardSpans, judge, rows_of
 from .mixing import IN_ORDER, UNCHECKED, Mixing
 from .provenance import (
     Provenance,
@@ -47,7 +47,7 @@ from .token_means import TARGETS, check_token_normalisation, rows_mean_message
 
 __all__ = ["FORWARD_RTOL", "NO_CHECK", "forward_alone", "largest_difference", "sample_rows", "Split",
            "backward_roots", "constant_of", "flattened_logits", "ignore_index_of", "loss_of", "fixed_normaliser", "position_rows", "relayout",
-           "row_counts", "split_of", "target_counts", "valid_rows", "Routed", "Mixing", "ForwardSpans", "judge",
+           "row_counts", "split_of", "target_counts", "valid_rows", "Routed", "Mixing", "ForwardSpans", "judge", "rows_of",
            "Provenance", "as_batch", "input_batch_dim", "meeting_cotangent", "shared_layout",
            "source_cotangent", "UNPROVEN", "UNCHECKED", "IN_ORDER", "TARGETS", "check_token_normalisation",
            "rows_mean_message"]

@@ -33,6 +33,12 @@ counted and hashed (:func:`~gradhooks.base.torch_internals.graph_ops`), must be 
 analysed forward of the same input signature showed (:meth:`ForwardSpans.unshown`), since a
 planned forward's fingerprint covers its outputs' graph only.
 
+A hooked layer called outside the model's forward (``model.head(g)`` in the loss) records
+rows that provenance never followed: its input's rows are proven the samples' own by the same
+table, from its graph down to the model's outputs and the outputs of earlier such calls
+(:func:`rows_of`), and its outputs are then boundaries as the model's are
+(:meth:`ForwardSpans.note_call`).
+
 Cost: one visit per node made after the forward (a loss has some tens), per backward pass;
 where the loss reads side computations, a walk of their graphs in the forward.
 """
@@ -48,9 +54,9 @@ from ...base.torch_internals import autograd_nodes_made, graph_ops, is_functorch
 from ...base.utils import tensors as tensors_in
 from ...base.utils import tree_flatten
 from .batch_dims import Routed
-from .loss_rules import LINEAR, Info, Unproven, apply, rows
+from .loss_rules import LINEAR, Info, One, Rows, Unproven, apply, rows
 
-__all__ = ["ForwardSpans", "judge"]
+__all__ = ["ForwardSpans", "judge", "rows_of"]
 
 
 #: Autograd's sequence number of a leaf's ``AccumulateGrad`` (made outside any forward).
@@ -90,6 +96,9 @@ class ForwardSpans:
         #: span -> (input signature, analysed) of the forwards the placement followed
         self.kinds: Dict[Tuple[int, int], Tuple[tuple, bool]] = {}
         self.tops: set = set()  #: the sequence numbers of the forwards' output nodes
+        #: the sequence numbers of the output nodes of hooked calls outside the model's
+        #: forwards (:meth:`note_call`), boundaries as the model's outputs are
+        self.called: set = set()
         #: input signature -> graph_ops of the tensors its analysed forwards made off their
         #: outputs (side computations: :meth:`unshown`)
         self.sides: Dict[tuple, set] = {}
@@ -223,9 +232,30 @@ class ForwardSpans:
         """The span of the forward that made node ``seq``, if one kept did."""
         return next(((a, b) for a, b in self.spans if a <= seq <= b), None)
 
+    def outside(self) -> bool:
+        """Whether no model forward runs now (a hooked layer called now is called outside)."""
+        return self._depth == 0
+
+    def note_call(self, outputs: list) -> None:
+        """A hooked layer's call outside the model's forwards returned ``outputs`` (``[(tensor,
+        batch dim)]`` in its rule's layout), its input's rows proven the samples' own
+        (:func:`rows_of`): the loss's walk takes them as it takes the model's outputs."""
+        if len(self.called) > _SPANS * 64:
+            self.called.clear()
+        for t, dim in outputs:
+            node = t.grad_fn if isinstance(t, torch.Tensor) else None
+            if node is not None and isinstance(dim, int):
+                seq = node._sequence_nr()
+                self.called.add(seq)
+                self.tops.add(seq)
+                self.outputs[(seq, t.output_nr)] = dim
+
     def made_by_model(self, seq: int) -> Optional[bool]:
-        """``True``: node ``seq`` was made inside a forward; ``False``: after the first forward
-        and outside every one (by the loss); ``None``: before the first one kept, or a leaf."""
+        """``True``: node ``seq`` was made inside a forward (or is a hooked call's output
+        outside one: :meth:`note_call`); ``False``: after the first forward and outside every
+        one (by the loss); ``None``: before the first one kept, or a leaf."""
+        if seq in self.called:
+            return True
         if not self.spans or seq == _LEAF or seq < self.spans[0][0]:
             return None
         return any(a <= seq <= b for a, b in self.spans)
@@ -249,52 +279,86 @@ def judge(root, spans: ForwardSpans, samples: Tensor,
         ``None`` where proven (or the root does not depend on the outputs), else the
         :class:`Unproven` naming the first node (walked from the model's outputs up) that is not.
     """
-    memo: Dict[object, List[Info]] = {}
-    todo = [root]
     try:
-        while todo:
-            node = todo[-1]
-            if node in memo:
-                todo.pop()
-                continue
-            if len(memo) > _CAP:
-                raise Unproven(node.name(), f"the loss's graph has more than {_CAP} nodes "
-                                            f"after the model's forward", False)
-            where = spans.made_by_model(node._sequence_nr())
-            if where is None:
-                memo[node] = [None] * max(1, len(node._input_metadata))
-                todo.pop()
-                continue
-            if where:
-                seq = node._sequence_nr()
-                if sides is not None and seq not in spans.tops:
-                    sides.setdefault(spans.span_of(seq), []).append(node)
-                memo[node] = [_boundary(m.shape, samples, spans.outputs.get((seq, nr)))
-                              for nr, m in enumerate(node._input_metadata)]
-                todo.pop()
-                continue
-            waiting = [n for n, _ in node.next_functions if n is not None and n not in memo]
-            if waiting:
-                todo.extend(waiting)
-                continue
-            todo.pop()
-            ins = [(None, None) if n is None else (memo[n][nr], _shape(n, nr))
-                   for n, nr in node.next_functions]
-            if all(i is None for i, _ in ins):
-                memo[node] = [None] * max(1, len(node._input_metadata))
-            else:
-                outs = [list(m.shape) for m in node._input_metadata]
-                try:
-                    memo[node] = apply(_name(node), node, ins, outs)
-                except Unproven as e:  # (on a tensor whose batch dim was not followed: unproven)
-                    raise Unproven(e.node, f"{e.why}; but {_LOST}", False) if e.mixes and any(
-                        isinstance(i, _Lost) for i, _ in ins) else e
-                except (AttributeError, TypeError, ValueError, IndexError, RuntimeError) as e:
-                    raise Unproven(_name(node), f"what autograd kept of it could not be read "
-                                                f"({type(e).__name__}: {e})", False) from e
+        _walk(root, spans, samples, sides)
     except Unproven as found:
         return found
     return None
+
+
+def rows_of(t: Tensor, dim: int, spans: ForwardSpans, samples: Tensor) -> Optional[Unproven]:
+    """Whether the rows of ``t`` on ``dim`` are the samples' own (``samples``: ``(B,)``,
+    ``arange(B)``), proven by :func:`judge`'s table from ``t``'s graph down to the model's
+    outputs and the outputs of hooked calls made outside the model's forward
+    (:meth:`ForwardSpans.note_call`): the input of such a call, whose records split its rows
+    by sample. ``None`` where proven, or where ``t`` depends on none of those (the batch
+    itself, as the model's top-level inputs are taken); else the :class:`Unproven`, whose
+    ``mixes`` says its rows are proven paired, mixed or other samples'."""
+    node = t.grad_fn
+    if node is None:
+        return None
+    try:
+        memo = _walk(node, spans, samples, None)
+    except Unproven as found:
+        return found
+    info = memo[node][t.output_nr] if t.output_nr < len(memo[node]) else None
+    if info is None or isinstance(info, One) or (
+            isinstance(info, Rows) and info.dim == dim and info.ids is not None
+            and torch.equal(info.ids.cpu(), samples)):
+        return None
+    other = (isinstance(info, Rows) and info.dim == dim and info.ids is not None
+             and info.ids.numel() == samples.numel())  # (rows of other samples: a permutation)
+    return Unproven(_name(node), f"the input of a hooked layer called outside the model's "
+                                 f"forward does not have the samples' own rows on dim {dim} "
+                                 f"({info})", other)
+
+
+def _walk(root, spans: ForwardSpans, samples: Tensor, sides: Optional[dict]) -> dict:
+    # judge's walk: {node: [Info of each output]} from the model's outputs up to ``root``.
+    # Raises Unproven (judge's).
+    memo: Dict[object, List[Info]] = {}
+    todo = [root]
+    while todo:
+        node = todo[-1]
+        if node in memo:
+            todo.pop()
+            continue
+        if len(memo) > _CAP:
+            raise Unproven(node.name(), f"the loss's graph has more than {_CAP} nodes "
+                                        f"after the model's forward", False)
+        where = spans.made_by_model(node._sequence_nr())
+        if where is None:
+            memo[node] = [None] * max(1, len(node._input_metadata))
+            todo.pop()
+            continue
+        if where:
+            seq = node._sequence_nr()
+            if sides is not None and seq not in spans.tops:
+                sides.setdefault(spans.span_of(seq), []).append(node)
+            memo[node] = [_boundary(m.shape, samples, spans.outputs.get((seq, nr)))
+                          for nr, m in enumerate(node._input_metadata)]
+            todo.pop()
+            continue
+        waiting = [n for n, _ in node.next_functions if n is not None and n not in memo]
+        if waiting:
+            todo.extend(waiting)
+            continue
+        todo.pop()
+        ins = [(None, None) if n is None else (memo[n][nr], _shape(n, nr))
+               for n, nr in node.next_functions]
+        if all(i is None for i, _ in ins):
+            memo[node] = [None] * max(1, len(node._input_metadata))
+        else:
+            outs = [list(m.shape) for m in node._input_metadata]
+            try:
+                memo[node] = apply(_name(node), node, ins, outs)
+            except Unproven as e:  # (on a tensor whose batch dim was not followed: unproven)
+                raise Unproven(e.node, f"{e.why}; but {_LOST}", False) if e.mixes and any(
+                    isinstance(i, _Lost) for i, _ in ins) else e
+            except (AttributeError, TypeError, ValueError, IndexError, RuntimeError) as e:
+                raise Unproven(_name(node), f"what autograd kept of it could not be read "
+                                            f"({type(e).__name__}: {e})", False) from e
+    return memo
 
 
 def _shape(node, nr: int) -> Optional[list]:

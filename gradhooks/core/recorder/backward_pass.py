@@ -12,7 +12,7 @@ import contextlib
 from typing import Callable, Dict, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ...base import torch_internals, utils
 from ...base.errors import GradHooksError
@@ -26,6 +26,7 @@ from ..analysis import (
     loss_of,
     position_rows,
     row_counts,
+    rows_of,
     split_of,
     valid_rows,
 )
@@ -168,6 +169,29 @@ class BackwardPass:
                 recorder.placement.mixing.loss_graph(found, None if declared is not None else (
                     root.grad_fn, self.spans))
                 return
+
+    def outside_call(self, layer, module: nn.Module, args: tuple, output, x: Tensor) -> None:
+        """A hooked ``layer`` called outside the model's forward (``model.head(h)`` in the loss):
+        provenance does not follow it, so its input ``x``'s rows must be proven the samples'
+        own from its graph down to the model's outputs and the outputs of earlier such calls
+        (:func:`~gradhooks.core.analysis.loss_graph.rows_of`): where it shows them paired,
+        mixed or another sample's (``h.flip(0)``, a mixup of rows) the batch's reads are
+        refused (``SampleMixingError``); rows it cannot follow (a tensor whose batch dim the
+        walk lost) are accepted, as before this check. Its outputs then count as boundaries
+        for the loss's walk (:meth:`~gradhooks.core.analysis.loss_graph.ForwardSpans.note_call`).
+        Nothing to prove with one row, where the attachment accepts mixing, or for a forward
+        recomputed in a backward pass (gradient checkpointing)."""
+        recorder = self._recorder
+        if torch_internals.current_graph_task_id() != -1:
+            return  # (a forward recomputed inside a backward pass: gradient checkpointing)
+        dim = 0 if recorder.batch_first or x.dim() < 2 else 1
+        size = x.shape[dim] if x.dim() > dim else 0
+        if size > 1 and not getattr(recorder, "allow_sample_mixing", False):
+            found = rows_of(x, dim, self.spans, torch.arange(size))
+            if found is not None and found.mixes:  # (rows not followed: as before, accepted)
+                recorder.placement.mixing.loss_graph(found)
+        self.spans.note_call(layer.rule.output_dims(module, args, output,
+                                                    lambda t: dim if t is x else None))
 
     def _sides(self, sides: dict) -> None:
         # Tensors a planned forward made off its outputs that the loss reads (a side

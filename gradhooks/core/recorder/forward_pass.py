@@ -78,6 +78,8 @@ class ForwardPass:
         names = layer.trainable()
         if not names and not rule.check_always:
             return
+        if recorder.backward_pass.spans.outside() and names:  # (provenance does not follow it)
+            recorder.backward_pass.outside_call(layer, module, args, output, x)
         placement = recorder.placement
         try:
             if layer.validates:
