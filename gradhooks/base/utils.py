@@ -17,7 +17,7 @@ from . import torch_internals
 
 __all__ = ["paused", "is_paused", "no_autocast", "tf32_allowed", "tf32_products", "is_functorch_wrapped", "tensors", "detached",
            "flatten", "compute_dtype", "LOW_PRECISION", "LOSS_REDUCTIONS", "check_loss_reduction",
-           "own_loss_scale", "OWNED", "rng_states", "set_rng_states", "state_kept"]
+           "own_loss_scale", "OWNED", "rng_states", "set_rng_states", "state_kept", "same_tensor"]
 
 #: The values ``loss_reduction`` may take.
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -76,7 +76,7 @@ def state_kept(module: torch.nn.Module) -> Iterator[None]:
                     attrs[k].extend(old) if type(old) is list else attrs[k].update(old)
             with torch.no_grad():
                 for b, value in values:
-                    if not _equal(b, value):
+                    if not same_tensor(b, value):
                         b.data.copy_(value)
 
 
@@ -93,8 +93,10 @@ def _changed(now, old) -> bool:
     return any(a is not b for a, b in zip(now, old))
 
 
-def _equal(x: Tensor, y: Tensor) -> bool:
-    # Equal values (NaN equal to NaN).
+def same_tensor(x: Tensor, y: Tensor) -> bool:
+    """Whether ``x`` and ``y`` have the same shape, dtype and values (NaN equal to NaN)."""
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
     if x.is_floating_point() or x.is_complex():
         return bool(torch.allclose(x, y, rtol=0, atol=0, equal_nan=True))
     return bool(torch.equal(x, y))

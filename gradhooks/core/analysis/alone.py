@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from ...base.utils import paused, set_rng_states, state_kept
+from ...base.utils import paused, same_tensor, set_rng_states, state_kept
 
 __all__ = ["forward_alone", "sample_rows", "largest_difference", "FORWARD_RTOL", "NO_CHECK", "KEPT"]
 
@@ -71,15 +71,6 @@ def largest_difference(ours: Tensor, alone: Tensor) -> Tuple[float, float]:
     scale = max(float(ours.abs().max()), float(alone.abs().max())) if ours.numel() else 0.0
     diff = float((ours.double() - alone.double()).abs().max()) if ours.numel() else 0.0
     return diff, scale
-
-
-def _same(x: Tensor, y: Tensor) -> bool:
-    # Equal shapes and values (NaN equal to NaN).
-    if x.shape != y.shape or x.dtype != y.dtype:
-        return False
-    if x.is_floating_point() or x.is_complex():
-        return bool(torch.allclose(x, y, rtol=0, atol=0, equal_nan=True))
-    return bool(torch.equal(x, y))
 
 
 def _tensors(x) -> List[Tensor]:
@@ -135,7 +126,7 @@ def _same_again(model: nn.Module, a: tuple, k: dict, first: List[Tensor], size: 
     # gave ``first``, returns the same outputs: it draws no random numbers.
     torch.default_generator.manual_seed(1 + size)
     again = _tensors(model(*a, **k))
-    return len(again) == len(first) and all(map(_same, again, first))
+    return len(again) == len(first) and all(map(same_tensor, again, first))
 
 
 def forward_alone(model: nn.Module, args: tuple, kwargs: dict, output, size: int, layout: int,

@@ -78,7 +78,7 @@ class ForwardPass:
         names = layer.trainable()
         if not names and not rule.check_always:
             return
-        if recorder.backward_pass.spans.outside() and names:  # (provenance does not follow it)
+        if names and recorder.backward_pass.spans.outside():  # (provenance does not follow it)
             recorder.backward_pass.outside_call(layer, module, args, output, x)
         placement = recorder.placement
         try:
