@@ -621,7 +621,7 @@ def test_a_mixing_branch_taken_only_in_training_mode_is_refused_on_its_forward(d
 @pytest.mark.parametrize("kind", ["dropout", "frozen-norm"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_a_training_only_mixing_branch_in_a_random_model_is_refused_on_its_forward(
-        dtype, kind, losses):
+        dtype, kind, losses, device):
     """A model in training mode whose forward draws random numbers (dropout) or keeps running
     statistics (a frozen batch norm) cannot be rerun alone as it ran: its check reruns the
     batch with torch's random generators put back as they were at the forward's start, on
@@ -629,20 +629,23 @@ def test_a_training_only_mixing_branch_in_a_random_model_is_refused_on_its_forwa
     A mixing branch that only training mode takes, first on a planned forward, is refused on
     that forward under a plain ``loss.backward()`` too (it was the limitations page's window);
     the forwards before are exact against the loop (their dropout masks replayed there); the
-    check leaves the random streams and the running statistics as they were."""
+    check leaves the random streams and the running statistics as they were. On CUDA the
+    generator put back is the device's."""
     torch.manual_seed(0)
-    model = TrainOnly(p=0.3 if kind == "dropout" else 0.0, norm=kind == "frozen-norm").to(dtype)
+    model = TrainOnly(p=0.3 if kind == "dropout" else 0.0, norm=kind == "frozen-norm").to(
+        device, dtype)
+    rng = torch.cuda if device.type == "cuda" else torch
     per_sample = nn.CrossEntropyLoss(reduction="none")
     stats = [b.clone() for b in model.buffers()]
     refused = []
     with gradhooks.attach(model) as gh:
         for step in range(5):
             model.mix = step >= 2
-            x, y = _batch(4, step, dtype)
+            x, y = (t.to(device) for t in _batch(4, step, dtype))
             model.zero_grad()
-            state = torch.get_rng_state()
+            state = rng.get_rng_state()
             loss = per_sample(model(x), y).mean()
-            after = torch.get_rng_state()
+            after = rng.get_rng_state()
             try:
                 gh.backward(loss) if losses else loss.backward()
                 ours = gh.per_sample_grads()
@@ -653,9 +656,10 @@ def test_a_training_only_mixing_branch_in_a_random_model_is_refused_on_its_forwa
                 refused.append(step)
                 continue
             finally:
-                assert torch.equal(torch.get_rng_state(), after)  # (the check drew nothing)
-            torch.set_rng_state(state)
-            masks = model.drop(torch.ones(4, 6, dtype=dtype))  # (the batch's, replayed)
+                assert torch.equal(rng.get_rng_state(), after)  # (the check drew nothing)
+            rng.set_rng_state(state)
+            ones = torch.ones(4, 6, dtype=dtype, device=device)
+            masks = model.drop(ones)  # (the batch's, replayed)
             assert_close_to_loop(ours, _masked_loop(copy.deepcopy(model), masks, x, y), dtype)
     assert refused == [2, 3, 4], refused
     assert all(torch.equal(b, s) for b, s in zip(model.buffers(), stats))

@@ -334,30 +334,31 @@ def test_an_unknown_op_is_refused_when_no_check_is_possible():
 @pytest.mark.parametrize("dtype", [F64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("mode", ["train", "eval"])
 @pytest.mark.parametrize("mixes", [False, True], ids=["keeps", "mixes"])
-def test_an_unknown_op_in_a_random_forward_is_checked_as_it_ran(mixes, mode, dtype):
+def test_an_unknown_op_in_a_random_forward_is_checked_as_it_ran(mixes, mode, dtype, device):
     """A forward that draws torch's random numbers (noise added in training and in eval mode,
     dropout) is checked as it ran: rerun with torch's random generators put back as they were
     at its start, on sample 0's (B-1's) inputs copied to every row, whose rows must be the
     batch's. An unknown op that keeps the samples apart is then accepted, exact against the
     loop (each sample with its row of the batch's noise, replayed); one that mixes them is
-    refused on the first forward."""
+    refused on the first forward. On CUDA the generator put back is the device's."""
     def noisy(h):
         h = Centre.apply(h) if mixes else Square.apply(h)
         return h + 1e-3 * torch.randn_like(h)
     x, y = _batch(4)
-    x = x.to(dtype)
+    x, y = x.to(device, dtype), y.to(device)
     torch.manual_seed(0)
-    model = Between(noisy).to(dtype).train(mode == "train")
+    model = Between(noisy).to(device, dtype).train(mode == "train")
+    rng = torch.cuda if device.type == "cuda" else torch
     with gradhooks.attach(model) as gh:
-        state = torch.get_rng_state()
+        state = rng.get_rng_state()
         F.cross_entropy(model(x), y).backward()
         if mixes:
             with pytest.raises(gradhooks.UnprovenOpError, match="Centre.*copied to every row"):
                 gh.per_sample_grads()
             return
         ours = gh.per_sample_grads()
-    torch.set_rng_state(state)
-    noise = 1e-3 * torch.randn(4, D, dtype=dtype)  # (the batch's, replayed)
+    rng.set_rng_state(state)
+    noise = 1e-3 * torch.randn(4, D, dtype=dtype, device=device)  # (the batch's, replayed)
     ref = looped_by(model, 4, lambda i: F.cross_entropy(model.b(
         Square.apply(torch.tanh(model.a(x[i:i + 1]))) + noise[i:i + 1]), y[i:i + 1]))
     assert_close_to_loop(ours, ref, dtype)
