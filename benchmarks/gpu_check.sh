@@ -22,7 +22,7 @@ xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n $workers" || echo "")
 timeout "${1:-240}" python3 -m pytest -p no:cacheprovider -q $xdist -k cuda --junitxml "$OUT/cuda-tests.xml" \
   tests/test_cuda.py tests/test_every_rule_every_reader.py tests/test_zoo.py tests/test_segments.py \
   tests/test_moe.py tests/test_norm.py tests/test_kfac.py tests/test_scale.py tests/test_sample_groups.py \
-  tests/test_separation.py tests/test_retracking.py 2>&1 | tee "$OUT/cuda-tests-full.log" | tail -n 60 | tee "$OUT/cuda-tests.log"
+  tests/test_separation.py tests/test_retracking.py tests/test_trainer_precision.py tests/test_setup_grad_scaler.py 2>&1 | tee "$OUT/cuda-tests-full.log" | tail -n 60 | tee "$OUT/cuda-tests.log"
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/cuda-tests.log"
 timeout "${2:-420}" python3 benchmarks/scale.py --gpu --out "$OUT/gpu.md" --json "$OUT/gpu.json" 2>"$OUT/bench.err"
 echo "bench exit: $?"; tail -n 5 "$OUT/bench.err"

@@ -1,6 +1,8 @@
 """float16 autocast with torch.amp.GradScaler: per-sample results, norms and clipping of the
 *unscaled* loss; .grad written at the scaler's scale for scaler.step(); overflowed steps
-skipped as GradScaler skips them. Against a float32 loop, within float16's rounding."""
+skipped as GradScaler skips them. Against a float32 loop, within float16's rounding. The first
+three tests run on each of conftest's devices (CUDA's float16 autocast and ``GradScaler("cuda")``
+where a GPU is there)."""
 import warnings
 
 import pytest
@@ -15,15 +17,15 @@ from conftest import loop_grads
 RTOL16 = 5e-3  # float16 forward and grad_outputs, against the float32 loop
 
 
-def _setup(seed=0):
+def _setup(seed=0, device="cpu"):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
     x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
-    return model, x, y
+    return model.to(device), x.to(device), y.to(device)
 
 
 def _scaled_step(model, gh, scaler, x, y):
-    with torch.autocast("cpu", dtype=torch.float16):
+    with torch.autocast(x.device.type, dtype=torch.float16):
         loss = F.cross_entropy(model(x), y)
     scaler.scale(loss).backward()
     return loss
@@ -35,11 +37,11 @@ def _close(ours, ref):
         assert float((ours[n].float() - g).abs().max()) <= RTOL16 * scale, n
 
 
-def test_per_sample_grads_and_norms_are_of_the_unscaled_loss():
-    model, x, y = _setup()
+def test_per_sample_grads_and_norms_are_of_the_unscaled_loss(device):
+    model, x, y = _setup(0, device)
     ref = loop_grads(model, F.cross_entropy, x, y)
     norms = torch.sqrt(sum(g.flatten(1).square().sum(1) for g in ref.values()))
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 16)
     with gradhooks.attach(model, grad_scaler=scaler) as gh:
         _scaled_step(model, gh, scaler, x, y)
         assert float(scaler.get_scale()) == 2.0 ** 16  # the records are 65536x the gradients
@@ -53,19 +55,19 @@ def test_per_sample_grads_and_norms_are_of_the_unscaled_loss():
 
 
 @pytest.mark.parametrize("method", ["ghost", "materialize", "two_pass"])
-def test_clipping_then_scaler_step_equals_clipped_sgd(method):
-    model, x, y = _setup(1)
+def test_clipping_then_scaler_step_equals_clipped_sgd(method, device):
+    model, x, y = _setup(1, device)
     ref = loop_grads(model, F.cross_entropy, x, y)
     norms = torch.sqrt(sum(g.flatten(1).square().sum(1) for g in ref.values()))
     c = float(norms.median())
     factors = (c / norms).clamp(max=1)
     expected = {n: p.detach() - 0.1 * (g * factors.view(-1, *[1] * (g.dim() - 1))).mean(0)
                 for (n, p), g in zip(model.named_parameters(), ref.values())}
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with gradhooks.attach(model, grad_scaler=scaler) as gh:
         if method == "two_pass":
-            with torch.autocast("cpu", dtype=torch.float16):
+            with torch.autocast(device.type, dtype=torch.float16):
                 losses = F.cross_entropy(model(x), y, reduction="none")
             got = gh.clipped_backward(losses.float(), c)
         else:
@@ -79,10 +81,10 @@ def test_clipping_then_scaler_step_equals_clipped_sgd(method):
         torch.testing.assert_close(p.detach(), expected[n], rtol=RTOL16, atol=RTOL16 * 0.1)
 
 
-def test_overflow_step_is_skipped_and_the_scale_lowered():
-    model, x, y = _setup(2)
+def test_overflow_step_is_skipped_and_the_scale_lowered(device):
+    model, x, y = _setup(2, device)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)  # float16 grad_outputs overflow
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 40)  # float16 grad_outputs overflow
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with gradhooks.attach(model, grad_scaler=scaler) as gh:
         _scaled_step(model, gh, scaler, x, y)
@@ -210,3 +212,35 @@ def test_scale_seen_on_micro_batches_reaches_finish_step(two_pass):
     for n, g in written[1].items():
         torch.testing.assert_close(written[0][n], g)
     assert float(written[0]["0.weight"].abs().max()) > 1  # at the scale
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["declared", "undeclared"])
+def test_a_scale_whose_value_is_not_read_at_the_backward(monkeypatch, declared):
+    """On an accelerator the loss walk reads no tensor's value at the backward (no device
+    sync), so ``scaler.scale(losses.sum())``'s factor is unknown there: as on a GPU, the walk
+    reads none here (``constant_of`` of a tensor scaling returns ``None``). The declared
+    scaler's own scale tensor at the loss's top is its ``scaler.scale(loss)`` (the reads divide
+    by ``get_scale()``): the norms are the unscaled loss's, against the loop. An undeclared one
+    is refused, naming the way out. (The Trainer's fp16 book-keeping step on a GPU was refused
+    so until this: tests/test_trainer_precision.py's cuda tests.)"""
+    import gradhooks.core.analysis.backward_losses as walk
+    import gradhooks.readers.loss_reduction as reduction
+    real = walk.constant_of
+    unread = lambda node, name: None if name == "MulBackward0" else real(node, name)  # noqa: E731
+    monkeypatch.setattr(walk, "constant_of", unread)
+    monkeypatch.setattr(reduction, "constant_of", unread)
+    model, x, y = _setup(4)
+    ref = loop_grads(model, lambda out, t: F.cross_entropy(out, t, reduction="sum"), x, y)
+    norms = torch.sqrt(sum(g.flatten(1).square().sum(1) for g in ref.values()))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    with gradhooks.attach(model, loss_reduction="sum",
+                          grad_scaler=scaler if declared else None) as gh:
+        with torch.autocast("cpu", dtype=torch.float16):
+            losses = F.cross_entropy(model(x), y, reduction="none")
+        gh.backward(scaler.scale(losses.float().sum()))
+        if not declared:
+            with pytest.raises(gradhooks.UnsupportedLossError, match="grad_scaler=scaler"):
+                gh.clip_and_accumulate(float(norms.median()))
+            return
+        got = gh.clip_and_accumulate(float(norms.median()))
+    torch.testing.assert_close(got, norms, rtol=RTOL16, atol=0)

@@ -11,7 +11,7 @@ scaler: a float32 run, checked below); on a GPU accelerate sets ``native_amp`` a
 accelerator, before ``train()``, exactly what accelerate gives it on a GPU (``native_amp = True``,
 ``scaler = GradScaler(...)``): the forward then runs under float16 autocast, the backward at the
 scale, the optimizer step through ``scaler.step`` / ``scaler.update``. That is the GPU code path
-with CPU kernels; no GPU ran these tests.
+with CPU kernels; the ``cuda`` tests below run accelerate's own GPU set-up where a GPU is there.
 """
 import copy
 
@@ -60,18 +60,26 @@ def relative_error(got, want):
     return max(float((got[n].double() - want[n].double()).abs().max()) for n in want) / scale
 
 
-def run(tmp_path, precision, clipping="book-keeping", init_scale=2.0 ** 10, **kw):
+def run(tmp_path, precision, clipping="book-keeping", init_scale=2.0 ** 10, cuda=False, **kw):
+    """One DP step of the tiny GPT-2 in ``precision``; with ``cuda`` on the GPU, where
+    accelerate itself sets up the autocast and (fp16) its ``GradScaler`` (whose initial scale
+    is then set to ``init_scale``), else on the CPU with the GPU's state given
+    (:func:`as_on_gpu`)."""
     data = dataset()
     model = model_of(torch.float32)
     start = copy.deepcopy(model)
     grads = GradsBeforeStep()
-    args = arguments(tmp_path, **{precision: True}, **kw)
+    args = arguments(tmp_path, **{precision: True}, **({"use_cpu": False} if cuda else {}), **kw)
     trainer = DPTrainer(model=model, args=args, train_dataset=data, data_collator=collate,
                         callbacks=[grads], dp=DPConfig(max_grad_norm=C, noise_multiplier=0.0,
                                                        clipping=clipping))
     scales = ScaleBeforeStep(trainer)
     trainer.add_callback(scales)
-    if precision == "fp16":
+    if precision == "fp16" and cuda:  # (accelerate's own scaler, on the GPU)
+        assert trainer.accelerator.native_amp
+        assert isinstance(trainer.accelerator.scaler, torch.amp.GradScaler)
+        trainer.accelerator.scaler = torch.amp.GradScaler("cuda", init_scale=init_scale)
+    elif precision == "fp16":
         as_on_gpu(trainer, init_scale)
     trainer.train()
     want = clipped_reference(copy.deepcopy(start).double(),
@@ -100,6 +108,40 @@ def test_mixed_precision_step_near_float32_loop(tmp_path, precision, clipping, m
         assert steps.scales == [2.0 ** 10] and steps.skipped == [False]
     got = {n: g.double() for n, g in grads[0].items()}  # (unscaled by the Trainer already)
     assert relative_error(got, want) <= TOLERANCE[precision]
+
+
+ON_CUDA = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA device: accelerate runs fp16=True (its GradScaler) and bf16=True on a GPU "
+           "only; the tests above give the CPU the GPU's state instead")
+
+
+@ON_CUDA
+@pytest.mark.parametrize("clipping", ["book-keeping", "two-pass"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_step_on_cuda_near_float32_loop(tmp_path, precision, clipping):
+    """On a GPU, where accelerate sets up the autocast and the ``GradScaler`` itself (the CPU
+    tests above give it that state by hand): the step's gradient is within the precision's
+    tolerance of the float64 loop's clipped sum, unscaled by the Trainer."""
+    trainer, grads, steps, want, _ = run(tmp_path, precision, clipping, cuda=True)
+    assert next(trainer.model.parameters()).is_cuda and trainer.lot_sizes[0] > 0
+    if precision == "fp16":
+        assert steps.scales == [2.0 ** 10] and steps.skipped == [False]
+    got = {n: g.double().cpu() for n, g in grads[0].items()}
+    assert relative_error(got, want) <= TOLERANCE[precision]
+
+
+@ON_CUDA
+def test_fp16_overflow_on_cuda_keeps_the_weights(tmp_path):
+    """An overflowing float16 lot on a GPU with the Trainer's default fused AdamW (the CUDA
+    kernel that reads the scaler's ``found_inf``): the weights stay, the scale is halved, the
+    accountant counts the lot."""
+    trainer, _, steps, _, start = run(tmp_path, "fp16", init_scale=2.0 ** 40, cuda=True)
+    assert steps.scales == [2.0 ** 40]
+    assert float(trainer.accelerator.scaler.get_scale()) == 2.0 ** 39
+    for (n, p), q in zip(trainer.model.named_parameters(), start.parameters()):
+        assert torch.equal(p.detach().cpu(), q.detach()), n
+    assert len(trainer.accountant.history) == 1 and trainer.lot_sizes[0] > 0
 
 
 def test_bf16_autocast_ran(tmp_path):

@@ -95,7 +95,8 @@ _MEAN, _SUM = 1, 2
 
 
 def check_batch_loss(loss: Tensor, batch_size: Optional[int], loss_reduction: str,
-                     gradient: Optional[Tensor] = None, tokens=None) -> Optional[Split]:
+                     gradient: Optional[Tensor] = None, tokens=None,
+                     grad_scaler=None) -> Optional[Split]:
     """Refuse a scalar batch loss that is not the declared reduction over samples (cases (a)
     and (b) of the module docstring); note on ``tokens`` what the reads judge (a split not
     proven, case (e); a constant factor, case (f)); say nothing about any loss not recognised.
@@ -107,6 +108,10 @@ def check_batch_loss(loss: Tensor, batch_size: Optional[int], loss_reduction: st
         gradient: the ``gradient`` argument (given: the scale is unknown, no check).
         tokens: the recorder's :class:`~gradhooks.core.analysis.token_means.TokenMeans` (``None``: the
             split and the factor are not judged).
+        grad_scaler: the ``torch.amp.GradScaler`` given to :func:`gradhooks.attach`, or ``None``.
+            A top ``MulBackward0`` by its own scale tensor is its ``scaler.scale(loss)``
+            (:func:`_own_scale`), passed over unread: on an accelerator its value is not read
+            without a device sync, and the reads divide by ``scaler.get_scale()``.
 
     Returns:
         The loss's :class:`~gradhooks.core.analysis.backward_losses.Split` where its counts are still to
@@ -122,14 +127,17 @@ def check_batch_loss(loss: Tensor, batch_size: Optional[int], loss_reduction: st
         return None
     batch_wide = getattr(getattr(tokens, "_recorder", None), "token_normalisation",
                          "sample") == "batch"
-    found = _read(loss, batch_size, broadcast=False) if batch_size > 1 else None
+    scale = loss_scale_of(loss)
+    own = _own_scale(scale, grad_scaler)
+    top = loss.grad_fn.next_functions[0][0] if own else loss.grad_fn
+    found = _read_node(top, batch_size, broadcast=False) if batch_size > 1 else None
     kind = factor = None
     if found is not None:
         node, factor, kind, counts = found
         if counts is not None and not batch_wide:
             raise UnsupportedLossError(_token_mean_message(counts, loss_reduction))
-    scale = loss_scale_of(loss)
-    seen = float(scale) if scale is not None and scale.device.type == "cpu" else None
+    seen = (float(scale) if scale is not None and not own and scale.device.type == "cpu"
+            else None)
     if found is not None and factor is not None and seen is not None and is_loss_scale(seen):
         factor = factor / seen  # (the GradScaler's scale: the reads divide by it)
     if found is not None and factor == 1.0:
@@ -150,11 +158,16 @@ def check_batch_loss(loss: Tensor, batch_size: Optional[int], loss_reduction: st
     if tokens is None:
         return None
     try:
-        split = split_of(loss.grad_fn, batch_size)
+        split = split_of(loss.grad_fn, batch_size, scaler=own)
     except RuntimeError:  # (saved tensors freed: autograd's own backward says so)
         return None
     if split is None:
         return None
+    if split.scaled and split.factor is None and scale is not None and not own:
+        split = split._replace(what=f"{split.what}, times a 0-dim float32 tensor on "
+                                    f"{scale.device.type} (GradScaler.scale's form, its value not "
+                                    f"read there: declare the scaler, gradhooks.attach(model, ..., "
+                                    f"grad_scaler=scaler))")
     _note_factor(split, kind, factor, seen, batch_size, loss_reduction, tokens)
     if split.proven:
         return None
@@ -250,13 +263,27 @@ def loss_scale_of(loss: Tensor) -> Optional[Tensor]:
     return c
 
 
+def _own_scale(scale: Optional[Tensor], grad_scaler) -> bool:
+    """Whether ``scale`` (:func:`loss_scale_of` of a loss) is the declared ``grad_scaler``'s own
+    scale tensor (the same memory: ``scaler.scale(loss)`` multiplies by it on its device), so
+    that the loss's top node is that scaling. Reads no value (no device sync)."""
+    own = getattr(grad_scaler, "_scale", None)
+    return (scale is not None and isinstance(own, Tensor) and grad_scaler.is_enabled()
+            and scale.device == own.device and scale.data_ptr() == own.data_ptr())
+
+
 def _read(loss: Tensor, batch_size: int, broadcast: bool):
-    """``(node, factor, kind, counts)`` of the reduction over the batch below ``loss``
+    """:func:`_read_node` of ``loss``'s ``grad_fn``."""
+    return _read_node(loss.grad_fn, batch_size, broadcast)
+
+
+def _read_node(node, batch_size: int, broadcast: bool):
+    """``(node, factor, kind, counts)`` of the reduction over the batch below ``node``
     (:func:`_reduction`, :func:`_kind`; ``counts``: the unequal valid-token counts of a
     token-level mean, else ``None``), or ``None`` if none is recognised or the graph's saved
     tensors were freed (autograd's own backward then says so)."""
     try:
-        found = _reduction(loss.grad_fn, broadcast)
+        found = _reduction(node, broadcast)
         if found is None:
             return None
         node, factor = found

@@ -40,7 +40,7 @@ def check_backward_loss(loss: Tensor, recorder, gradient: Optional[Tensor]) -> O
     rows = recorder.batch_size
     samples = recorder.reads.samples()
     split = check_batch_loss(loss, samples, recorder.loss_reduction, gradient,
-                             recorder.placement.mixing.tokens)
+                             recorder.placement.mixing.tokens, recorder.grad_scaler)
     if (gradient is not None or not rows or samples == rows or not isinstance(loss, Tensor)
             or loss.dim() != 0):
         return split
