@@ -54,6 +54,13 @@ class Between(nn.Module):
         return self.b(self.op(torch.tanh(self.a(x))))
 
 
+class Hidden(Between):
+    """``tanh(a(x))``: ``b`` is hooked but called only outside the forward."""
+
+    def forward(self, x):
+        return torch.tanh(self.a(x))
+
+
 class Square(torch.autograd.Function):  # (an old-style custom Function: per element)
     @staticmethod
     def forward(ctx, x):
@@ -484,6 +491,45 @@ def test_a_hooked_layer_called_outside_the_forward_is_judged_on_its_input(form, 
     ref = looped_by(model, 4, lambda i: F.cross_entropy(model(x[i:i + 1]), y[i:i + 1])
                     + 0.1 * extra(x[i:i + 1]))
     assert_close_to_loop(ours, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("losses", [False, True], ids=["loss.backward", "gh.backward(losses)"])
+@pytest.mark.parametrize("mixes", [False, True], ids=["keeps", "mixes"])
+def test_a_hooked_layer_called_outside_the_forward_on_rows_not_followed(mixes, losses, dtype):
+    """A hooked layer called outside the model's forward on rows the loss walk cannot follow (a
+    custom ``autograd.Function`` between: no rule proves it) is not proven: under a plain
+    ``loss.backward()`` the batch is refused, naming the layer and the op (a centring Function
+    there was accepted and silently wrong before); with per-sample losses through
+    ``gh.backward`` the sample check through the batched graph decides: a Function that keeps
+    the samples apart is exact against the loop, one that centres them over the batch is
+    refused."""
+    fn = Centre if mixes else Square
+    x, y = _batch(4)
+    x = x.to(dtype)
+    torch.manual_seed(0)
+    model = Hidden(lambda h: h).to(dtype)
+
+    def per_sample(xs, ys):
+        return F.cross_entropy(model.b(fn.apply(model(xs))), ys, reduction="none")
+
+    with gradhooks.attach(model) as gh:
+        loss = per_sample(x, y).mean()
+        if not losses:
+            loss.backward()
+            with pytest.raises(gradhooks.UnprovenOpError,
+                               match=f"'b' \\(Linear\\) was called outside.*{fn.__name__}"):
+                gh.per_sample_grads()
+            return
+        if mixes:
+            with pytest.raises(gradhooks.SampleMixingError, match="the sample check"):
+                gh.backward(loss)
+                gh.per_sample_grads()
+            return
+        gh.backward(loss)
+        ours = gh.per_sample_grads()
+    assert_close_to_loop(ours, looped_by(model, 4, lambda i: per_sample(x[i:i + 1], y[i:i + 1])
+                                         .mean()), dtype)
 
 
 def test_the_check_leaves_the_random_streams_and_modes_as_they_were():

@@ -38,6 +38,14 @@ from .totals import GradTotal
 __all__ = ["BackwardPass"]
 
 
+#: Why the reads refuse a hooked layer called outside the model's forward on rows the loss walk
+#: cannot follow (:meth:`BackwardPass.outside_call`).
+_UNFOLLOWED = ("{layer} was called outside the model's forward on rows gradhooks cannot follow "
+               "({found}): nothing proves they are the samples' own. A sample check verifies it: "
+               "per-sample losses, shape (B,), through gh.backward(losses.mean()) or "
+               "gh.clipped_backward(losses, max_norm); or call the layer inside the model's forward")
+
+
 class BackwardPass:
     """The backward side of one recorder (``recorder``: the
     :class:`~gradhooks.core.recorder.capture.Recorder`, whose batch state it fills).
@@ -176,11 +184,12 @@ class BackwardPass:
         own from its graph down to the model's outputs and the outputs of earlier such calls
         (:func:`~gradhooks.core.analysis.loss_graph.rows_of`): where it shows them paired,
         mixed or another sample's (``h.flip(0)``, a mixup of rows) the batch's reads are
-        refused (``SampleMixingError``); rows it cannot follow (a tensor whose batch dim the
-        walk lost) are accepted, as before this check. Its outputs then count as boundaries
-        for the loss's walk (:meth:`~gradhooks.core.analysis.loss_graph.ForwardSpans.note_call`).
-        Nothing to prove with one row, where the attachment accepts mixing, or for a forward
-        recomputed in a backward pass (gradient checkpointing)."""
+        refused (``SampleMixingError``); rows it cannot follow (an op the loss rules do not
+        prove) are refused too (``UNCHECKED``) unless the batch's sample check passes (made due
+        here). Its outputs then count as boundaries for the loss's walk
+        (:meth:`~gradhooks.core.analysis.loss_graph.ForwardSpans.note_call`). Nothing to prove
+        with one row, where the attachment accepts mixing, or for a forward recomputed in a
+        backward pass (gradient checkpointing)."""
         recorder = self._recorder
         if torch_internals.current_graph_task_id() != -1:
             return  # (a forward recomputed inside a backward pass: gradient checkpointing)
@@ -188,8 +197,12 @@ class BackwardPass:
         size = x.shape[dim] if x.dim() > dim else 0
         if size > 1 and not getattr(recorder, "allow_sample_mixing", False):
             found = rows_of(x, dim, self.spans, torch.arange(size))
-            if found is not None and found.mixes:  # (rows not followed: as before, accepted)
+            if found is not None and found.mixes:
                 recorder.placement.mixing.loss_graph(found)
+            elif found is not None:  # (rows not followed: a sample check verifies them)
+                recorder.sum_check.changed = True
+                recorder.placement.mixing.batch.append(
+                    (UNCHECKED, _UNFOLLOWED.format(layer=layer.describe(), found=found)))
         self.spans.note_call(layer.rule.output_dims(module, args, output,
                                                     lambda t: dim if t is x else None))
 
