@@ -708,3 +708,75 @@ def test_rows_in_the_samples_order_by_chance_do_not_carry_to_other_batches(form)
         assert gh.recorder.placement.signatures[next(iter(gh.recorder.placement.signatures))] \
             == "mode"
     assert refused == [1, 2], refused
+
+
+class Flagged(torch.autograd.Function):
+    """A custom Function whose forward reads a flag: ``h * h`` per element, or with ``centre``
+    set also centred over the batch (mixing). Its ops run without gradient: the autograd graph
+    holds one node of the same type either way."""
+    centre = False
+
+    @staticmethod
+    def forward(ctx, h):
+        ctx.save_for_backward(h)
+        out = h * h
+        return out - out.mean(0, keepdim=True) if Flagged.centre else out
+
+    @staticmethod
+    def backward(ctx, g):
+        (h,) = ctx.saved_tensors
+        return 2 * h * (g - g.mean(0, keepdim=True) if Flagged.centre else g)
+
+
+def _flagged_block(h):  # (the same, recomputed by a reentrant checkpoint)
+    out = h * h
+    return out - out.mean(0, keepdim=True) if Flagged.centre else out
+
+
+class Hidden(nn.Module):
+    """``b(f(tanh(a(x))))`` with ``f`` the flagged custom Function, or the flagged block under a
+    reentrant ``torch.utils.checkpoint`` (its forward runs without gradient too)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.a, self.b, self.kind = nn.Linear(4, 6), nn.Linear(6, 3), kind
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.kind == "function":
+            h = Flagged.apply(h)
+        else:
+            h = torch.utils.checkpoint.checkpoint(_flagged_block, h, use_reentrant=True)
+        return self.b(h)
+
+
+@pytest.mark.parametrize("kind", ["function", "reentrant-checkpoint"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_ops_run_without_gradient_that_change_on_a_later_forward_are_refused(dtype, kind):
+    """A custom ``autograd.Function`` (or a reentrant checkpoint) whose forward changes what it
+    computes on a later step (a flag read inside it): its ops run without gradient, so the
+    autograd graph's fingerprint does not change. The ops a forward runs without gradient are
+    hashed too (the op and its int / bool arguments, on the forwards of signatures that run
+    such ops), so the change is a new structure, checked alone on its forward: a centring
+    there is refused on that forward under a plain ``loss.backward()`` (it was silently wrong,
+    the limitations page's last 'Not verified' item); the forwards before are exact against
+    the loop."""
+    torch.manual_seed(0)
+    model = Hidden(kind).to(dtype)
+    refused = []
+    try:
+        with gradhooks.attach(model) as gh:
+            for step in range(5):
+                Flagged.centre = step >= 2
+                x, y = _step(model, 4, step, dtype)
+                try:
+                    ours = gh.per_sample_grads()
+                except gradhooks.UnprovenOpError as e:
+                    assert "reproduce" in str(e) or "copied to every row" in str(e), str(e)
+                    refused.append(step)
+                    continue
+                twin = copy.deepcopy(model)
+                assert_close_to_loop(ours, loop_grads(twin, F.cross_entropy, x, y), dtype)
+    finally:
+        Flagged.centre = False
+    assert refused == [2, 3, 4], refused

@@ -32,6 +32,7 @@ from .backward_losses import (
     valid_rows,
 )
 from .batch_dims import Routed, relayout
+from .hidden import HiddenOps, under_compile
 from .loss_graph import ForwardSpans, judge, rows_of
 from .mixing import IN_ORDER, UNCHECKED, Mixing
 from .provenance import (
@@ -50,4 +51,4 @@ __all__ = ["FORWARD_RTOL", "NO_CHECK", "forward_alone", "largest_difference", "s
            "row_counts", "split_of", "target_counts", "valid_rows", "Routed", "Mixing", "ForwardSpans", "judge", "rows_of",
            "Provenance", "as_batch", "input_batch_dim", "meeting_cotangent", "shared_layout",
            "source_cotangent", "UNPROVEN", "UNCHECKED", "IN_ORDER", "TARGETS", "check_token_normalisation",
-           "rows_mean_message"]
+           "rows_mean_message", "HiddenOps", "under_compile"]

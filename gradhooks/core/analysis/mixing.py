@@ -55,6 +55,7 @@ from torch import Tensor
 from ...base.errors import GradHooksError, SampleMixingError, UnprovenOpError
 from ...base.torch_internals import getframe
 from .batch_dims import Routed
+from .hidden import HIDDEN_FILE
 from .indexing import IN_ORDER
 from .loss_graph import judge
 from .separation import UNPROVEN
@@ -233,12 +234,12 @@ _SKIP = (os.path.dirname(torch.__file__) + os.sep,
 
 
 def called_by_gradhooks(mode_file: str) -> bool:
-    """Whether the innermost frame outside torch and ``mode_file`` (the provenance mode's own
-    module) is gradhooks' (its hooks' ops on a batch, run under provenance: not the user's
-    forward)."""
+    """Whether the innermost frame outside torch, ``mode_file`` (the provenance mode's own
+    module) and the :class:`~gradhooks.core.analysis.hidden.HiddenOps` mode inside it is
+    gradhooks' (its hooks' ops on a batch, run under provenance: not the user's forward)."""
     frame = getframe(1)
     while frame is not None and (frame.f_code.co_filename.startswith(_SKIP[0])
-                                 or frame.f_code.co_filename == mode_file):
+                                 or frame.f_code.co_filename in (mode_file, HIDDEN_FILE)):
         frame = frame.f_back
     return frame is not None and frame.f_code.co_filename.startswith(_SKIP[1])
 

@@ -22,7 +22,8 @@ def verify_unproven(placement, prov, call: Optional[tuple]) -> None:
     """At the end of a tracked forward that noted ops no rule proves keep the samples apart
     (:attr:`~gradhooks.core.analysis.provenance.Provenance.unproven`): accept them when the forward
     alone reproduces the batch's rows (:func:`~gradhooks.core.analysis.alone.forward_alone`, once per
-    signature and set of such ops: the placement's ``verified``), else add them to the forward's
+    signature, structure (:attr:`~gradhooks.core.recorder.check_policy.SumCheck.structure`) and
+    set of such ops: the placement's ``verified``), else add them to the forward's
     verdicts, refused at the reads. ``placement``: the
     :class:`~gradhooks.core.recorder.placement.Placement` (duck-typed); ``prov``: the forward's
     :class:`~gradhooks.core.analysis.provenance.Provenance`; ``call``: ``(args, kwargs, output)``
@@ -35,7 +36,8 @@ def verify_unproven(placement, prov, call: Optional[tuple]) -> None:
         if off:
             recorder.backward_pass.spans.off_outputs(off)
             ops = {k: v for k, v in ops.items() if v[2] not in off}
-    verified = placement.verified.setdefault(prov.signature, set())
+    verified = placement.verified.setdefault((prov.signature, recorder.sum_check.structure),
+                                             set())
     if set(ops) <= verified:
         return  # (signatures tracked on every forward, a mixture of experts' routing: once)
     passed, why = False, f"{NO_CHECK}: the model's forward was not seen whole"

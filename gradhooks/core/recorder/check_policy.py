@@ -8,6 +8,7 @@ import torch
 
 from ...base.torch_internals import autograd_nodes_made, graph_ops
 from ...base.utils import rng_states, tensors
+from ..analysis import HiddenOps, under_compile
 
 __all__ = ["SumCheck"]
 
@@ -41,6 +42,14 @@ class SumCheck:
     the forward alone holds for its batch only: :meth:`accept`). A signature that has shown
     more than :attr:`COUNTS` structures (its structure follows the data) is analysed on every
     forward instead. Cost: about 1 µs per autograd node of the forward, a Python step of a graph walk.
+
+    Ops a forward runs without gradient inside a custom ``autograd.Function``'s ``forward`` or
+    a reentrant checkpoint are one node of the graph: the forwards of a signature whose
+    analysed forward ran any are hashed too (their op and plain arguments:
+    :class:`~gradhooks.core.analysis.hidden.HiddenOps`), and that hash joins the fingerprint,
+    so a Function whose forward computes something else on a later step (a flag read inside
+    it) is another structure. Other signatures' planned forwards run without it, and so does a
+    forward under ``torch.compile`` (:func:`~gradhooks.core.analysis.hidden.under_compile`).
     """
 
     #: one read (and one ``backward()``) in this many runs the check whatever the structure;
@@ -67,6 +76,17 @@ class SumCheck:
         #: The random generators' states at the start of the last forward (:func:`rng_states`):
         #: the check of the forward alone reruns it as it ran.
         self.rng: Optional[tuple] = None
+        self._hidden: set = set()  # signatures whose forwards run ops without gradient
+        self._mode: Optional[HiddenOps] = None  # (hashing the forward running now)
+        #: ``(count, fingerprint)`` of the ops the last forward ran without gradient, where
+        #: hashed (:class:`~gradhooks.core.analysis.hidden.HiddenOps`), else ``None``.
+        self.hidden: Optional[tuple] = None
+        #: The last forward's structure: its ops' count and fingerprint (:func:`graph_ops`,
+        #: with :attr:`hidden` where its signature's are hashed), ``None`` where not taken. The
+        #: check of the forward alone is kept per signature and structure: a Function that
+        #: computes something else (its hashed ops; under ``torch.compile`` a graph compiled
+        #: again, whose autograd node is of a new type) is checked again.
+        self.structure: Optional[tuple] = None
         #: This batch has a forward of a structure its signature had not shown: its reads check
         #: (reset with the batch).
         self.changed = False
@@ -112,18 +132,31 @@ class SumCheck:
         grad = torch.is_grad_enabled()
         self._running = (signature, autograd_nodes_made(), analysed) if grad else None
         self.rng = rng_states(inputs) if grad else None
+        if (grad and self._mode is None and (analysed or signature in self._hidden)
+                and not under_compile()):
+            self._mode = HiddenOps()  # (an analysed forward's inside its provenance mode)
+            self._mode.__enter__()
 
     def forward_end(self, completed: bool, output=None) -> bool:
         """That forward returned (``completed``, with ``output``) or raised; returns whether it
         was a planned forward of a structure its signature had not shown (the class docstring):
         then :attr:`changed` is set, the signature's next forward is analysed, and the structure
         is the signature's once the caller verified it (:meth:`accept`)."""
-        running, self._running = self._running, None
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+        self.hidden = None if mode is None else (mode.count, mode.fingerprint)
+        running, self._running, self.structure = self._running, None, None
         if not completed or running is None or not torch.is_grad_enabled():
             return False
         signature, start, analysed = running
         end = autograd_nodes_made()
         ops = graph_ops(tensors(output), (start, end))
+        if analysed and mode is not None and mode.count:
+            self._hidden.add(signature)
+        if signature in self._hidden:
+            ops = (ops, self.hidden)
+        self.structure = ops
         shown = self._ops.setdefault(signature, set())
         if analysed:
             shown.add(ops)

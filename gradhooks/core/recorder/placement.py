@@ -197,7 +197,7 @@ class Placement:
         self.ordinals: Dict[int, int] = {}
         self.pulling = False
         self.mixing = Mixing(recorder)  # (per signature and per batch: ops that mix samples)
-        self.verified: Dict[tuple, set] = {}  # signature -> unproven ops its forward check passed
+        self.verified: Dict[tuple, set] = {}  # (signature, SumCheck.structure) -> ops it passed
         self.reset_batch()
 
     def reset_batch(self) -> None:
@@ -244,8 +244,8 @@ class Placement:
                           self.refuse_shared, self.on_noted, raw, self.param_source)
         prov.signature, prov.depth = key, 1
         self.provenance = prov
-        recorder.sum_check.forward_start(key, True, inputs)
         prov.__enter__()
+        recorder.sum_check.forward_start(key, True, inputs)  # (its hashing mode inside prov's)
 
     def nest(self) -> bool:
         """Whether a forward is tracked now; if so the model's forward was called again from
@@ -283,8 +283,8 @@ class Placement:
         if prov.depth:
             return
         self.provenance = None
-        prov.__exit__(None, None, None)
         self.recorder.sum_check.forward_end(completed, None if call is None else call[2])
+        prov.__exit__(None, None, None)
         if not completed:
             self.refused = {k: v for k, v in self.refused.items() if v[0].forward != forward_id}
             self.unsplit = [u for u in self.unsplit if u[0] != forward_id]
