@@ -27,7 +27,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -36,13 +35,9 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from separation import _timed  # noqa: E402  (one call's wall time, ms)
+
 import scale  # noqa: E402  (benchmarks/scale.py: the real-size builders, batches and losses)
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
 
 
 def measure(batch: int, seq: int, repeats: int, smoke: bool) -> dict:

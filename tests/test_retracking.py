@@ -66,6 +66,26 @@ def _step(model, b, seed, dtype):
     return x, y
 
 
+def _refused_steps(model, switch, b, dtype, error, named):
+    """Five steps of a plain ``loss.backward()`` with ``switch(step)`` before each: the steps
+    whose read raised ``error`` (its message passing ``named``); every other step's per-sample
+    gradients exact against the loop."""
+    refused = []
+    with gradhooks.attach(model) as gh:
+        for step in range(5):
+            switch(step)
+            x, y = _step(model, b, step, dtype)
+            try:
+                ours = gh.per_sample_grads()
+            except error as e:
+                assert named(str(e)), str(e)
+                refused.append(step)
+                continue
+            twin = copy.deepcopy(model)
+            assert_close_to_loop(ours, loop_grads(twin, F.cross_entropy, x, y), dtype)
+    return refused
+
+
 @pytest.mark.parametrize("b", [1, 3], ids=["B1", "B3"])
 @pytest.mark.parametrize("read", ["per_sample_grads", "norms", "clip_and_accumulate"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
@@ -457,19 +477,9 @@ def test_the_same_op_along_the_batch_dim_on_a_planned_forward_is_refused(dtype, 
     later one; the forwards before are exact against the loop."""
     torch.manual_seed(0)
     model = AlongDim(form).to(dtype)
-    refused = []
-    with gradhooks.attach(model) as gh:
-        for step in range(5):
-            model.d = 1 if step < 2 else 0
-            x, y = _step(model, 6, step, dtype)
-            try:
-                ours = gh.per_sample_grads()
-            except gradhooks.SampleMixingError as e:
-                assert "structure is not" in str(e) or "test_retracking.py" in str(e), str(e)
-                refused.append(step)
-                continue
-            twin = copy.deepcopy(model)
-            assert_close_to_loop(ours, loop_grads(twin, F.cross_entropy, x, y), dtype)
+    refused = _refused_steps(model, lambda step: setattr(model, "d", 1 if step < 2 else 0), 6,
+                             dtype, gradhooks.SampleMixingError,
+                             lambda m: "structure is not" in m or "test_retracking.py" in m)
     assert refused == [2, 3, 4], refused
 
 
@@ -600,20 +610,10 @@ def test_a_mixing_branch_taken_only_in_training_mode_is_refused_on_its_forward(d
     planned forward, is refused on that forward under a plain ``loss.backward()`` (an eval-mode
     check would not take it); the forwards before are exact against the loop."""
     model = TrainOnly().to(dtype)
-    refused = []
-    with gradhooks.attach(model) as gh:
-        for step in range(5):
-            model.mix = step >= 2
-            x, y = _step(model, 3, step, dtype)
-            try:
-                ours = gh.per_sample_grads()
-            except gradhooks.SampleMixingError as e:
-                assert ("structure is not" in str(e) and "mixes the samples" in str(e)) or (
-                    "mean" in str(e) and "test_retracking.py" in str(e)), str(e)
-                refused.append(step)
-                continue
-            twin = copy.deepcopy(model)
-            assert_close_to_loop(ours, loop_grads(twin, F.cross_entropy, x, y), dtype)
+    refused = _refused_steps(
+        model, lambda step: setattr(model, "mix", step >= 2), 3, dtype, gradhooks.SampleMixingError,
+        lambda m: ("structure is not" in m and "mixes the samples" in m) or (
+            "mean" in m and "test_retracking.py" in m))
     assert refused == [2, 3, 4], refused
 
 
@@ -763,20 +763,10 @@ def test_ops_run_without_gradient_that_change_on_a_later_forward_are_refused(dty
     the loop."""
     torch.manual_seed(0)
     model = Hidden(kind).to(dtype)
-    refused = []
     try:
-        with gradhooks.attach(model) as gh:
-            for step in range(5):
-                Flagged.centre = step >= 2
-                x, y = _step(model, 4, step, dtype)
-                try:
-                    ours = gh.per_sample_grads()
-                except gradhooks.UnprovenOpError as e:
-                    assert "reproduce" in str(e) or "copied to every row" in str(e), str(e)
-                    refused.append(step)
-                    continue
-                twin = copy.deepcopy(model)
-                assert_close_to_loop(ours, loop_grads(twin, F.cross_entropy, x, y), dtype)
+        refused = _refused_steps(model, lambda step: setattr(Flagged, "centre", step >= 2), 4,
+                                 dtype, gradhooks.UnprovenOpError,
+                                 lambda m: "reproduce" in m or "copied to every row" in m)
     finally:
         Flagged.centre = False
     assert refused == [2, 3, 4], refused
