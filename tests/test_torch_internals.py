@@ -307,3 +307,25 @@ def test_graph_ops_fingerprints_the_dims_an_op_ran_along(op):
     assert run(0) == run(0) and run(1) == run(1)
     if op != "transpose":  # (transpose(1, 0) and transpose(0, 1) are one op)
         assert run(0)[0] == run(1)[0] and run(0)[1] != run(1)[1]
+
+
+def test_graph_ops_dims_never_break_the_walk():
+    """A saved dim argument autograd's binding cannot give (any exception) counts as ``None``,
+    and an unhashable one (a list of lists) by its repr: the fingerprint of a forward is taken
+    whatever an op saved, equal for equal values and different for different ones."""
+    class Node:
+        def __init__(self, nested):
+            self._saved_dims, self.nested = [[0, 1], [2]], nested
+
+        @property
+        def _saved_dim(self):
+            raise ValueError("not convertible")
+
+        @property
+        def _saved_keepdim(self):
+            return [self.nested]
+
+    names = ("_saved_dims", "_saved_dim", "_saved_keepdim")
+    got = ti._dims(Node([1]), names)
+    assert got[1] is None and hash(got) == hash(ti._dims(Node([1]), names))
+    assert ti._dims(Node([1]), names) != ti._dims(Node([2]), names)

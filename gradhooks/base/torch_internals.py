@@ -190,15 +190,20 @@ _DIMS: Dict[type, tuple] = {}
 
 def _dims(node, names: tuple) -> tuple:
     # The saved dim arguments of ``node`` as graph_ops hashes them (a list as a tuple; a tensor,
-    # or one autograd cannot give, as None: not a dim).
+    # or one autograd cannot give, as None: not a dim; anything else unhashable by its repr).
     values = []
     for name in names:
         try:
             value = getattr(node, name)
-        except RuntimeError:
+        except Exception:  # (freed, or a type autograd's binding cannot convert)
             value = None
-        values.append(tuple(value) if isinstance(value, list) else
-                      None if isinstance(value, torch.Tensor) else value)
+        value = (tuple(value) if isinstance(value, list) else
+                 None if isinstance(value, torch.Tensor) else value)
+        try:
+            hash(value)
+        except TypeError:
+            value = repr(value)
+        values.append(value)
     return tuple(values)
 
 
