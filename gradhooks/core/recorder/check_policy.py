@@ -78,14 +78,12 @@ class SumCheck:
         self.rng: Optional[tuple] = None
         self._hidden: set = set()  # signatures whose forwards run ops without gradient
         self._mode: Optional[HiddenOps] = None  # (hashing the forward running now)
-        #: ``(count, fingerprint)`` of the ops the last forward ran without gradient, where
-        #: hashed (:class:`~gradhooks.core.analysis.hidden.HiddenOps`), else ``None``.
-        self.hidden: Optional[tuple] = None
         #: The last forward's structure: its ops' count and fingerprint (:func:`graph_ops`,
-        #: with :attr:`hidden` where its signature's are hashed), ``None`` where not taken. The
-        #: check of the forward alone is kept per signature and structure: a Function that
-        #: computes something else (its hashed ops; under ``torch.compile`` a graph compiled
-        #: again, whose autograd node is of a new type) is checked again.
+        #: with the ``(count, fingerprint)`` of the ops it ran without gradient where its
+        #: signature's are hashed: :class:`~gradhooks.core.analysis.hidden.HiddenOps`), ``None``
+        #: where not taken. The check of the forward alone is kept per signature and structure:
+        #: a Function that computes something else (its hashed ops; under ``torch.compile`` a
+        #: graph compiled again, whose autograd node is of a new type) is checked again.
         self.structure: Optional[tuple] = None
         #: This batch has a forward of a structure its signature had not shown: its reads check
         #: (reset with the batch).
@@ -145,7 +143,6 @@ class SumCheck:
         mode, self._mode = self._mode, None
         if mode is not None:
             mode.__exit__(None, None, None)
-        self.hidden = None if mode is None else (mode.count, mode.fingerprint)
         running, self._running, self.structure = self._running, None, None
         if not completed or running is None or not torch.is_grad_enabled():
             return False
@@ -155,7 +152,7 @@ class SumCheck:
         if analysed and mode is not None and mode.count:
             self._hidden.add(signature)
         if signature in self._hidden:
-            ops = (ops, self.hidden)
+            ops = (ops, None if mode is None else (mode.count, mode.fingerprint))
         self.structure = ops
         shown = self._ops.setdefault(signature, set())
         if analysed:
