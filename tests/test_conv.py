@@ -10,9 +10,10 @@ from gradhooks.rules.conv import ConvRule
 from conftest import check_against_loop
 
 
-@pytest.fixture(params=["conv", "unfold"], autouse=True)
+@pytest.fixture(params=["conv", "unfold", "correlation"], autouse=True)
 def method(request, monkeypatch):
-    """Both exact weight-gradient methods run every case (auto picks one of them per shape)."""
+    """The three exact weight-gradient methods run every case (auto picks one of them per
+    shape)."""
     monkeypatch.setattr(ConvRule, "method", request.param)
     return request.param
 

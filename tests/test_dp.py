@@ -59,6 +59,25 @@ class Bottleneck(nn.Module):
         return self.head(torch.tanh(self.line(x[..., :12])).flatten(1))
 
 
+class Depthwise(nn.Module):
+    """Depthwise convolutions as in ConvNeXt / EfficientNet (7x7 'same', a channel multiplier
+    with stride 2, 1-D with dilation), whose per-sample gradients on the CPU are forward
+    convolutions of the input by grad_output (the "correlation" method), and their weighted
+    sums those contracted with the clipping factors; a 3x3 one by the weight-backward kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.dw7 = nn.Conv2d(3, 3, 7, padding=3)
+        self.mult = nn.Conv2d(3, 6, 5, stride=2, padding=2, groups=3, bias=False)
+        self.line = nn.Conv1d(6, 6, 5, dilation=2, groups=6, padding_mode="reflect", padding=4)
+        self.small = nn.Conv1d(6, 6, 3, groups=6, padding=1)
+        self.head = nn.Linear(6 * 16, 3)
+
+    def forward(self, x):                                        # (B, 3, 8, 8)
+        x = torch.tanh(self.mult(torch.tanh(self.dw7(x))))      # (B, 6, 4, 4)
+        return self.head(torch.tanh(self.small(self.line(x.flatten(2)))).flatten(1))
+
+
 class ClassToken(nn.Module):
     """A ViT's stem in small: a learned class token (raw parameter, expanded to the batch) and a
     position embedding (raw parameter, broadcast) meet the batch; an MLP block; the head reads
@@ -224,6 +243,7 @@ MODELS = {
     "mlp": (lambda: nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)), (5,), True),
     "cnn": (CNN, (2, 9, 9), True),
     "bottleneck": (Bottleneck, (4, 7, 7), True),
+    "depthwise": (Depthwise, (3, 8, 8), True),
     "class_token": (ClassToken, (4, 3), True),
     "seq": (lambda: nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
                                   nn.Linear(16, 2)), (4, 6), True),
