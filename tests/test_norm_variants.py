@@ -229,6 +229,8 @@ NORM_CLASSES = {  # class -> (module path, constructor args, expected precision,
     "Mamba2RMSNorm": ("mamba2", (8,), "float32", "weight"),
     "MambaRMSNormGated": ("mamba2", (8, 4), None, GatedRMSNormRule),
 }
+#: the same class under its later name (transformers 5.25 renamed ``MambaRMSNormGated``)
+RENAMED = {"MambaRMSNormGated": "Mamba2RMSNormGated"}
 
 
 @pytest.mark.parametrize("name", list(NORM_CLASSES))
@@ -236,7 +238,8 @@ def test_transformers_norm_class_gets_its_variant(name):
     import importlib
     transformers_lib()
     where, args, precision, variant = NORM_CLASSES[name]
-    cls = getattr(importlib.import_module(f"transformers.models.{where}.modeling_{where}"), name)
+    module = importlib.import_module(f"transformers.models.{where}.modeling_{where}")
+    cls = getattr(module, name, None) or getattr(module, RENAMED[name])
     norm = cls(*args)
     with torch.no_grad():
         norm.weight.uniform_(-1.0, 2.0)  # (not the ones / zeros they start from)
