@@ -9,7 +9,9 @@ keeps the samples apart (:mod:`gradhooks.core.analysis.separation`), the placeme
 :func:`forward_alone` once on the first forward of that input signature: the model on samples
 ``0`` and ``B - 1`` alone (their inputs sliced from what the model's forward received), whose
 outputs must reproduce those rows of the batched output to rounding
-(:data:`FORWARD_RTOL`, relative to the largest entry of each output). The check runs under
+(:data:`FORWARD_RTOL` of the output's dtype, or of the least precise floating dtype an op of
+the check's runs returned where that is coarser: a float32 router inside a float64 model rounds
+as float32; relative to the largest entry of each output). The check runs under
 ``torch.no_grad()`` with the hooks paused. A model in training mode is checked in training mode,
 against the batched output as it ran, where that forward is deterministic (sample 0 run twice
 with two seeds agrees) and no module keeps running statistics (a batch norm, which a forward in
@@ -172,7 +174,8 @@ def forward_alone(model: nn.Module, args: tuple, kwargs: dict, output, size: int
                                   *(t for m, _ in modes for t in _tensors(list(vars(m).values()))))})
     with state_kept(model):  # (modes, tensors kept for the loss: aux losses, caches; buffers)
         with made:
-            passed, why = _checked(model, args, kwargs, output, outs, size, layout, rng, modes)
+            passed, why = _checked(model, args, kwargs, output, outs, size, layout, rng, modes,
+                                   made.dtypes)
     if any(r() is not None for r in made.refs):
         return False, KEPT
     return passed, why
@@ -180,18 +183,22 @@ def forward_alone(model: nn.Module, args: tuple, kwargs: dict, output, size: int
 
 class _Made(TorchFunctionMode):
     """Weak references to the tensors torch's ops return while it is active, less those in
-    ``known`` (ids of tensors that existed before: an in-place op returns its input)."""
+    ``known`` (ids of tensors that existed before: an in-place op returns its input); and the
+    floating dtypes of those results (:attr:`dtypes`)."""
 
     def __init__(self, known: set):
         super().__init__()
-        self.known, self.refs = known, []
+        self.known, self.refs, self.dtypes = known, [], set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         given = {id(t) for t in _tensors(list(args)) + _tensors(kwargs)}  # (x.to(), in place)
-        self.refs.extend(weakref.ref(t) for t in _tensors(out)
-                         if id(t) not in self.known and id(t) not in given)
+        for t in _tensors(out):
+            if t.is_floating_point():
+                self.dtypes.add(t.dtype)
+            if id(t) not in self.known and id(t) not in given:
+                self.refs.append(weakref.ref(t))
         return out
 
 
@@ -204,12 +211,12 @@ KEPT = ("the model's forward kept tensors of gradhooks' own runs of it (the chec
 
 
 def _checked(model: nn.Module, args: tuple, kwargs: dict, output, outs: list, size: int,
-             layout: int, rng: Optional[tuple], modes: list) -> Tuple[bool, str]:
+             layout: int, rng: Optional[tuple], modes: list, seen: set) -> Tuple[bool, str]:
     # forward_alone's checks, without gradient and with gradhooks' hooks paused, the caller's
     # random streams left as they were (its next dropout masks too).
     training = model.training
     cuda = sorted({t.device.index or 0 for t in _tensors(output) if t.is_cuda})
-    batch = (model, args, kwargs, _tensors(output), outs, size, layout)
+    batch = (model, args, kwargs, _tensors(output), outs, size, layout, seen)
     try:
         with torch.no_grad(), paused(), torch.random.fork_rng(devices=cuda):
             as_ran = training and _deterministic(model, args, kwargs, size, layout)
@@ -232,10 +239,11 @@ _RANDOM = f"{NO_CHECK}: the forward draws random numbers even in eval mode"
 
 
 def _differs(batched: List[Tensor], again: List[Tensor], outs: list, n: Optional[int],
-             whole: bool) -> str:
+             whole: bool, seen: set) -> str:
     # The first output whose rows of sample n (all rows: n None) differ between the batch's
     # run and another (of the whole batch: ``whole``, else of sample n alone) beyond
-    # FORWARD_RTOL, as "output i (max difference, largest entry)"; "" if none.
+    # FORWARD_RTOL of its dtype or of the coarsest floating dtype ``seen`` in the runs' ops,
+    # as "output i (max difference, largest entry)"; "" if none.
     for i, d in outs:
         ours, one = batched[i], again[i]
         if n is not None:
@@ -245,13 +253,14 @@ def _differs(batched: List[Tensor], again: List[Tensor], outs: list, n: Optional
         if ours.shape != one.shape:
             return f"output {i} of shape {tuple(one.shape)}, not {tuple(ours.shape)}"
         diff, scale = largest_difference(ours, one)
-        if not diff <= FORWARD_RTOL.get(ours.dtype, 1e-3) * scale + 1e-30:
+        rtol = max(FORWARD_RTOL.get(dt, 1e-3) for dt in {ours.dtype, *seen})
+        if not diff <= rtol * scale + 1e-30:
             return f"output {i} (max difference {diff:.3g}, largest entry {scale:.3g})"
     return ""
 
 
 def _alone(model: nn.Module, args: tuple, kwargs: dict, output: List[Tensor], outs: list,
-           size: int, layout: int, training: bool, as_ran: bool) -> str:
+           size: int, layout: int, seen: set, training: bool, as_ran: bool) -> str:
     # Samples 0 and size - 1 run alone against their rows of the batch (output as it ran, or
     # the batch rerun in eval mode); "" where they agree, else why not.
     batched = _tensors(model(*args, **kwargs)) if training and not as_ran else output
@@ -266,7 +275,7 @@ def _alone(model: nn.Module, args: tuple, kwargs: dict, output: List[Tensor], ou
             return _RANDOM
         if len(alone) != len(batched):
             return f"{NO_CHECK}: the model returns another structure for one sample"
-        found = _differs(batched, alone, outs, n, False)
+        found = _differs(batched, alone, outs, n, False, seen)
         if found:
             return (f"sample {n} run alone does not reproduce its rows of the batched {found}: "
                     "the forward mixes the samples")
@@ -274,7 +283,8 @@ def _alone(model: nn.Module, args: tuple, kwargs: dict, output: List[Tensor], ou
 
 
 def _copies_as_ran(model: nn.Module, args: tuple, kwargs: dict, output: List[Tensor],
-                   outs: list, size: int, layout: int, rng: tuple) -> Tuple[bool, str]:
+                   outs: list, size: int, layout: int, seen: set, rng: tuple
+                   ) -> Tuple[bool, str]:
     # The forward as it ran (its modes, torch's random generators put back to their states at
     # its start): rerun on the batch it must reproduce ``output`` (else its random numbers come
     # from elsewhere: no check), and on sample n's inputs copied to every row (n = 0, size - 1)
@@ -291,7 +301,7 @@ def _copies_as_ran(model: nn.Module, args: tuple, kwargs: dict, output: List[Ten
         set_rng_states(rng)
         again = _tensors(model(*a, **k))
         found = ("another structure" if len(again) != len(output) else
-                 _differs(output, again, outs, n, True))
+                 _differs(output, again, outs, n, True, seen))
         if found and n is None:
             return False, (f"{NO_CHECK}: the forward rerun with torch's random generators "
                            f"put back as they were at its start does not reproduce its "
