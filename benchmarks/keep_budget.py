@@ -1,9 +1,12 @@
 """Book-keeping clipping with and without keeping the materialised per-sample gradients for the
 clipped sum (``gradhooks.readers.plan.KEEP_OF_RECORDS``; issue 39, convolutions), alternated in
 one process on one model: plain training, book-keeping with the default budget, and with none
-(every clipped sum of a materialised weight formed again from the records).
+(every clipped sum of a materialised weight formed again from the records). ``--two-pass``:
+two-pass clipping (``gh.clipped_backward``) instead, whose first pass keeps them and whose
+second pass then leaves those parameters out, against keeping none (the whole second backward).
 
     python benchmarks/keep_budget.py [--model resnet50] [--batch 16] [--repeats 5] [--smoke]
+    python benchmarks/keep_budget.py --two-pass --model convnext-t
 
 Prints medians (ms), the ratio of each to plain training and what each keeps (MB). Time only;
 peak memory: ``benchmarks/scale.py --models resnet50 --methods bookkeeping``.
@@ -34,6 +37,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--two-pass", action="store_true",
+                   help="two-pass clipping (clipped_backward) instead of book-keeping")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     spec = scale.MODELS[args.model]
@@ -45,26 +50,31 @@ def main(argv=None) -> int:
     kept_mb = {}
     offer = plan_module.Forms.offer
 
-    def spy(self, pid, t):
+    def spy(self, pid, t):  # (two-pass: one Forms per group of records)
         offer(self, pid, t)
-        spy.bytes = sum(v.numel() * v.element_size() for v in self.kept.values())
+        if self.kept.get(pid) is t:
+            spy.bytes += t.numel() * t.element_size()
     plan_module.Forms.offer = spy
 
     def plain():
         with gh.recorder.suspended():
             case.loss(model(case.x)).backward()
 
-    def bookkeeping(keep):
+    def clipping(keep):
         def run():
             plan_module.KEEP_OF_RECORDS = keep
             spy.bytes = 0
-            gh.backward(case.loss(model(case.x)))
-            gh.clip_and_accumulate(case.clip_norm)
+            if args.two_pass:
+                gh.clipped_backward(scale.per_sample_loss(model(case.x), case.y), case.clip_norm)
+            else:
+                gh.backward(case.loss(model(case.x)))
+                gh.clip_and_accumulate(case.clip_norm)
             kept_mb[keep] = spy.bytes / 2**20
         return run
 
-    budgets = {f"book-keeping, keep {default:g}": default, "book-keeping, keep 0": 0.0}
-    variants = {"plain": plain, **{k: bookkeeping(v) for k, v in budgets.items()}}
+    name = "two-pass" if args.two_pass else "book-keeping"
+    budgets = {f"{name}, keep {default:g}": default, f"{name}, keep 0": 0.0}
+    variants = {"plain": plain, **{k: clipping(v) for k, v in budgets.items()}}
     times = {k: [] for k in variants}
     for rep in range(args.repeats + 1):
         keys = list(variants)

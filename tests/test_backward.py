@@ -326,6 +326,46 @@ def test_clipped_backward_streams_the_norms(monkeypatch):
     assert seen == [(1, 1), (1, 1), (1, 1)]
 
 
+def test_clipped_backward_keeps_small_per_sample_gradients(monkeypatch):
+    """On a streamed step the first pass keeps the per-sample gradients it materialised for
+    the norms where they are small next to their records (depthwise convolutions: large S,
+    small weights), and the second pass asks autograd for the other parameters only; the
+    result is the loop's clipped sum (test_clipped_backward_matches_loop: every model)."""
+    from gradhooks.readers.dp import clipped_backward as clipping
+
+    kept, asked = [], []
+    real_first = clipping._first_pass
+    real_backward = torch.Tensor.backward
+
+    def first(*args):
+        sq, k = real_first(*args)
+        kept.append(set(k))
+        return sq, k
+
+    def backward(self, *args, inputs=None, **kwargs):
+        asked.append(None if inputs is None else {id(p) for p in inputs})
+        return real_backward(self, *args, inputs=inputs, **kwargs)
+
+    monkeypatch.setattr(clipping, "_first_pass", first)
+    monkeypatch.setattr(torch.Tensor, "backward", backward)
+    model = nn.Sequential(nn.Conv2d(3, 3, 5, padding=2, groups=3), nn.Tanh(),
+                          nn.Conv2d(3, 6, 7, stride=2, padding=3, groups=3), nn.Tanh(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 2)).double()
+    x, w = torch.randn(5, 3, 24, 24, dtype=torch.float64), torch.rand(5, dtype=torch.float64)
+    ref = loop_grads(model, weighted_square_loss("sum", 0), x, w, 0)
+    max_norm = float(_ref_norms(ref).median())
+    expected, scales, _ = _ref_clipped(ref, max_norm, "sum", 5)
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        for _ in range(STEPS):
+            kept.clear(), asked.clear()
+            gh.clipped_backward(_per_sample_losses(model(x), w, 0), max_norm)
+            assert_clipped_grads(model, expected, scales, torch.float64)
+    depthwise = {id(model[0].weight), id(model[2].weight)}
+    assert depthwise <= kept[-1]  # (the last step streamed)
+    everything = {id(p) for p in model.parameters()}
+    assert asked[-1] == everything - kept[-1] and asked[-1]  # (the head's weight is not kept)
+
+
 def test_clipped_backward_streams_beside_a_class_token(monkeypatch):
     """A raw parameter meeting the batch (a ViT's class token and position embedding) no longer
     stops the streaming: the groups without it are reduced, and their grad_outputs dropped,
@@ -363,9 +403,9 @@ def test_clipped_backward_refuses_an_unknown_record_of_a_reduced_parameter(monke
 
     real_init = clipping._NormStream.__init__
 
-    def hide_one(self, recorder, caps, events):
+    def hide_one(self, recorder, caps, events, keep):
         inner = [c for c in caps if c.layer.module is model.inner]
-        real_init(self, recorder, [c for c in caps if c is not inner[0]], events)
+        real_init(self, recorder, [c for c in caps if c is not inner[0]], events, keep)
 
     model = Twice().double()
     x, w = torch.randn(4, 4, dtype=torch.float64), torch.rand(4, dtype=torch.float64)

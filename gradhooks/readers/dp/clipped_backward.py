@@ -6,14 +6,15 @@ activations and grad_outputs until all norms are known. From per-sample losses, 
 (no weight gradients, graph retained) forms each group of records' norms as soon as its
 grad_outputs are in and drops them (:class:`_NormStream`); a second, ordinary backward of
 ``sum_n c_n loss_n / D`` then gives the clipped sum through autograd's own weight-gradient
-kernels. One more backward pass, but no grad_output outlives its layer.
+kernels (less the parameters whose small per-sample gradients the first pass kept:
+:attr:`_NormStream.kept`). One more backward pass, but no grad_output outlives its layer.
 
 Index conventions: ``n`` sample (``B`` of this process's batch), ``c_n`` the clipping factor.
 How the ranks of a multi-process run combine (the divisor, the noise): :mod:`gradhooks.readers.distributed`.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -23,7 +24,7 @@ from ...base.utils import no_autocast, own_loss_scale
 from ...core.recorder.capture import Recorder
 from ..distributed import Ranks
 from ..loss_reduction import check_per_sample_losses, loss_scale_of
-from ..plan import Forms, add_up, plan, squared_norms
+from ..plan import Forms, add_up, keep_budget, plan, squared_norms
 from ..sample_check import SampleCheck
 from ..verify import Evidence
 from .accumulation import Accumulation
@@ -67,10 +68,18 @@ class _NormStream:
     ViT's class token and position embedding), whose parts come from the hooks where it met the
     batch and whose calls the events do not count, is reduced at the end (:meth:`finish`); the
     other groups stream as before.
+
+    With ``keep``, each group keeps the per-sample gradients it materialised for its norms
+    (:class:`~gradhooks.readers.plan.Forms`' ``keep``) up to
+    :func:`~gradhooks.readers.plan.keep_budget` of its own records, in :attr:`kept`
+    (``{id(param): (N, *param.shape)}``, ``S`` times the gradients): the large-``S`` layers
+    with small weights (a depthwise convolution, a stem), whose weight-backward the second pass
+    then skips.
     """
 
-    def __init__(self, recorder: Recorder, caps: list, events: Dict[int, int]):
+    def __init__(self, recorder: Recorder, caps: list, events: Dict[int, int], keep: bool):
         self.recorder, self.events, self.hits = recorder, events, {}
+        self.keep, self.kept = keep, {}
         parent = {id(c): id(c) for c in caps}
 
         def root(x: int) -> int:
@@ -115,9 +124,11 @@ class _NormStream:
             batch = self.recorder.snapshot("clipped_backward()", records=reached)
             plans, units = plan(batch)
             evidence = Evidence(batch)
-            sq = squared_norms(batch, plans, units, Forms(batch, plans), evidence)
+            forms = Forms(batch, plans, keep=keep_budget(batch) if self.keep else 0)
+            sq = squared_norms(batch, plans, units, forms, evidence)
             evidence.judge()
             self.sq = add_up([self.sq, *sq.values()])
+            self.kept.update(forms.kept)
         for cap in group:
             cap.release()
 
@@ -165,7 +176,14 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *,
     :func:`gradhooks.readers.norms.per_sample_grad_norms`) and its records dropped. Then
     ``c_n = min(1, C / ||g_n||)``, and a second, ordinary backward of
     ``sum_n c_n losses[n] / D`` writes the clipped sum into ``param.grad`` (autograd's
-    weight-gradient kernels, no per-sample tensor, no records kept). Book-keeping
+    weight-gradient kernels, no records kept). In one process without ``sample_ids``, the
+    per-sample gradients the first pass materialised for its norms are kept where they are
+    small next to their layer's records (at most
+    :data:`~gradhooks.readers.plan.KEEP_OF_RECORDS` of their inputs' bytes: a depthwise
+    convolution, a stem, biases and norms), their clipped sum is ``sum_n c_n g_n / D`` from
+    them, and the second pass asks autograd for the other parameters only (``inputs=``), so
+    their weight-backward, torch's slowest kernels on the CPU for depthwise convolutions
+    (ConvNeXt-T, EfficientNet), runs once less. Book-keeping
     (:func:`~gradhooks.readers.dp.clipping.clip_and_accumulate` after a backward) instead keeps every
     layer's activations and grad_outputs until the norms are known and needs no per-sample
     losses; this costs one more backward pass but keeps only what plain training keeps
@@ -277,8 +295,11 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *,
     # (the first pass's root is total: the losses times S where the scaler is declared)
     check = SampleCheck.before(recorder, losses, None if scaler is None else
                                torch.full_like(losses, scale), batch)
+    # (one process, no sample_ids: the second pass may leave kept parameters out; DDP's and
+    # FSDP's reductions expect every parameter's gradient from it)
+    keep = ranks is None and recorder.reads.groups("clipped_backward()") is None
     with no_autocast():
-        sq = _first_pass(recorder, ranks, total, trainable)
+        sq, kept = _first_pass(recorder, ranks, total, trainable, keep)
     if check is not None:
         check.judge_norms(sq)
     norms = sq.sqrt_().div_(scale)
@@ -291,8 +312,16 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *,
         # DDP and FSDP average the ranks' gradients: weigh by world / global D
         divisor = ranks.global_divisor(recorder.loss_reduction, batch) / ranks.size
     second = (losses * (factors / divisor).to(losses.dtype)).sum()
+    rest = [p for _, p in trainable if id(p) not in kept]
     with recorder.muted():
-        (second if scaler is None else scaler.scale(second)).backward()
+        if not kept:
+            (second if scaler is None else scaler.scale(second)).backward()
+        elif rest:  # (autograd skips the kept parameters' weight-backward)
+            (second if scaler is None else scaler.scale(second)).backward(inputs=rest)
+    for _, p in trainable:  # S sum_n c_n g_n / D from the kept S g_n
+        t = kept.get(id(p))
+        if t is not None:
+            p.grad = torch.tensordot((factors / divisor).to(t.dtype), t, 1).to(p.dtype)
     if accumulate:
         # .grad: S times the clipped sum (under DDP the ranks' mean: finish_step's all-reduce
         # sums the ranks' accumulators)
@@ -311,10 +340,13 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *,
     return norms
 
 
-def _first_pass(recorder: Recorder, ranks: Optional[Ranks], total: Tensor, trainable) -> Tensor:
+def _first_pass(recorder: Recorder, ranks: Optional[Ranks], total: Tensor, trainable,
+                keep: bool) -> Tuple[Tensor, Dict[int, Tensor]]:
     """The first pass of :func:`clipped_backward`: a backward of ``total`` (``S sum_n l_n``,
     graph retained, no weight gradients) and the ``(B,)`` per-sample squared norms of ``S``
-    times the gradients, each record's formed as soon as it can be and dropped.
+    times the gradients, each record's formed as soon as it can be and dropped; and (``keep``:
+    :attr:`_NormStream.kept`) the per-sample gradients kept for the clipped sum, ``S`` times
+    the gradients (``{}`` where the pass did not stream).
 
     Raises:
         NoBackwardError, GradientMismatchError: as :func:`gradhooks.readers.norms.per_sample_grad_norms`.
@@ -323,7 +355,7 @@ def _first_pass(recorder: Recorder, ranks: Optional[Ranks], total: Tensor, train
     streams: list = []
 
     def stream(caps, events):
-        streams.append(_NormStream(recorder, caps, events))
+        streams.append(_NormStream(recorder, caps, events, keep))
         return streams[0]
 
     if ranks is not None and ranks.sharded:
@@ -337,18 +369,18 @@ def _first_pass(recorder: Recorder, ranks: Optional[Ranks], total: Tensor, train
             torch.autograd.grad(total, _graph_leaves(total.grad_fn), retain_graph=True,
                                 allow_unused=True)
         if batch:
-            return _kept_records_norms(recorder)
-        return empty_norms(trainable)
+            return _kept_records_norms(recorder), {}
+        return empty_norms(trainable), {}
     if batch == 0:  # DDP: an empty local batch joins the ranks' collectives of the second pass
-        return empty_norms(trainable)
+        return empty_norms(trainable), {}
     if recorder.drive(total, None, True, stream) and streams:
         sq = streams[0].finish()
         if sq is None:
             recorder.snapshot("clipped_backward()")  # raises NoBackwardError
-        return sq
+        return sq, streams[0].kept
     # the sum check is due (the pass computed the parameter gradients: no stream): records
     # kept, then reduced
-    return _kept_records_norms(recorder)
+    return _kept_records_norms(recorder), {}
 
 
 def _kept_records_norms(recorder: Recorder) -> Tensor:
