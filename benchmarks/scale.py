@@ -41,7 +41,8 @@ clipped). Methods that materialise ``B x P`` per-sample gradients (``grads``, ``
 ``--per-sample-gb`` (default a quarter of the machine's memory); elsewhere the table says
 ``too big``.
 
-Timing: the methods alternated in a round robin whose start rotates with the repetition, after
+Timing: the methods alternated in a round robin whose start rotates with the repetition and whose
+direction alternates (a method does not always follow the same one), after
 ``--warmup`` untimed calls each, medians (``peers.time_case``'s scheme, with one shared model
 instead of a copy per method: real-size models do not fit eight times). Peak memory: each
 method in a fresh process (``--memory-child``), peak RSS of one step above a pre-warmed baseline
@@ -587,7 +588,8 @@ def timed_ms(device: torch.device, fn: Callable[[], None]) -> float:
 def time_methods(case: ScaleCase, methods: Dict[str, peers.Method], repeats: int, warmup: int,
                  tick: Callable[[str], None]) -> Dict[str, dict]:
     """``peers.time_case``'s scheme on one shared model: ``warmup`` untimed calls per method,
-    then ``repeats`` round robins whose start rotates; ``{key: {status, median_ms, times_ms,
+    then ``repeats`` round robins whose start rotates and whose direction alternates;
+    ``{key: {status, median_ms, times_ms,
     ratio}}``. A method that raises is reported and dropped."""
     records: Dict[str, dict] = {}
     for key, m in list(methods.items()):
@@ -605,8 +607,11 @@ def time_methods(case: ScaleCase, methods: Dict[str, peers.Method], repeats: int
             del methods[key]
     active = list(methods)
     for rep in range(repeats):
-        for i in range(len(active)):
-            key = active[(rep + i) % len(active)]
+        # (the start rotates, and odd rounds run backwards: a method does not always follow the
+        # same one, which pays for the pages a lighter step before it returned to the system)
+        order = active if rep % 2 == 0 else active[::-1]
+        for i in range(len(order)):
+            key = order[(rep + i) % len(order)]
             if key not in methods:
                 continue
             m = methods[key]
