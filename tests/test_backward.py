@@ -355,14 +355,17 @@ def test_clipped_backward_keeps_small_per_sample_gradients(monkeypatch):
     ref = loop_grads(model, weighted_square_loss("sum", 0), x, w, 0)
     max_norm = float(_ref_norms(ref).median())
     expected, scales, _ = _ref_clipped(ref, max_norm, "sum", 5)
+    x.requires_grad_()  # (a leaf that is no parameter: the second pass still gives its grad)
     with gradhooks.attach(model, loss_reduction="sum") as gh:
         for _ in range(STEPS):
             kept.clear(), asked.clear()
+            x.grad = None
             gh.clipped_backward(_per_sample_losses(model(x), w, 0), max_norm)
             assert_clipped_grads(model, expected, scales, torch.float64)
+            assert x.grad is not None
     depthwise = {id(model[0].weight), id(model[2].weight)}
     assert depthwise <= kept[-1]  # (the last step streamed)
-    everything = {id(p) for p in model.parameters()}
+    everything = {id(p) for p in model.parameters()} | {id(x)}
     assert asked[-1] == everything - kept[-1] and asked[-1]  # (the head's weight is not kept)
 
 

@@ -312,7 +312,9 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *,
         # DDP and FSDP average the ranks' gradients: weigh by world / global D
         divisor = ranks.global_divisor(recorder.loss_reduction, batch) / ranks.size
     second = (losses * (factors / divisor).to(losses.dtype)).sum()
-    rest = [p for _, p in trainable if id(p) not in kept]
+    # (every other leaf of the graph, not the trainable parameters only: an input that
+    # requires grad gets its gradient from the second pass as without kept parameters)
+    rest = [t for t in _graph_leaves(second.grad_fn) if id(t) not in kept] if kept else []
     with recorder.muted():
         if not kept:
             (second if scaler is None else scaler.scale(second)).backward()
