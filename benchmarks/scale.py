@@ -590,9 +590,11 @@ def timed_ms(device: torch.device, fn: Callable[[], None]) -> float:
 
 
 def time_methods(case: ScaleCase, methods: Dict[str, peers.Method], repeats: int, warmup: int,
-                 tick: Callable[[str], None]) -> Dict[str, dict]:
+                 tick: Callable[[str], None], settle: int = 0) -> Dict[str, dict]:
     """``peers.time_case``'s scheme on one shared model: ``warmup`` untimed calls per method,
-    then ``repeats`` round robins whose start rotates and whose direction alternates;
+    then ``repeats`` round robins whose start rotates and whose direction alternates, each
+    timed call right after ``settle`` untimed ones of the same method (its steady state: a step
+    that follows a lighter one pays for the pages that one returned to the system);
     ``{key: {status, median_ms, times_ms,
     ratio}}``. A method that raises is reported and dropped."""
     records: Dict[str, dict] = {}
@@ -623,6 +625,9 @@ def time_methods(case: ScaleCase, methods: Dict[str, peers.Method], repeats: int
             try:
                 m.release()
                 with _hooks_for(m, case):
+                    for _ in range(settle):
+                        m.run()
+                        m.release()
                     gc.disable()
                     records[key]["times_ms"].append(timed_ms(case.device, m.run))
                     gc.enable()
@@ -759,7 +764,7 @@ def run_case(spec: Spec, batch: int, seq: Optional[int], args, keys: Sequence[st
                 methods.pop(key).close()
     else:
         rec["check_skipped"] = runnable("grads", case, args.per_sample_gb)
-    rec["time"].update(time_methods(case, methods, args.repeats, args.warmup, tick))
+    rec["time"].update(time_methods(case, methods, args.repeats, args.warmup, tick, args.settle))
     if case.device.type == "cuda" and not args.no_memory:
         rec["memory"] = cuda_memory(case, methods, tick)
     for m in methods.values():
@@ -843,6 +848,7 @@ def markdown(report: dict) -> str:
              f"{meta['date']}, gradhooks {meta['git']}, torch {meta['torch']}, transformers "
              f"{meta['transformers']}, opacus {meta['opacus']}, {where}, medians of "
              f"{meta['repeats']} interleaved repeats after {meta['warmup']} warm-up call(s)"
+             f"{', each timed call after %d untimed one(s) of its method' % meta['settle'] if meta.get('settle') else ''}"
              f"{', SMOKE (tiny widths)' if meta['smoke'] else ''}. "
              "float32 (a case marked bf16 runs every forward under torch.autocast(bfloat16); the "
              "backward and gradhooks' reads outside it), random weights, training mode with "
@@ -1130,6 +1136,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, from {','.join(METHODS)} (plain is always added)")
     p.add_argument("--repeats", type=peers._positive, default=None,
                    help="timed round robins (default 5; 1 with --smoke)")
+    p.add_argument("--settle", type=int, default=None,
+                   help="untimed calls of a method right before each of its timed ones (its "
+                        "steady state: on the CPU a step after a lighter one pays for the pages "
+                        "that one returned to the system); default 1 on the CPU, 0 on CUDA "
+                        "(the caching allocator keeps its memory)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls per method (default 1)")
     p.add_argument("--threads", type=peers._positive, default=2,
                    help="torch.set_num_threads (default 2)")
@@ -1198,6 +1209,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.out = args.out or os.path.join(HERE, "results", "gpu.md")
         args.json = args.json or os.path.join(HERE, "results", "gpu.json")
     device = torch.device(args.device)
+    if args.settle is None:
+        args.settle = 0 if device.type == "cuda" else 1
     if device.type == "cuda" and not torch.cuda.is_available():
         print("--device cuda: torch.cuda.is_available() is False (this torch is "
               f"{torch.__version__}; a CUDA build and a GPU are needed)", file=sys.stderr)
@@ -1245,6 +1258,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "opacus": opacus.__version__, "python": platform.python_version(),
             "device_name": peers._device_name(device),
             "threads": torch.get_num_threads(), "repeats": args.repeats, "warmup": args.warmup,
+            "settle": args.settle,
             "smoke": args.smoke, "per_sample_gb": args.per_sample_gb, "methods": keys,
             "command": "python benchmarks/scale.py " + " ".join(sys.argv[1:] if argv is None
                                                                 else argv)}
