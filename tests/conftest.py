@@ -136,6 +136,44 @@ def check_against_loop(model, x, y, *, loss_reduction, dtype, batch_first=True, 
     return ours
 
 
+def check_against_loop_or_empty(model, x, w, *, loss_reduction, dtype):
+    """:func:`check_against_loop` with :func:`weighted_square_loss`; for an empty batch (no
+    loop to compare with) the per-sample gradients must be empty, of the right shapes."""
+    if x.shape[0]:
+        check_against_loop(model, x, w, loss_reduction=loss_reduction, dtype=dtype)
+        return
+    model = model.to(dtype)
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        weighted_square_loss("sum")(model(x.to(dtype)), w.to(dtype)).backward()
+        out = gh.per_sample_grads()
+    assert {n: t.shape for n, t in out.items()} == {
+        n: (0, *p.shape) for n, p in model.named_parameters()}
+
+
+def check_weighted_sum(rule, make, x_shape, batch, dtype):
+    """``rule.weighted_sum`` (``sum_n c_n dW_n``) of the module ``make()`` on a random input
+    ``(batch, *x_shape)`` and grad_output against the weighted sum of the looped per-sample
+    gradients in float64, to ``RTOL[dtype]`` of its largest entry; an empty batch gives zeros."""
+    model = make().to(dtype)
+    x = torch.randn(batch, *x_shape, dtype=dtype)
+    g = torch.randn_like(model(x))
+    c = torch.rand(batch, dtype=dtype) + 0.1
+    names = [n for n, _ in model.named_parameters()]
+    got = rule.weighted_sum(model, x, g, c, True, names)
+    assert got["weight"].shape == model.weight.shape and got["weight"].dtype == dtype
+    if batch == 0:
+        assert all(t.abs().max() == 0 for t in got.values() if t.numel())
+        return
+    # looped reference: the gradient of sum(y_n * g_n) for sample n alone, in float64
+    ref_model = make().double()
+    ref_model.load_state_dict(model.state_dict())
+    ref = loop_grads(ref_model, lambda out, gg: (out * gg).sum(), x.double(), g.double())
+    for n in names:
+        expected = torch.tensordot(c.double(), ref[n], 1)
+        diff = (got[n].double() - expected).abs().max()
+        assert diff <= RTOL[dtype] * expected.abs().max(), f"{n}: {diff:.3e}"
+
+
 @pytest.fixture(params=[torch.float64, torch.float32], ids=["f64", "f32"])
 def dtype(request):
     return request.param

@@ -6,11 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-import gradhooks
 from gradhooks.rules import conv
 from gradhooks.rules.conv import ConvRule, auto_method, depthwise
 
-from conftest import RTOL, check_against_loop, loop_grads, weighted_square_loss
+from conftest import check_against_loop_or_empty, check_weighted_sum
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 
@@ -73,16 +72,8 @@ def test_depthwise_auto_takes_the_correlation(config, batch, loss_reduction, dty
     monkeypatch.setattr(ConvRule, "method", "auto")
     dims, kwargs, size = config
     x = torch.randn(batch, kwargs["in_channels"], *size)
-    w = torch.rand(batch) + 0.5
-    if batch == 0:  # (no loop to compare with: the result is empty, of the right shapes)
-        model = _model(dims, kwargs).to(dtype)
-        with gradhooks.attach(model, loss_reduction="sum") as gh:
-            weighted_square_loss("sum")(model(x.to(dtype)), w.to(dtype)).backward()
-            out = gh.per_sample_grads()
-        assert {n: t.shape for n, t in out.items()} == {
-            n: (0, *p.shape) for n, p in model.named_parameters()}
-        return
-    check_against_loop(_model(dims, kwargs), x, w, loss_reduction=loss_reduction, dtype=dtype)
+    check_against_loop_or_empty(_model(dims, kwargs), x, torch.rand(batch) + 0.5,
+                                loss_reduction=loss_reduction, dtype=dtype)
 
 
 @pytest.mark.parametrize("batch", [0, 1, 4], ids=["B0", "B1", "B4"])
@@ -92,20 +83,5 @@ def test_depthwise_weighted_sum_matches_loop(config, batch, dtype, monkeypatch):
     refused) equals the weighted sum of the looped per-sample gradients."""
     monkeypatch.setattr(conv, "weight_backward", _refused("the weight-backward kernel"))
     dims, kwargs, size = config
-    model = CONV[dims](**kwargs).to(dtype)
-    x = torch.randn(batch, kwargs["in_channels"], *size, dtype=dtype)
-    g = torch.randn_like(model(x))
-    c = torch.rand(batch, dtype=dtype) + 0.1
-    names = [n for n, _ in model.named_parameters()]
-    got = ConvRule().weighted_sum(model, x, g, c, True, names)
-    assert got["weight"].shape == model.weight.shape and got["weight"].dtype == dtype
-    if batch == 0:
-        assert all(t.abs().max() == 0 for t in got.values() if t.numel())
-        return
-    ref_model = CONV[dims](**kwargs).double()
-    ref_model.load_state_dict(model.state_dict())
-    ref = loop_grads(ref_model, lambda out, gg: (out * gg).sum(), x.double(), g.double())
-    for n in names:
-        expected = torch.tensordot(c.double(), ref[n], 1)
-        diff = (got[n].double() - expected).abs().max()
-        assert diff <= RTOL[dtype] * expected.abs().max(), f"{n}: {diff:.3e}"
+    check_weighted_sum(ConvRule(), lambda: CONV[dims](**kwargs), (kwargs["in_channels"], *size),
+                       batch, dtype)

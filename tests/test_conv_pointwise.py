@@ -8,7 +8,7 @@ from torch import nn
 from gradhooks.rules import conv
 from gradhooks.rules.conv import ConvRule, pointwise
 
-from conftest import RTOL, check_against_loop, loop_grads, weighted_square_loss
+from conftest import check_against_loop_or_empty, check_weighted_sum
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 
@@ -47,17 +47,8 @@ def test_pointwise_auto_takes_unfold(config, batch, loss_reduction, dtype, monke
     monkeypatch.setattr(ConvRule, "method", "auto")
     dims, kwargs, size = config
     x = torch.randn(batch, kwargs["in_channels"], *size)
-    w = torch.rand(batch) + 0.5
-    if batch == 0:  # (no loop to compare with: the result is empty, of the right shapes)
-        import gradhooks
-        model = _model(dims, kwargs).to(dtype)
-        with gradhooks.attach(model, loss_reduction="sum") as gh:
-            weighted_square_loss("sum")(model(x.to(dtype)), w.to(dtype)).backward()
-            out = gh.per_sample_grads()
-        assert {n: t.shape for n, t in out.items()} == {
-            n: (0, *p.shape) for n, p in model.named_parameters()}
-        return
-    check_against_loop(_model(dims, kwargs), x, w, loss_reduction=loss_reduction, dtype=dtype)
+    check_against_loop_or_empty(_model(dims, kwargs), x, torch.rand(batch) + 0.5,
+                                loss_reduction=loss_reduction, dtype=dtype)
 
 
 @pytest.mark.parametrize("chunk", [16 * 2**20, 1], ids=["one-chunk", "per-sample-chunks"])
@@ -69,24 +60,8 @@ def test_pointwise_weighted_sum_matches_loop(config, batch, chunk, dtype, monkey
     monkeypatch.setattr(conv, "POINTWISE_MATMUL_POSITIONS", 1)
     monkeypatch.setattr(conv, "POINTWISE_CHUNK_BYTES", chunk)
     dims, kwargs, size = config
-    model = CONV[dims](**kwargs).to(dtype)
-    x = torch.randn(batch, kwargs["in_channels"], *size, dtype=dtype)
-    g = torch.randn_like(model(x))
-    c = torch.rand(batch, dtype=dtype) + 0.1
-    names = [n for n, _ in model.named_parameters()]
-    got = ConvRule().weighted_sum(model, x, g, c, True, names)
-    assert got["weight"].shape == model.weight.shape and got["weight"].dtype == dtype
-    if batch == 0:
-        assert all(t.abs().max() == 0 for t in got.values() if t.numel())
-        return
-    # looped reference: the gradient of sum(y_n * g_n) for sample n alone, in float64
-    ref_model = CONV[dims](**kwargs).double()
-    ref_model.load_state_dict(model.state_dict())
-    ref = loop_grads(ref_model, lambda out, gg: (out * gg).sum(), x.double(), g.double())
-    for n in names:
-        expected = torch.tensordot(c.double(), ref[n], 1)
-        diff = (got[n].double() - expected).abs().max()
-        assert diff <= RTOL[dtype] * expected.abs().max(), f"{n}: {diff:.3e}"
+    check_weighted_sum(ConvRule(), lambda: CONV[dims](**kwargs), (kwargs["in_channels"], *size),
+                       batch, dtype)
 
 
 def test_pointwise_weighted_sum_below_threshold_uses_the_kernel(monkeypatch):
