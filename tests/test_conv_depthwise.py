@@ -44,7 +44,7 @@ def _refused(what):
 def test_depthwise_is_one_input_channel_per_group():
     assert depthwise(nn.Conv2d(4, 4, 3, groups=4))
     assert depthwise(nn.Conv2d(4, 8, 3, groups=4))   # a channel multiplier
-    assert depthwise(nn.Conv1d(1, 5, 3))              # one input channel, dense
+    assert not depthwise(nn.Conv1d(1, 5, 3))          # one input channel, dense: not measured
     assert not depthwise(nn.Conv2d(4, 4, 3, groups=2))
     assert not depthwise(nn.Conv2d(4, 4, 3))
 

@@ -136,8 +136,9 @@ def choose_method(module: nn.Module, positions: int) -> str:
 
 
 def depthwise(module: nn.Module) -> bool:
-    """Whether ``module`` has one input channel per group (a depthwise convolution, any channel
-    multiplier): its :func:`correlation_weight_grad` reads the input as a view.
+    """Whether ``module`` is a depthwise convolution: several groups of one input channel each
+    (any channel multiplier); its :func:`correlation_weight_grad` reads the input as a view. A
+    dense convolution of one input channel (an audio model's first layer) is not: not measured.
 
     Measured (``benchmarks/conv_methods.py --depthwise``, ``benchmarks/results/conv_methods.md``:
     ConvNeXt-T's 7x7 and EfficientNet-B0's 3x3 / 5x5 depthwise convolutions at 224 x 224, B = 16,
@@ -147,7 +148,7 @@ def depthwise(module: nn.Module) -> bool:
     convolutions (ResNet-50's 3x3, the stems, ConvNeXt's 2x2 downsampling) are 1.1-3.3x slower by
     the correlation than by the faster of the other two. Not measured on a GPU, where ``"auto"`` keeps :func:`choose_method`.
     """
-    return module.in_channels == module.groups
+    return module.groups > 1 and module.in_channels == module.groups
 
 
 #: A :func:`depthwise` convolution on the CPU takes the ``"correlation"`` method when a kernel
