@@ -150,7 +150,13 @@ class Record:
         return self.grads[0] if len(self.grads) == 1 else torch.stack(self.grads).sum(0)
 
     def release(self) -> None:
-        """Drop the activations and grad_outputs (the read that released them is done)."""
+        """Drop the activations and grad_outputs (the read that released them is done), and
+        what a rule's :meth:`~gradhooks.base.registry.LayerRule.internal` recorded for the call
+        (an attention core's input gradients): the hook on that graph node holds the dict for
+        as long as the graph lives (two-pass clipping's first pass retains it)."""
+        internal = getattr(self.a, "internal", None)
+        if isinstance(internal, dict):
+            internal.clear()
         self.a = None
         self.versions = []
         self.grads = []
