@@ -151,12 +151,13 @@ class Record:
 
     def release(self) -> None:
         """Drop the activations and grad_outputs (the read that released them is done), and
-        what a rule's :meth:`~gradhooks.base.registry.LayerRule.internal` recorded for the call
-        (an attention core's input gradients): the hook on that graph node holds the dict for
-        as long as the graph lives (two-pass clipping's first pass retains it)."""
+        the input gradients of a graph node a rule's
+        :meth:`~gradhooks.base.registry.LayerRule.internal` asked for (an attention core's
+        q, k, v gradients): the hook on that node holds their dict for as long as the graph
+        lives (two-pass clipping's first pass retains it). The rule's other entries stay."""
         internal = getattr(self.a, "internal", None)
         if isinstance(internal, dict):
-            internal.clear()
+            internal.pop("grad_inputs", None)
         self.a = None
         self.versions = []
         self.grads = []
