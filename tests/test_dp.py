@@ -11,6 +11,7 @@ from torch import nn
 import gradhooks
 from gradhooks.readers import plan, verify
 from gradhooks.readers.dp import clipping, ghost_sums
+from gradhooks.rules import conv
 
 from conftest import RTOL, loop_grads, weighted_square_loss
 
@@ -277,11 +278,15 @@ def _setup(name, batch, dtype):
     return model, x, w, batch_first, (0 if batch_first else 1)
 
 
-@pytest.fixture(params=["auto", "gram", "materialize"])
+@pytest.fixture(params=["auto", "gram", "pixels", "materialize"])
 def form(request, monkeypatch):
-    """Which norm form Linear/Conv weights use: the cost model's choice, or forced."""
+    """Which norm form Linear/Conv weights use: the cost model's choice, or forced; ``pixels``:
+    the Gram form, with every convolution's patch Gram matrix from its input's pixels
+    (:func:`gradhooks.rules.conv.patch_gram`, which the cost model picks only where cheaper)."""
     if request.param != "auto":
-        monkeypatch.setattr(plan, "use_gram", lambda *a, **k: request.param == "gram")
+        monkeypatch.setattr(plan, "use_gram", lambda *a, **k: request.param != "materialize")
+    if request.param == "pixels":
+        monkeypatch.setattr(conv, "patch_gram_cost", lambda *a: 1)
     return request.param
 
 

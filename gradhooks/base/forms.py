@@ -205,22 +205,26 @@ def from_blocks(blocks: Sequence[Block], shape: Tuple[int, ...]) -> Tensor:
     return torch.cat(parts, 1).view(shape)
 
 
-def gram_sq_norms(a: Tensor, g: Tensor) -> Tensor:
+def gram_sq_norms(a: Optional[Tensor], g: Tensor, aa: Optional[Tensor] = None) -> Tensor:
     """Squared per-sample weight-gradient norms in the Gram form, without forming the gradients.
 
     Args:
-        a: ``(N, G, S, I)`` activations (the canonical form above).
+        a: ``(N, G, S, I)`` activations (the canonical form above); ``None`` with ``aa``.
         g: ``(N, G, S, O)`` grad_outputs.
+        aa: optional ``(N, G, S, S)``, ``a a^T`` formed by the caller (a convolution's from its
+            input's pixels, :meth:`~gradhooks.base.registry.LayerRule.input_gram`); written to.
 
     Returns:
         ``(N,)``: ``sum_g sum_{s,t} (a[n,g,s] . a[n,g,t]) (g[n,g,s] . g[n,g,t])``, which equals
         ``sum_g ||sum_s g[n,g,s] a[n,g,s]^T||_F^2`` (Li et al. 2022, arXiv:2110.05679, sec. 4;
         for ``S = 1`` the product ``||a_n||^2 ||g_n||^2``, Goodfellow 2015).
     """
-    n = a.shape[0]
-    if a.shape[2] == 1:
-        return (sq_norms(a, -1) * sq_norms(g, -1)).view(n, -1).sum(1)
-    aa = a @ a.transpose(-1, -2)
+    n = g.shape[0]
+    if aa is None:
+        assert a is not None
+        if a.shape[2] == 1:
+            return (sq_norms(a, -1) * sq_norms(g, -1)).view(n, -1).sum(1)
+        aa = a @ a.transpose(-1, -2)
     return aa.mul_(g @ g.transpose(-1, -2)).view(n, -1).sum(1)
 
 

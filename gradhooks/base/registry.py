@@ -183,6 +183,19 @@ class LayerRule:
         """
         return None
 
+    def input_gram_cost(self, module: nn.Module, a: Tensor) -> Optional[int]:
+        """Optional: multiply-adds per ``(sample, group)`` of :meth:`input_gram` for the recorded
+        input ``a``, or ``None`` (default) where the rule has no form of it cheaper than the
+        canonical input's ``S^2 I`` (the norm plan then counts that)."""
+        return None
+
+    def input_gram(self, module: nn.Module, a: Tensor, batch_first: bool) -> Optional[Tensor]:
+        """Optional: ``(N, G, S, S)`` Gram matrix ``a_c a_c^T`` of one call's canonical input
+        ``a_c`` (:meth:`linear_form`) formed without ``a_c`` (a convolution's patches from its
+        input's pixels: :func:`gradhooks.rules.conv.patch_gram`), in ``a``'s dtype; ``None``
+        (default) where :meth:`input_gram_cost` is ``None``: readers then form ``a_c``."""
+        return None
+
     @property
     def has_kfac_form(self) -> bool:
         """Whether :meth:`kfac_form` gives this layer's Kronecker-factored form: rules with a

@@ -50,7 +50,8 @@ from ..base.torch_internals import own_parameters
 from ..base.utils import LOW_PRECISION, OWNED, compute_dtype
 from ..core.recorder.records import Layer
 
-__all__ = ["grad_sum", "summed", "canonical", "canonical_call", "canonical_sizes", "identity_form",
+__all__ = ["grad_sum", "summed", "canonical", "canonical_call", "gram_form", "gram_in_cost",
+           "canonical_sizes", "identity_form",
            "augmented", "scaled", "call_grads"]
 
 _FULL = (torch.float32, torch.float64)
@@ -152,6 +153,30 @@ def canonical_call(call, batch_first: bool, *, form_a: bool = True,
     :func:`~gradhooks.base.utils.compute_dtype` of the recorded input and grad_output."""
     return canonical(call.layer, call.a, grad_sum(call.grads), batch_first, form_a=form_a,
                      scale=scale)
+
+
+def gram_form(call, batch_first: bool, *, form_a: bool = False, rule_gram: bool = True
+              ) -> Tuple[Optional[Tensor], Optional[Tensor], Tensor]:
+    """A single-output call's Gram-form records: ``(a, aa, g)`` with ``g`` ``(N, G, S, O)`` as
+    :func:`canonical_call`'s and ``aa`` ``(N, G, S, S)`` its input's Gram matrix from the rule
+    (:meth:`~gradhooks.base.registry.LayerRule.input_gram`: a convolution's without its
+    patches), or ``None`` where the rule has none or not ``rule_gram`` (form it from ``a``);
+    ``a`` the canonical input ``(N, G, S, I)`` when ``form_a`` (the sum check's projection) or
+    ``aa`` is ``None``, else ``None``. All in :func:`~gradhooks.base.utils.compute_dtype` of
+    the records."""
+    layer, g = call.layer, grad_sum(call.grads)
+    dt = _dtype(call.a, g)
+    x = call.a if call.a.dtype == dt else call.a.to(dt)
+    aa = layer.rule.input_gram(layer.module, x, batch_first) if rule_gram else None
+    a, g = canonical(layer, x, g, batch_first, form_a=form_a or aa is None, dtype=dt)
+    return a, aa, g
+
+
+def gram_in_cost(call) -> Optional[int]:
+    """:meth:`~gradhooks.base.registry.LayerRule.input_gram_cost` of a single-output call's
+    recorded input: multiply-adds per ``(sample, group)`` of its rule's ``a a^T`` (``None``:
+    the canonical input's ``S^2 I``)."""
+    return call.layer.rule.input_gram_cost(call.layer.module, call.a)
 
 
 def canonical_sizes(layer: Layer, g: Tensor, batch_first: bool) -> Tuple[int, int, int, int]:

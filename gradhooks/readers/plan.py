@@ -28,8 +28,8 @@ up to 2.3x; with the bytes term 2, up to 1.1x, near ties). Measured (2 CPU cores
 ``N = 32``, medians, ms Gram / materialised, ratio ``S (I + O) / (I O)``): Linear 128x128 S=32
 (0.5) 0.13 / 0.24, S=128 (2.0) 1.6 / 0.82; 512x512 S=128 (0.5) 6.6 / 23.6; Conv2d 3x3 128->128
 on 8x8 (0.56) 21 / 33, on 12x12 (1.25) 44 / 41; 32->64 on 12x12 (2.75) 62 / 0.8 (a materialised
-conv uses torch's weight-backward kernel, a Gram conv the unfolded patches). Bias: ``||db_n||^2 =
-||sum_s g[n,s]||^2``. A parameter of several calls concatenates the calls' positions (their cross
+conv uses torch's weight-backward kernel, a Gram conv the unfolded patches, now where cheaper their
+Gram matrix from the pixels, ``rules.conv.patch_gram``). Bias: ``||db_n||^2 = ||sum_s g[n,s]||^2``. A parameter of several calls concatenates the calls' positions (their cross
 terms included). Factored forms (:class:`~gradhooks.base.forms.Block`) go block by block, each replay
 run once for norms and clipped sum (:class:`Forms`); row scatters (:class:`~gradhooks.base.forms.Rows`)
 per ``(sample, row)`` pair, no ``(N, V, D)`` tensor; a :data:`TIED` weight (GPT-2's embedding and
@@ -61,14 +61,22 @@ from ..base.forms import Block, Rows, from_blocks, gram_sq_norms, sq_norms, weig
 from ..base.segments import Segments
 from ..base.utils import compute_dtype, tensors
 from ..core.recorder.records import Batch, Record
-from .canonical import call_grads, canonical, canonical_call, canonical_sizes, identity_form, summed
+from .canonical import (
+    call_grads,
+    canonical,
+    canonical_call,
+    canonical_sizes,
+    gram_form,
+    gram_in_cost,
+    identity_form,
+    summed,
+)
 from .scatters import rows_of, rows_probed, rows_sq_norms, tied_cross, tied_linear
 from .verify import Evidence, check_unrecorded, probed, projection_terms
 
 __all__ = ["GRAM", "CLOSED", "FORMS", "ROWS", "TIED", "GENERIC", "MEMORY_BOUND", "BYTE_COST",
            "use_gram", "KEEP_OF_RECORDS", "keep_budget", "add_up", "PlannedParam", "plan",
-           "Forms", "squared_norms",
-           "result_sq_norms", "factored"]
+           "Forms", "squared_norms", "result_sq_norms", "factored"]
 
 # How each parameter's per-sample norm and clipped sum are formed.
 GRAM = "gram"          # weight of a rule with a linear form: Gram-form norm, closed-form clipped sum
@@ -93,7 +101,7 @@ BYTE_COST = 250
 
 
 def use_gram(positions: int, fan_in: int, fan_out: int, shared: int = 1,
-             batch: int = 0) -> bool:
+             batch: int = 0, gram_in: Optional[int] = None) -> bool:
     """Whether the Gram form of a weight's per-sample squared norms is the cheaper one.
 
     Args:
@@ -105,6 +113,8 @@ def use_gram(positions: int, fan_in: int, fan_out: int, shared: int = 1,
             ``weight_hh``: the gate gradients), whose Gram matrix is then formed once for all.
         batch: ``N G``, the number of per-sample (per-group) matrices (``0``: unknown, the
             multiply-add counts alone).
+        gram_in: multiply-adds of ``a a^T`` per matrix where the rule forms it otherwise
+            (:meth:`~gradhooks.base.registry.LayerRule.input_gram_cost`; ``None``: ``S^2 I``).
 
     Returns:
         Whether ``S^2 (I + O / shared) + bytes(S^2 (1 + 1 / shared))`` (Gram: the ``a a^T``
@@ -118,7 +128,7 @@ def use_gram(positions: int, fan_in: int, fan_out: int, shared: int = 1,
         module docstring.
     """
     s, i, o = positions, fan_in, fan_out
-    gram = s * s * (i + o / shared)
+    gram = (s * s * i if gram_in is None else gram_in) + s * s * o / shared
     mat = s * i * o
     if batch * s * s * 4 > MEMORY_BOUND:
         gram += BYTE_COST * s * s * (1 + 1 / shared)
@@ -232,8 +242,10 @@ def _plan_template(batch: Batch):
                 shapes = {(grp, i, o) for grp, _, i, o in calls}
                 if len(shapes) == 1:
                     grp, i, o = shapes.pop()
+                    one = len(calls) == 1 and groups is None  # (its rule may form a a^T)
+                    own = gram_in_cost(p.entries[0][0]) if one else None
                     if use_gram(most * sum(s for _, s, _, _ in calls), i, o,
-                                batch=samples * grp):
+                                batch=samples * grp, gram_in=own):
                         p.kind = GRAM
     units = tuple(0 if groups is not None or not (i in sizes and sizes[i][0] == 1 and sizes[i][1] == 1)
                   else 2 if identity_form(caps[i].layer, caps[i].a, caps[i].grads[0], batch.batch_first)
@@ -479,16 +491,18 @@ def squared_norms(batch: Batch, plans: Dict[int, PlannedParam], units: Tuple[int
             sq[pid] = _tied_sq_norms(batch, p, forms, probes if check else None)
         if p.kind != GRAM or pid in done:
             continue
-        calls = [canonical_call(cap, batch.batch_first) for cap, _ in p.entries]
-        if len(calls) == 1:
-            a, g = calls[0]
+        aa = None  # (a a^T from the rule where it has one)
+        if len(p.entries) == 1:
+            a, aa, g = gram_form(p.entries[0][0], batch.batch_first, form_a=check,
+                                 rule_gram=groups is None)
         else:
+            calls = [canonical_call(cap, batch.batch_first) for cap, _ in p.entries]
             dt = compute_dtype(*(t for call in calls for t in call))
             a = torch.cat([c[0].to(dt) for c in calls], 2)
             g = torch.cat([c[1].to(dt) for c in calls], 2)
         if groups is not None:  # a sample's positions: all its rows' (zero rows padding)
             a, g = groups.join_positions(a, 2), groups.join_positions(g, 2)
-        sq[pid] = gram_sq_norms(a, g)
+        sq[pid] = gram_sq_norms(a, g, aa)
         if check:
             project(pid, a, g, [cap for cap, _ in p.entries])
     return sq

@@ -36,6 +36,7 @@ Two exact ways to evaluate the weight gradient, chosen per call by :func:`choose
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -258,6 +259,89 @@ def auto_method(module: nn.Module, x: Tensor, positions: int) -> str:
     return choose_method(module, positions)
 
 
+def _taps(module: nn.Module, spatial: Tuple[int, ...]) -> List[Tuple[int, Dict[int, List[int]]]]:
+    """Per spatial dim of the padded input of sizes ``spatial``: the output size ``P`` and, per
+    stride phase ``r``, the shifts ``q`` of the kernel taps in it (tap ``t`` reads the padded
+    input at ``stride * p + dilation * t = stride * (p + q) + r``)."""
+    out = []
+    for length, k, d, s in zip(spatial, module.kernel_size, module.dilation, module.stride):
+        phases: Dict[int, List[int]] = {}
+        for t in range(k):
+            phases.setdefault(d * t % s, []).append(d * t // s)
+        out.append(((length - d * (k - 1) - 1) // s + 1, phases))
+    return out
+
+
+def _padded_sizes(module: nn.Module, spatial) -> Tuple[int, ...]:
+    return tuple(n + a + b for n, (a, b) in zip(spatial, padding_pairs(module)))
+
+
+def patch_gram_cost(module: nn.Module, shape) -> Optional[int]:
+    """Multiply-adds per ``(sample, group)`` of :func:`patch_gram` for an input of ``shape``
+    ``(N, C_in, *spatial)`` (the phases' Gram matrices, plus one add per tap and pair of
+    positions), or ``None`` where that is not below the ``S^2 C_in/G prod(kernel_size)`` of the
+    unfolded patches' Gram matrix (a pointwise convolution: the two are one product)."""
+    taps = _taps(module, _padded_sizes(module, shape[2:]))
+    c = module.in_channels // module.groups
+    s = math.prod(p for p, _ in taps)
+    k = math.prod(module.kernel_size)
+    cost = s * s * k  # (the shifted adds)
+    for combo in itertools.product(*(phases.items() for _, phases in taps)):
+        m = math.prod(p + max(shifts) for (p, _), (_, shifts) in zip(taps, combo))
+        cost += m * m * c
+    return cost if cost < s * s * c * k else None
+
+
+def patch_gram(module: nn.Module, x: Tensor) -> Tensor:
+    """Gram matrix of each sample's unfolded patches, ``U U^T`` with ``U = unfold(module, x)``,
+    from Gram matrices of the padded input's pixels, never forming ``U``.
+
+    Patch ``p`` holds the padded input ``P`` at ``stride * p + dilation * t`` for the kernel taps
+    ``t`` (per spatial dim), so ``<U[p], U[p']> = sum_t <P[stride p + d t], P[stride p' + d t]>``.
+    Writing ``d t = stride * q + r``, tap ``t`` reads the stride phase ``r`` of ``P``
+    (``P_r[m] = P[stride * m + r]``) at ``p + q``: the sum is over taps of the phase's pixel Gram
+    matrix ``P_r^T P_r`` shifted by ``q`` on both axes. Cost per sample and group: the phases'
+    ``M^2 C_in/G`` (``M`` their pixels, about ``S`` each) and ``S^2 prod(kernel_size)`` adds,
+    against ``S^2 C_in/G prod(kernel_size)`` for the patches' product (a 3 x 3 convolution at 14 x
+    14: 5x fewer; :func:`patch_gram_cost`). It serves the Gram form of the per-sample norm (Li et
+    al. 2022, arXiv:2110.05679, sec. 4), whose ``a a^T`` it is; the expansion over taps and
+    stride phases is derived here, for any stride, dilation, padding mode and groups.
+
+    Args:
+        module: a ``nn.Conv1d/2d/3d``.
+        x: its input ``(N, C_in, *spatial)``, float32 or float64.
+
+    Returns:
+        ``(N, G, S, S)``, ``S`` the output positions in :func:`unfold`'s order, ``x``'s dtype.
+    """
+    pairs = padding_pairs(module)
+    if any(p for pair in pairs for p in pair):
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x = F.pad(x, [p for pair in reversed(pairs) for p in pair], mode=mode)
+    n, groups = x.shape[0], module.groups
+    c = x.shape[1] // groups
+    taps = _taps(module, tuple(x.shape[2:]))
+    out_sizes = [p for p, _ in taps]
+    x = x.reshape(n, groups, c, *x.shape[2:])
+    total: Optional[Tensor] = None
+    for combo in itertools.product(*(phases.items() for _, phases in taps)):
+        sizes = [p + max(shifts) for p, (_, shifts) in zip(out_sizes, combo)]
+        pixels = x[(Ellipsis,) + tuple(slice(r, r + s * (m - 1) + 1, s) for (r, _), s, m
+                                       in zip(combo, module.stride, sizes))]
+        pixels = pixels.reshape(n, groups, c, math.prod(sizes))
+        gram = (pixels.transpose(-1, -2) @ pixels).view(n, groups, *sizes, *sizes)
+        for shift in itertools.product(*(shifts for _, shifts in combo)):
+            part = gram[(slice(None), slice(None))
+                        + tuple(slice(q, q + p) for q, p in zip(shift, out_sizes)) * 2]
+            if total is None:
+                total = part.contiguous()
+            else:
+                total += part
+    s = math.prod(out_sizes)
+    assert total is not None  # (every kernel has a tap)
+    return total.view(n, groups, s, s)
+
+
 #: Output positions from which a :func:`pointwise` convolution's weighted sum (book-keeping's
 #: clipped sum) is formed by per-sample matmuls of the input itself, summed with the weights,
 #: rather than by torch's weight-backward kernel. ``benchmarks/conv_methods.py --pointwise``
@@ -329,6 +413,15 @@ class ConvRule(LayerRule):
         g = g.reshape(n, groups, module.out_channels // groups, math.prod(g.shape[2:])
                       ).transpose(-1, -2)
         return (None if a is None else unfold(module, a)), g
+
+    def input_gram_cost(self, module: nn.Module, a: Tensor) -> Optional[int]:
+        """:func:`patch_gram_cost` of the input ``a``."""
+        return patch_gram_cost(module, a.shape)
+
+    def input_gram(self, module: nn.Module, a: Tensor, batch_first: bool) -> Optional[Tensor]:
+        """:func:`patch_gram` where :func:`patch_gram_cost` finds it cheaper than the
+        patches' product, else ``None``."""
+        return None if patch_gram_cost(module, a.shape) is None else patch_gram(module, a)
 
     def weighted_sum(self, module: nn.Module, a: Tensor, g: Tensor, c: Tensor, batch_first: bool,
                      names: Iterable[str], out: Optional[Dict[str, Tensor]] = None

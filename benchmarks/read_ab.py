@@ -1,11 +1,17 @@
-"""BatchNorm's per-sample gradients (eval mode) by torch's fused batch-norm backward over
-``(sample, channel)`` pairs, against the earlier form (``x_hat`` formed, multiplied by ``g``,
-summed), alternated in one process on ResNet-50 (issue 39): the norms read alone
-(``per_sample_grad_norms()`` after ``gh.backward``) and the whole book-keeping step, each timed
-step right after an untimed one of the same variant (a step that follows a lighter one pays
-for the pages that one returned to the system).
+"""A change of a rule's math toggled per call against its earlier form, alternated in one
+process on ResNet-50 (issue 39): the norms read alone (``per_sample_grad_norms()`` after
+``gh.backward``) and the whole book-keeping step, each timed step right after an untimed one of
+the same variant (a step that follows a lighter one pays for the pages that one returned to the
+system). The changes (``--change``):
 
-    python benchmarks/batchnorm_read.py [--batch 16] [--repeats 5] [--smoke]
+* ``batchnorm``: BatchNorm's per-sample gradients (eval mode) by torch's fused batch-norm
+  backward over ``(sample, channel)`` pairs, against the earlier form (``x_hat`` formed,
+  multiplied by ``g``, summed);
+* ``pixel-gram``: the Gram form's patch Gram matrix of a convolution from its input's pixels
+  (:func:`gradhooks.rules.conv.patch_gram`, where its cost model finds it cheaper), against
+  the unfolded patches' product.
+
+    python benchmarks/read_ab.py --change pixel-gram [--batch 16] [--repeats 5] [--smoke]
 
 Prints medians (ms) per variant and the plain step's.
 """
@@ -23,6 +29,7 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
+from gradhooks.rules import conv  # noqa: E402
 from gradhooks.rules.norm import BatchNormRule  # noqa: E402
 
 import scale  # noqa: E402
@@ -30,6 +37,7 @@ import scale  # noqa: E402
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--change", choices=("batchnorm", "pixel-gram"), default="pixel-gram")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
@@ -39,11 +47,15 @@ def main(argv=None) -> int:
     case = scale.ScaleCase(scale.MODELS["resnet50"], args.batch, None, args.smoke, 0)
     scale.set_clip_norm(case)
     gh, model = case.attach(), case.model
-    fused = BatchNormRule.uses_running_stats
+    fused, pixels = BatchNormRule.uses_running_stats, conv.patch_gram_cost
 
     def use(variant: str) -> None:
-        BatchNormRule.uses_running_stats = (fused if variant == "fused" else
-                                            lambda self, module: False)
+        new = variant == "new"
+        if args.change == "batchnorm":
+            BatchNormRule.uses_running_stats = fused if new else lambda self, module: False
+        else:
+            conv.patch_gram_cost = pixels if new else lambda module, shape: None
+            gh.recorder.memo.clear()  # (the norm plan, made per structure, follows the cost)
 
     def plain():
         with gh.recorder.suspended():
@@ -70,11 +82,11 @@ def main(argv=None) -> int:
         inner = fn()
         return inner if inner is not None else time.perf_counter() - t0
 
-    times = {k: [] for k in ("plain", "norms read, fused", "norms read, before",
-                             "book-keeping, fused", "book-keeping, before")}
+    times = {k: [] for k in ("plain", "norms read, new", "norms read, before",
+                             "book-keeping, new", "book-keeping, before")}
     for rep in range(args.repeats + 1):
         runs = [("plain", None, plain)]
-        for variant in (("fused", "before") if rep % 2 == 0 else ("before", "fused")):
+        for variant in (("new", "before") if rep % 2 == 0 else ("before", "new")):
             runs += [(f"norms read, {variant}", variant, norms_read),
                      (f"book-keeping, {variant}", variant, bookkeeping)]
         for key, variant, fn in runs:
@@ -83,9 +95,9 @@ def main(argv=None) -> int:
             ms = timed(fn) * 1e3
             if rep:  # (the first round warms up)
                 times[key].append(ms)
-    use("fused")
+    use("new")
     base = statistics.median(times["plain"])
-    print(f"{case.spec.title}, B = {args.batch}{' (smoke)' if args.smoke else ''}, "
+    print(f"{args.change}: {case.spec.title}, B = {args.batch}{' (smoke)' if args.smoke else ''}, "
           f"{torch.get_num_threads()} threads, medians of {args.repeats}")
     for key, ts in times.items():
         m = statistics.median(ts)
