@@ -9,7 +9,9 @@ Linear, over every position of a channels-last input; ViT's attention projection
 ``F.multi_head_attention_forward``, added by their shapes), with ``S`` positions, ``G`` groups,
 ``I`` / ``O`` in / out features per group: forward ``F = S G I O`` (= the weight gradient
 ``Bw``; the input gradient ``Bi`` the same, except for the first layer, whose input needs
-none), the Gram norm ``S^2 G (I + O)``, the materialised per-sample gradient ``S G I O``.
+none), the Gram norm ``S^2 G (I + O)`` (a convolution's ``a a^T`` from its input's pixels
+where cheaper: ``G (A + S^2 O)``, ``A`` from :func:`gradhooks.rules.conv.patch_gram_cost`), the
+materialised per-sample gradient ``S G I O``.
 ViT's attention products ``2 S^2 d`` per block count once in the forward and twice in the
 input gradient.
 
@@ -30,19 +32,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zoo  # noqa: E402  (torchvision beside the CPU torch: tests/zoo_imports.py)
 
+from gradhooks.rules.conv import patch_gram_cost  # noqa: E402
+
 
 def _layers(model, x):
-    """``[(S, G, I, O)]`` of the layers with a weight, in forward order (per sample)."""
+    """``[(S, G, I, O, A)]`` of the layers with a weight, in forward order (per sample); ``A``
+    the multiply-adds of ``a a^T`` per group: a convolution's from its input's pixels where
+    cheaper (:func:`gradhooks.rules.conv.patch_gram_cost`), else ``S^2 I``."""
     out = []
 
     def hook(mod, inp, o):
         if isinstance(mod, torch.nn.Conv2d):
-            g = mod.groups
-            out.append((o.shape[2] * o.shape[3], g, mod.in_channels // g * math.prod(mod.kernel_size),
-                        mod.out_channels // g))
+            g, s = mod.groups, o.shape[2] * o.shape[3]
+            i = mod.in_channels // g * math.prod(mod.kernel_size)
+            out.append((s, g, i, mod.out_channels // g,
+                        patch_gram_cost(mod, inp[0].shape) or s * s * i))
         elif isinstance(mod, torch.nn.Linear):
-            out.append((inp[0].numel() // inp[0].shape[-1] // x.shape[0], 1, mod.in_features,
-                        mod.out_features))
+            s = inp[0].numel() // inp[0].shape[-1] // x.shape[0]
+            out.append((s, 1, mod.in_features, mod.out_features, s * s * mod.in_features))
 
     handles = [m.register_forward_hook(hook) for m in model.modules()]
     with torch.no_grad():
@@ -61,10 +68,10 @@ def floors(name: str):
     att = 0
     if name == "vit-b16":  # in_proj (d -> 3d) and out_proj per block; QK^T and AV products
         s, d = 197, 768
-        layers += [(s, 1, d, 3 * d), (s, 1, d, d)] * 12
+        layers += [(s, 1, d, 3 * d, s * s * d), (s, 1, d, d, s * s * d)] * 12
         att = 12 * 2 * s * s * d
-    sio = [s * g * i * o for s, g, i, o in layers]
-    gram = [s * s * g * (i + o) for s, g, i, o in layers]
+    sio = [s * g * i * o for s, g, i, o, _ in layers]
+    gram = [g * (aa + s * s * o) for s, g, i, o, aa in layers]
     f = sum(sio) + att
     bi = sum(sio) - sio[0] + 2 * att  # (the attention products' backward: both operands)
     plain = f + bi + sum(sio)
