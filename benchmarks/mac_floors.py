@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import zoo  # noqa: E402  (torchvision beside the CPU torch: tests/zoo_imports.py)
-
 from gradhooks.rules.conv import patch_gram_cost  # noqa: E402
+
+import zoo  # noqa: E402  (torchvision beside the CPU torch: tests/zoo_imports.py)
 
 
 def _layers(model, x):
