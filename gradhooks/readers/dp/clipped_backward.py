@@ -315,11 +315,13 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *,
     # (every other leaf of the graph, not the trainable parameters only: an input that
     # requires grad gets its gradient from the second pass as without kept parameters)
     rest = [t for t in _graph_leaves(second.grad_fn) if id(t) not in kept] if kept else []
+    if scaler is not None:
+        second = scaler.scale(second)
     with recorder.muted():
         if not kept:
-            (second if scaler is None else scaler.scale(second)).backward()
+            second.backward()
         elif rest:  # (autograd skips the kept parameters' weight-backward)
-            (second if scaler is None else scaler.scale(second)).backward(inputs=rest)
+            second.backward(inputs=rest)
     for _, p in trainable:  # S sum_n c_n g_n / D from the kept S g_n
         t = kept.get(id(p))
         if t is not None:
