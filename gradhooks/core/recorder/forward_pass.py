@@ -78,6 +78,9 @@ class ForwardPass:
         names = layer.trainable()
         if not names and not rule.check_always:
             return
+        alias = None if rule.multi_io or not names else _unviewed(output)
+        if alias is not None:  # (handed on instead of the output: kept under in-place ops)
+            output = alias
         if names and recorder.backward_pass.spans.outside():  # (provenance does not follow it)
             recorder.backward_pass.outside_call(layer, module, args, output, x)
         placement = recorder.placement
@@ -129,10 +132,10 @@ class ForwardPass:
                     reached = [0]
         elif placed.kind is SHARED:
             placement.record_shared(layer, args, kwargs, output, names, x, placed.ordinal)
-            return None
+            return alias
         elif placed.kind is MERGED:  # (a fallback on (B * n, ...) rows: its parameters' ops)
             placement.merged_call(layer, names)
-            return None
+            return alias
         elif placed.kind is BATCHED:
             shared = False
         else:  # planned: a shared call its signature's tracked forward planned
@@ -188,7 +191,7 @@ class ForwardPass:
             on_grad(output, functools.partial(recorder.on_grad_output, record, None))
             if recorder.driven:
                 recorder.edges_complete &= mark(recorder, record, [(output, None)], None)
-        return output if shared or aliased else None
+        return output if shared or aliased else alias
 
     def _set_batch_size(self, size: int, layer: Layer, module: nn.Module, args, kwargs) -> None:
         # A call whose batch size is not the batch's: the first of a batch sets it (after
@@ -233,3 +236,26 @@ class ForwardPass:
                 and not any(is_functorch_wrapped(t) for t in tensors(args))):
             recorder.clear()
         recorder.placement.start(tensors((args, kwargs)), module.training)
+
+
+def _unviewed(output: Tensor):
+    """``output`` as a tensor autograd does not track as a view, where it is a view of a whole
+    ``addmm`` result (ATen's ``linear`` on ``(B, T, d)`` returns ``addmm(...).view(B, T, O)``,
+    as transformers' ``Conv1D`` does); else ``None``.
+
+    An in-place op on the output (``nn.ReLU(inplace=True)`` after the layer) rebases a view
+    onto its base, and the view's own autograd node, whose pre-hook records the grad_output
+    (:func:`~gradhooks.core.recorder.graph.on_grad`), leaves the graph: the layer's grad_output
+    never arrived. ``aten._unsafe_view`` of it is the same memory (no copy) under a node of its
+    own that stays in the graph, as a non-view's does. No saved tensor sees the in-place write
+    unversioned: ``AddmmBackward0`` saves the product's operands, not its result. The alias
+    carries the output's Python attributes (provenance's tag), and its node is gradhooks' own
+    (:func:`~gradhooks.base.torch_internals.own`)."""
+    base = output._base
+    if (base is None or base.numel() != output.numel() or base.grad_fn is None
+            or type(base.grad_fn).__name__ != "AddmmBackward0"):
+        return None
+    with torch._C.DisableTorchFunction():
+        alias = torch.ops.aten._unsafe_view(output, output.shape)
+    alias.__dict__.update(output.__dict__)
+    return own(alias, output)
