@@ -77,6 +77,21 @@ SEPARABLE = [
     ("sample_by_sample", lambda z, y: sum(F.cross_entropy(z[i:i + 1], y[i:i + 1], reduction="sum")
                                           for i in range(len(z))), "sum"),
     ("rows_selected", lambda z, y: sum((z[i] ** 2).sum().sqrt() for i in range(len(z))), "sum"),
+    # a mean that counts every sample equally often; slices that drop no sample
+    ("cat_mean", lambda z, y: F.cross_entropy(torch.cat([z, z]), torch.cat([y, y])), "mean"),
+    ("negative_slices", lambda z, y: F.cross_entropy(z[-len(z):][:len(z)], y), "mean"),
+]
+
+# (id, loss of (z, y) over a slice or subset of the batch's rows, the node its refusal names):
+# a mean whose 1/R is not each sample's own 1/B (issue 38: silently B/k times the gradients)
+UNEVEN = [
+    ("slice_ce", lambda z, y: F.cross_entropy(z[:2], y[:2]), "NllLossBackward"),
+    ("slice_none_mean", lambda z, y: F.cross_entropy(z[1:], y[1:], reduction="none").mean(),
+     "MeanBackward"),
+    ("slice_mse", lambda z, y: F.mse_loss(z[:-1], _onehot(z, y)[:-1]), "MseLossBackward"),
+    ("slice_mean_all", lambda z, y: z[:3].pow(2).mean(), "MeanBackward"),
+    ("two_counted_twice", lambda z, y: F.cross_entropy(torch.cat([z, z[:2]]),
+                                                       torch.cat([y, y[:2]])), "NllLossBackward"),
 ]
 
 # (id, loss of (z, y), the node its refusal names, mixes (SampleMixingError) or unproven)
@@ -162,6 +177,40 @@ def test_a_loss_that_pairs_samples_is_refused(name, loss_fn, node, mixes, dtype,
         message)
     if node is not None:
         assert node in message, message
+
+
+@pytest.mark.parametrize("how", ["loss.backward", "gh.backward"])
+@pytest.mark.parametrize("way_out", ["slice_sum_over_B", "masked_terms_mean"])
+def test_the_ways_out_of_a_mean_over_part_of_the_batch_are_exact(way_out, how):
+    """Samples 0 and 1 labelled: their own loss's gradients, zeros for the others."""
+    model = _mlp(torch.float64)
+    x, y = _data(4, torch.float64)
+    ref = loop_grads(model, F.cross_entropy, x[:2], y[:2])
+    with gradhooks.attach(model) as gh:
+        z = model(x)
+        loss = (F.cross_entropy(z[:2], y[:2], reduction="sum") / len(z)
+                if way_out == "slice_sum_over_B" else
+                (F.cross_entropy(z, y, reduction="none") * (torch.arange(4) < 2)).mean())
+        loss.backward() if how == "loss.backward" else gh.backward(loss)
+        got = gh.per_sample_grads()
+    assert_close_to_loop({n: t[:2] for n, t in got.items()}, ref, torch.float64)
+    assert all(bool((t[2:] == 0).all()) for t in got.values())
+
+
+@pytest.mark.parametrize("how", ["loss.backward", "gh.backward"])
+@pytest.mark.parametrize("name,loss_fn,node", UNEVEN, ids=[c[0] for c in UNEVEN])
+def test_a_mean_over_part_of_the_batch_is_refused(name, loss_fn, node, how):
+    model = _mlp(torch.float64)
+    x, y = _data(4, torch.float64)
+    with gradhooks.attach(model) as gh:
+        loss = loss_fn(model(x), y)
+        loss.backward() if how == "loss.backward" else gh.backward(loss)
+        for read in READS:
+            with pytest.raises(gradhooks.UnprovenOpError) as info:
+                _read(gh, read)
+            message = str(info.value)
+            assert node in message and "counts the samples unequally" in message, message
+            assert "gh.backward(losses.sum())" in message, message
 
 
 @pytest.mark.parametrize("name,loss_fn,node,mixes", MIXING, ids=[c[0] for c in MIXING])

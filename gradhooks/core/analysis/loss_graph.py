@@ -54,7 +54,7 @@ from ...base.torch_internals import autograd_nodes_made, graph_ops, is_functorch
 from ...base.utils import tensors as tensors_in
 from ...base.utils import tree_flatten
 from .batch_dims import Routed
-from .loss_rules import LINEAR, Info, One, Rows, Unproven, apply, rows
+from .loss_rules import LINEAR, Info, One, Rows, Unproven, apply, averaged, rows
 
 __all__ = ["ForwardSpans", "judge", "rows_of"]
 
@@ -352,6 +352,7 @@ def _walk(root, spans: ForwardSpans, samples: Tensor, sides: Optional[dict]) -> 
             outs = [list(m.shape) for m in node._input_metadata]
             try:
                 memo[node] = apply(_name(node), node, ins, outs)
+                _even(_name(node), averaged(_name(node), node, ins), samples)
             except Unproven as e:  # (on a tensor whose batch dim was not followed: unproven)
                 raise Unproven(e.node, f"{e.why}; but {_LOST}", False) if e.mixes and any(
                     isinstance(i, _Lost) for i, _ in ins) else e
@@ -359,6 +360,22 @@ def _walk(root, spans: ForwardSpans, samples: Tensor, sides: Optional[dict]) -> 
                 raise Unproven(_name(node), f"what autograd kept of it could not be read "
                                             f"({type(e).__name__}: {e})", False) from e
     return memo
+
+
+def _even(name: str, ids: Optional[Tensor], samples: Tensor) -> None:
+    # A mean over rows whose samples ``ids`` are known (loss_rules.averaged) must count every
+    # sample's rows equally often: else it is not the mean of the samples' own terms, and its
+    # 1/R is not each sample's share. Raises Unproven (not proven to mix).
+    if ids is None:
+        return
+    counts = torch.bincount(ids.cpu(), minlength=int(samples.max()) + 1)
+    if int(counts.min()) == int(counts.max()):
+        return
+    some, none = int(counts.argmax()), int(counts.argmin())
+    raise Unproven(name, f"a mean over {ids.numel()} rows that counts the samples unequally "
+                         f"(sample {some}: {int(counts[some])} rows, sample {none}: "
+                         f"{int(counts[none])}; a slice or subset of the batch): it is not the "
+                         f"mean of each sample's own loss, whose share is 1/B", False)
 
 
 def _shape(node, nr: int) -> Optional[list]:

@@ -54,7 +54,7 @@ from torch.autograd.function import BackwardCFunction
 
 from ...base.torch_internals import saved
 
-__all__ = ["Rows", "One", "ELEMENTS", "LINEAR", "Unproven", "apply", "rows"]
+__all__ = ["Rows", "One", "ELEMENTS", "LINEAR", "Unproven", "apply", "rows", "averaged"]
 
 
 class Rows(NamedTuple):
@@ -108,9 +108,31 @@ def apply(name: str, node, ins: list, outs: list) -> List[Info]:
     return rule(node, name, ins, outs)
 
 
+def averaged(name: str, node, ins: list) -> Optional[Tensor]:
+    """The sample of each row a *mean* over the batch's rows averages (``mean`` over the rows'
+    dim or every dim, a loss function's ``reduction="mean"``), where its input's rows and their
+    samples are known (:class:`Rows` with ``ids``); else ``None``. A mean is each sample's own
+    share (``1/B`` of its terms) only where it counts every sample's rows equally often: over
+    a slice of the batch (``F.cross_entropy(z[:k], y[:k])``) it is ``1/k``."""
+    carried = _carried(ins)
+    if not carried or not isinstance(carried[0][0], Rows) or carried[0][0].ids is None:
+        return None
+    (info, shape), base = carried[0], name.rstrip("0123456789")
+    if base == "MeanBackward":
+        dims = _dims(node, len(shape))
+        return info.ids if dims is None or info.dim in dims else None
+    if _RULES.get(base) in _LOSSES and saved(node, "reduction", None) == 1:
+        return info.ids
+    return None
+
+
 # ---------------------------------------------------------------------------------- helpers
 def _fail(name: str, why: str, mixes: bool = True):
     raise Unproven(name, why, mixes)
+
+
+def _signed(v):
+    return v - 2 ** 64 if isinstance(v, int) and v >= 2 ** 63 else v
 
 
 def _norm(dim: int, nd: int) -> int:
@@ -319,7 +341,8 @@ def _index_dim(node, name, ins, outs):
     if ids is None or name.startswith("IndexSelect"):
         return [Rows(dim, None)] * len(outs)  # (whole rows, of samples not known)
     if name.startswith("Slice"):
-        start, end, step = saved(node, "start"), saved(node, "end"), saved(node, "step")
+        # (a negative start / end is kept as its unsigned 64-bit value: z[:-1]'s end 2**64 - 1)
+        start, end, step = (_signed(saved(node, k)) for k in ("start", "end", "step"))
         taken = ids[slice(start, end if end is None else min(end, len(ids)), step)]
         if taken.numel() != outs[0][dim]:
             _fail(name, "its rows along the batch dim could not be followed", False)
@@ -521,13 +544,18 @@ _RULES.update({
     "CatBackward": _cat, "StackBackward": lambda *a: _cat(*a, stack=True),
     "MmBackward": _product, "MvBackward": _product, "DotBackward": _product,
     "BmmBackward": _product, "AddmmBackward": _product, "AddmvBackward": _product,
+    "CtcLossBackward": _ctc,
+    "NativeLayerNormBackward": _layer, "ConvolutionBackward": _layer,
+    "NativeGroupNormBackward": _layer, "NativeBatchNormBackward": _layer,
+})
+_LOSS_RULES = {
     "NllLossBackward": _loss(classes=True), "NllLoss2DBackward": _loss(classes=True),
     "MultiMarginLossBackward": _loss(classes=True),
     "MultilabelMarginLossBackward": _loss(classes=True),
     "MseLossBackward": _loss(), "L1LossBackward": _loss(), "SmoothL1LossBackward": _loss(),
     "HuberLossBackward": _loss(), "BinaryCrossEntropyBackward": _loss(),
     "BinaryCrossEntropyWithLogitsBackward": _loss(), "KlDivBackward": _loss(),
-    "SoftMarginLossBackward": _loss(), "CtcLossBackward": _ctc,
-    "NativeLayerNormBackward": _layer, "ConvolutionBackward": _layer,
-    "NativeGroupNormBackward": _layer, "NativeBatchNormBackward": _layer,
-})
+    "SoftMarginLossBackward": _loss(),
+}
+_RULES.update(_LOSS_RULES)
+_LOSSES = frozenset(_LOSS_RULES.values())  # (averaged: a loss function's node)

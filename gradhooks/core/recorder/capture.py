@@ -336,7 +336,8 @@ class Recorder:
             result = None if layer is None else self._record(layer, module, args, kwargs, output)
             completed = True
         finally:
-            self._on_done(module, completed, (args, kwargs, output) if completed else None)
+            self._on_done(module, completed, (args, kwargs, output if result is None else result)
+                          if completed else None)  # (the output handed on: the model's)
         return result
 
     # ------------------------------------------------------------------ what readers see
