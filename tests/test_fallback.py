@@ -267,3 +267,49 @@ def test_raw_parameter_never_read_gets_no_gradient(batch, loss_reduction, dtype)
     ours = check_against_loop(UnusedRaw(), torch.randn(batch, 3), torch.rand(batch),
                               loss_reduction=loss_reduction, dtype=dtype)
     assert "unused" not in ours and set(ours) == {"fc.weight", "fc.bias", "scale"}
+
+
+class _Twice(nn.Module):
+    # the replayed module itself returns the structure; TwiceOut's selection runs in the parent
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+        self.scale = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        h = torch.tanh(x * self.scale)
+        return {"dict": lambda: {"last": h, "all": (x, h)}, "tuple": lambda: (h, (x, h)),
+                "list": lambda: [x, h, h]}[self.form]()
+
+
+class _Pick(nn.Module):
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+        self.inp, self.block, self.head = nn.Linear(4, 4), _Twice(form), nn.Linear(4, 3)
+
+    def forward(self, x):
+        out = self.block(self.inp(x))
+        h = out["last"] if self.form == "dict" else out[0] if self.form == "tuple" else out[1]
+        return self.head(h)
+
+
+@pytest.mark.filterwarnings("ignore::gradhooks.FallbackWarning")
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("form", ["dict", "tuple", "list"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_one_tensor_at_two_places_of_a_replayed_output(form, batch, check, dtype):
+    """Its gradient is taken once (it was twice the truth with ``check=False``, and refused as
+    a mismatch with the check on)."""
+    model = _Pick(form).to(dtype)
+    x, w = torch.randn(batch, 4, dtype=dtype), torch.rand(batch, dtype=dtype) + 0.5
+    if check:
+        check_against_loop(model, x, w, loss_reduction="mean", dtype=dtype)
+        return
+    ref = {n: torch.stack([torch.autograd.grad((w[i] * model(x[i:i + 1]).pow(2).sum()), p)[0]
+                           for i in range(batch)]) for n, p in model.named_parameters()}
+    with gradhooks.attach(model, loss_reduction="sum", check=False) as gh:
+        (w[:, None] * model(x).pow(2)).sum().backward()
+        got = gh.per_sample_grads()
+    for n, r in ref.items():
+        assert (got[n] - r).abs().max() <= (1e-10 if dtype == torch.float64 else 1e-5) * r.abs().max(), n

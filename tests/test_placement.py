@@ -39,8 +39,8 @@ def _recorder(batch_first: bool = True, layers=()):
     received = []
     return SimpleNamespace(
         batch_first=batch_first, layers=list(layers), attachment=SimpleNamespace(raw_params={}),
-        batch_id=1, forward_id=1, calls=0, driven=False, edges_complete=False, hooks_muted=False,
-        attached=True, sum_check=SumCheck(True), model=nn.Identity(),
+        batch_id=1, forward_id=1, batch_size=4, calls=0, driven=False, edges_complete=False,
+        hooks_muted=False, attached=True, sum_check=SumCheck(True), model=nn.Identity(),
         backward_pass=SimpleNamespace(receive=lambda rec, leaf, g: received.append((rec, leaf, g))),
         received=received)
 

@@ -75,3 +75,43 @@ def test_position_ids_are_planned_after_the_first_forward(dtype):
         pos = next(layer for layer in gh.recorder.layers if layer.module is model.pos)
         assert list(placement.signatures.values()) == [{(id(pos), 1): "expand"}]
     assert tracked == [True, False]
+
+
+class PromptTuned(nn.Module):
+    """Prompt tuning (peft's PromptTuning): the only trainable layer is an Embedding of ``k``
+    virtual tokens, called on ``arange(k)`` expanded to the batch, prepended to a frozen model's
+    token embeddings; or (``raw``) a raw prompt parameter, expanded."""
+
+    def __init__(self, raw=False, k=2, vocab=11, dim=6):
+        super().__init__()
+        self.raw, self.k = raw, k
+        if raw:
+            self.prompt = nn.Parameter(torch.randn(k, dim))
+        else:
+            self.prompt = nn.Embedding(k, dim)
+        self.tok = nn.Embedding(vocab, dim).requires_grad_(False)
+        self.body = nn.Linear(dim, dim).requires_grad_(False)
+        self.head = nn.Linear(dim, 3).requires_grad_(False)
+
+    def forward(self, tokens):
+        b = tokens.shape[0]
+        p = (self.prompt.expand(b, -1, -1) if self.raw
+             else self.prompt(torch.arange(self.k).unsqueeze(0).expand(b, -1)))
+        h = torch.cat([p, self.tok(tokens)], 1)
+        return self.head(torch.tanh(self.body(h)).mean(1))
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["embedding", "raw"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_prompt_the_only_trainable_part(raw, batch, dtype):
+    """No hooked call sees the batch: its size is the model's input's (was a raw TypeError)."""
+    model = PromptTuned(raw).to(dtype)
+    tokens, y = torch.randint(0, 11, (batch, 5)), torch.randint(0, 3, (batch,))
+    ref = loop_grads(model, F.cross_entropy, tokens, y)
+    with gradhooks.attach(model) as gh:
+        F.cross_entropy(model(tokens), y).backward()
+        assert_close_to_loop(gh.per_sample_grads(), ref, dtype)
+        norms = gh.per_sample_grad_norms()
+    expected = ref["prompt" if raw else "prompt.weight"].flatten(1).norm(dim=1)
+    torch.testing.assert_close(norms, expected.to(norms.dtype),
+                               rtol=1e-9 if dtype == torch.float64 else 1e-4, atol=0)

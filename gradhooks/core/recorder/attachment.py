@@ -95,6 +95,12 @@ def _param_grad(recorder: "weakref.ref", pid: int, grad: Tensor) -> None:
     return None if live is None else live.backward_pass.on_param_grad(pid, grad)
 
 
+#: Modules that only hold parameters, for their parent's forward to read (peft's IA3, VeRA and
+#: LoKr adapters keep theirs in an ``nn.ParameterDict``): never called, so their parameters are
+#: raw parameters of the forward, as a container's own are.
+_HOLDERS = (nn.ParameterDict, nn.ParameterList)
+
+
 class Attachment:
     """The hooked modules and parameters of one recorder, built from its model.
 
@@ -107,7 +113,8 @@ class Attachment:
             same dict, kept in place).
         param_handles: the parameters' gradient-hook handles (the recorder's global hooks remove
             them too if the recorder is collected while attached).
-        raw_params: ``{id(param): (layer, name)}``: the raw parameters of containers on the
+        raw_params: ``{id(param): (layer, name)}``: the raw parameters of containers (and of
+            parameter holders, :data:`_HOLDERS`) on the
             fallback (ViT's class token, a block's layer scale), whose replay would run the
             children again; under provenance each is a source of its own, priced at its own
             ops (:meth:`gradhooks.core.recorder.placement.Placement.param_source`). A leaf module keeps its
@@ -175,7 +182,8 @@ class Attachment:
         recorder.layer_of = {id(layer.module): layer for layer in layers}
         self.raw_params = {id(p): (layer, name) for layer in layers
                            if isinstance(layer.rule, FallbackRule)
-                           and next(layer.module.children(), None) is not None
+                           and (next(layer.module.children(), None) is not None
+                                or isinstance(layer.module, _HOLDERS))
                            for name, p in layer.params.items()}
         self._module_ids = {id(m) for m in model.modules()}
         for layer in layers:
@@ -272,17 +280,23 @@ class Attachment:
         self.param_handles.append(p.register_hook(functools.partial(
             _param_grad, weakref.ref(self._recorder), id(p))))
 
-    def demote(self, layer: Layer) -> None:
+    def demote(self, layer: Layer) -> Optional[str]:
         """A hooked layer's parameter is read outside its forward (torchvision's Swin:
         ``F.linear(x, self.qkv.weight)`` in the parent): from this forward on, its parent's
         ``torch.func`` replay covers it (:func:`~gradhooks.core.recorder.records.find_layers`' ``demoted``);
         the parent's forward hook, still to come in this forward, records it. Warns with a
-        :class:`FallbackWarning`."""
+        :class:`FallbackWarning`. Returns why it cannot be (a layer on the fallback itself:
+        timm's ``self.rel_pos.get_bias()`` in MaxViT), or ``None``."""
         recorder = self._recorder
         layer_of = recorder.layer_of
-        if (layer_of.get(id(layer.module)) is not layer or not layer.path
-                or isinstance(layer.rule, FallbackRule)):
+        if layer_of.get(id(layer.module)) is not layer or not layer.path:
             return None
+        if isinstance(layer.rule, FallbackRule):
+            return (f"module {layer.describe()} has its parameters read outside its forward (by "
+                    f"its parent: a method of it other than forward, or its parameters used "
+                    f"functionally), where gradhooks cannot split them per sample. Give the "
+                    f"parent a rule that claims them (gradhooks.register_rule), or call the "
+                    f"module itself")
         self._demoted.add(layer.path)
         self._resync = True  # (the next forward rebuilds every layer map with the demotion)
         parent_path = layer.path.rpartition(".")[0]

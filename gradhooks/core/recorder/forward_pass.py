@@ -164,6 +164,14 @@ class ForwardPass:
             leaves = [own(leaves[i].view_as(leaves[i]), leaves[i]) if i in reached else t
                       for i, t in enumerate(leaves)]
             output, aliased = tree_unflatten(leaves, spec), True
+        elif rule.multi_io and len(reached) > 1:
+            # One tensor at several places of the output (transformers' DebertaV2Encoder: the
+            # last hidden state and hidden_states[-1]): its node's gradient is that of all its
+            # uses, taken once, at its first place (hooked at each, the replay counted it twice)
+            first: dict = {}
+            for i in reached:
+                first.setdefault(id(leaves[i]), i)
+            reached = sorted(first.values())
         if rule.multi_io:
             # Output leaves that carry no gradient but structure (a PackedSequence's batch_sizes
             # and indices) are kept so that the grad structure rebuilds; the others start as None.

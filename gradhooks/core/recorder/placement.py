@@ -131,6 +131,21 @@ def _raw(prov: Provenance, param) -> bool:
     return info is not None and info[1] is not None
 
 
+def _replayed(prov: Provenance, record: Record) -> bool:
+    # Whether a raw parameter's module has a fallback call in the tracked forward (a replay to
+    # cover it where its meeting with the batch was refused): never for a parameter holder
+    # (an nn.ParameterDict read by its parent, as peft's LoRA on Embedding does).
+    return any(call.layer.module is record.layer.module for call in prov.fallback_calls)
+
+
+def _batch_of_input(recorder, prov: Provenance, forward_id: int) -> None:
+    # A tracked forward with no hooked call on the batch (a prompt embedding or a raw parameter
+    # the only trainable part): the batch is the model's input's, which those were expanded to.
+    if recorder.batch_size is None and (prov.shared_calls or prov.param_sources):
+        recorder.batch_size, recorder.batch_forward = prov.batch_size, forward_id
+        recorder.batch_source = "the model's input"
+
+
 class Placement:
     """The batch placement of one recorder: owns the provenance of the forward running now,
     what each input signature's tracked forward found, and the shared calls of the batch.
@@ -154,8 +169,7 @@ class Placement:
             it), whose hooked layers, batch counters and layout the placement reads and whose
             records and call count it adds to.
         demote: ``demote(layer)``: hand a hooked layer whose parameters its parent reads
-            functionally to the parent's replay
-            (:meth:`gradhooks.core.recorder.attachment.Attachment.demote`).
+            functionally to the parent's replay, or say why it cannot (:meth:`~gradhooks.core.recorder.attachment.Attachment.demote`).
 
     Attributes:
         provenance: the :class:`~gradhooks.core.analysis.provenance.Provenance` of the forward running now, or
@@ -186,7 +200,7 @@ class Placement:
             that signature (:mod:`gradhooks.core.analysis.alone`); they are not checked again.
     """
 
-    def __init__(self, recorder, demote: Callable[[Layer], None]):
+    def __init__(self, recorder, demote: Callable[[Layer], Optional[str]]):
         self.recorder = recorder
         self._demote = demote
         self.provenance: Optional[Provenance] = None
@@ -290,6 +304,7 @@ class Placement:
             self.unsplit = [u for u in self.unsplit if u[0] != forward_id]
         else:
             self._settle_params(prov)
+            _batch_of_input(self.recorder, prov, forward_id)
             if prov.unproven:
                 verify_unproven(self, prov, call)
             self._learn(prov)
@@ -337,8 +352,8 @@ class Placement:
             name = record.names[0]
             if id(record) in prov.own_params:  # (a shared call's own: no replay covers it)
                 continue
-            if self.refused.pop(id(record), None) is not None:
-                record.names = ()
+            if (self.refused.pop(id(record), None) if _replayed(prov, record) else None) is not None:
+                record.names = ()  # (a holder no forward calls has no replay: refused stays)
                 continue
             for call in prov.fallback_calls:
                 if call.layer.module is record.layer.module:  # (the Layer may be a demotion's)
@@ -482,14 +497,13 @@ class Placement:
     # ------------------------------------------------------------------ provenance callbacks
     def param_source(self, param: Tensor, info: tuple) -> Optional[Record]:
         """Provenance's ``param_source``: the record of a raw parameter at its first use in a
-        tracked forward (ViT's class token, a layer scale: a source of its own, its per-sample
-        gradient taken where it meets the batch); or, for ``info == (layers, None)``, a hooked
-        layer's parameter read outside its forward (Swin's ``F.linear(x, self.qkv.weight)`` in
-        the parent), which hands the layer to its parent's replay (``demote``) and returns
-        ``None``."""
+        tracked forward (ViT's class token, a layer scale: a source of its own); or, for ``info
+        == (layers, None)``, a hooked layer's parameter read outside its forward, which hands
+        the layer to its parent's replay (``demote``), or where it cannot, refuses the batch."""
         layer, name = info
         if name is None:
-            return self._demote(layer[0]) if len(layer) == 1 else None
+            why = self._demote(layer[0]) if len(layer) == 1 else None
+            return None if why is None else self.unsplit.append((self.recorder.forward_id, why))
         recorder = self.recorder
         record = Record(layer, Call((), {}, None, "param"), (name,), recorder.batch_id,
                         flatten(param)[1], [None])

@@ -1,0 +1,100 @@
+"""Parameters a parent reads outside their module's forward: held in an ``nn.ParameterDict`` /
+``nn.ParameterList`` (peft's IA3, VeRA, LoKr and LoRA-on-Embedding adapters), or returned by a
+child's method other than ``forward`` (timm's MaxViT / CoAtNet ``self.rel_pos.get_bias()``).
+Exact against the loop where the parameter meets the batch in an op gradhooks splits per
+sample; refused, with ``check`` on and off, where it does not (they were silently missing from
+the results with ``check=False``)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradhooks
+
+from conftest import check_against_loop
+
+
+class IA3(nn.Module):
+    """A frozen Linear whose output a trainable vector scales, held in a ParameterDict (or a
+    ParameterList)."""
+
+    def __init__(self, d_in, d_out, holder):
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out).requires_grad_(False)
+        v = nn.Parameter(1 + 0.3 * torch.randn(d_out))
+        self.holder = holder
+        self.scale = nn.ParameterDict({"default": v}) if holder == "dict" else nn.ParameterList([v])
+
+    def forward(self, x):
+        return self.base(x) * self.scale["default" if self.holder == "dict" else 0]
+
+
+@pytest.mark.parametrize("holder", ["dict", "list"])
+@pytest.mark.parametrize("batch", [0, 1, 3])
+def test_parameters_in_a_holder_meeting_the_batch_are_exact(holder, batch, dtype):
+    model = nn.Sequential(IA3(4, 6, holder), nn.Tanh(), IA3(6, 3, holder))
+    x, w = torch.randn(batch, 5, 4), torch.rand(batch) + 0.5
+    if batch:
+        check_against_loop(model, x, w, loss_reduction="mean", dtype=dtype)
+        return
+    model = model.to(dtype)
+    with gradhooks.attach(model) as gh:
+        model(x.to(dtype)).square().sum().backward()
+        got = gh.per_sample_grads()
+    assert {n: t.shape for n, t in got.items()} == {
+        n: (0, *p.shape) for n, p in model.named_parameters() if p.requires_grad}
+
+
+class EmbeddingAdapter(nn.Module):
+    """LoRA on an Embedding as peft writes it: the adapter's A read by F.embedding from a
+    ParameterDict (an op gradhooks does not split per sample for a raw weight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Embedding(11, 4).requires_grad_(False)
+        self.a = nn.ParameterDict({"default": nn.Parameter(torch.randn(11, 2))})
+        self.b = nn.Linear(2, 4, bias=False)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, ids):
+        return self.head((self.base(ids) + self.b(F.embedding(ids, self.a["default"]))).mean(1))
+
+
+class RelPosBias(nn.Module):
+    def __init__(self, t):
+        super().__init__()
+        self.table = nn.Parameter(0.1 * torch.randn(t, t))
+
+    def get_bias(self):
+        return self.table.unsqueeze(0)
+
+    def forward(self, scores):
+        return scores + self.get_bias()
+
+
+class Attention(nn.Module):
+    """timm's MaxViT pattern: the parent calls ``self.rel_pos.get_bias()``, never its forward."""
+
+    def __init__(self, t=5, d=4):
+        super().__init__()
+        self.qkv, self.rel_pos, self.head = nn.Linear(d, 3 * d), RelPosBias(t), nn.Linear(d, 3)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.rel_pos.get_bias())
+        return self.head(o.mean(1))
+
+
+@pytest.mark.filterwarnings("ignore::gradhooks.FallbackWarning")
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("case", ["embedding_adapter", "child_method"])
+def test_a_parameter_read_where_it_cannot_be_split_is_refused(case, check):
+    model, x = ((EmbeddingAdapter(), torch.randint(0, 11, (3, 5))) if case == "embedding_adapter"
+                else (Attention(), torch.randn(3, 5, 4)))
+    with gradhooks.attach(model, check=check) as gh:
+        model(x).square().sum().backward()
+        for read in (gh.per_sample_grads, gh.per_sample_grad_norms):
+            with pytest.raises(gradhooks.GradHooksError) as info:
+                read()
+            message = str(info.value)
+            assert ("'a'" in message if case == "embedding_adapter" else "'rel_pos'" in message), message
