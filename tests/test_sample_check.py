@@ -42,6 +42,9 @@ MIXED = {
     "batch_std": lambda z, y: ((z / z.std(0)) ** 2).sum(1),
     "cumsum_over_batch": lambda z, y: (z.cumsum(0) ** 2).sum(1),
     "einsum_pairs": lambda z, y: torch.einsum("nc,mc->n", z, z.tanh()),
+    # (rows 0 and B - 1 left alone: the middle row is checked too)
+    "middle_rows_centred": lambda z, y: _own(torch.cat([z[:1], z[1:-1] - z[1:-1].mean(0),
+                                                        z[-1:]]), y),
 }
 
 # How a DP or per-sample user hands the losses over.
@@ -161,3 +164,33 @@ def test_checked_once_per_structure_and_again_for_a_new_one(monkeypatch):
     # one per input signature: its first forward (its first planned one runs the same ops:
     # SumCheck.forward_end)
     assert len(calls) == 2
+
+
+class MiddleMix(nn.Module):
+    """A forward that mixes only rows 1 to B - 2 (centred over them, or reversed), which the
+    checks of rows 0 and B - 1 alone did not see (a new-user probe, 2026-12-07)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.a, self.b = how, nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        mid = h[1:-1]
+        mid = mid - mid.mean(0) if self.how == "centred" else mid.flip(0)
+        return self.b(torch.cat([h[:1], mid, h[-1:]]))
+
+
+@pytest.mark.parametrize("how", ["centred", "reversed"])
+@pytest.mark.parametrize("use", ["loss.backward"] + list(USES))
+def test_a_forward_that_mixes_only_middle_rows_is_refused(how, use):
+    model = MiddleMix(how).double()
+    x, y = _batch(6, F64)
+    with gradhooks.attach(model) as gh:
+        losses = _own(model(x), y)
+        with pytest.raises(gradhooks.GradHooksError):
+            if use == "loss.backward":
+                losses.mean().backward()
+                gh.per_sample_grads()
+            else:
+                USES[use](gh, losses)

@@ -16,7 +16,8 @@ whitelist (:mod:`gradhooks.core.analysis.separation`) and the forward-alone chec
 
 **What is compared.** Per parameter, the norm of row ``n`` of the recorded contributions
 (:func:`gradhooks.readers.plan.squared_norms`: the Gram form where cheaper, nothing materialised)
-against the norm of autograd's gradient for that row, for rows ``0`` and ``B - 1``; within
+against the norm of autograd's gradient for that row, for rows ``0``, ``B // 2`` and ``B - 1``
+(:func:`~gradhooks.core.analysis.checked_rows`); within
 :data:`~gradhooks.readers.verify.SAMPLE_CHECK_RTOL` of the row's norm over all parameters. Two-pass clipping's first pass
 forms the norms summed over the parameters as it goes: there the totals are compared.
 
@@ -27,7 +28,7 @@ are declared contributions, not per-sample) and the loudly named ``attach(..., u
 multi-process run (``torch.distributed`` initialised with more than one rank: the extra
 ``autograd.grad`` passes would run DDP's / FSDP's collectives out of step).
 
-**Cost**, once per structure: two backward passes through the batched graph without parameter
+**Cost**, once per structure: three backward passes through the batched graph without parameter
 gradients kept (``autograd.grad`` w.r.t. the hooked parameters) and, for ``gh.backward``, one norm
 read of the records (``benchmarks/separation.py`` measures it on GPT-2 small and ViT-B/16).
 """
@@ -39,7 +40,7 @@ import torch
 from torch import Tensor
 
 from ..base.utils import no_autocast, tf32_products
-from ..core.analysis import split_of
+from ..core.analysis import checked_rows, split_of
 from .plan import Forms, add_up, plan, squared_norms
 from .verify import SAMPLE_CHECK_RTOL, Evidence, judge_sample_rows
 
@@ -71,7 +72,7 @@ class SampleCheck:
     :meth:`judge_norms` (two-pass clipping's first-pass norms).
 
     Attributes:
-        rows: the checked samples ``n`` (``0`` and ``N - 1``).
+        rows: the checked samples ``n`` (:func:`~gradhooks.core.analysis.checked_rows`).
         ref: ``{id(param): (len(rows),)}`` squared norms of autograd's gradient of each row's
             contribution, float64.
         what: the loss in words, for the message.
@@ -128,7 +129,7 @@ class SampleCheck:
         params = [p for p in recorder.params.values() if p.requires_grad]
         if not params:
             return None
-        rows = sorted({0, samples - 1})
+        rows = checked_rows(samples)
         sq: List[List[Tensor]] = []
         with recorder.muted():
             for n in rows:

@@ -7,7 +7,9 @@ depend on another sample (a pairing ``einsum``, a scatter into shared rows, a st
 batch) makes them differ, whatever the op. So where provenance found an op that no rule proves
 keeps the samples apart (:mod:`gradhooks.core.analysis.separation`), the placement runs
 :func:`forward_alone` once on the first forward of that input signature: the model on samples
-``0`` and ``B - 1`` alone (their inputs sliced from what the model's forward received), whose
+:func:`checked_rows` alone (``0``, ``B // 2`` and ``B - 1``: their inputs sliced from what the
+model's forward received; the middle one since an op on rows ``1`` to ``B - 2`` alone, found by
+a probe, spared the ends), whose
 outputs must reproduce those rows of the batched output to rounding
 (:data:`FORWARD_RTOL` of the output's dtype, or of the least precise floating dtype an op of
 the check's runs returned where that is coarser: a float32 router inside a float64 model rounds
@@ -32,7 +34,7 @@ check says why, and the op stays refused. The check runs the model: each module'
 the loss there (an auxiliary loss, features) is the batch's; a run whose tensors stay alive
 elsewhere (a forward hook's list, a global cache) is refused (:data:`KEPT`), since the loss may
 read them without their gradient. Cost, once per input signature with such an op, or a
-forward of a new structure: two or three forwards of one sample where the forward is
+forward of a new structure: three or four forwards of one sample where the forward is
 deterministic; three batched forwards without gradient where it is random.
 """
 from __future__ import annotations
@@ -259,12 +261,18 @@ def _differs(batched: List[Tensor], again: List[Tensor], outs: list, n: Optional
     return ""
 
 
+def checked_rows(size: int) -> List[int]:
+    """The samples the checks through one sample compare (this module's and the sample check's,
+    :mod:`gradhooks.readers.sample_check`): ``0``, ``size // 2`` and ``size - 1``, each once."""
+    return sorted({0, size // 2, size - 1})
+
+
 def _alone(model: nn.Module, args: tuple, kwargs: dict, output: List[Tensor], outs: list,
            size: int, layout: int, seen: set, training: bool, as_ran: bool) -> str:
-    # Samples 0 and size - 1 run alone against their rows of the batch (output as it ran, or
+    # The checked samples run alone against their rows of the batch (output as it ran, or
     # the batch rerun in eval mode); "" where they agree, else why not.
     batched = _tensors(model(*args, **kwargs)) if training and not as_ran else output
-    for n in sorted({0, size - 1}):
+    for n in checked_rows(size):
         hit: list = []
         a, k = _slice(args, n, size, layout, hit), _slice(kwargs, n, size, layout, hit)
         if not hit:
@@ -287,11 +295,11 @@ def _copies_as_ran(model: nn.Module, args: tuple, kwargs: dict, output: List[Ten
                    ) -> Tuple[bool, str]:
     # The forward as it ran (its modes, torch's random generators put back to their states at
     # its start): rerun on the batch it must reproduce ``output`` (else its random numbers come
-    # from elsewhere: no check), and on sample n's inputs copied to every row (n = 0, size - 1)
+    # from elsewhere: no check), and on sample n's inputs copied to every row (checked_rows)
     # it must reproduce sample n's rows: its dropout masks are the batch's, row for row, and a
     # statistic of the batch (a batch norm in training mode) or a pairing of rows changes them.
     # (The buffers a rerun updates, running statistics, are put back after: state_kept.)
-    for n in (None, *sorted({0, size - 1})):
+    for n in (None, *checked_rows(size)):
         hit: list = [True]
         a, k = ((args, kwargs) if n is None else
                 (_slice(args, n, size, layout, hit, True), _slice(kwargs, n, size, layout, hit, True)))
