@@ -106,6 +106,31 @@ def test_compare_flags_a_mismatch():
     assert report.params[1].name == "bias" and report.params[1].max_rel_error > 1e-3
 
 
+class _KeyBias(nn.Module):
+    """An attention block whose key bias has an exactly-zero gradient (softmax is shift
+    invariant): autograd's result for it is rounding noise."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8),
+                                          nn.Linear(8, 3))
+
+    def forward(self, x):
+        a = torch.softmax(self.q(x) @ self.k(x).transpose(1, 2) / 8 ** 0.5, -1)
+        return self.o((a @ self.v(x)).mean(1))
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32], ids=["f64", "f32"])
+def test_compare_measures_a_zero_gradient_against_the_others(dtype):
+    """A parameter whose true gradient is zero is not a mismatch of rounding noise against
+    rounding noise: its error is floored at ERROR_FLOOR of the largest entry of all."""
+    torch.manual_seed(0)
+    model = _KeyBias().to(dtype)
+    x, y = torch.randn(4, 5, 8, dtype=dtype), torch.randint(0, 3, (4,))
+    report = gradhooks.compare(model, nn.CrossEntropyLoss(), x, y, repeats=1)
+    assert report.ok, str(report)
+
+
 def test_max_rel_error():
     e = torch.tensor([1.0, -4.0])
     assert gradhooks.max_rel_error(e, e) == 0.0

@@ -265,16 +265,27 @@ class ParamError:
     max_rel_error: float
 
 
+#: A parameter's error is relative to its largest entry, floored at this fraction of the
+#: largest entry of all parameters: a gradient that is exactly zero in exact arithmetic (an
+#: attention key bias, softmax being shift invariant) is rounding noise in autograd's result,
+#: and relative to itself every answer would be a mismatch (``benchmarks/scale.py`` floors
+#: alike).
+ERROR_FLOOR = 1e-3
+
+
 def _errors(ours: Dict[str, Tensor], ref: Dict[str, Tensor]) -> List[ParamError]:
     """One :class:`ParamError` per name in both, as :func:`max_rel_error` but sample by sample
-    (no whole float64 copies of large results) and in the wider of the two dtypes."""
+    (no whole float64 copies of large results), in the wider of the two dtypes, and relative
+    to at least :data:`ERROR_FLOOR` of the largest entry of all parameters."""
     rows = []
+    top = max((max(b.abs().max().item() for b in r) for r in ref.values() if r.numel()),
+              default=0.0)
     for name, r in ref.items():
         if name not in ours or not r.numel():
             continue
         wide = torch.promote_types(ours[name].dtype, r.dtype)
         diff = max((a.to(wide) - b.to(wide)).abs().max().item() for a, b in zip(ours[name], r))
-        scale = max(b.abs().max().item() for b in r)  # per sample: stays in cache
+        scale = max(max(b.abs().max().item() for b in r), ERROR_FLOOR * top)  # (per sample)
         rel = diff / scale if scale else (0.0 if diff == 0.0 else float("inf"))
         rows.append(ParamError(name, tuple(r.shape[1:]), diff, rel))
     return rows
@@ -382,7 +393,9 @@ def compare(
 
     1. Is gradhooks' math right? It is compared with
        :func:`batched_forward_per_sample_grads`: autograd through the *same* batched forward,
-       one backward per sample. :attr:`Comparison.ok` and ``.max_rel_error`` judge this.
+       one backward per sample. :attr:`Comparison.ok` and ``.max_rel_error`` judge this
+       (each parameter's error relative to its largest entry, floored at
+       :data:`ERROR_FLOOR` of the largest of all).
     2. How far is it from independent per-sample forwards? :func:`looped_per_sample_grads` is
        run on a copy of the model in ``reference_dtype`` (float64 by default: the loop's own
        rounding then does not blur the figure) and reported in ``.loop_params``. Away from
