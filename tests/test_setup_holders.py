@@ -1,6 +1,7 @@
 """Parameters a parent reads outside their module's forward: held in an ``nn.ParameterDict`` /
-``nn.ParameterList`` (peft's IA3, VeRA, LoKr and LoRA-on-Embedding adapters), or returned by a
-child's method other than ``forward`` (timm's MaxViT / CoAtNet ``self.rel_pos.get_bias()``).
+``nn.ParameterList`` (peft's IA3, VeRA, LoKr and LoRA-on-Embedding adapters), returned by a
+child's method other than ``forward`` (timm's MaxViT / CoAtNet ``self.rel_pos.get_bias()``), or
+the weights of layers in a ``ModuleDict`` read by another module (peft's DoRA on a Conv).
 Exact against the loop where the parameter meets the batch in an op gradhooks splits per
 sample; refused, with ``check`` on and off, where it does not (they were silently missing from
 the results with ``check=False``)."""
@@ -85,16 +86,47 @@ class Attention(nn.Module):
         return self.head(o.mean(1))
 
 
+class Magnitude(nn.Module):
+    """peft's DoRA pattern: a module on the fallback whose forward reads the weights of two
+    layers held in ModuleDicts (containers, never called) and uses them functionally."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(d))
+
+    def forward(self, x, lora_a, lora_b):
+        return F.linear(x, lora_b.weight @ lora_a.weight) * self.weight
+
+
+class DoraLike(nn.Module):
+    def __init__(self, d=4):
+        super().__init__()
+        self.base = nn.Linear(d, d).requires_grad_(False)
+        self.lora_a = nn.ModuleDict({"default": nn.Linear(d, 2, bias=False)})
+        self.lora_b = nn.ModuleDict({"default": nn.Linear(2, d, bias=False)})
+        self.magnitude, self.head = Magnitude(d), nn.Linear(d, 3)
+
+    def forward(self, x):
+        h = self.base(x) + self.magnitude(x, self.lora_a["default"], self.lora_b["default"])
+        return self.head(torch.tanh(h))
+
+
+CASES = {
+    "embedding_adapter": (EmbeddingAdapter, lambda: torch.randint(0, 11, (3, 5)), "'a'"),
+    "child_method": (Attention, lambda: torch.randn(3, 5, 4), "'rel_pos'"),
+    "container_child": (DoraLike, lambda: torch.randn(3, 4), "lora_"),
+}
+
+
 @pytest.mark.filterwarnings("ignore::gradhooks.FallbackWarning")
 @pytest.mark.parametrize("check", [True, False])
-@pytest.mark.parametrize("case", ["embedding_adapter", "child_method"])
+@pytest.mark.parametrize("case", list(CASES))
 def test_a_parameter_read_where_it_cannot_be_split_is_refused(case, check):
-    model, x = ((EmbeddingAdapter(), torch.randint(0, 11, (3, 5))) if case == "embedding_adapter"
-                else (Attention(), torch.randn(3, 5, 4)))
+    make, data, named = CASES[case]
+    model, x = make(), data()
     with gradhooks.attach(model, check=check) as gh:
         model(x).square().sum().backward()
         for read in (gh.per_sample_grads, gh.per_sample_grad_norms):
             with pytest.raises(gradhooks.GradHooksError) as info:
                 read()
-            message = str(info.value)
-            assert ("'a'" in message if case == "embedding_adapter" else "'rel_pos'" in message), message
+            assert named in str(info.value), str(info.value)

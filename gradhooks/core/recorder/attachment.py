@@ -99,6 +99,9 @@ def _param_grad(recorder: "weakref.ref", pid: int, grad: Tensor) -> None:
 #: LoKr adapters keep theirs in an ``nn.ParameterDict``): never called, so their parameters are
 #: raw parameters of the forward, as a container's own are.
 _HOLDERS = (nn.ParameterDict, nn.ParameterList)
+#: Modules whose forward never runs (containers): a layer whose parameters another module
+#: reads cannot be handed to such a parent's replay (:meth:`Attachment.demote`).
+_CONTAINERS = (nn.ModuleDict, nn.ModuleList) + _HOLDERS
 
 
 class Attachment:
@@ -291,16 +294,18 @@ class Attachment:
         layer_of = recorder.layer_of
         if layer_of.get(id(layer.module)) is not layer or not layer.path:
             return None
-        if isinstance(layer.rule, FallbackRule):
-            return (f"module {layer.describe()} has its parameters read outside its forward (by "
-                    f"its parent: a method of it other than forward, or its parameters used "
-                    f"functionally), where gradhooks cannot split them per sample. Give the "
-                    f"parent a rule that claims them (gradhooks.register_rule), or call the "
-                    f"module itself")
-        self._demoted.add(layer.path)
-        self._resync = True  # (the next forward rebuilds every layer map with the demotion)
         parent_path = layer.path.rpartition(".")[0]
         parent = recorder.model.get_submodule(parent_path)
+        if isinstance(layer.rule, FallbackRule) or isinstance(parent, _CONTAINERS):
+            # (a container's forward never runs: nothing would replay it, peft's DoRA reading
+            # lora_A.default.weight, held in a ModuleDict, inside its magnitude module's forward)
+            return (f"module {layer.describe()} has its parameters read outside its forward (by "
+                    f"another module: a method of it other than forward, or its parameters used "
+                    f"functionally), where gradhooks cannot split them per sample. Give the "
+                    f"module that reads them a rule that claims them (gradhooks.register_rule), "
+                    f"or call the module itself")
+        self._demoted.add(layer.path)
+        self._resync = True  # (the next forward rebuilds every layer map with the demotion)
         old = layer_of.get(id(parent))
         params = dict(old.params) if old is not None else {}
         rel = layer.path[len(parent_path) + 1:] if parent_path else layer.path
