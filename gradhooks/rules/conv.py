@@ -67,6 +67,16 @@ def padding_pairs(module: nn.Module) -> List[Tuple[int, int]]:
     return [(p, p) for p in module.padding]
 
 
+def padded(module: nn.Module, x: Tensor) -> Tensor:
+    """``x`` ``(N, C_in, *spatial)`` padded exactly as ``module`` pads it (:func:`padding_pairs`,
+    its ``padding_mode``); ``x`` itself without padding."""
+    pairs = padding_pairs(module)
+    if not any(p for pair in pairs for p in pair):
+        return x
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    return F.pad(x, [p for pair in reversed(pairs) for p in pair], mode=mode)  # (last dim first)
+
+
 def unfold(module: nn.Module, x: Tensor) -> Tensor:
     """Unfolded input patches of a ``nn.ConvNd`` in canonical form.
 
@@ -79,11 +89,7 @@ def unfold(module: nn.Module, x: Tensor) -> Tensor:
         last dim is ordered like ``weight[o].flatten()``, i.e. ``(c, k1, k2, ...)``.
     """
     dims = len(module.kernel_size)
-    pairs = padding_pairs(module)
-    if any(p for pair in pairs for p in pair):
-        flat = [p for pair in reversed(pairs) for p in pair]  # F.pad wants last dim first
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, flat, mode=mode)
+    x = padded(module, x)
     for i, (k, d, s) in enumerate(zip(module.kernel_size, module.dilation, module.stride)):
         x = x.unfold(2 + i, d * (k - 1) + 1, s)  # appends the window dim at the end
     if any(d > 1 for d in module.dilation):
@@ -165,8 +171,7 @@ def pad_as_torch(module: nn.Module, x: Tensor) -> Tuple[Tensor, List[int]]:
     pairs = padding_pairs(module)
     if module.padding_mode == "zeros" and all(a == b for a, b in pairs):
         return x, [a for a, _ in pairs]
-    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-    return F.pad(x, [p for pair in reversed(pairs) for p in pair], mode=mode), [0] * len(pairs)
+    return padded(module, x), [0] * len(pairs)
 
 
 def weight_backward(module: nn.Module, x: Tensor, g: Tensor, padding: List[int], *,
@@ -314,10 +319,7 @@ def patch_gram(module: nn.Module, x: Tensor) -> Tensor:
     Returns:
         ``(N, G, S, S)``, ``S`` the output positions in :func:`unfold`'s order, ``x``'s dtype.
     """
-    pairs = padding_pairs(module)
-    if any(p for pair in pairs for p in pair):
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, [p for pair in reversed(pairs) for p in pair], mode=mode)
+    x = padded(module, x)
     n, groups = x.shape[0], module.groups
     c = x.shape[1] // groups
     taps = _taps(module, tuple(x.shape[2:]))

@@ -17,38 +17,38 @@ May import: ``gradhooks.base``, ``gradhooks.rules`` and this folder. Never the r
 reader.
 """
 from .alone import (
-                    FORWARD_RTOL,
-                    NO_CHECK,
-                    checked_rows,
-                    forward_alone,
-                    largest_difference,
-                    sample_rows,
+    FORWARD_RTOL,
+    NO_CHECK,
+    checked_rows,
+    forward_alone,
+    largest_difference,
+    sample_rows,
 )
 from .backward_losses import (
-                    Split,
-                    backward_roots,
-                    constant_of,
-                    fixed_normaliser,
-                    flattened_logits,
-                    ignore_index_of,
-                    loss_of,
-                    position_rows,
-                    row_counts,
-                    split_of,
-                    target_counts,
-                    valid_rows,
+    Split,
+    backward_roots,
+    constant_of,
+    fixed_normaliser,
+    flattened_logits,
+    ignore_index_of,
+    loss_of,
+    position_rows,
+    row_counts,
+    split_of,
+    target_counts,
+    valid_rows,
 )
 from .batch_dims import Routed, relayout
 from .hidden import HiddenOps, under_compile
 from .loss_graph import ForwardSpans, judge, rows_of
 from .mixing import IN_ORDER, UNCHECKED, Mixing
 from .provenance import (
-                    Provenance,
-                    as_batch,
-                    input_batch_dim,
-                    meeting_cotangent,
-                    shared_layout,
-                    source_cotangent,
+    Provenance,
+    as_batch,
+    input_batch_dim,
+    meeting_cotangent,
+    shared_layout,
+    source_cotangent,
 )
 from .separation import UNPROVEN
 from .token_means import TARGETS, check_token_normalisation, rows_mean_message
