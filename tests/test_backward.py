@@ -437,9 +437,9 @@ def test_clipped_backward_refuses_an_unknown_record_of_a_reduced_parameter(monke
 
     real_init = clipping._NormStream.__init__
 
-    def hide_one(self, recorder, caps, events, keep):
+    def hide_one(self, recorder, caps, events, keep, check=None):
         inner = [c for c in caps if c.layer.module is model.inner]
-        real_init(self, recorder, [c for c in caps if c is not inner[0]], events, keep)
+        real_init(self, recorder, [c for c in caps if c is not inner[0]], events, keep, check)
 
     model = Twice().double()
     x, w = torch.randn(4, 4, dtype=torch.float64), torch.rand(4, dtype=torch.float64)

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import gradhooks
-from gradhooks.readers import plan, verify
-from gradhooks.readers.dp import clipping, ghost_sums
+from gradhooks.readers import ghost_sums, plan, verify
+from gradhooks.readers.dp import clipping
 from gradhooks.rules import conv
 
 from conftest import RTOL, loop_grads, weighted_square_loss
@@ -430,7 +430,7 @@ def test_lstm_gate_gradient_gram_is_formed_once(monkeypatch, dtype):
 def test_gram_form_forms_no_per_sample_tensor(monkeypatch):
     """Linear without bias on (B, in): norms and ghost clipping never call a rule."""
     model = nn.Sequential(nn.Linear(30, 20, bias=False), nn.Tanh(), nn.Linear(20, 10, bias=False))
-    for module in (plan, ghost_sums):  # (clipping's weighted sums: gradhooks.readers.dp.ghost_sums)
+    for module in (plan, ghost_sums):  # (clipping's weighted sums: gradhooks.readers.ghost_sums)
         monkeypatch.setattr(module, "call_grads", lambda *a, **k: pytest.fail("materialised"))
     with gradhooks.attach(model) as gh:
         weighted_square_loss()(model(torch.randn(8, 30)), torch.ones(8)).backward()

@@ -194,3 +194,77 @@ def test_a_forward_that_mixes_only_middle_rows_is_refused(how, use):
                 gh.per_sample_grads()
             else:
                 USES[use](gh, losses)
+
+
+def _pair_rows(terms, i, j):
+    # (B,) terms with rows i and j each also depending on the other's term (every other row,
+    # the checked 0 and B - 1 among them, left alone)
+    other = terms.clone()
+    other[i], other[j] = terms[j], terms[i]
+    picked = torch.zeros_like(terms)
+    picked[[i, j]] = 1
+    return terms + 0.5 * picked * other
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("b, pair", [(5, (1, 3)), (8, (2, 5)), (16, (6, 9))],
+                         ids=["B5", "B8", "B16"])
+@pytest.mark.parametrize("use", list(USES), ids=list(USES))
+def test_a_pairing_of_unchecked_rows_is_refused_by_the_weighted_sum(use, b, pair, dtype):
+    """Only rows the row check does not compare are paired (after the model, where no
+    analysis of the forward sees it): the weighted sum over every row finds it."""
+    model = _model(dtype)
+    x, y = _batch(b, dtype)
+    with gradhooks.attach(model, check=False) as gh:
+        losses = _pair_rows(_own(model(x), y), *pair)
+        with pytest.raises(gradhooks.SampleMixingError, match="random weight"):
+            USES[use](gh, losses)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32], ids=["f64", "f32"])
+def test_the_weighted_sum_sees_a_pairing_of_unchecked_groups(dtype):
+    """sample_ids: 6 groups of two rows; groups 2 and 3 are paired, groups 0 and 5 not."""
+    model = _model(dtype)
+    x, y = _batch(12, dtype)
+    ids = torch.arange(12) // 2
+    for clipped in (True, False):
+        with gradhooks.attach(model, loss_reduction="sum") as gh:
+            out = model(x)
+            gh.set_sample_ids(ids)
+            per_group = _own(out, y).new_zeros(6).index_add(0, ids, _own(out, y))
+            losses = _pair_rows(per_group, 2, 3)
+            with pytest.raises(gradhooks.SampleMixingError, match="random weight"):
+                if clipped:
+                    gh.clipped_backward(losses, 1.0)
+                else:
+                    gh.backward(losses.sum())
+                    gh.per_sample_grad_norms()
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("b", [3, 16], ids=["B3", "B16"])
+def test_the_weighted_sum_passes_separable_losses_grouped_and_tied(b, dtype):
+    """Separable losses pass the weighted sum where its records take every form: a tied
+    embedding (row scatters plus a projection), grouped rows, two-pass and book-keeping."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(11, 6)
+    head = nn.Linear(6, 11, bias=False)
+    head.weight = emb.weight
+    model = nn.Sequential(emb, nn.LayerNorm(6), nn.Linear(6, 6), nn.Tanh(), head).to(dtype)
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, 11, (b, 4), generator=g)
+
+    def losses_of(out, t):
+        return F.cross_entropy(out.transpose(1, 2), t, reduction="none").sum(1)
+
+    ref = loop_grads(model, lambda z, t: losses_of(z, t).sum(), tokens, tokens)
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        gh.backward(losses_of(model(tokens), tokens).sum())
+        assert_close_to_loop(gh.per_sample_grads(), ref, dtype)
+        assert len(gh.recorder.sample_checked) == 1
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        gh.clipped_backward(losses_of(model(tokens), tokens), 1e9)  # (no clipping: the plain sum)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, ref[name].sum(0), rtol=RTOL[dtype],
+                                       atol=RTOL[dtype])
+        assert len(gh.recorder.sample_checked) == 1

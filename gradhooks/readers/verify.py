@@ -19,10 +19,11 @@ is written (``param.grad``, ``grad_sample``). This module judges:
 * each at the tolerance of the precision its gradient was formed in (:data:`SUM_CHECK_RTOL`;
   the evidence of that precision: :mod:`gradhooks.core.recorder.totals`).
 
-* the sample check through the batched graph (:func:`judge_sample_rows`): the rows of two
-  samples against autograd's gradient of their own loss terms, which
-  :mod:`gradhooks.readers.sample_check` computes (masked backward passes through the batched
-  forward).
+* the sample check through the batched graph (:func:`judge_sample_rows`,
+  :func:`judge_weighted_sums`): the rows of two samples against autograd's gradient of their own
+  loss terms, and the records' sum of every row times a random weight against autograd's gradient
+  of the same weighted sum of the loss terms, which :mod:`gradhooks.readers.sample_check`
+  computes (masked and weighted backward passes through the batched forward).
 
 The check of a forward run one sample alone (:mod:`gradhooks.readers.spotcheck`, an explicit
 ``gh.check_samples``) judges at its own tolerance there; the replay checks of the
@@ -519,10 +520,60 @@ def judge_sample_rows(ours: Mapping[int, Tensor], ref: Mapping[int, Tensor], row
         f"autograd through the batched forward, has norm {float(theirs[k, r]):.6g} for "
         f"{name}, but row {n} of the per-sample results has {float(mine[k, r]):.6g} (a "
         f"difference of {float(diff[k, r]):.3g}, tolerance {rtol:g} of the row's norm "
-        f"{float(total[r]):.6g}): something between the samples' inputs and their loss terms "
-        f"pairs samples -- an op in the model or in the loss after it (z @ z.T, a sort, a "
-        f"softmax or a statistic over the batch, an index that moves rows between samples), "
-        f"so the per-sample gradients are not defined for it. Compute each sample's loss "
-        f"from its own rows only (gh.set_sample_ids groups rows that form one sample), or, "
-        f"to read the batch's contributions on purpose, attach(..., "
-        f"allow_sample_mixing=True)")
+        f"{float(total[r]):.6g}): " + _PAIRS)
+
+
+_PAIRS = ("something between the samples' inputs and their loss terms pairs samples -- an op in "
+          "the model or in the loss after it (z @ z.T, a sort, a softmax or a statistic over the "
+          "batch, an index that moves rows between samples), so the per-sample gradients are not "
+          "defined for it. Compute each sample's loss from its own rows only (gh.set_sample_ids "
+          "groups rows that form one sample), or, to read the batch's contributions on purpose, "
+          "attach(..., allow_sample_mixing=True)")
+
+
+def judge_weighted_sums(ours: Mapping[int, Tensor], ref: Mapping[int, Tensor], spread: float,
+                        dtype: torch.dtype, names: Mapping[int, str], what: str) -> bool:
+    """The sample check's verdict on every row at once: the records' ``sum_n w_n g_n`` against
+    autograd's gradient of ``sum_n w_n l_n`` through the batched forward (``w_n`` distinct
+    random weights), both sketched per parameter (:mod:`gradhooks.readers.sample_check`
+    computes them).
+
+    Args:
+        ours, ref: ``{id(param): (K,)}`` float64 sketches ``u_k^T W z_k`` of the two sums; a
+            parameter of ``ref`` missing from ``ours`` (no record formed its sum) counts as
+            zero.
+        spread: ``sum_n w_n^2 ||g_n||^2`` over the records' rows and parameters: the expected
+            squared norm of a weighted sum, the scale of the tolerance.
+        dtype: the precision of the compared values (:data:`SAMPLE_CHECK_RTOL`).
+        names: ``{id(param): name}``; ``what``: the loss (both for the message).
+
+    Returns:
+        Whether every compared value was finite (a non-finite one is not judged).
+
+    Raises:
+        SampleMixingError: the sums differ by more than ``SAMPLE_CHECK_RTOL[dtype]`` of the
+            larger of ``sqrt(spread)`` and the sums' size: some row is not its sample's
+            gradient.
+    """
+    keys = list(ref)
+    if not keys:
+        return False
+    theirs = torch.stack([ref[k] for k in keys])  # (P, K)
+    mine = torch.stack([ours.get(k, torch.zeros_like(ref[k])) for k in keys])
+    if not (bool(torch.isfinite(mine).all()) and bool(torch.isfinite(theirs).all())
+            and spread == spread and spread != float("inf")):
+        return False
+    probes = theirs.shape[1]
+    size = max(spread, float(theirs.square().sum()) / probes, float(mine.square().sum()) / probes)
+    diff = (mine - theirs).square().sum(1).div(probes).sqrt()  # (P,): rms over the sketches
+    rtol = SAMPLE_CHECK_RTOL.get(dtype, 2e-3)
+    total = float(diff.square().sum().sqrt())
+    if total <= rtol * size ** 0.5 + 1e-30:
+        return True
+    k = int(diff.argmax())
+    raise SampleMixingError(
+        f"the sample check: the sum of every sample's per-sample result times a random weight "
+        f"differs from autograd's gradient of the same weighted sum of {what}, taken through the "
+        f"batched forward, by {total:.3g} (tolerance {rtol:g} of {size ** 0.5:.6g}, the size "
+        f"of such a sum), most in {names.get(keys[k], '?')!r} ({float(diff[k]):.3g}): some "
+        f"row, not necessarily a checked one, is not its sample's gradient: " + _PAIRS)

@@ -77,9 +77,10 @@ class _NormStream:
     then skips.
     """
 
-    def __init__(self, recorder: Recorder, caps: list, events: Dict[int, int], keep: bool):
+    def __init__(self, recorder: Recorder, caps: list, events: Dict[int, int], keep: bool,
+                 check: Optional[SampleCheck] = None):
         self.recorder, self.events, self.hits = recorder, events, {}
-        self.keep, self.kept = keep, {}
+        self.keep, self.kept, self.check = keep, {}, check
         parent = {id(c): id(c) for c in caps}
 
         def root(x: int) -> int:
@@ -129,6 +130,8 @@ class _NormStream:
             evidence.judge()
             self.sq = add_up([self.sq, *sq.values()])
             self.kept.update(forms.kept)
+            if self.check is not None:  # (the sample check's weighted sums: consumes forms)
+                self.check.weigh(batch, plans, forms, sq)
         for cap in group:
             cap.release()
 
@@ -299,7 +302,7 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *,
     # FSDP's reductions expect every parameter's gradient from it)
     keep = ranks is None and recorder.reads.groups("clipped_backward()") is None
     with no_autocast():
-        sq, kept = _first_pass(recorder, ranks, total, trainable, keep)
+        sq, kept = _first_pass(recorder, ranks, total, trainable, keep, check)
     if check is not None:
         check.judge_norms(sq)
     norms = sq.sqrt_().div_(scale)
@@ -345,7 +348,8 @@ def clipped_backward(recorder: Recorder, losses: Tensor, max_norm: float, *,
 
 
 def _first_pass(recorder: Recorder, ranks: Optional[Ranks], total: Tensor, trainable,
-                keep: bool) -> Tuple[Tensor, Dict[int, Tensor]]:
+                keep: bool, check: Optional[SampleCheck] = None
+                ) -> Tuple[Tensor, Dict[int, Tensor]]:
     """The first pass of :func:`clipped_backward`: a backward of ``total`` (``S sum_n l_n``,
     graph retained, no weight gradients) and the ``(B,)`` per-sample squared norms of ``S``
     times the gradients, each record's formed as soon as it can be and dropped; and (``keep``:
@@ -359,7 +363,7 @@ def _first_pass(recorder: Recorder, ranks: Optional[Ranks], total: Tensor, train
     streams: list = []
 
     def stream(caps, events):
-        streams.append(_NormStream(recorder, caps, events, keep))
+        streams.append(_NormStream(recorder, caps, events, keep, check))
         return streams[0]
 
     if ranks is not None and ranks.sharded:
@@ -384,16 +388,20 @@ def _first_pass(recorder: Recorder, ranks: Optional[Ranks], total: Tensor, train
         return sq, streams[0].kept
     # the sum check is due (the pass computed the parameter gradients: no stream): records
     # kept, then reduced
-    return _kept_records_norms(recorder), {}
+    return _kept_records_norms(recorder, check), {}
 
 
-def _kept_records_norms(recorder: Recorder) -> Tensor:
-    """``(B,)`` per-sample squared norms from all the batch's records, kept until now."""
+def _kept_records_norms(recorder: Recorder, check: Optional[SampleCheck] = None) -> Tensor:
+    """``(B,)`` per-sample squared norms from all the batch's records, kept until now (and the
+    sample check's weighted sums of them, :meth:`SampleCheck.weigh`)."""
     snap = recorder.snapshot("clipped_backward()")
     plans, units = plan(snap)
     evidence = Evidence(snap)
-    sq = squared_norms(snap, plans, units, Forms(snap, plans), evidence)
+    forms = Forms(snap, plans)
+    sq = squared_norms(snap, plans, units, forms, evidence)
     evidence.judge()
+    if check is not None:
+        check.weigh(snap, plans, forms, sq)
     return add_up(sq.values())
 
 

@@ -41,6 +41,7 @@ from ...base.utils import no_autocast, own_loss_scale, tf32_products
 from ...core.recorder.capture import Recorder
 from ...core.recorder.records import Batch
 from ..distributed import Ranks, is_sharded, ranks_of
+from ..ghost_sums import ghost_sums
 from ..per_sample import per_sample_grads
 from ..plan import Forms, add_up, keep_budget, plan, result_sq_norms, squared_norms
 from ..verify import Evidence
@@ -54,7 +55,6 @@ from .clip_setup import (
     overflowed,
     skip_if_not_finite,
 )
-from .ghost_sums import ghost_sums
 
 __all__ = ["clip_and_accumulate", "finish_step", "CLIP_METHODS"]
 
@@ -277,7 +277,7 @@ def _norms(batch: Batch, clip: _Clip) -> _Norms:
 
 def _weighted_sums(batch: Batch, clip: _Clip, found: _Norms, assign) -> None:
     """``sum_n c_n d(param)_n`` times ``found.scale`` for each parameter, handed to
-    ``assign(id(param), sum)``: from the records (:func:`gradhooks.readers.dp.ghost_sums.ghost_sums`) or
+    ``assign(id(param), sum)``: from the records (:func:`gradhooks.readers.ghost_sums.ghost_sums`) or
     from the materialised per-sample gradients (one ``tensordot`` each); nothing for an empty
     batch."""
     if found.read is None:

@@ -1,6 +1,8 @@
-"""The clipped sum of book-keeping ghost clipping, from the records (Bu et al. 2023,
-arXiv:2210.00038, sec. 3; Li et al. 2022, arXiv:2110.05679, sec. 4): the weighted-sums step of
-:func:`gradhooks.readers.dp.clipping.clip_and_accumulate`.
+"""Weighted sums of the per-sample gradients from the records, none materialised: the clipped
+sum of book-keeping ghost clipping (Bu et al. 2023, arXiv:2210.00038, sec. 3; Li et al. 2022,
+arXiv:2110.05679, sec. 4), the weighted-sums step of
+:func:`gradhooks.readers.dp.clipping.clip_and_accumulate`; and the random-sign sums of the sample
+check (:mod:`gradhooks.readers.sample_check`).
 
 Index conventions: ``n`` sample (``N``), ``s`` shared position, ``c_n`` the clipping factor
 (weight) of sample ``n``; ``a: (N, S, I)`` and ``g: (N, S, O)`` a block's recorded inputs and
@@ -16,10 +18,10 @@ from typing import Dict, Optional, Union
 import torch
 from torch import Tensor
 
-from ...core.recorder.capture import Batch
-from ..canonical import call_grads, summed
-from ..distributed import is_sharded
-from ..plan import CLOSED, FORMS, GENERIC, GRAM, ROWS, TIED, Forms, PlannedParam, factored
+from ..core.recorder.capture import Batch
+from .canonical import call_grads, summed
+from .distributed import is_sharded
+from .plan import CLOSED, FORMS, GENERIC, GRAM, ROWS, TIED, Forms, PlannedParam, factored
 
 __all__ = ["ghost_sums"]
 
@@ -64,7 +66,7 @@ def _forms_weighted(batch: Batch, p: PlannedParam, forms: Forms, c: Tensor, dest
 
 
 def ghost_sums(batch: Batch, plans: Dict[int, PlannedParam], c: Union[Tensor, Dict[int, Tensor]],
-                assign, forms: Forms) -> None:
+                assign, forms: Forms, into_grad: bool = True) -> None:
     """``sum_n c_n d(param)_n`` (unscaled per-sample gradients) for each parameter, ``c`` one
     ``(N,)`` weight vector or one per parameter id (group-wise clipping), from the
     records: :meth:`~gradhooks.base.registry.LayerRule.weighted_sum` for rules with a linear form
@@ -74,7 +76,18 @@ def ghost_sums(batch: Batch, plans: Dict[int, PlannedParam], c: Union[Tensor, Di
     be freed before the next layer is processed). Linear weights and biases and single-block
     factored forms are written straight into the parameter's ``.grad`` when it has the
     parameter's shape, the computation's dtype and a contiguous layout (no second tensor of the
-    parameter's size: ghost clipping's peak stays at plain training's)."""
+    parameter's size: ghost clipping's peak stays at plain training's); with ``into_grad=False``
+    (the sample check) no ``.grad`` is touched.
+
+    Args:
+        batch: the records (:class:`~gradhooks.core.recorder.capture.Batch`), ``N`` rows.
+        plans, forms: the norm plan and its forms (:func:`~gradhooks.readers.plan.plan`,
+            :class:`~gradhooks.readers.plan.Forms`), after the norms were formed (the forms are
+            consumed).
+        c: ``(N,)`` weights, or ``{id(param): (N,)}``.
+        assign: ``assign(id(param), sum)``, ``sum`` of the parameter's shape.
+        into_grad: whether a parameter's ``.grad`` may be reused as the output.
+    """
     # a TIED weight's row scatters count as one contribution, added last (in place)
     left = {pid: len(p.entries) if p.kind != TIED
             else 1 + sum(not cap.layer.rule.has_rows for cap, _ in p.entries)
@@ -85,7 +98,7 @@ def ghost_sums(batch: Batch, plans: Dict[int, PlannedParam], c: Union[Tensor, Di
 
     def dest(pid: int, dtype: torch.dtype) -> Optional[Tensor]:
         # The parameter's current .grad, for its first contribution only (later ones add to it).
-        if pid in offered:
+        if pid in offered or not into_grad:
             return None
         offered.add(pid)
         grad = batch.params[pid].grad
