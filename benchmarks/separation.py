@@ -18,7 +18,8 @@ medians of ``--repeats``:
 * ``first step``: the same step on a structure seen for the first time (signatures and the
   sample check's record forgotten before each repeat): the forward tracked by provenance (the
   whitelist's verdicts, point 1), the forward-alone check where an op needs it, and the sample
-  check through the batched graph (point 2: three masked backward passes and one norm read).
+  check through the batched graph (point 2: two masked backward passes, one weighted one, one norm
+  read and one weighted-sum read).
 
 The machine is noisy: the ratios to ``plain`` in one process are what to compare.
 """
