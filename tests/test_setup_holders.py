@@ -1,5 +1,6 @@
 """Parameters a parent reads outside their module's forward: held in an ``nn.ParameterDict`` /
-``nn.ParameterList`` (peft's IA3, VeRA, LoKr and LoRA-on-Embedding adapters), returned by a
+``nn.ParameterList`` (peft's IA3, VeRA, LoKr and LoRA-on-Embedding adapters; LoKr's weight
+computed from them, ``kron(w1, w2)``, meets the batch as F.linear's weight), returned by a
 child's method other than ``forward`` (timm's MaxViT / CoAtNet ``self.rel_pos.get_bias()``), or
 the weights of layers in a ``ModuleDict`` read by another module (peft's DoRA on a Conv).
 Exact against the loop where the parameter meets the batch in an op gradhooks splits per
@@ -41,6 +42,56 @@ def test_parameters_in_a_holder_meeting_the_batch_are_exact(holder, batch, dtype
     model = model.to(dtype)
     with gradhooks.attach(model) as gh:
         model(x.to(dtype)).square().sum().backward()
+        got = gh.per_sample_grads()
+    assert {n: t.shape for n, t in got.items()} == {
+        n: (0, *p.shape) for n, p in model.named_parameters() if p.requires_grad}
+
+
+class KronAdapter(nn.Module):
+    """peft's LoKr pattern: a frozen Linear plus ``F.linear(x, kron(w1, w2))``, the factors
+    held in ParameterDicts (``w1`` itself a low-rank product with ``factored``), and a bias
+    computed from a raw parameter too (``bias``): a weight computed from raw parameters alone
+    meets the batch as F.linear's weight."""
+
+    def __init__(self, d_in, d_out, factored=False, bias=False):
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out).requires_grad_(False)
+        self.factored, self.bias = factored, bias
+        if factored:
+            self.w1_a = nn.ParameterDict({"default": nn.Parameter(torch.randn(2, 3))})
+            self.w1_b = nn.ParameterDict({"default": nn.Parameter(torch.randn(3, 2))})
+        else:
+            self.w1 = nn.ParameterDict({"default": nn.Parameter(torch.randn(2, 2))})
+        self.w2 = nn.ParameterDict({"default": nn.Parameter(torch.randn(d_out // 2, d_in // 2))})
+        if bias:
+            self.b = nn.ParameterList([nn.Parameter(torch.randn(d_out // 2))])
+
+    def forward(self, x):
+        w1 = (self.w1_a["default"] @ self.w1_b["default"] if self.factored
+              else self.w1["default"])
+        delta = torch.kron(w1, self.w2["default"]).reshape(self.base.weight.shape) * 0.5
+        bias = self.b[0].repeat(2) if self.bias else None
+        return self.base(x) + F.linear(x, delta, bias)
+
+
+@pytest.mark.parametrize("form", ["kron", "factored", "with_bias"])
+@pytest.mark.parametrize("shape, batch_first", [((4,), True), ((5, 4), True), ((5, 4), False)],
+                         ids=["2d", "3d", "3d_seq_first"])
+@pytest.mark.parametrize("batch", [0, 1, 3])
+def test_a_weight_computed_from_raw_parameters_is_exact(form, shape, batch_first, batch, dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(KronAdapter(4, 6, form == "factored", form == "with_bias"), nn.Tanh(),
+                          KronAdapter(6, 2, form == "factored", form == "with_bias"))
+    size = (batch, *shape) if batch_first else (shape[0], batch, shape[1])
+    x, w = torch.randn(size), torch.rand(batch) + 0.5
+    if batch:
+        ours = check_against_loop(model, x, w, loss_reduction="sum", dtype=dtype,
+                                  batch_first=batch_first)
+        assert set(ours) == {n for n, p in model.named_parameters() if p.requires_grad}
+        return
+    model = model.to(dtype)
+    with gradhooks.attach(model, loss_reduction="sum", batch_first=batch_first) as gh:
+        model(x.to(dtype)).sum().backward()
         got = gh.per_sample_grads()
     assert {n: t.shape for n, t in got.items()} == {
         n: (0, *p.shape) for n, p in model.named_parameters() if p.requires_grad}
@@ -111,8 +162,18 @@ class DoraLike(nn.Module):
         return self.head(torch.tanh(h))
 
 
+def _only_the_adapter():  # (all else frozen: the refused meeting is the only trainable use)
+    model = EmbeddingAdapter()
+    for m in (model.b, model.head):
+        m.requires_grad_(False)
+    return model
+
+
 CASES = {
     "embedding_adapter": (EmbeddingAdapter, lambda: torch.randint(0, 11, (3, 5)), "'a'"),
+    # (nothing recorded: the refusal names the op, not "no backward pass")
+    "only_the_adapter": (_only_the_adapter, lambda: torch.randint(0, 11, (3, 5)),
+                         "'a' (ParameterDict) has raw parameters"),
     "child_method": (Attention, lambda: torch.randn(3, 5, 4), "'rel_pos'"),
     "container_child": (DoraLike, lambda: torch.randn(3, 4), "lora_"),
 }
@@ -130,3 +191,4 @@ def test_a_parameter_read_where_it_cannot_be_split_is_refused(case, check):
             with pytest.raises(gradhooks.GradHooksError) as info:
                 read()
             assert named in str(info.value), str(info.value)
+            assert not isinstance(info.value, gradhooks.NoBackwardError)

@@ -382,8 +382,8 @@ class Provenance(TorchFunctionMode):
                         sources = src if sources is None else _union(sources, src)
                         tainted = [t] if tainted is None else tainted + [t]
         linear = None
-        if ref is not None and isinstance(rbd, (tuple, Routed)) and (
-                func is F.linear or is_grouped_mm(func)):
+        if ref is not None and (isinstance(rbd, (tuple, Routed)) and (func is F.linear or is_grouped_mm(
+                func)) or tainted and func is F.linear and type(rbd) is int):  # (int: LoKr's kron)
             if not tainted:  # (a weight of a module without a rule, on merged / routed rows)
                 tainted, sources = own_weights(self, args, kwargs)
             if tainted:

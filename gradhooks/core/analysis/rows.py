@@ -16,6 +16,7 @@ summed only when read.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -36,10 +37,11 @@ def by_sample(t: Tensor, bd, size: int) -> Optional[Tensor]:
     """``t``'s rows grouped by sample, ``(size, S, F)`` (``F`` its last dim), for a batch dim
     ``bd`` that is an int or a merged ``(dim, inner)`` before the last dim; ``None`` otherwise
     (:class:`Routed` rows: :func:`linear_cotangents` scatters them)."""
-    d = bd[0] if isinstance(bd, tuple) else bd
+    d, inner = bd if isinstance(bd, tuple) else (bd, 1)
     if not isinstance(d, int) or d >= t.dim() - 1:
         return None
-    return t.movedim(d, 0).reshape(size, -1, t.shape[-1])
+    t = t.movedim(d, 0)  # (each sample's rows counted, not -1: an empty batch has none)
+    return t.reshape(size, inner * math.prod(t.shape[1:-1]), t.shape[-1])
 
 
 def _padded(t: Tensor, samples: Tensor, size: int) -> Tensor:
@@ -107,14 +109,20 @@ def own_weights(prov, args, kwargs):
 
 def linear_meeting(prov, args, kwargs, ref, bd, tainted):
     """``F.linear(x, W, b)`` with ``x`` batched (``ref``, its rows grouped by sample as ``bd``
-    says: merged or :class:`Routed`) and ``W`` / ``b`` carrying sources (``tainted``): returns
-    ``hook(out)``, to call on the op's output, which registers the backward hook that forms
-    each sample's gradient of ``W`` / ``b`` from its own rows (:func:`linear_cotangents`) and
-    hands it to provenance's ``meet`` as ``"given"``; or ``None`` for any other layout (the op
-    is then left to provenance's split, which refuses it)."""
+    says: merged, :class:`Routed`, or an int, the batch dim, where ``W`` carries sources: a
+    weight computed from raw parameters, peft's LoKr ``kron(w1, w2)``) and ``W`` / ``b``
+    carrying sources (``tainted``): returns ``hook(out)``, to call on the op's output, which
+    registers the backward hook that forms each sample's gradient of ``W`` / ``b`` from its own
+    rows (:func:`linear_cotangents`) and hands it to provenance's ``meet`` as ``"given"``; or
+    ``None`` for any other layout (the op is then left to provenance's split, which refuses it
+    or, for a bias alone, broadcasts it)."""
     x = args[0] if args else kwargs.get("input")
     w = args[1] if len(args) > 1 else kwargs.get("weight")
     b = args[2] if len(args) > 2 else kwargs.get("bias")
+    if isinstance(bd, int):
+        if not any(u is w for u in tainted):
+            return None
+        bd = (bd, 1)
     if x is not ref or x.dim() < 2 or any(u is not w and u is not b for u in tainted):
         return None
     size = prov.batch_size

@@ -189,6 +189,10 @@ class BatchReads:
             forwards=forwards if recorder.forwards == "one"
             and id(recorder.model) not in recorder.layer_of else 1,
             higher_order=recorder.higher_order)
+        if isinstance(error, NoBackwardError):  # (nothing recorded because the forward met the
+            # batch where it cannot be split: peft's LoKr, F.linear(x, kron(w1, w2)) of raw
+            # parameters; that refusal names the cause)
+            error = recorder.placement.refusal(read) or error
         if error is not None:
             raise error
         error = recorder.placement.refusal(read)

@@ -146,6 +146,20 @@ def _batch_of_input(recorder, prov: Provenance, forward_id: int) -> None:
         recorder.batch_source = "the model's input"
 
 
+def _unsplit(record: Record, where: str, read: str) -> BatchSizeError:
+    # The refusal of a shared call's output, or a raw parameter (or a tensor computed from raw
+    # parameters alone: peft's LoRA-on-Embedding A), that met the batch where it cannot be split
+    what = ("has raw parameters (not read by its own forward): they, or a tensor made of them "
+            "alone," if record.shared == "param" else "is called on inputs that do not come "
+            "from the batch (a shared call: the same for every sample), and its output")
+    return BatchSizeError(
+        f"module {record.layer.describe()} {what} meets the batch in {where}, which gradhooks "
+        f"cannot split per sample; {read} would be wrong. Make the shared tensor meet the batch "
+        f"by broadcasting (+, *, where, matmul, as F.linear's weight, cat off the batch dim), "
+        f"pass the module's inputs batched (B, ...), or give the module whose forward does "
+        f"this a rule (gradhooks.register_rule)")
+
+
 class Placement:
     """The batch placement of one recorder: owns the provenance of the forward running now,
     what each input signature's tracked forward found, and the shared calls of the batch.
@@ -531,12 +545,7 @@ class Placement:
         for _, message in self.unsplit:
             return BatchSizeError(f"{message}; {read} would be wrong")
         for record, where in self.refused.values():
-            return BatchSizeError(
-                f"module {record.layer.describe()} is called on inputs that do not come from the "
-                f"batch (a shared call: the same for every sample), and its output meets the "
-                f"batch in {where}, which gradhooks cannot split per sample; {read} would be "
-                f"wrong. Make the shared tensor meet the batch by broadcasting (+, *, where, "
-                f"matmul, cat off the batch dim), or pass the module's inputs batched (B, ...)")
+            return _unsplit(record, where, read)
         return self.mixing.refusal(read)
 
     def on_meeting(self, edge, sources: tuple, how: str, shape: tuple, grad: Tensor,
