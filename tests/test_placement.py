@@ -191,7 +191,7 @@ def test_refused_meeting_raises_at_the_read_and_goes_with_the_batch():
         ids = torch.randn(T, D)
         pos = table(ids)
         placement.record_shared(layer, (ids,), {}, pos, layer.trainable(), ids, 1)
-        torch.einsum("btd,td->bt", x, pos)  # (not split per sample)
+        torch.einsum("btd,td->td", x, pos)  # (the samples summed: not split per sample)
     finally:
         placement.end_forward(True, 1)
     error = placement.refusal("per_sample_grads()")
@@ -211,7 +211,7 @@ def test_refusals_of_a_forward_that_raised_are_dropped():
     ids = torch.randn(T, D)
     pos = table(ids)
     placement.record_shared(layer, (ids,), {}, pos, layer.trainable(), ids, 1)
-    torch.einsum("btd,td->bt", x, pos)
+    torch.einsum("btd,td->td", x, pos)
     placement.end_forward(False, 1)
     assert placement.refusal("per_sample_grads()") is None
     assert placement.signatures == {}  # (nothing learnt from a forward that raised)

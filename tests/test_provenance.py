@@ -121,25 +121,39 @@ def test_gh_backward_with_shared_calls_matches_loop(make):
 
 
 class Einsum(nn.Module):
-    def __init__(self):
+    def __init__(self, op="einsum"):
         super().__init__()
-        self.inp, self.q = nn.Linear(3, D), nn.Linear(D, D)
+        self.op, self.inp, self.q = op, nn.Linear(3, D), nn.Linear(D, D)
         self.query = nn.Parameter(torch.randn(4, D))
 
     def forward(self, x):  # x (B, T, 3)
         q = self.q(self.query)  # (4, D), shared
-        return torch.einsum("qd,btd->bq", q, self.inp(x))
+        if self.op == "einsum":
+            return torch.einsum("qd,btd->bqt", q, self.inp(x)).tanh().sum(2)  # (B, 4)
+        return torch.tensordot(self.inp(x), q, dims=([2], [1])).sum(1)  # (B, 4)
+
+
+def test_shared_call_meeting_in_an_einsum_is_split_by_its_letters(dtype):
+    """The batch letter is the batched operand's at its batch dim: the shared operand's ``q``
+    (here as many queries as samples) is not taken for it. Exact against the loop."""
+    torch.manual_seed(0)
+    model = Einsum().to(dtype)
+    x, y = torch.randn(4, 4, 3, dtype=dtype), torch.randint(0, 4, (4,))
+    with gradhooks.attach(model) as gh:
+        F.cross_entropy(model(x), y).backward()
+        ours = gh.per_sample_grads()
+    assert_close_to_loop(ours, loop_grads(model, F.cross_entropy, x, y), dtype)
 
 
 def test_shared_call_meeting_in_an_unsplit_op_is_refused():
-    """einsum can line a shared operand's dims up with the batch in any way: the read raises,
-    naming the module and the op, instead of guessing (here the query count equals B)."""
+    """An op the split does not know (tensordot) can line a shared operand's dims up with the
+    batch in any way: the read raises, naming the module and the op, instead of guessing."""
     torch.manual_seed(0)
-    model = Einsum().double()
+    model = Einsum("tensordot").double()
     x, y = torch.randn(4, 4, 3, dtype=torch.float64), torch.randint(0, 4, (4,))
     with gradhooks.attach(model) as gh:
         F.cross_entropy(model(x), y).backward()
-        with pytest.raises(gradhooks.BatchSizeError, match=r"'q' \(Linear\).*einsum"):
+        with pytest.raises(gradhooks.BatchSizeError, match=r"'q' \(Linear\).*tensordot"):
             gh.per_sample_grads()
 
 
@@ -208,8 +222,8 @@ class TinyViT(nn.Module):
     def forward(self, x):  # x (B, 4, 3)
         h = self.embed(x)
         h = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), h], 1) + self.pos_embed
-        if self.einsum:  # (einsum: not split per sample, so the replay covers gamma)
-            h = h + torch.einsum("btd,d->btd", torch.tanh(self.mix(h)), self.gamma)
+        if self.einsum:  # (tensordot: not split per sample, so the replay covers gamma)
+            h = h + torch.tensordot(torch.tanh(self.mix(h)), torch.diag(self.gamma), 1)
         else:
             h = h + torch.tanh(self.mix(h)) * self.gamma
         return self.head(h[:, 0])
@@ -221,7 +235,8 @@ class TinyViT(nn.Module):
 def test_raw_parameters_of_a_container_match_loop(batch, einsum, dtype):
     """Raw parameters of a container take their per-sample gradients where they meet the batch
     (records with Call.shared == "param"), and the container's torch.func replay drops them; a
-    parameter that meets the batch in an op that is not split (einsum) stays with the replay."""
+    parameter that meets the batch in an op that is not split (tensordot) stays with the
+    replay."""
     torch.manual_seed(0)
     model = TinyViT(einsum).to(dtype)
     x, y = torch.randn(batch, 4, 3, dtype=dtype), torch.randint(0, 3, (batch,))

@@ -115,3 +115,63 @@ def test_a_prompt_the_only_trainable_part(raw, batch, dtype):
     expected = ref["prompt" if raw else "prompt.weight"].flatten(1).norm(dim=1)
     torch.testing.assert_close(norms, expected.to(norms.dtype),
                                rtol=1e-9 if dtype == torch.float64 else 1e-4, atol=0)
+
+
+class LatentQueries(nn.Module):
+    """A Perceiver's cross-attention: learned latent queries, not from the batch, meet the
+    batch's keys in an einsum; ``via``: the queries are a raw parameter, or the output of
+    ``proj`` called on them (a shared call) while ``proj`` is called on the batch too, or both
+    operands swapped in the equation (``swapped``)."""
+
+    def __init__(self, via, q=2, d=6):
+        super().__init__()
+        self.via = via
+        self.q, self.proj = nn.Parameter(torch.randn(q, d)), nn.Linear(d, d)
+        self.head = nn.Linear(q * d, 3)
+
+    def forward(self, x):
+        k = self.proj(x)  # (B, T, d)
+        q = self.q if self.via == "raw" else self.proj(self.q)
+        scores = (torch.einsum("btd,qd->bqt", k, q) if self.via == "swapped"
+                  else torch.einsum("qd,btd->bqt", q, k))
+        # (tanh, not a softmax: one over the keys would leave proj's bias, one over the queries
+        # followed by their mean the queries, exactly without gradient)
+        return self.head((scores.tanh() @ x).flatten(1))
+
+
+@pytest.mark.parametrize("via", ["raw", "shared_call", "swapped"])
+@pytest.mark.parametrize("batch", [0, 1, 3])
+def test_shared_queries_meeting_the_batch_in_einsum_are_exact(via, batch, dtype):
+    """The shared operand is given the batch letter and passed as B copies: its gradient per
+    sample (a BatchSizeError before 2026-12-08)."""
+    torch.manual_seed(0)
+    model = LatentQueries(via).to(dtype)
+    x, y = torch.randn(batch, 4, 6, dtype=dtype), torch.randint(0, 3, (batch,))
+    loss = lambda out, t: F.cross_entropy(out, t, reduction="sum")
+    with gradhooks.attach(model, loss_reduction="sum") as gh:
+        loss(model(x), y).backward()
+        ours = gh.per_sample_grads()
+    if not batch:
+        assert {n: t.shape for n, t in ours.items()} == {
+            n: (0, *p.shape) for n, p in model.named_parameters()}
+        return
+    assert_close_to_loop(ours, loop_grads(model, loss, x, y), dtype)
+
+
+class SamplesSummed(nn.Module):
+    def __init__(self, d=6):
+        super().__init__()
+        self.q, self.head = nn.Parameter(torch.randn(2, d)), nn.Linear(d, 3)
+
+    def forward(self, x):  # (the batch letter contracted: the samples summed, then broadcast)
+        pooled = torch.einsum("qd,btd->qd", self.q, x)
+        return self.head(x.mean(1) + pooled.sum(0))
+
+
+def test_a_shared_operand_in_an_einsum_that_sums_the_samples_is_refused():
+    model = SamplesSummed().double()
+    x = torch.randn(3, 4, 6, dtype=torch.float64)
+    with gradhooks.attach(model) as gh:
+        model(x).square().sum().backward()
+        with pytest.raises(gradhooks.GradHooksError, match="einsum"):
+            gh.per_sample_grads()

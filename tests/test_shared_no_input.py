@@ -158,18 +158,18 @@ def test_module_returning_its_parameter_over_two_forwards(dtype):
 
 def test_refused_where_the_output_meets_the_batch_in_an_op_that_is_not_split():
     """A no-input module's output that meets the batch in an op gradhooks does not split per
-    sample (einsum) is refused at the read, naming the module and the op."""
+    sample (tensordot) is refused at the read, naming the module and the op."""
     class Model(nn.Module):
         def __init__(self):
             super().__init__()
             self.lin, self.queries = nn.Linear(3, 3), Queries(2, 3)
 
         def forward(self, x):
-            return torch.einsum("qd,bd->bq", self.queries(), self.lin(x))
+            return torch.tensordot(self.lin(x), self.queries(), dims=([1], [1]))
 
     model = Model().double()
     x = torch.randn(4, 3, dtype=torch.float64)
     with pytest.warns(gradhooks.FallbackWarning, match="queries"), gradhooks.attach(model) as gh:
         model(x).sum().backward()
-        with pytest.raises(gradhooks.BatchSizeError, match="queries.*einsum"):
+        with pytest.raises(gradhooks.BatchSizeError, match="queries.*tensordot"):
             gh.per_sample_grads()

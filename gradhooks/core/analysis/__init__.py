@@ -46,10 +46,10 @@ from .provenance import (
     Provenance,
     as_batch,
     input_batch_dim,
-    meeting_cotangent,
     shared_layout,
     source_cotangent,
 )
+from .rows import meeting_cotangent
 from .separation import UNPROVEN
 from .token_means import TARGETS, check_token_normalisation, rows_mean_message
 

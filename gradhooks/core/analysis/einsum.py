@@ -1,11 +1,14 @@
 """``torch.einsum`` read by its equation: where the batch letter goes
-(:mod:`gradhooks.core.analysis.batch_dims`) and whether it stays one sample's
-(:mod:`gradhooks.core.analysis.separation`)."""
+(:mod:`gradhooks.core.analysis.batch_dims`), whether it stays one sample's
+(:mod:`gradhooks.core.analysis.separation`), and how a shared operand meets the batch per
+sample (:func:`einsum_shared`, for :mod:`gradhooks.core.analysis.provenance`'s split)."""
 from __future__ import annotations
+
+from typing import Optional
 
 from torch import Tensor
 
-__all__ = ["einsum_subscripts", "einsum_dim"]
+__all__ = ["einsum_subscripts", "einsum_dim", "einsum_shared"]
 
 
 def einsum_subscripts(args):
@@ -56,3 +59,27 @@ def einsum_dim(args, batched, out):
         return None
     letter = letters.pop()
     return sub_out.index(letter) if letter is not None and sub_out.count(letter) == 1 else None
+
+
+def einsum_shared(args, ref: Tensor, bd, shared) -> Optional[str]:
+    """The equation of ``torch.einsum(equation, *operands)`` with the batch letter (that of
+    ``ref``, a batched operand, at its batch dim ``bd``) put in front of each operand in
+    ``shared`` (tensors the batch did not reach: a learned query, a shared call's output), each
+    of which is then passed expanded to ``(B, *shape)``, so that autograd forms its gradient
+    per sample; ``None`` where that is no split: the output does not keep the batch letter
+    exactly once (the samples summed), a shared operand has that letter already, or the
+    equation does not fit the operands."""
+    parsed = einsum_subscripts(args)
+    if parsed is None or not isinstance(bd, int):
+        return None
+    subs, out, ops = parsed
+    at = [i for i, t in enumerate(ops) if t is ref]
+    if not at or bd >= len(subs[at[0]]) or out.count(subs[at[0]][bd]) != 1:
+        return None
+    letter = subs[at[0]][bd]
+    for i, t in enumerate(ops):
+        if any(t is u for u in shared):
+            if letter in subs[i]:
+                return None
+            subs[i] = letter + subs[i]
+    return ",".join(subs) + "->" + out

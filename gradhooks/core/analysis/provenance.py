@@ -91,6 +91,7 @@ from .batch_dims import (
     operands,
     recurrent_layout,
 )
+from .einsum import einsum_shared
 from .indexing import IN_ORDER_NOTES
 from .mixing import (
     CONTRACTIONS,
@@ -109,7 +110,7 @@ from .separation import custom_function, output_node, separation_verdict
 from .token_means import TOKEN_OPS, ForwardLosses
 
 __all__ = ["Provenance", "ROW_ALIGNED", "shared_layout", "as_batch", "source_cotangent",
-           "batch_dim_after", "input_batch_dim", "meeting_cotangent"]
+           "batch_dim_after", "input_batch_dim"]
 
 _GETITEM = torch.Tensor.__getitem__
 _TAG = "_gradhooks_provenance"  # on tensors the forward computes: (token, sources, batch dim)
@@ -154,31 +155,6 @@ def source_cotangent(cot: Tensor, how: str) -> Tensor:
     if how.startswith("expand"):
         cot = cot.squeeze(d + 1)
     return cot.movedim(0, d) if d else cot
-
-
-def meeting_cotangent(grad: Tensor, how: str, shape: tuple, dim: int) -> Tensor:
-    """Each sample's cotangent of a source-carrying tensor ``u`` of ``shape`` that met the batch
-    on dim ``dim``, from the gradient ``grad`` where it met: ``(B, *shape)``.
-
-    ``"broadcast"``: ``grad`` is ``u_b``'s, ``(..., B, ...)`` with ``B`` on ``dim``, and each
-    sample's slice is its own cotangent. ``"rows"`` (and ``"direct"``): ``u``'s ``B`` rows on dim
-    ``dim`` lined up with the batch's, so sample ``n``'s cotangent is row ``n`` of ``grad``,
-    zero elsewhere; with ``dim == (d, inner)``, ``u``'s ``B * inner`` rows on dim ``d`` lined up
-    with a batch merged with the dims after it (``(B * nW, N, C)`` windows), sample ``n``'s
-    its ``inner`` rows ``n * inner ...``."""
-    if how == "given":  # (F.linear's weight: computed per sample where it met, rows.py)
-        return grad
-    if how == "broadcast":
-        grad = grad.movedim(dim, 0)
-        return grad.reshape(grad.shape[0], *shape)
-    dim, inner = dim if isinstance(dim, tuple) else (dim, 1)
-    size = shape[dim] // inner
-    cotangent = grad.new_zeros((size, *shape))
-    idx = torch.arange(size, device=grad.device)
-    if size:  # (sample, its rows, ...): a view
-        rows = cotangent.unflatten(dim + 1, (size, inner)).movedim(dim + 1, 1)
-        rows[idx, idx] = grad.reshape(shape).unflatten(dim, (size, inner)).movedim(dim, 0)
-    return cotangent
 
 
 class Provenance(TorchFunctionMode):
@@ -520,9 +496,9 @@ class Provenance(TorchFunctionMode):
     # -------------------------------------------------------------- where sources meet the batch
     def _split(self, func, args, kwargs, ref, bd, tainted, sources):
         # Hand the op each source-carrying operand in a form whose gradient is per sample
-        # (module docstring); refuse ops that are not row-aligned. ``bd``: the batch dim of
-        # ``ref``, followed from the inputs (batch_dim_after); where an op lost it, the
-        # declared layout's.
+        # (module docstring; an einsum's: the batch letter put in front, B copies); refuse ops
+        # that are not row-aligned. ``bd``: the batch dim of ``ref``, followed from the inputs
+        # (batch_dim_after); where an op lost it, the declared layout's.
         name = getattr(func, "__name__", repr(func))
         nd = ref.dim()
         inner = 1  # (a batch merged with the dims after it: B * inner rows, samples outermost)
@@ -532,7 +508,8 @@ class Provenance(TorchFunctionMode):
             bd = self.batch_dim if nd >= 3 else 0
         states = func in RECURRENT and inner == 1  # (initial states (layers * dirs, B, H): dim 1)
         rows = self.batch_size * inner
-        if (func not in ROW_ALIGNED and not states) or nd <= bd or ref.shape[bd] != rows:
+        eq = einsum_shared(args, ref, bd, tainted) if func is torch.einsum and inner == 1 else None
+        if (func not in ROW_ALIGNED and not states and eq is None) or nd <= bd or ref.shape[bd] != rows:
             self.refuse(sources, f"op {name} with shapes {_shapes(args, kwargs)}")
             return args, kwargs
         if func in JOINS:
@@ -544,9 +521,9 @@ class Provenance(TorchFunctionMode):
         for u in tainted:
             if id(u) in swap or not u.requires_grad:
                 continue
-            k = 0 if states else nd - u.dim()
+            k = 1 if eq else 0 if states else nd - u.dim()
             shape = (1,) * k + tuple(u.shape)
-            ubd = 1 if states else bd  # (u's dim that lines up with the batch)
+            ubd = 0 if eq else 1 if states else bd  # (u's dim that lines up with the batch)
             # (matmul: only the dims before the last two broadcast; a vector operand does not)
             matrix = func in MATMULS and (u.dim() < 2 or bd >= nd - 2)
             if (k < 0 or matrix or len(shape) <= ubd or shape[ubd] not in (1, rows)
@@ -578,7 +555,8 @@ class Provenance(TorchFunctionMode):
         sub = lambda a: swap.get(id(a), a) if isinstance(a, Tensor) else (
             type(a)(swap.get(id(t), t) if isinstance(t, Tensor) else t for t in a)
             if type(a) in (list, tuple) else a)
-        return tuple(sub(a) for a in args), {k: sub(v) for k, v in kwargs.items()}
+        args = tuple(sub(a) for a in args)
+        return (eq, *args[1:]) if eq else args, {k: sub(v) for k, v in kwargs.items()}
 
 
 def _set(t: Tensor, tag, attr: str = _TAG) -> None:

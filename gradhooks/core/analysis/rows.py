@@ -29,7 +29,7 @@ from ...base.utils import OWNED
 from ...rules.fallback import FallbackRule
 from .batch_dims import Routed
 
-__all__ = ["by_sample", "linear_cotangents", "own_weights", "linear_meeting",
+__all__ = ["meeting_cotangent", "by_sample", "linear_cotangents", "own_weights", "linear_meeting",
            "grouped_cotangents", "grouped_meeting", "gathered_meeting", "segment_outer", "ADDS"]
 
 
@@ -350,3 +350,28 @@ def _slice_of(prov, u: Tensor, is_w: bool):
         return None
     index = saved(node, "index")  # (int64 read back unsigned: -1 is 2**64 - 1)
     return param, (index - (1 << 64) if index >= 1 << 63 else index) % param.shape[0]
+
+
+def meeting_cotangent(grad: Tensor, how: str, shape: tuple, dim: int) -> Tensor:
+    """Each sample's cotangent of a source-carrying tensor ``u`` of ``shape`` that met the batch
+    on dim ``dim``, from the gradient ``grad`` where it met: ``(B, *shape)``.
+
+    ``"broadcast"``: ``grad`` is ``u_b``'s, ``(..., B, ...)`` with ``B`` on ``dim``, and each
+    sample's slice is its own cotangent. ``"rows"`` (and ``"direct"``): ``u``'s ``B`` rows on dim
+    ``dim`` lined up with the batch's, so sample ``n``'s cotangent is row ``n`` of ``grad``,
+    zero elsewhere; with ``dim == (d, inner)``, ``u``'s ``B * inner`` rows on dim ``d`` lined up
+    with a batch merged with the dims after it (``(B * nW, N, C)`` windows), sample ``n``'s
+    its ``inner`` rows ``n * inner ...``."""
+    if how == "given":  # (F.linear's weight: computed per sample where it met, rows.py)
+        return grad
+    if how == "broadcast":
+        grad = grad.movedim(dim, 0)
+        return grad.reshape(grad.shape[0], *shape)
+    dim, inner = dim if isinstance(dim, tuple) else (dim, 1)
+    size = shape[dim] // inner
+    cotangent = grad.new_zeros((size, *shape))
+    idx = torch.arange(size, device=grad.device)
+    if size:  # (sample, its rows, ...): a view
+        rows = cotangent.unflatten(dim + 1, (size, inner)).movedim(dim + 1, 1)
+        rows[idx, idx] = grad.reshape(shape).unflatten(dim, (size, inner)).movedim(dim, 0)
+    return cotangent
