@@ -309,7 +309,7 @@ UNKNOWN_KEEPS = {
 
 
 @pytest.mark.parametrize("dtype", [F64, torch.float32], ids=["f64", "f32"])
-@pytest.mark.parametrize("b", [1, 4], ids=["B1", "B4"])
+@pytest.mark.parametrize("b", [1, 4, 9], ids=["B1", "B4", "B9"])
 @pytest.mark.parametrize("op", list(UNKNOWN_KEEPS.values()), ids=list(UNKNOWN_KEEPS))
 def test_an_unknown_op_that_keeps_samples_apart_passes_the_forward_check(op, b, dtype):
     x, y = _batch(b)
@@ -320,6 +320,42 @@ def test_an_unknown_op_that_keeps_samples_apart_passes_the_forward_check(op, b, 
     with gradhooks.attach(model) as gh:
         F.cross_entropy(model(x), y).backward()
         assert_close_to_loop(gh.per_sample_grads(), ref, dtype)
+
+
+class PairRows(torch.autograd.Function):
+    """Rows ``i`` and ``j`` each take half the other's values (a custom Function: an op the
+    whitelist does not know); none of the rows the check runs alone."""
+
+    @staticmethod
+    def forward(ctx, x, i, j):
+        ctx.rows = i, j
+        out = x.clone()
+        out[i], out[j] = x[i] + 0.5 * x[j], x[j] + 0.5 * x[i]
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        i, j = ctx.rows
+        out = g.clone()
+        out[i], out[j] = g[i] + 0.5 * g[j], g[j] + 0.5 * g[i]
+        return out, None, None
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("b, rows", [(5, (1, 3)), (8, (2, 5)), (16, (3, 11))],
+                         ids=["B5", "B8", "B16"])
+def test_an_unknown_op_pairing_rows_no_sample_alone_covers_is_refused(b, rows, dtype):
+    """A scalar loss (no per-sample losses for the sample check): the check of the forward
+    alone runs rows 0, B // 2 and B - 1 alone, which this pairing spares, and then the batch
+    reordered, which it does not (silently wrong before 2026-12-08)."""
+    assert not set(rows) & {0, b // 2, b - 1}
+    x, y = torch.randn(b, 4, dtype=dtype), torch.randint(0, 3, (b,))
+    torch.manual_seed(0)
+    model = Between(lambda h: PairRows.apply(h, *rows)).to(dtype)
+    with gradhooks.attach(model) as gh:
+        F.cross_entropy(model(x), y).backward()
+        with pytest.raises(gradhooks.UnprovenOpError, match="rows reordered.*mixes the samples"):
+            gh.per_sample_grads()
 
 
 def test_an_unknown_op_is_refused_when_no_check_is_possible():

@@ -10,8 +10,12 @@ keeps the samples apart (:mod:`gradhooks.core.analysis.separation`), the placeme
 :func:`checked_rows` alone (``0``, ``B // 2`` and ``B - 1``: their inputs sliced from what the
 model's forward received; the middle one since an op on rows ``1`` to ``B - 2`` alone, found by
 a probe, spared the ends), whose
-outputs must reproduce those rows of the batched output to rounding
-(:data:`FORWARD_RTOL` of the output's dtype, or of the least precise floating dtype an op of
+outputs must reproduce those rows of the batched output to rounding, and then the batch with
+its rows reordered so that each sample moves (:func:`reordered`), whose output must be the
+batched output reordered alike: a mixing of rows none of the three is (``h[2]`` and ``h[5]``
+of eight paired inside a custom ``autograd.Function``, found by a probe) changes it, since a
+sample's result then depends on the row it sits in (both to
+:data:`FORWARD_RTOL` of the output's dtype, or of the least precise floating dtype an op of
 the check's runs returned where that is coarser: a float32 router inside a float64 model rounds
 as float32; relative to the largest entry of each output). The check runs under
 ``torch.no_grad()`` with the hooks paused. A model in training mode is checked in training mode,
@@ -34,8 +38,9 @@ check says why, and the op stays refused. The check runs the model: each module'
 the loss there (an auxiliary loss, features) is the batch's; a run whose tensors stay alive
 elsewhere (a forward hook's list, a global cache) is refused (:data:`KEPT`), since the loss may
 read them without their gradient. Cost, once per input signature with such an op, or a
-forward of a new structure: three or four forwards of one sample where the forward is
-deterministic; three batched forwards without gradient where it is random.
+forward of a new structure: three or four forwards of one sample and one batched forward
+without gradient where the forward is deterministic; three batched forwards without gradient
+where it is random (its dropout masks are drawn per row, so the reordered batch is not run).
 """
 from __future__ import annotations
 
@@ -48,7 +53,7 @@ from torch.overrides import TorchFunctionMode
 
 from ...base.utils import paused, same_tensor, set_rng_states, state_kept
 
-__all__ = ["forward_alone", "sample_rows", "largest_difference", "FORWARD_RTOL", "NO_CHECK", "KEPT"]
+__all__ = ["forward_alone", "reordered", "sample_rows", "largest_difference", "FORWARD_RTOL", "NO_CHECK", "KEPT"]
 
 #: Relative tolerance of :func:`forward_alone` per dtype, against the largest entry of an output:
 #: a batch of one rounds differently from the batch (float32 outputs of a 12-layer Transformer
@@ -89,14 +94,17 @@ def _tensors(x) -> List[Tensor]:
     return []
 
 
-def _slice(x, n: int, size: int, layout: int, hit: list, fill: bool = False):
+def _slice(x, n, size: int, layout: int, hit: list, fill: bool = False):
     # x with every tensor's batch dim (dim 0, or dim 1 of one of 2 dims or more with
     # layout 1) of size ``size`` narrowed to sample n (``fill``: sample n copied to all ``size``
-    # rows); others unchanged.
+    # rows; n a (size,) index tensor: the rows reordered, row j the old row n[j]); others
+    # unchanged.
     if isinstance(x, Tensor):
         d = 0 if layout == 0 or x.dim() < 2 else 1
         if x.dim() > d and x.shape[d] == size:
             hit.append(True)
+            if isinstance(n, Tensor):
+                return x.index_select(d, n.to(x.device))
             row = x.narrow(d, n, 1)
             return row.expand(x.shape).contiguous() if fill else row
         return x
@@ -262,8 +270,8 @@ def _differs(batched: List[Tensor], again: List[Tensor], outs: list, n: Optional
 
 
 def checked_rows(size: int) -> List[int]:
-    """The samples the checks through one sample compare (this module's and the sample check's,
-    :mod:`gradhooks.readers.sample_check`): ``0``, ``size // 2`` and ``size - 1``, each once."""
+    """The samples the check of the forward alone runs alone: ``0``, ``size // 2`` and
+    ``size - 1``, each once (then the batch reordered: :func:`reordered`)."""
     return sorted({0, size // 2, size - 1})
 
 
@@ -287,7 +295,42 @@ def _alone(model: nn.Module, args: tuple, kwargs: dict, output: List[Tensor], ou
         if found:
             return (f"sample {n} run alone does not reproduce its rows of the batched {found}: "
                     "the forward mixes the samples")
+    return _moved(model, args, kwargs, batched, outs, size, layout, seen)
+
+
+def _moved(model: nn.Module, args: tuple, kwargs: dict, batched: List[Tensor], outs: list,
+           size: int, layout: int, seen: set) -> str:
+    # Every row at once: the batch reordered so that each sample moves (reordered) must give
+    # ``batched`` (its output) reordered alike; "" where it does (or B <= 3: every row was run
+    # alone), else why not. For a forward that draws no random numbers.
+    if size <= 3:
+        return ""
+    order = reordered(size)
+    a, k = _slice(args, order, size, layout, []), _slice(kwargs, order, size, layout, [])
+    moved = _tensors(model(*a, **k))
+    if len(moved) != len(batched):
+        return f"{NO_CHECK}: the model returns another structure for the batch reordered"
+    want = list(batched)
+    for i, d in outs:
+        want[i] = batched[i].index_select(d, order.to(batched[i].device))
+    found = _differs(want, moved, outs, None, True, seen)
+    if found:
+        return (f"the batch with its rows reordered (each sample moved to another row) does "
+                f"not give the batched {found} reordered alike: a sample's result depends on "
+                f"the row it sits in or on other rows, so the forward mixes the samples")
     return ""
+
+
+def reordered(size: int) -> Tensor:
+    """``(size,)`` int64: a fixed reordering of ``size`` rows that moves every row (one cycle
+    through all of them, in a random order drawn from a generator seeded by ``size``), for
+    the check of the forward alone: the batch reordered so must give its output reordered
+    alike, which a forward that mixes any rows, including ones no sample run alone covers,
+    does not."""
+    cycle = torch.randperm(size, generator=torch.Generator().manual_seed(size))
+    order = torch.empty(size, dtype=torch.int64)
+    order[cycle] = cycle.roll(-1)
+    return order
 
 
 def _copies_as_ran(model: nn.Module, args: tuple, kwargs: dict, output: List[Tensor],
@@ -318,4 +361,14 @@ def _copies_as_ran(model: nn.Module, args: tuple, kwargs: dict, output: List[Ten
             return False, (f"sample {n}'s inputs copied to every row of the batch, the "
                            f"forward rerun as it ran, do not reproduce its rows of the "
                            f"{found}: the forward mixes the samples")
+    # (where the batch rerun from other random states reproduces it too, the forward draws no
+    # random numbers after all -- it was checked as it ran because it cannot run on one
+    # sample -- and the batch reordered is checked; with dropout each row's mask stays with
+    # its row, so it is not)
+    torch.default_generator.manual_seed(size + 1)
+    again = _tensors(model(*args, **kwargs))
+    if len(again) == len(output) and not _differs(output, again, outs, None, True, seen):
+        why = _moved(model, args, kwargs, output, outs, size, layout, seen)
+        if why:
+            return False, why
     return True, ""
