@@ -115,6 +115,20 @@ def roberta():
     return TokensToLogits(tr.RobertaForSequenceClassification(cfg)), "label"
 
 
+def deberta_v2():
+    """DeBERTa-v2's disentangled attention over 2 layers: its encoder reads
+    ``rel_embeddings.weight`` outside the embedding's forward (replayed by the fallback) and
+    returns a ``ModelOutput`` whose ``hidden_states`` hold layer 0's output, which layer 1 uses
+    too; log-bucketed relative positions, c2p and p2c."""
+    tr = transformers_lib()
+    cfg = tr.DebertaV2Config(vocab_size=V, hidden_size=H, num_hidden_layers=2, num_attention_heads=4,
+                             intermediate_size=2 * H, num_labels=3, relative_attention=True,
+                             pos_att_type=["c2p", "p2c"], max_relative_positions=8,
+                             position_buckets=4, hidden_dropout_prob=0.0,
+                             attention_probs_dropout_prob=0.0)
+    return TokensToLogits(tr.DebertaV2ForSequenceClassification(cfg)), "label"
+
+
 def qwen2():
     tr = transformers_lib()
     cfg = tr.Qwen2Config(vocab_size=V, hidden_size=H, num_hidden_layers=2, num_attention_heads=4,
@@ -362,6 +376,7 @@ ZOO = {
     "opt": (opt, None),
     "fsmt": (fsmt, None),
     "roberta": (roberta, None),
+    "deberta-v2": (deberta_v2, None),
     "qwen2": (qwen2, None),
     "bert-lora": (lora(bert, ["query", "value"]), None),
     "whisper": (whisper, None),

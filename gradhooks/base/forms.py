@@ -34,7 +34,25 @@ from torch import Tensor
 from ._pool import new_empty
 
 __all__ = ["Call", "Block", "Rows", "OneHot", "weight_grad", "bias_grad", "from_blocks", "gram_sq_norms",
-           "sq_norms"]
+           "sq_norms", "NO_GRAD"]
+
+
+class _NoGrad:
+    """The type of :data:`NO_GRAD`."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "NO_GRAD"
+
+
+#: An output leaf no backward pass reached, in the grad_output structure handed to a rule that
+#: reads the leaves by their position in the output (:attr:`LayerRule.positional_grads
+#: <gradhooks.base.registry.LayerRule.positional_grads>`: the torch.func fallback). A pytree leaf,
+#: unlike ``None``, which torch's pytree flattens to nothing and a transformers ``ModelOutput``
+#: drops as a field, so that the leaves after it would move up one place (a module returning
+#: ``(h1, h2)`` of which only ``h2`` is used had ``h2``'s grad_output paired with ``h1``).
+NO_GRAD = _NoGrad()
 
 
 class Call(NamedTuple):

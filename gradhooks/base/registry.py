@@ -62,6 +62,12 @@ class LayerRule:
     #: ``None`` where no backward pass reached it.
     multi_io: bool = False
 
+    #: ``multi_io`` rules that read ``g``'s leaves by their position in the output (the
+    #: torch.func fallback pairs each with the output leaf of its replay): ``g`` holds
+    #: :data:`~gradhooks.base.forms.NO_GRAD` instead of ``None`` for an output no backward pass
+    #: reached, so that every leaf keeps its place.
+    positional_grads: bool = False
+
     def params_of(self, module: nn.Module) -> Dict[str, nn.Parameter]:
         """The parameters this rule handles for ``module``, by their name relative to it.
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import Iterable, Iterator, List, NamedTuple, Optional
 
 from torch import Tensor
-from torch.utils._pytree import tree_unflatten
 
 from ..base.errors import BatchSizeError, GradHooksError, NoBackwardError
 from ..base.segments import Segments
@@ -93,7 +92,7 @@ def _take(cap) -> Optional[PassCall]:
     if not reached and inner is None:
         return None
     a = cap.a if inner is None else cap.a._replace(internal={**internal, "grad_inputs": inner})
-    return PassCall(layer, a, tree_unflatten(leaves, cap.spec), cap.names)
+    return PassCall(layer, a, cap.grad_tree(leaves), cap.names)
 
 
 def run_passes(recorder: Recorder, output: Tensor, cotangents: Iterable[Tensor], count: int,

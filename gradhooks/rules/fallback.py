@@ -81,6 +81,7 @@ class FallbackRule(LayerRule):
     """
 
     multi_io = True
+    positional_grads = True  # (g's leaves paired with the replay's output leaves by position)
 
     def params_of(self, module: nn.Module) -> Dict[str, nn.Parameter]:
         return dict(module.named_parameters(recurse=False))

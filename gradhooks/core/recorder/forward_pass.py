@@ -155,12 +155,13 @@ class ForwardPass:
         recorder.calls += 1
         aliased = False
         if (rule.multi_io and isinstance(rule, FallbackRule) and len(reached) > 1
-                and type(output) in (tuple, list)):
+                and not isinstance(output, Tensor)):
             # Outputs of a replayed module handed on as aliases, so that each one's grad_output is
             # what the code after the module sends it: an output the module also used itself (a
-            # router's logits, from which it took its top-k weights) would otherwise bring that
-            # use's gradient too, and the replay's vjp, which recomputes the use, would count it
-            # twice.
+            # router's logits, from which it took its top-k weights; a layer's output that an
+            # encoder feeds to its next layer and also returns in hidden_states, in a
+            # ModelOutput) would otherwise bring that use's gradient too, and the replay's vjp,
+            # which recomputes the use, would count it twice.
             leaves = [own(leaves[i].view_as(leaves[i]), leaves[i]) if i in reached else t
                       for i, t in enumerate(leaves)]
             output, aliased = tree_unflatten(leaves, spec), True

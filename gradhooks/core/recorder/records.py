@@ -22,6 +22,7 @@ from ...base.errors import (
     GradientMismatchError,
     UnsupportedModuleError,
 )
+from ...base.forms import NO_GRAD
 from ...base.registry import LayerRule, find_rule, supported_types
 from ...base.sample_groups import SampleGroups
 from ...base.torch_internals import own_parameters, version
@@ -138,12 +139,19 @@ class Record:
     def grad_struct(self):
         """``multi_io`` rules: the output's structure with each tensor's grad_output (or
         ``None``), as :meth:`~gradhooks.base.registry.LayerRule.per_sample_grads` takes it."""
-        return tree_unflatten(self.grads, self.spec)
+        return self.grad_tree(self.grads)
+
+    def grad_tree(self, leaves: list):
+        """``leaves`` (one per output leaf) in the output's structure, ``None`` as
+        :data:`~gradhooks.base.forms.NO_GRAD` for a rule with ``positional_grads``."""
+        if self.layer.rule.positional_grads:
+            leaves = [NO_GRAD if t is None else t for t in leaves]
+        return tree_unflatten(leaves, self.spec)
 
     def grads_arg(self):
         """The grad_outputs as the rule takes them: :meth:`grad_struct` for ``multi_io`` rules,
         else the list of one grad_output per backward pass."""
-        return tree_unflatten(self.grads, self.spec) if self.spec is not None else self.grads
+        return self.grad_tree(self.grads) if self.spec is not None else self.grads
 
     def summed_grad(self) -> Tensor:
         """Single-output rules: the grad_output summed over the backward passes."""
