@@ -375,3 +375,39 @@ def test_a_replayed_model_output_with_unreached_fields_and_inner_states(read, ba
         assert all(t.shape[0] == 0 for t in ours.values())
         return
     assert_close_to_loop(ours, loop_grads(model, loss, x, y), dtype)
+
+
+class _TwoOut(nn.Module):  # (no rule: the fallback; only its second output is used)
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w2 = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w1), torch.tanh(x @ self.w2)
+
+
+class _UsesSecond(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.two, self.head = _TwoOut(), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.two(x)[1])
+
+
+@pytest.mark.filterwarnings("ignore::gradhooks.FallbackWarning")
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_replayed_parameter_no_backward_reached_is_zero_not_refused(batch, check, dtype):
+    """``w1`` feeds only an output nothing uses: autograd computes no gradient for it, and its
+    per-sample gradients are zeros (the sum check refused them as 'recorded but no autograd
+    gradient' before 2026-12-08); nonzero values there are still refused."""
+    torch.manual_seed(0)
+    model = _UsesSecond().to(dtype)
+    x, y = torch.randn(batch, 4, dtype=dtype), torch.randint(0, 3, (batch,))
+    loss = lambda out, t: F.cross_entropy(out, t, reduction="sum")
+    with gradhooks.attach(model, loss_reduction="sum", check=check) as gh:
+        loss(model(x), y).backward()
+        ours = gh.per_sample_grads()
+    assert not ours.pop("two.w1").count_nonzero()
+    assert_close_to_loop(ours, loop_grads(model, loss, x, y), dtype)

@@ -362,8 +362,15 @@ def probed(name: str, t: Tensor, total: Optional[GradTotal], tol_dtype: torch.dt
     ``t`` need not be kept: ``t`` ``(N, *shape)`` is the per-sample gradient of the parameter
     (or its :class:`~gradhooks.base.segments.Segments`), or of its rows ``rows`` (dim 0); ``None`` if no probe falls in those rows. Its tolerance
     dtype is ``tol_dtype``, or the precision autograd formed the gradient in where that is
-    lower (:meth:`GradTotal.formed`)."""
+    lower (:meth:`GradTotal.formed`); ``None`` too where autograd computed no gradient and
+    ``t`` is all zeros, which says the same (a replayed module's output nothing used).
+
+    Raises:
+        GradientMismatchError: nonzero per-sample values where autograd computed no gradient
+            (:func:`no_total`)."""
     if total is None:
+        if isinstance(t, Tensor) and not bool(t.count_nonzero()):
+            return None
         raise no_total(name)
     idx, ref = total.probe_index(), total.probe_values()
     factored = isinstance(t, Segments)  # (each sample's values at the probes, from its rows)
