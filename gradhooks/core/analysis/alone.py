@@ -39,8 +39,10 @@ the loss there (an auxiliary loss, features) is the batch's; a run whose tensors
 elsewhere (a forward hook's list, a global cache) is refused (:data:`KEPT`), since the loss may
 read them without their gradient. Cost, once per input signature with such an op, or a
 forward of a new structure: three or four forwards of one sample and one batched forward
-without gradient where the forward is deterministic; three batched forwards without gradient
-where it is random (its dropout masks are drawn per row, so the reordered batch is not run).
+without gradient where the forward is deterministic; where it is checked as it ran, a batched
+forward without gradient for the batch and one per checked sample, one more from other random
+states, and the reordered batch only where that one reproduces it (dropout masks are drawn per
+row, so a random forward's reordered batch is not run).
 """
 from __future__ import annotations
 
