@@ -110,6 +110,11 @@ KEEPS = {
     "logsumexp1": lambda h: h - torch.logsumexp(h, 1, keepdim=True),
     "amax1": lambda h: h * h.amax(-1, keepdim=True),
     "var1": lambda h: h * h.var(1, keepdim=True),
+    # numpy's keyword names, which torch's parser takes for dim / keepdim (IBert's LayerNorm)
+    "mean_axis1_keepdims": lambda h: h - h.mean(axis=1, keepdims=True),
+    "torch.sum_axis-1": lambda h: h * torch.sum(h, axis=-1, keepdim=True),
+    "std_axis1": lambda h: h / (h.std(axis=1, keepdims=True) + 1),
+    "cat_axis1": lambda h: torch.cat([h[:, 3:], h[:, :3]], axis=1),
     # products with the batch dim lined up, or on one operand's rows
     "matmul_const": lambda h: torch.tanh(h @ _M(h)),
     "F.linear_const": lambda h: F.linear(h, _M(h)),
@@ -230,6 +235,8 @@ MIXES = {
     "torch.einsum_gram": (lambda h: torch.einsum("ij,jk->ik", h, h.T) @ h, "einsum"),
     "torch.einsum_sum_out": (lambda h: h * torch.einsum("bi->i", h), "einsum"),
     "torch.cumsum": (lambda h: torch.cumsum(h, 0), "cumsum"),
+    "torch.cumsum_axis0": (lambda h: torch.cumsum(h, axis=0), "cumsum"),
+    "mean_axis0_keepdims": (lambda h: h - h.mean(axis=0, keepdims=True), "mean"),
     "torch.flip": (lambda h: torch.flip(h, (0,)) + h, "flip"),
     "torch.matmul": (lambda h: torch.matmul(h, torch.matmul(h.T, h)), "matmul|product"),
     "torch.mm": (lambda h: torch.mm(torch.mm(h, h.T), h), "mm|product"),

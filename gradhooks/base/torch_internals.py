@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import types
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -31,7 +32,7 @@ __all__ = ["FLOOR", "RUN_ON", "SEEN_SINCE", "ENGINE_FRAME", "GLOBAL_HOOK_FLAGS",
            "DTensor", "Partial", "distribute_tensor", "missing", "check",
            "VF", "OpOverload", "aten", "EMBEDDING_BAG_OPS", "getframe", "current_frames", "saved", "version",
            "is_view", "storage_handle", "own_parameters", "own_buffers", "compiled_module",
-           "grad_hooks", "drop_empty_grad_hooks", "post_accumulate_grad_hooks",
+           "grad_hooks", "drop_empty_grad_hooks", "NUMPY_KEYWORDS", "canonical_kwargs", "post_accumulate_grad_hooks",
            "drop_empty_post_accumulate_grad_hooks", "autograd_nodes_made", "own", "graph_ops",
            "reached"]
 
@@ -261,6 +262,26 @@ def drop_empty_post_accumulate_grad_hooks(t: torch.Tensor) -> None:
     """Set ``t._post_accumulate_grad_hooks`` back to ``None`` where it is empty."""
     if not t._post_accumulate_grad_hooks:
         t._post_accumulate_grad_hooks = None
+
+
+#: numpy's keyword names that torch's argument parser takes for its own in every C-bound
+#: function and ``Tensor`` method (``numpy_compatibility_arg_names`` in
+#: ``torch/csrc/utils/python_arg_parser.cpp``): ``x.mean(axis=2, keepdims=True)``. Its input
+#: names (``x``, ``a``, ``x1``, ``x2``) are left: a few functions have a parameter named ``x``.
+NUMPY_KEYWORDS = {"axis": "dim", "keepdims": "keepdim"}
+_C_BOUND = (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType)
+
+
+def canonical_kwargs(func: Any, kwargs: Optional[dict]) -> dict:
+    """``kwargs`` of a call of ``func`` seen by a ``TorchFunctionMode``, with the numpy names
+    torch's parser binds (:data:`NUMPY_KEYWORDS`) under torch's own, so that the analyses read
+    ``dim`` where the user wrote ``axis``. A new dict where one is renamed; the call is the same."""
+    if not kwargs:
+        return {}
+    if not isinstance(func, _C_BOUND) or not any(k in NUMPY_KEYWORDS for k in kwargs):
+        return kwargs
+    return {NUMPY_KEYWORDS[k] if k in NUMPY_KEYWORDS and NUMPY_KEYWORDS[k] not in kwargs else k: v
+            for k, v in kwargs.items()}
 
 
 #: Saved attributes of autograd nodes read by name (``node._saved_<name>``, :func:`saved`), per node type:

@@ -78,7 +78,7 @@ from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
-from ...base.torch_internals import own
+from ...base.torch_internals import canonical_kwargs, own
 from .batch_dims import (
     JOINS,
     MATMULS,
@@ -326,8 +326,7 @@ class Provenance(TorchFunctionMode):
         return tag[1] is None, tag[1], tag[2]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
+        kwargs = canonical_kwargs(func, kwargs)  # (x.mean(axis=2) reads as dim=2)
         if func in METADATA:
             return func(*args, **kwargs)
         if func in RECURRENT:  # (top-level inputs a recurrent kernel reads: its layout counts)
