@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import gradhooks
@@ -614,3 +615,44 @@ def test_every_replay_is_verified(b, check, dtype, monkeypatch):
             with pytest.raises(gradhooks.ReplayMismatchError,
                                match=r"module '0' \(LaterByBatchSize\)"):
                 gh.per_sample_grads()
+
+
+class PlainLinear(nn.Module):
+    """IBert's ``QuantLinear`` with quantisation off: F.linear of its own weight and bias,
+    no rule (on the fallback)."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(0.5 * torch.randn(d, d)), nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class KeyBiasAttention(nn.Module):
+    """The key projection's bias shifts every score of a query alike, which softmax over the
+    keys ignores: its gradient is zero, in each sample, up to rounding."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.q, self.k, self.head = nn.Linear(d, d), PlainLinear(d), nn.Linear(d, 2)
+
+    def forward(self, x):
+        scores = self.q(x) @ self.k(x).transpose(1, 2)
+        return self.head(torch.tanh(scores.softmax(-1) @ x).mean(1))
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8], ids=["B1", "B3", "B8"])
+def test_a_replayed_gradient_zero_by_invariance_is_not_refused(batch, dtype):
+    """The replay's verification judges the key bias's rounding relative to its module's
+    largest gradient (1% of it, as the sum check floors): rounding of a sum that cancels is
+    not a wrong replay (IBert's QuantLinear key was refused at a relative 0.09 of 2e-22)."""
+    torch.manual_seed(0)
+    model = KeyBiasAttention().to(dtype)
+    x, y = torch.randn(batch, 5, 4, dtype=dtype), torch.rand(batch, dtype=dtype)
+    ref = loop_grads(model, weighted_square_loss("mean"), x, y)
+    got, _ = _read(model, x, y)
+    scale = max(float(r.abs().max()) for r in ref.values())
+    zero = got.pop("k.bias"), ref.pop("k.bias")  # (rounding: judged against the model's scale)
+    assert all(float(t.abs().max()) <= RTOL[dtype] * scale for t in zero)
+    assert_close_to_loop(got, ref, dtype)

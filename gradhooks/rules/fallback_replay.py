@@ -30,7 +30,10 @@ through its batched call on the recorded inputs::
 
 (both sides with the ``loss_reduction`` scale already on ``g``, as
 :func:`~gradhooks.readers.canonical.call_grads` hands it), within :data:`REPLAY_RTOL` of the
-scale ``max(sum_n |dL_n/dθ|, |ref|)`` (rounding of the sum over samples, never its order). The
+scale ``max(sum_n |dL_n/dθ|, |ref|)`` (rounding of the sum over samples, never its order),
+floored at 1% of the largest such scale among the module's parameters, as the sum check is (a
+gradient that is zero by invariance, a key's bias under softmax, is rounding of the module's
+terms: IBert's ``QuantLinear`` key). The
 batched call run again must also give the output the forward gave (saved by
 :meth:`~gradhooks.rules.fallback.FallbackRule.internal`):
 otherwise the module keeps state that the forward changed (a cache, a buffer updated in place)
@@ -249,12 +252,16 @@ def verify(module: nn.Module, own: Dict[str, Tensor], r: Replay, got: Dict[str, 
                     f"gradients are refused (check=False does not skip this check). Make the "
                     f"forward a function of its inputs and parameters (eval mode, no cache), or "
                     f"{way_out(module, lower=True)}")
+    scales = {name: max(float(t.detach().abs().sum(0).max()) if t.numel() else 0.0,
+                        float(ref[name].abs().max()) if ref[name].numel() else 0.0)
+              for name, t in got.items()}
+    floor = 0.01 * max(scales.values(), default=0.0)  # (as the sum check's: a gradient that is
+    # zero by invariance, a key's bias under softmax, is rounding of terms of the module's size)
     for name, t in got.items():
         t = t.detach()
         want = ref[name].to(t.dtype)
         total = t.sum(0)
-        scale = max(float(t.abs().sum(0).max()) if t.numel() else 0.0,
-                    float(want.abs().max()) if want.numel() else 0.0)
+        scale = max(scales[name], floor)
         tol = _rtol(t.dtype, _precision(want)) * scale + torch.finfo(t.dtype).tiny
         diff = float((total - want).abs().max()) if want.numel() else 0.0
         if diff > tol:
