@@ -395,8 +395,22 @@ def test_unbatched_query_is_refused(batch_first):
 
 
 def test_out_proj_used_outside_the_module_fails_the_sum_check():
-    """out_proj is claimed by the MHA rule (not hooked itself): calling it directly as well
-    gives its parameters gradient the rule does not see, which the sum check refuses."""
+    """out_proj is claimed by the MHA rule (not hooked itself): calling it directly as well,
+    in the loss after the forward (where provenance does not look), gives its parameters
+    gradient the rule does not see, which the sum check refuses."""
+    mha = nn.MultiheadAttention(E, H, batch_first=True)
+    x = torch.randn(2, 3, E)
+    with gradhooks.attach(mha) as gh:
+        (mha(x, x, x)[0] + mha.out_proj(x)).pow(2).sum().backward()
+        with pytest.raises(gradhooks.GradientMismatchError, match="out_proj"):
+            gh.per_sample_grads()
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_out_proj_called_in_the_forward_after_the_attention_is_exact(batch, dtype):
+    """The same call inside the model's forward, after the attention's: provenance sees
+    out_proj's parameters read outside the MHA call that owns them and hands the MHA to its
+    parent's replay, this forward's MHA record included (no double count)."""
 
     class Model(nn.Module):
         def __init__(self):
@@ -406,12 +420,10 @@ def test_out_proj_used_outside_the_module_fails_the_sum_check():
         def forward(self, x):
             return self.mha(x, x, x)[0] + self.mha.out_proj(x)
 
-    model = Model()
-    with gradhooks.attach(model) as gh:
-        model(torch.randn(2, 3, E)).pow(2).sum().backward()
-        with pytest.raises(gradhooks.GradientMismatchError, match="out_proj"):
-            gh.per_sample_grads()
-
+    torch.manual_seed(0)
+    with pytest.warns(gradhooks.FallbackWarning, match=r"'mha'.*read outside its forward"):
+        check_against_loop(Model(), torch.randn(batch, 3, E), torch.rand(batch) + 0.5,
+                           loss_reduction="sum", dtype=dtype)
 
 
 @pytest.mark.parametrize("batch", [1, 3], ids=["B1", "B3"])

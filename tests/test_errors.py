@@ -148,17 +148,19 @@ def test_functional_use_of_a_parameter_is_detected(grad_totals):
             self.enc = nn.Linear(4, 4)
 
         def forward(self, x):
-            h = torch.tanh(self.enc(x))
-            return h @ self.enc.weight.T  # the weight is used outside its module
+            return torch.tanh(self.enc(x))
+
+    def loss(model, x):  # the weight is used outside its module, in the loss
+        return weighted_square_loss()(model(x) @ model.enc.weight.T, torch.ones(3))
 
     model = TiedHead()
     with gradhooks.attach(model) as gh:
-        weighted_square_loss()(model(torch.randn(3, 4)), torch.ones(3)).backward()
+        loss(model, torch.randn(3, 4)).backward()
         with pytest.raises(gradhooks.GradientMismatchError, match="'enc.weight'.*outside the module"):
             gh.per_sample_grads()
         # the bias is only used through the module, but the error is raised before any result
     with gradhooks.attach(model, check=False) as gh:  # opting out of the check gives numbers
-        weighted_square_loss()(model(torch.randn(3, 4)), torch.ones(3)).backward()
+        loss(model, torch.randn(3, 4)).backward()
         assert "enc.weight" in gh.per_sample_grads()
 
 

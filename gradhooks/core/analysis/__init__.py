@@ -41,7 +41,7 @@ from .backward_losses import (
 from .batch_dims import Routed, relayout
 from .hidden import HiddenOps, under_compile
 from .loss_graph import ForwardSpans, judge, rows_of
-from .mixing import IN_ORDER, UNCHECKED, Mixing
+from .mixing import IN_ORDER, UNCHECKED, Mixing, user_line
 from .provenance import (
     Provenance,
     as_batch,
@@ -55,7 +55,7 @@ from .token_means import TARGETS, check_token_normalisation, rows_mean_message
 
 __all__ = ["FORWARD_RTOL", "NO_CHECK", "checked_rows", "forward_alone", "largest_difference", "sample_rows", "Split",
            "backward_roots", "constant_of", "flattened_logits", "ignore_index_of", "loss_of", "fixed_normaliser", "position_rows", "relayout",
-           "row_counts", "split_of", "target_counts", "valid_rows", "Routed", "Mixing", "ForwardSpans", "judge", "rows_of",
+           "row_counts", "split_of", "target_counts", "valid_rows", "Routed", "Mixing", "user_line", "ForwardSpans", "judge", "rows_of",
            "Provenance", "as_batch", "input_batch_dim", "meeting_cotangent", "shared_layout",
            "source_cotangent", "UNPROVEN", "UNCHECKED", "IN_ORDER", "TARGETS", "check_token_normalisation",
            "rows_mean_message", "HiddenOps", "under_compile"]

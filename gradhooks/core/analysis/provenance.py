@@ -70,6 +70,7 @@ before they meet the batch; raw parameters) every forward is tracked.
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, List
 
 import torch
@@ -186,10 +187,11 @@ class Provenance(TorchFunctionMode):
             ``param_source(param, info)``, which returns the record; its per-sample gradient is
             its cotangent where it meets the batch (``x * gamma``, ``x + pos_embed``, ``cat`` of
             an expanded class token), at the cost of those ops. And ``(layers, None)`` for the
-            parameters of hooked layers (``layers``: those that own it): one read in an op while
-            none of its layers' forwards has run (:attr:`entered`) is read functionally by
-            another module (``F.linear(x, self.qkv.weight)`` in a parent): ``param_source(param,
-            (layers, None))`` is told.
+            parameters of hooked layers (``layers``: those that own it): one read while none of
+            its layers' forwards runs (:attr:`entered`) is read by another module (``F.linear(x,
+            self.qkv.weight)`` in a parent; ProphetNet's ``self.pos._forward(ids)`` after
+            ``self.pos(...)``): where shared calls made it a source, it is that source (met where
+            it meets the batch), else ``param_source(param, (layers, None))`` is told.
 
     Attributes:
         batch_size: ``B`` as the forward knows it so far (the placement sets it from each
@@ -198,7 +200,7 @@ class Provenance(TorchFunctionMode):
         shared: whether a shared call happened (the signature needs tracking on every forward).
         depth: nested calls of the model's forward (a model that calls itself); the tracking
             ends when the outermost returns.
-        entered: ids of the hooked layers whose forward ran in this forward.
+        entered: ``Counter`` of ``id(layer)``: the hooked layers' forwards running now.
         param_sources: ``{id(param): sources}`` of the raw parameters used so far (and of the
             parameters of shared calls of modules without a rule, :meth:`param_sources_of`).
         own_params: ids of the records of the latter (no replay covers them: a refused meeting
@@ -241,15 +243,14 @@ class Provenance(TorchFunctionMode):
         self._keep = inputs  # (the ids above stay theirs while the forward runs)
         self.token = object()
         self.meet, self.refuse, self.noted = meet, refuse, noted
-        self.shared = False
-        self.depth = 0  # nested calls of the model's forward
+        self.shared, self.depth = False, 0  # (depth: nested calls of the model's forward)
         self.params = params or {}  # id(param) -> what param_source needs to record it
         self.param_source = param_source
         self.param_sources: dict = {}  # id(param) -> its sources tuple, made at its first use
         self.own_params: set = set()  # ids of the records of shared calls' own parameters
         self.merged: list = []  # [(layer, names)]: calls of modules without a rule on merged rows
         self.met_by_rows: set = set()  # ids of parameters met at a linear / grouped product
-        self.entered: set = set()  # ids of the hooked layers whose forward ran in this forward
+        self.entered: Counter = Counter()  # {id(layer): its forwards running now}
         self.signature: tuple = ()
         self.shared_calls, self.fallback_calls, self.plain, self.kinds = [], [], set(), {}
         self.swapped = False
@@ -310,13 +311,13 @@ class Provenance(TorchFunctionMode):
             return True, None, self.inputs[id(t)]
         tag = getattr(t, _TAG, None)
         if tag is None or tag[0] is not self.token:
-            info = self.params.get(id(t))
+            info, src = self.params.get(id(t)), self.param_sources.get(id(t))
             if info is not None and info[1] is None:  # a hooked layer's parameter
-                if not any(id(owner) in self.entered for owner in info[0]):  # read outside
-                    self.param_source(t, info)
-                return False, None, None
+                outside = not any(self.entered[id(o)] for o in info[0])
+                if outside and src is None:
+                    self.param_source(t, info)  # (its layer demoted to its parent, or refused)
+                return False, src if outside else None, None  # (src: its shared calls' own)
             if info is not None:  # a raw parameter: a source of its own
-                src = self.param_sources.get(id(t))
                 if src is None:
                     self.shared = True
                     record = self.param_source(t, self.params[id(t)])

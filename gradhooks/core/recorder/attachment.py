@@ -34,6 +34,7 @@ from ...base.torch_internals import (
     own_parameters,
 )
 from ...rules.fallback import FallbackRule, note_path
+from ..analysis import user_line
 from .records import Layer, find_layers, plain_state
 
 __all__ = ["Attachment", "is_hooked", "hooker", "unwrap_compiled"]
@@ -299,12 +300,14 @@ class Attachment:
         if isinstance(layer.rule, FallbackRule) or isinstance(parent, _CONTAINERS):
             # (a container's forward never runs: nothing would replay it, peft's DoRA reading
             # lora_A.default.weight, held in a ModuleDict, inside its magnitude module's forward)
-            return (f"module {layer.describe()} has its parameters read outside its forward (by "
-                    f"another module: a method of it other than forward, or its parameters used "
+            return (f"module {layer.describe()} has its parameters read outside its forward"
+                    f"{user_line()} (by another module: a method of it other than forward, or "
+                    f"its parameters used "
                     f"functionally), where gradhooks cannot split them per sample. Give the "
                     f"module that reads them a rule that claims them (gradhooks.register_rule), "
                     f"or call the module itself")
         self._demoted.add(layer.path)
+        layer.demoted = recorder.forward_id  # (its calls of this forward: the parent's replay's)
         self._resync = True  # (the next forward rebuilds every layer map with the demotion)
         old = layer_of.get(id(parent))
         params = dict(old.params) if old is not None else {}
@@ -320,8 +323,8 @@ class Attachment:
         _HOOKED.pop(layer.module, None)
         _HOOKED[parent] = weakref.ref(recorder)
         warnings.warn(
-            f"module {layer.describe()} has its parameters read outside its forward (by its "
-            f"parent {new.describe()}, e.g. F.linear(x, self.{rel}.weight)); gradhooks covers "
+            f"module {layer.describe()} has its parameters read outside its forward"
+            f"{user_line()} (by its parent {new.describe()}, e.g. F.linear(x, self.{rel}.weight)); gradhooks covers "
             f"them with the torch.func fallback's replay of the parent", FallbackWarning,
             stacklevel=2)
         return None

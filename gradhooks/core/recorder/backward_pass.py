@@ -288,8 +288,9 @@ class BackwardPass:
         Raises:
             GradHooksError: if the record belongs to an earlier batch (a graph built before it).
         """
-        if not record.names:  # (a replay whose raw parameters came from provenance)
-            return
+        if not record.names or record.layer.demoted == record.forward:
+            return  # (a replay whose raw parameters came from provenance; a call its parent's
+            # replay covers: a parameter read outside the call after it, in the same forward)
         recorder = self._recorder
         if record.step != recorder.batch_id:
             raise GradHooksError(

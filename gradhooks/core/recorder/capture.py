@@ -330,7 +330,12 @@ class Recorder:
         # Global forward hook: the hooked layers' calls.
         layer = self.layer_of.get(id(module))
         if module is not self.model:
-            return None if layer is None else self._record(layer, module, args, kwargs, output)
+            if layer is None:
+                return None
+            result = self._record(layer, module, args, kwargs, output)
+            if self.placement.provenance is not None:
+                self.placement.leave(layer)
+            return result
         completed = False
         try:
             result = None if layer is None else self._record(layer, module, args, kwargs, output)

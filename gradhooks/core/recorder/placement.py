@@ -286,10 +286,15 @@ class Placement:
 
     def enter(self, layer: Layer, args: tuple = ()) -> None:
         """A hooked layer's forward starts (under tracking, with ``args``): its parameters read
-        from now on are read by it, not functionally by another module (:meth:`param_source`);
+        until it returns (:meth:`leave`) are read by it, not functionally by another module
+        (:meth:`param_source`);
         a top-level input it reads takes the batch dim its rule reads (:func:`_read_by`)."""
-        self.provenance.entered.add(id(layer))
+        self.provenance.entered[id(layer)] += 1
         _read_by(self.provenance, layer, args, self.recorder.batch_first)
+
+    def leave(self, layer: Layer) -> None:
+        """A hooked layer's call returned: its parameters are read outside it now."""
+        self.provenance.entered[id(layer)] -= 1
 
     def end_forward(self, completed: bool, forward_id: int, call: Optional[tuple] = None) -> None:
         """The model's forward ``forward_id`` returned (``completed``) or raised.

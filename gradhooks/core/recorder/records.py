@@ -72,7 +72,8 @@ def plain_state(p: nn.Parameter) -> dict:
 class Layer:
     """A hooked module: its path in the model, its rule and the parameters the rule handles."""
 
-    __slots__ = ("path", "module", "rule", "params", "items", "all_names", "validates", "watched")
+    __slots__ = ("path", "module", "rule", "params", "items", "all_names", "validates", "watched",
+                 "demoted")
 
     def __init__(self, path: str, module: nn.Module, rule: LayerRule, params: Dict[str, nn.Parameter]):
         self.path, self.module, self.rule, self.params = path, module, rule, params
@@ -81,6 +82,7 @@ class Layer:
         self.all_names = tuple(params)
         self.validates = type(rule).check_call is not LayerRule.check_call
         self.watched = False  # every parameter has its sum-check gradient hook
+        self.demoted = None  # the forward whose parent's replay covers its calls (Attachment.demote)
 
     def trainable(self) -> Tuple[str, ...]:
         """Names of the parameters that currently require grad."""
