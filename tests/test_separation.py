@@ -115,6 +115,11 @@ KEEPS = {
     "torch.sum_axis-1": lambda h: h * torch.sum(h, axis=-1, keepdim=True),
     "std_axis1": lambda h: h / (h.std(axis=1, keepdims=True) + 1),
     "cat_axis1": lambda h: torch.cat([h[:, 3:], h[:, :3]], axis=1),
+    # assignments (x[index] = value) that write each row's values into its own row
+    "setitem_fresh": lambda h: h * _written(h.new_zeros(h.shape[0], 2 * D), (slice(None),
+                                                                             slice(D, None)), h)[:, D:],
+    "setitem_own_rows": lambda h: _written(h.clone(), (slice(None), 0), h[:, 1] * h[:, 2]),
+    "setitem_broadcast": lambda h: _written(h.new_zeros(3, h.shape[0], D), 1, h).sum(0),
     # products with the batch dim lined up, or on one operand's rows
     "matmul_const": lambda h: torch.tanh(h @ _M(h)),
     "F.linear_const": lambda h: F.linear(h, _M(h)),
@@ -153,6 +158,11 @@ KEEPS = {
     "F.sdpa": lambda h: F.scaled_dot_product_attention(_pair(h), _pair(h), _pair(h))
     .reshape(h.shape[0], D),
 }
+
+
+def _written(target, index, value):
+    target[index] = value  # (Tensor.__setitem__: in place, returns None)
+    return target
 
 
 def _batch(b, seed=0):
@@ -236,6 +246,9 @@ MIXES = {
     "torch.einsum_sum_out": (lambda h: h * torch.einsum("bi->i", h), "einsum"),
     "torch.cumsum": (lambda h: torch.cumsum(h, 0), "cumsum"),
     "torch.cumsum_axis0": (lambda h: torch.cumsum(h, axis=0), "cumsum"),
+    "setitem_permuted_rows": (lambda h: h + _written(h.new_zeros(h.shape), torch.arange(
+        h.shape[0]), h[_PERM(h)]), "__setitem__"),
+    "setitem_rows_to_one": (lambda h: h * _written(h.new_zeros(1, D), 0, h.sum(0)), "sum"),
     "mean_axis0_keepdims": (lambda h: h - h.mean(axis=0, keepdims=True), "mean"),
     "torch.flip": (lambda h: torch.flip(h, (0,)) + h, "flip"),
     "torch.matmul": (lambda h: torch.matmul(h, torch.matmul(h.T, h)), "matmul|product"),
@@ -312,6 +325,7 @@ UNKNOWN_KEEPS = {
     "torch.renorm_per_sample": lambda h: torch.renorm(h, 2, 0, 0.5),
     "torch.cross": lambda h: torch.cross(_pair(h), _pair(h).flip(2), dim=2).reshape(-1, D),
     "torch.fft_rows": lambda h: torch.fft.fft(h, dim=1).real,
+    "setitem_of_a_custom_function": lambda h: _written(h.clone(), slice(None), Square.apply(h)),
 }
 
 

@@ -82,3 +82,46 @@ def test_inplace_relu_in_a_shared_call(batch, dtype):
     model = PositionBias()
     x, w = torch.randn(batch, 4, 4), torch.rand(batch) + 0.5
     check_against_loop_or_empty(model, x, w, loss_reduction="mean", dtype=dtype)
+
+
+class Assigns(nn.Module):
+    """``x[index] = value`` in the forward (``Tensor.__setitem__``, in place): a raw
+    parameter written into a batched tensor, into a fresh one that then meets the batch, the
+    batch's rows written into a fresh tensor, a constant at positions the batch picks."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.l1, self.l2, self.form = nn.Linear(5, 6), nn.Linear(6, 3), form
+        self.p = nn.Parameter(0.5 * torch.randn(6))
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        if self.form == "param_into_batch":
+            h = h.clone()
+            h[:, :2] = self.p[:2]
+        elif self.form == "param_into_fresh":
+            buf = h.new_zeros(h.shape)
+            buf[:] = self.p
+            h = h * buf
+        elif self.form == "rows_into_fresh":
+            buf = torch.zeros(h.shape[0], 6, dtype=h.dtype)
+            buf[:, 1:] = self.p[1:] * h[:, 1:]
+            h = buf + h
+        elif self.form == "constant_at_picked":
+            h = h.clone()
+            h[h > 0.5] = -1.0
+            h = h + self.p
+        return self.l2(torch.tanh(h))
+
+
+@pytest.mark.parametrize("batch", [0, 1, 4], ids=["B0", "B1", "B4"])
+@pytest.mark.parametrize("form", ["param_into_batch", "param_into_fresh", "rows_into_fresh",
+                                  "constant_at_picked"])
+def test_assignments_that_keep_samples_apart_are_exact(form, batch, dtype):
+    """Each is judged as the op that returns the target (provenance.writes_batch): the target
+    carries what was written; before, a batch's rows written into a fresh tensor left it
+    looking constant, so a permutation written there was silently wrong
+    (tests/test_separation.py's setitem forms)."""
+    torch.manual_seed(0)
+    check_against_loop_or_empty(Assigns(form), torch.randn(batch, 5), torch.rand(batch) + 0.5,
+                                loss_reduction="mean", dtype=dtype)

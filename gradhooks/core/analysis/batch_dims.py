@@ -24,7 +24,7 @@ from torch import Tensor
 from ...base import torch_internals
 from ...base.segments import per_key_rows
 from .einsum import einsum_dim
-from .indexing import Routed, arange_index_dim, index_dim
+from .indexing import Routed, arange_index_dim, assigned, assigned_dim, index_dim
 
 __all__ = ["relayout", "batch_dim_after", "operands", "ROW_ALIGNED", "METADATA", "JOINS", "MATMULS",
            "RECURRENT", "Routed", "is_grouped_mm", "recurrent_layout"]
@@ -84,11 +84,14 @@ JOINS = _functions(_JOIN, (torch,))
 #: ``matmul`` / ``bmm``: only the dims before the last two broadcast.
 MATMULS = _functions(_MATMUL, (torch, torch.Tensor))
 
-#: Reads of metadata, the most frequent calls: provenance passes them through untouched.
+#: Reads of metadata, the most frequent calls, and factories whose values are constants
+#: (``h.new_zeros(K, B, E)``: a fresh tensor, whatever ``h`` holds): provenance passes them
+#: through untouched.
 METADATA = frozenset(
     [getattr(torch.Tensor, n) for n in ("size", "dim", "numel", "stride", "is_contiguous",
                                          "is_floating_point", "is_complex", "__len__", "data_ptr",
-                                         "element_size", "storage_offset", "get_device")]
+                                         "element_size", "storage_offset", "get_device",
+                                         "new_zeros", "new_ones", "new_empty", "new_full")]
     + [getattr(torch.Tensor, n).__get__ for n in ("shape", "dtype", "device", "ndim",
                                                   "requires_grad", "is_cuda", "grad_fn", "layout",
                                                   "_version", "is_sparse", "is_meta", "grad")
@@ -156,6 +159,8 @@ def batch_dim_after(func, args, kwargs, ref: Tensor, bd, batched, out):
             return scattered
     if func is torch.einsum and batched is not None:
         return einsum_dim(args, batched, out)
+    if func is assigned:  # (x[index] = value)
+        return assigned_dim(args, batched or ())
     if bd is None:
         return None
     if func is _GETITEM and args and args[0] is ref and not isinstance(bd, Routed):

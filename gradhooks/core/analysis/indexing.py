@@ -8,7 +8,8 @@ from contextvars import ContextVar
 import torch
 from torch import Tensor
 
-__all__ = ["Routed", "index_dim", "arange_index_dim", "IN_ORDER", "IN_ORDER_NOTES"]
+__all__ = ["Routed", "index_dim", "arange_index_dim", "IN_ORDER", "IN_ORDER_NOTES", "assigned",
+           "assigned_dim"]
 
 #: Not a verdict: rows gathered or sorted from the batch by an index were found in the samples'
 #: own order (:meth:`Routed.merged_inner`), a fact of this batch's values: another batch of the
@@ -114,3 +115,50 @@ def arange_index_dim(ref: Tensor, bd: int, index, out) -> "int | None":
             rows.reshape(-1), torch.arange(size, device=rows.device, dtype=rows.dtype))):
         return None
     return dim
+
+
+def assigned(target: Tensor, index, value) -> Tensor:
+    """``target[index] = value``, returning ``target``: how provenance sees an assignment that
+    writes the batch's values (``Tensor.__setitem__`` returns nothing, so the target kept the
+    tag it had, and a batch's rows written into a fresh tensor looked like constants)."""
+    target[index] = value
+    return target
+
+
+assigned.__name__ = assigned.__qualname__ = "__setitem__"  # (as messages name the op)
+
+
+def assigned_dim(args, batched) -> "int | None":
+    """The batch dim of ``target`` after ``target[index] = value`` (``args``; ``batched``:
+    ``[(tensor, batch dim)]`` of the operands that carry the batch): the target's own where
+    the value carries no batch (a parameter's values written into it); where basic indexing
+    keeps the target's batch dim whole and the value's batch dim lands on it (the target's
+    own, or, for a target without one, its dim of the value's batch size that does; a value
+    whose batch dim was lost upstream, taken on the target's rows where its sizes fit them,
+    is checked by the forward-alone check: :func:`~.separation.separation_verdict`); ``None``
+    (lost: judged where it meets the batch) for any other assignment, an advanced index
+    among them (rows written to other rows)."""
+    target, index, value = args[0], args[1], args[2]
+    dims = {id(t): d for t, d in batched}
+    if id(value) not in dims:  # (no sample's values written: each row keeps its own)
+        return dims.get(id(target))
+    v_bd, t_bd = dims[id(value)], dims.get(id(target))
+    if v_bd is not None and type(v_bd) is not int or index_dim(target.dim(), 0, index) is False:
+        return None
+    shape = target[index].shape  # (a view: basic indexing)
+    if v_bd is None:  # (lost upstream: taken where the target's rows are, if they hold B
+        # values of the value; separation_verdict has the forward checked alone)
+        v_bd = index_dim(target.dim(), t_bd, index) if type(t_bd) is int else None
+        if v_bd is None or v_bd < len(shape) - value.dim():
+            return None
+        v_bd -= len(shape) - value.dim()
+        if value.shape[v_bd] != shape[v_bd + len(shape) - value.dim()]:
+            return None
+    aligned = v_bd + len(shape) - value.dim()  # (value broadcast to the view, right-aligned)
+    candidates = [t_bd] if id(target) in dims else [
+        d for d in range(target.dim()) if target.shape[d] == value.shape[v_bd]]
+    for d in candidates:
+        if type(d) is int and index_dim(target.dim(), d, index) == aligned and (
+                shape[aligned] == value.shape[v_bd]):
+            return d
+    return None

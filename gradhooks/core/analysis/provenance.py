@@ -93,7 +93,7 @@ from .batch_dims import (
     recurrent_layout,
 )
 from .einsum import einsum_shared
-from .indexing import IN_ORDER_NOTES
+from .indexing import IN_ORDER_NOTES, assigned
 from .mixing import (
     CONTRACTIONS,
     MIXES,
@@ -114,6 +114,7 @@ __all__ = ["Provenance", "ROW_ALIGNED", "shared_layout", "as_batch", "source_cot
            "batch_dim_after", "input_batch_dim"]
 
 _GETITEM = torch.Tensor.__getitem__
+_SETITEM = torch.Tensor.__setitem__
 _TAG = "_gradhooks_provenance"  # on tensors the forward computes: (token, sources, batch dim)
 _STAT = "_gradhooks_statistic"  # on statistics of the batch: (token, (kind, what))
 
@@ -241,19 +242,16 @@ class Provenance(TorchFunctionMode):
         self.batch_size, self.batch_dim = batch_size, batch_dim
         self.inputs = {id(t): input_batch_dim(t, batch_dim) for t in inputs}
         self._keep = inputs  # (the ids above stay theirs while the forward runs)
-        self.token = object()
-        self.meet, self.refuse, self.noted = meet, refuse, noted
+        self.token, self.meet, self.refuse, self.noted = object(), meet, refuse, noted
         self.shared, self.depth = False, 0  # (depth: nested calls of the model's forward)
-        self.params = params or {}  # id(param) -> what param_source needs to record it
-        self.param_source = param_source
+        self.params, self.param_source = params or {}, param_source  # (id(param) -> its info)
         self.param_sources: dict = {}  # id(param) -> its sources tuple, made at its first use
         self.own_params: set = set()  # ids of the records of shared calls' own parameters
         self.merged: list = []  # [(layer, names)]: calls of modules without a rule on merged rows
         self.met_by_rows: set = set()  # ids of parameters met at a linear / grouped product
         self.entered: Counter = Counter()  # {id(layer): its forwards running now}
-        self.signature: tuple = ()
+        self.signature, self.swapped = (), False
         self.shared_calls, self.fallback_calls, self.plain, self.kinds = [], [], set(), {}
-        self.swapped = False
         self.mixing: list = []  # [(kind, what)]: ops of this forward that mix the samples
         IN_ORDER_NOTES.set(self.mixing)  # (and notes of this batch's values: indexing.IN_ORDER)
         self.stats = 0  # statistics of the batch made so far (gradhooks.core.analysis.mixing)
@@ -328,6 +326,9 @@ class Provenance(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = canonical_kwargs(func, kwargs)  # (x.mean(axis=2) reads as dim=2)
+        if func is _SETITEM and writes_batch(self, args):  # (x[i] = v, in place: judged as
+            self.__torch_function__(assigned, types, args, kwargs)  # assigned(), returning x)
+            return None
         if func in METADATA:
             return func(*args, **kwargs)
         if func in RECURRENT:  # (top-level inputs a recurrent kernel reads: its layout counts)
@@ -557,6 +558,19 @@ class Provenance(TorchFunctionMode):
             if type(a) in (list, tuple) else a)
         args = tuple(sub(a) for a in args)
         return (eq, *args[1:]) if eq else args, {k: sub(v) for k, v in kwargs.items()}
+
+
+def writes_batch(prov: Provenance, args: tuple) -> bool:
+    """Whether ``x[index] = value`` (``args``) writes values of the batch or of sources into
+    ``x``: a ``value`` that carries either (T5's ``_shift_right`` writes the batch's token ids
+    into ``input_ids.new_zeros(...)``). Judged then as :func:`assigned`, whose output is ``x``,
+    so that ``x`` carries what was written (before, ``x`` kept its tag: a batch's rows
+    written into a fresh tensor were taken for constants)."""
+    value = args[2] if len(args) > 2 else None
+    if not isinstance(value, Tensor):
+        return False
+    batched, sources, _ = prov.look(value)
+    return batched or sources is not None
 
 
 def _set(t: Tensor, tag, attr: str = _TAG) -> None:

@@ -68,6 +68,7 @@ from .batch_dims import (
     is_grouped_mm,
 )
 from .einsum import einsum_subscripts
+from .indexing import assigned
 
 __all__ = ["separation_verdict", "custom_function", "output_node", "SCATTERS", "UNPROVEN"]
 
@@ -381,6 +382,12 @@ def separation_verdict(func, args, kwargs, carrying, ref: Tensor, bd, out, out_b
     if func in _CELLS:
         ok = all(b == 0 and t.dim() == 2 for t, b in carrying)
         return None if ok else f"{name} of an unbatched input"
+    if func is assigned:  # (x[index] = value: assigned_dim proves basic indexing only)
+        if lost:
+            return ("x[index] = value that writes the batch's values where the batch dims do "
+                    "not line up (an advanced index, rows written to other rows)")
+        lost_value = any(t is args[2] and b is None for t, b in batched)
+        return "x[index] = value whose batch dim was lost before" if lost_value else None
     if func in SCATTERS:
         if not lost and any(isinstance(b, Routed) for _, b in carrying):
             return None  # (rows gathered by an index, added back to their rows: batch_dims)
