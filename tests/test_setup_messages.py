@@ -152,3 +152,46 @@ def test_two_view_contrastive_loss_names_it():
         with pytest.raises(gradhooks.GradHooksError,
                            match=r"2 forwards.*contrastive.*InfoNCE.*forwards='same_samples'"):
             gh.per_sample_grads()
+
+
+class StridedRows(nn.Module):
+    """A view gradhooks cannot follow (``as_strided``) hands the next layer rows that are not
+    the batch's."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h.as_strided((h.shape[0] // 2, 6), (6, 1)))
+
+
+class MergedChannels(nn.Module):
+    """PatchTST's layout: each sample's channels folded into the batch, ``(B * C, D, L)``,
+    before a BatchNorm1d (eval), whose rule reads dim 0 as the samples."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(4, 6), nn.BatchNorm1d(6).eval(), nn.Linear(6, 3)
+
+    def forward(self, x):  # x: (B, C, L, 4)
+        h = self.a(x).flatten(0, 1).transpose(1, 2)  # (B * C, 6, L)
+        return self.b(self.norm(h).mean(-1)).view(x.shape[0], -1, 3).mean(1)
+
+
+@pytest.mark.parametrize("case", ["strided", "merged"])
+def test_a_layer_that_sees_another_batch_size_names_the_cause(case):
+    """The BatchSizeError names what provenance knows: the first op whose batch dim it could
+    not follow (op, reason, line), or the batch merged into the rows of a layer whose rule
+    does not read merged rows; not 'check the input layout'."""
+    if case == "strided":
+        model, x, want = StridedRows(), torch.randn(4, 4), r"the first: op as_strided.*" \
+            r"test_setup_messages.py:\d+ in forward"
+    else:
+        model, x, want = MergedChannels(), torch.randn(3, 2, 5, 4), r"merged.*BatchNormRule"
+    with gradhooks.attach(model) as gh:
+        with pytest.raises(gradhooks.BatchSizeError, match=want) as info:
+            model(x).sum().backward()
+            gh.per_sample_grads()
+        assert "check the input layout" not in str(info.value)

@@ -214,8 +214,19 @@ class ForwardPass:
             recorder.batch_size, recorder.batch_source = size, layer.describe()
             recorder.batch_forward = recorder.forward_id
             return
-        hint = partial_batch_hint(module, "check the input layout, or pass batch_first=False "
-                                          "for (T, B, ...) inputs.")
+        prov = recorder.placement.provenance
+        lost = next(iter(prov.unproven.values()), None) if prov is not None else None
+        x = args[0] if args and isinstance(args[0], Tensor) else None
+        merged = prov is not None and x is not None and isinstance(prov.look(x)[2], tuple)
+        hint = partial_batch_hint(module, (
+            f"its input holds the batch merged with the dim after it ((B * n, ...) rows, as "
+            f"PatchTST's channels), which its rule ({type(layer.rule).__name__}) does not read "
+            f"(position-wise layers do: Linear, LayerNorm, Embedding); keep the batch on a dim "
+            f"of its own there, or give the module a rule (gradhooks.register_rule)." if merged
+            else f"the forward ran ops before this call whose batch dim gradhooks could not "
+            f"follow, the first: {lost[1]}; a rule (gradhooks.register_rule) for the module "
+            f"that runs them is the way out." if lost is not None else
+            "check the input layout, or pass batch_first=False for (T, B, ...) inputs."))
         shapes = ", ".join(str(tuple(t.shape)) for t in tensors((args, kwargs)))
         raise BatchSizeError(
             f"module {layer.describe()} sees batch size {size} (inputs {shapes}), but "
