@@ -50,12 +50,12 @@ from .provenance import (
     source_cotangent,
 )
 from .rows import meeting_cotangent
-from .separation import UNPROVEN
+from .separation import BY_VALUES, UNPROVEN
 from .token_means import TARGETS, check_token_normalisation, rows_mean_message
 
 __all__ = ["FORWARD_RTOL", "NO_CHECK", "checked_rows", "forward_alone", "largest_difference", "sample_rows", "Split",
            "backward_roots", "constant_of", "flattened_logits", "ignore_index_of", "loss_of", "fixed_normaliser", "position_rows", "relayout",
-           "row_counts", "split_of", "target_counts", "valid_rows", "Routed", "Mixing", "user_line", "ForwardSpans", "judge", "rows_of",
+           "row_counts", "split_of", "target_counts", "valid_rows", "Routed", "Mixing", "user_line", "BY_VALUES", "ForwardSpans", "judge", "rows_of",
            "Provenance", "as_batch", "input_batch_dim", "meeting_cotangent", "shared_layout",
            "source_cotangent", "UNPROVEN", "UNCHECKED", "IN_ORDER", "TARGETS", "check_token_normalisation",
            "rows_mean_message", "HiddenOps", "under_compile"]

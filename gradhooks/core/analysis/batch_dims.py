@@ -24,7 +24,15 @@ from torch import Tensor
 from ...base import torch_internals
 from ...base.segments import per_key_rows
 from .einsum import einsum_dim
-from .indexing import Routed, arange_index_dim, assigned, assigned_dim, index_dim
+from .indexing import (
+    Routed,
+    arange_index_dim,
+    assigned,
+    assigned_dim,
+    index_dim,
+    picked_rows,
+    strided_dim,
+)
 
 __all__ = ["relayout", "batch_dim_after", "operands", "ROW_ALIGNED", "METADATA", "JOINS", "MATMULS",
            "RECURRENT", "Routed", "is_grouped_mm", "recurrent_layout"]
@@ -133,6 +141,8 @@ _TOPK_K = _functions(("topk",), (torch, torch.Tensor))  # (topk(x, k, dim), sort
 _PIECES = {**{f: 1 for f in _UNBIND},
            **{f: 2 for f in _functions(("chunk", "split", "tensor_split"), (torch, torch.Tensor))}}
 _GETITEM = torch.Tensor.__getitem__
+_AS_STRIDED = _functions(("as_strided",), (torch, torch.Tensor))
+_NARROW = _functions(("narrow",), (torch, torch.Tensor))
 _SPATIAL = {f: k for k in (1, 2, 3) for f in _functions(
     (f"conv{k}d", f"conv_transpose{k}d", f"max_pool{k}d", f"avg_pool{k}d",
      f"adaptive_avg_pool{k}d", f"adaptive_max_pool{k}d"), (torch, F))}
@@ -161,6 +171,11 @@ def batch_dim_after(func, args, kwargs, ref: Tensor, bd, batched, out):
         return einsum_dim(args, batched, out)
     if func is assigned:  # (x[index] = value)
         return assigned_dim(args, batched or ())
+    if func in _AS_STRIDED and args and args[0] is ref:
+        return strided_dim(ref, bd, out)
+    if func in _NARROW and type(bd) is int and args and args[0] is ref:  # (its start / length
+        return bd if _args(args, kwargs, (("dim", 1),))[0] % ref.dim() != bd else None  # maybe
+        # tensors from the batch: separation_verdict judges them)
     if bd is None:
         return None
     if func is _GETITEM and args and args[0] is ref and not isinstance(bd, Routed):
@@ -337,6 +352,10 @@ def _gathered(ref: Tensor, bd, index, out) -> "Routed | None":
     first = index[0] if index else None
     if isinstance(bd, Routed):  # (rows of rows: each keeps its sample)
         inner = 1
+    elif type(bd) is int and ref.is_floating_point():  # (elements picked by sample, position)
+        picked = picked_rows(ref, bd, index, out)
+        if picked is not None:
+            return picked
     if (inner is None or not isinstance(first, Tensor) or first.dim() != 1
             or first.dtype not in (torch.int64, torch.int32) or not isinstance(out, Tensor)
             or out.dim() == 0 or out.shape[0] != first.shape[0]):
@@ -412,6 +431,8 @@ def _routed_after(func, args, kwargs, ref: Tensor, bd: Routed, batched, out):
                                    for _, d in batched):
         return None
     if func in _RESHAPE and args and args[0] is ref and isinstance(out, Tensor):
+        if out.dim() and out.shape[0] == ref.shape[0]:
+            return bd  # (each row reshaped alone: (N, H, d) -> (N, H * d))
         inner = bd.merged_inner()
         return None if inner is None else _flat_batch(ref.shape, 0, inner, out.shape)
     if isinstance(out, Tensor):

@@ -47,18 +47,26 @@ def einsum_subscripts(args):
 
 def einsum_dim(args, batched, out):
     """The output's batch dim of an ``einsum`` whose operands that carry the batch all have it
-    at one letter (which the output keeps), else ``None``."""
+    at one letter (which the output keeps), else ``None``; a batch merged with the dims after
+    it (``(dim, inner)``: Longformer's ``(B * H, ...)`` chunks) stays merged, with the same
+    ``inner`` in every operand."""
     parsed = einsum_subscripts(args)
     if parsed is None or not isinstance(out, Tensor):
         return None
     subs, sub_out, ops = parsed
     dims = {id(t): b for t, b in batched}
-    letters = {subs[i][dims[id(t)]] if isinstance(dims[id(t)], int) else None
-               for i, t in enumerate(ops) if id(t) in dims}
-    if len(letters) != 1:
+    found = set()  # (the batch letter, and the rows per sample of a merged batch, or None)
+    for i, t in enumerate(ops):
+        if id(t) in dims:
+            b = dims[id(t)]
+            d, inner = (b, None) if type(b) is int else b if isinstance(b, tuple) else (None, 0)
+            found.add((subs[i][d] if d is not None else None, inner))
+    if len(found) != 1:
         return None
-    letter = letters.pop()
-    return sub_out.index(letter) if letter is not None and sub_out.count(letter) == 1 else None
+    letter, inner = found.pop()
+    if letter is None or sub_out.count(letter) != 1:
+        return None
+    return sub_out.index(letter) if inner is None else (sub_out.index(letter), inner)
 
 
 def einsum_shared(args, ref: Tensor, bd, shared) -> Optional[str]:

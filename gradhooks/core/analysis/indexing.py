@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["Routed", "index_dim", "arange_index_dim", "IN_ORDER", "IN_ORDER_NOTES", "assigned",
-           "assigned_dim"]
+           "assigned_dim", "strided_dim", "picked_rows"]
 
 #: Not a verdict: rows gathered or sorted from the batch by an index were found in the samples'
 #: own order (:meth:`Routed.merged_inner`), a fact of this batch's values: another batch of the
@@ -128,26 +128,33 @@ def assigned(target: Tensor, index, value) -> Tensor:
 assigned.__name__ = assigned.__qualname__ = "__setitem__"  # (as messages name the op)
 
 
-def assigned_dim(args, batched) -> "int | None":
+def assigned_dim(args, batched) -> "int | tuple | None":
     """The batch dim of ``target`` after ``target[index] = value`` (``args``; ``batched``:
     ``[(tensor, batch dim)]`` of the operands that carry the batch): the target's own where
     the value carries no batch (a parameter's values written into it); where basic indexing
     keeps the target's batch dim whole and the value's batch dim lands on it (the target's
-    own, or, for a target without one, its dim of the value's batch size that does; a value
-    whose batch dim was lost upstream, taken on the target's rows where its sizes fit them,
-    is checked by the forward-alone check: :func:`~.separation.separation_verdict`); ``None``
-    (lost: judged where it meets the batch) for any other assignment, an advanced index
-    among them (rows written to other rows)."""
+    own, or, for a target without one, its dim of the value's batch size that does; a batch
+    merged with the dims after it, ``(dim, inner)``, stays merged: Longformer's chunked
+    scores; a value whose batch dim was lost upstream, taken on the target's rows where its
+    sizes fit them, is checked by the forward-alone check:
+    :func:`~.separation.separation_verdict`); ``None`` (lost: judged where it meets the
+    batch) for any other assignment, an advanced index among them (rows written to other
+    rows)."""
     target, index, value = args[0], args[1], args[2]
     dims = {id(t): d for t, d in batched}
     if id(value) not in dims:  # (no sample's values written: each row keeps its own)
         return dims.get(id(target))
-    v_bd, t_bd = dims[id(value)], dims.get(id(target))
-    if v_bd is not None and type(v_bd) is not int or index_dim(target.dim(), 0, index) is False:
+    (v_bd, inner), (t_bd, t_inner) = _split(dims[id(value)]), _split(dims.get(id(target)))
+    if isinstance(dims[id(value)], Routed):  # (rows picked from the batch, put back by an
+        # index whose sample coordinate is each row's sample: Longformer's global tokens)
+        at = _sample_coordinate(target, index, dims[id(value)], t_bd)
+        return at if at is not None and (id(target) not in dims or at == t_bd) else None
+    if v_bd is False or index_dim(target.dim(), 0, index) is False:
         return None
     shape = target[index].shape  # (a view: basic indexing)
     if v_bd is None:  # (lost upstream: taken where the target's rows are, if they hold B
         # values of the value; separation_verdict has the forward checked alone)
+        inner = t_inner
         v_bd = index_dim(target.dim(), t_bd, index) if type(t_bd) is int else None
         if v_bd is None or v_bd < len(shape) - value.dim():
             return None
@@ -155,10 +162,89 @@ def assigned_dim(args, batched) -> "int | None":
         if value.shape[v_bd] != shape[v_bd + len(shape) - value.dim()]:
             return None
     aligned = v_bd + len(shape) - value.dim()  # (value broadcast to the view, right-aligned)
-    candidates = [t_bd] if id(target) in dims else [
-        d for d in range(target.dim()) if target.shape[d] == value.shape[v_bd]]
+    candidates = [t_bd] if id(target) in dims and t_inner == inner else [] if id(
+        target) in dims else [d for d in range(target.dim()) if target.shape[d] == value.shape[v_bd]]
     for d in candidates:
         if type(d) is int and index_dim(target.dim(), d, index) == aligned and (
                 shape[aligned] == value.shape[v_bd]):
+            return d if inner is None else (d, inner)
+    return None
+
+
+def _advanced(index) -> "list | None":
+    # The tensor entries of an advanced index whose result holds its rows on dim 0: 1-D
+    # integer tensors of one length, adjacent from the first entry or apart, the other
+    # entries full slices; else None.
+    index = index if isinstance(index, tuple) else (index,)
+    at = [i for i, t in enumerate(index) if isinstance(t, Tensor)]
+    if len(at) < 2 or any(not isinstance(index[i], Tensor) and index[i] != slice(None)
+                          for i in range(len(index))):
+        return None
+    tensors = [index[i] for i in at]
+    if any(t.dim() != 1 or t.dtype not in (torch.int64, torch.int32)
+           or t.shape != tensors[0].shape for t in tensors):
+        return None
+    if at == list(range(at[0], at[0] + len(at))) and at[0] != 0:
+        return None  # (adjacent, not first: their dim lands where the first is)
+    return list(index)
+
+
+def picked_rows(ref: Tensor, bd, index, out) -> "Routed | None":
+    """``ref[index]`` by two or more 1-D integer tensors, one of them on ``ref``'s batch dim
+    ``bd`` (an int): the output's dim 0 holds the picked elements, row ``r`` of the sample
+    ``index[bd][r]`` (Longformer's ``key_vectors[batch_ids, positions]``); else ``None``."""
+    entries = _advanced(index)
+    if (entries is None or type(bd) is not int or bd >= len(entries)
+            or not isinstance(entries[bd], Tensor) or not isinstance(out, Tensor)
+            or out.dim() == 0 or out.shape[0] != entries[bd].shape[0]):
+        return None
+    return Routed(entries[bd], entries[bd], ref.shape[bd])
+
+
+def _sample_coordinate(target: Tensor, index, routed: Routed, t_bd) -> "int | None":
+    # The dim of ``target`` that ``target[index] = rows`` (``rows`` routed) writes each row
+    # into its own sample's slice of: the index's entry there equals the rows' samples.
+    entries = _advanced(index)
+    if entries is None or entries[0].shape[0] != routed.samples.shape[0]:
+        return None
+    for d, t in enumerate(entries):
+        if (isinstance(t, Tensor) and d < target.dim() and target.shape[d] == routed.size
+                and (t_bd is None or d == t_bd) and bool(torch.equal(t, routed.samples))):
             return d
     return None
+
+
+def _split(bd) -> tuple:
+    # (dim, rows per sample of a merged batch or None); (False, None) for a Routed batch
+    if bd is None or type(bd) is int:
+        return bd, None
+    return bd if isinstance(bd, tuple) else (False, None)
+
+
+def strided_dim(ref: Tensor, bd, out) -> "int | tuple | None":
+    """The batch dim of ``out = ref.as_strided(size, stride)`` for ``ref`` with its batch on
+    dim 0 (``bd``: ``0`` or a merged ``(0, inner)``): kept where the view keeps dim 0's size,
+    stride ``s0`` and offset, and, in ``ref`` and ``out`` alike, the row of every element is
+    the one its offset says: each other dim's stride is either a multiple of ``N * s0`` (``N``
+    rows: whole blocks of rows) or small, the small ones' extent ``sum((n_i - 1) * stride_i)``
+    below ``s0`` (Longformer's sliding chunks over ``(B * H, T, d)`` rows, laid out
+    ``(T, B * H, d)`` in memory); else ``None``."""
+    d = bd if type(bd) is int else bd[0] if isinstance(bd, tuple) else None
+    if d != 0 or not isinstance(out, Tensor) or out.dim() == 0 or ref.dim() == 0:
+        return None
+    s0 = ref.stride(0)
+    if (out.shape[0] != ref.shape[0] or out.stride(0) != s0 or s0 <= 0
+            or out.storage_offset() != ref.storage_offset()):
+        return None
+    return bd if _rows_apart(ref, s0) and _rows_apart(out, s0) else None
+
+
+def _rows_apart(t: Tensor, s0: int) -> bool:
+    # strided_dim's condition on one tensor: its elements' offsets determine their row
+    if any(n == 0 for n in t.shape):
+        return True
+    block, small = t.shape[0] * s0, 0
+    for n, s in zip(t.shape[1:], t.stride()[1:]):
+        if n > 1 and not (s > 0 and s % block == 0):
+            small += (n - 1) * s
+    return small < s0

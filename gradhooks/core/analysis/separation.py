@@ -68,9 +68,14 @@ from .batch_dims import (
     is_grouped_mm,
 )
 from .einsum import einsum_subscripts
-from .indexing import assigned
+from .indexing import IN_ORDER, IN_ORDER_NOTES, assigned
 
-__all__ = ["separation_verdict", "custom_function", "output_node", "SCATTERS", "UNPROVEN"]
+__all__ = ["separation_verdict", "custom_function", "output_node", "SCATTERS", "UNPROVEN",
+           "BY_VALUES"]
+
+#: Why an op's verdict holds for one batch only: a move by a size or position the batch's values
+#: gave (its forward-alone check is run on every forward, not once per structure).
+BY_VALUES = "a size or position computed from the batch"
 
 #: :class:`~gradhooks.core.analysis.mixing.Mixing`'s kind of an op no rule proves keeps samples apart.
 UNPROVEN = "unproven"
@@ -238,11 +243,13 @@ def _einsum(args, kwargs, carrying) -> Optional[str]:
         return "einsum in the sublist form or with an equation that does not fit its operands"
     subs, out, ops = parsed
     dims = {id(t): bd for t, bd in carrying}
-    letter = None
+    letter, inners = None, {b[1] for b in dims.values() if isinstance(b, tuple)}
+    if len(inners) > 1 or inners and any(type(b) is int for b in dims.values()):
+        return "einsum of operands whose batch is merged with other dims differently"
     for i, t in enumerate(ops):
         if id(t) not in dims:
             continue
-        bd = dims[id(t)]
+        bd = dims[id(t)][0] if isinstance(dims[id(t)], tuple) else dims[id(t)]
         if not isinstance(bd, int):
             return "einsum of an operand whose batch dim provenance could not place"
         mine = subs[i][bd]
@@ -327,6 +334,12 @@ def separation_verdict(func, args, kwargs, carrying, ref: Tensor, bd, out, out_b
             return f"{name} along the batch dim (or a dim provenance could not read)"
         return _aligned(carrying, ref.dim())
     if func in _MOVES or func in _PIECES or func in JOINS:
+        if any(b is None and not t.is_floating_point() for t, b in batched):
+            notes = IN_ORDER_NOTES.get()  # (a fact of this batch's values: every forward of
+            if notes is not None and not any(kind == IN_ORDER for kind, _ in notes):  # the
+                notes.append((IN_ORDER, f"{name} by {BY_VALUES}"))  # signature is analysed)
+            return (f"{name} by {BY_VALUES} (Longformer's narrow to the batch's largest count "
+                    f"of global tokens): each sample's slice may depend on the others'")
         own = {_dim_of(b) for _, b in carrying if not isinstance(b, Routed)}
         if func in JOINS and len(own) > 1:
             return f"{name} of operands that carry the batch on different dims"
