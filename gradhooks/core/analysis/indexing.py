@@ -147,7 +147,7 @@ def assigned_dim(args, batched) -> "int | tuple | None":
     (v_bd, inner), (t_bd, t_inner) = _split(dims[id(value)]), _split(dims.get(id(target)))
     if isinstance(dims[id(value)], Routed):  # (rows picked from the batch, put back by an
         # index whose sample coordinate is each row's sample: Longformer's global tokens)
-        at = _sample_coordinate(target, index, dims[id(value)], t_bd)
+        at = None if t_bd is False else _sample_coordinate(target, index, dims[id(value)], t_bd)
         return at if at is not None and (id(target) not in dims or at == t_bd) else None
     if v_bd is False or index_dim(target.dim(), 0, index) is False:
         return None
