@@ -8,6 +8,8 @@ from typing import Optional
 
 from torch import Tensor
 
+from .indexing import dim_of
+
 __all__ = ["einsum_subscripts", "einsum_dim", "einsum_shared"]
 
 
@@ -55,18 +57,17 @@ def einsum_dim(args, batched, out):
         return None
     subs, sub_out, ops = parsed
     dims = {id(t): b for t, b in batched}
-    found = set()  # (the batch letter, and the rows per sample of a merged batch, or None)
+    found = set()  # (the batch letter, and the rows per sample of a merged batch)
     for i, t in enumerate(ops):
         if id(t) in dims:
-            b = dims[id(t)]
-            d, inner = (b, None) if type(b) is int else b if isinstance(b, tuple) else (None, 0)
-            found.add((subs[i][d] if d is not None else None, inner))
+            parts = dim_of(dims[id(t)])
+            found.add((subs[i][parts[0]], parts[1]) if parts is not None else (None, 0))
     if len(found) != 1:
         return None
     letter, inner = found.pop()
     if letter is None or sub_out.count(letter) != 1:
         return None
-    return sub_out.index(letter) if inner is None else (sub_out.index(letter), inner)
+    return sub_out.index(letter) if inner == 1 else (sub_out.index(letter), inner)
 
 
 def einsum_shared(args, ref: Tensor, bd, shared) -> Optional[str]:

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["Routed", "index_dim", "arange_index_dim", "IN_ORDER", "IN_ORDER_NOTES", "assigned",
-           "assigned_dim", "strided_dim", "picked_rows"]
+           "assigned_dim", "strided_dim", "picked_rows", "dim_of"]
 
 #: Not a verdict: rows gathered or sorted from the batch by an index were found in the samples'
 #: own order (:meth:`Routed.merged_inner`), a fact of this batch's values: another batch of the
@@ -144,30 +144,31 @@ def assigned_dim(args, batched) -> "int | tuple | None":
     dims = {id(t): d for t, d in batched}
     if id(value) not in dims:  # (no sample's values written: each row keeps its own)
         return dims.get(id(target))
-    (v_bd, inner), (t_bd, t_inner) = _split(dims[id(value)]), _split(dims.get(id(target)))
-    if isinstance(dims[id(value)], Routed):  # (rows picked from the batch, put back by an
-        # index whose sample coordinate is each row's sample: Longformer's global tokens)
-        at = None if t_bd is False else _sample_coordinate(target, index, dims[id(value)], t_bd)
-        return at if at is not None and (id(target) not in dims or at == t_bd) else None
-    if v_bd is False or index_dim(target.dim(), 0, index) is False:
+    value_bd, target_bd = dims[id(value)], dims.get(id(target))
+    if isinstance(value_bd, Routed):  # (rows picked from the batch, put back by an index
+        # whose sample coordinate is each row's sample: Longformer's global tokens)
+        at = None if isinstance(target_bd, Routed) else _sample_coordinate(
+            target, index, value_bd, target_bd)
+        return at if at is not None and (id(target) not in dims or at == target_bd) else None
+    if isinstance(target_bd, Routed) or index_dim(target.dim(), 0, index) is False:
         return None
     shape = target[index].shape  # (a view: basic indexing)
-    if v_bd is None:  # (lost upstream: taken where the target's rows are, if they hold B
+    lead = len(shape) - value.dim()  # (value broadcast to the view, right-aligned)
+    v, t = dim_of(value_bd), dim_of(target_bd)
+    if v is None:  # (lost upstream: taken where the target's rows are, if they hold B
         # values of the value; separation_verdict has the forward checked alone)
-        inner = t_inner
-        v_bd = index_dim(target.dim(), t_bd, index) if type(t_bd) is int else None
-        if v_bd is None or v_bd < len(shape) - value.dim():
+        at = None if t is None else index_dim(target.dim(), t[0], index)
+        if at is None or at < lead or value.shape[at - lead] != shape[at]:
             return None
-        v_bd -= len(shape) - value.dim()
-        if value.shape[v_bd] != shape[v_bd + len(shape) - value.dim()]:
-            return None
-    aligned = v_bd + len(shape) - value.dim()  # (value broadcast to the view, right-aligned)
-    candidates = [t_bd] if id(target) in dims and t_inner == inner else [] if id(
-        target) in dims else [d for d in range(target.dim()) if target.shape[d] == value.shape[v_bd]]
+        v = (at - lead, t[1])
+    size = value.shape[v[0]]
+    if id(target) in dims:
+        candidates = [t[0]] if t is not None and t[1] == v[1] else []
+    else:
+        candidates = [d for d in range(target.dim()) if target.shape[d] == size]
     for d in candidates:
-        if type(d) is int and index_dim(target.dim(), d, index) == aligned and (
-                shape[aligned] == value.shape[v_bd]):
-            return d if inner is None else (d, inner)
+        if index_dim(target.dim(), d, index) == v[0] + lead and shape[v[0] + lead] == size:
+            return d if v[1] == 1 else (d, v[1])
     return None
 
 
@@ -214,11 +215,13 @@ def _sample_coordinate(target: Tensor, index, routed: Routed, t_bd) -> "int | No
     return None
 
 
-def _split(bd) -> tuple:
-    # (dim, rows per sample of a merged batch or None); (False, None) for a Routed batch
-    if bd is None or type(bd) is int:
-        return bd, None
-    return bd if isinstance(bd, tuple) else (False, None)
+def dim_of(bd) -> "tuple | None":
+    """``(dim, inner)`` of a batch dim as provenance tags it: ``(bd, 1)`` for an int, the pair
+    itself for a batch merged with the dims after it; ``None`` for rows gathered by an index
+    (:class:`Routed`) or a lost batch dim."""
+    if type(bd) is int:
+        return bd, 1
+    return bd if isinstance(bd, tuple) else None
 
 
 def strided_dim(ref: Tensor, bd, out) -> "int | tuple | None":
@@ -229,8 +232,9 @@ def strided_dim(ref: Tensor, bd, out) -> "int | tuple | None":
     rows: whole blocks of rows) or small, the small ones' extent ``sum((n_i - 1) * stride_i)``
     below ``s0`` (Longformer's sliding chunks over ``(B * H, T, d)`` rows, laid out
     ``(T, B * H, d)`` in memory); else ``None``."""
-    d = bd if type(bd) is int else bd[0] if isinstance(bd, tuple) else None
-    if d != 0 or not isinstance(out, Tensor) or out.dim() == 0 or ref.dim() == 0:
+    parts = dim_of(bd)
+    if parts is None or parts[0] != 0 or not isinstance(out, Tensor) or not out.dim() or (
+            not ref.dim()):
         return None
     s0 = ref.stride(0)
     if (out.shape[0] != ref.shape[0] or out.stride(0) != s0 or s0 <= 0

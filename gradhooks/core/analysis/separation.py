@@ -68,7 +68,7 @@ from .batch_dims import (
     is_grouped_mm,
 )
 from .einsum import einsum_subscripts
-from .indexing import IN_ORDER, IN_ORDER_NOTES, assigned
+from .indexing import IN_ORDER, IN_ORDER_NOTES, assigned, dim_of
 
 __all__ = ["separation_verdict", "custom_function", "output_node", "SCATTERS", "UNPROVEN",
            "BY_VALUES"]
@@ -189,15 +189,6 @@ def custom_function(t: Tensor) -> Optional[str]:
     return name.removesuffix("Backward")
 
 
-def _dim_of(bd):
-    # (the batch dim as an int position, its inner factor; None for Routed / lost)
-    if isinstance(bd, int):
-        return bd, 1
-    if isinstance(bd, tuple):
-        return bd
-    return None
-
-
 def _aligned(carrying, out_nd: int, batched=None) -> Optional[str]:
     # Pointwise: every carrying operand's batch dim, right-aligned, is the same output dim; and
     # none that lost it meets an operand that has one (``batched``: every operand carrying the
@@ -207,7 +198,7 @@ def _aligned(carrying, out_nd: int, batched=None) -> Optional[str]:
     for t, bd in carrying:
         if isinstance(bd, Routed):
             continue  # (rows gathered by an index: mixing.rows_of_others judges them)
-        d = _dim_of(bd)
+        d = dim_of(bd)
         if d is None and not known:
             continue  # (ops among statistics of the batch: mixing.py follows them)
         if d is None:
@@ -287,7 +278,7 @@ def _product(func, args, kwargs, carrying, out, out_bd) -> Optional[str]:
     for i, t in enumerate(mats):
         if not isinstance(t, Tensor) or id(t) not in dims_of:
             continue
-        d = _dim_of(dims_of[id(t)])
+        d = dim_of(dims_of[id(t)])
         if d is None or t.dim() < 2:
             return (f"{name} of an operand of shape {tuple(t.shape)} whose batch dim is a "
                     f"vector's or unknown")
@@ -328,7 +319,7 @@ def separation_verdict(func, args, kwargs, carrying, ref: Tensor, bd, out, out_b
         return None
     if func in _ALONG_OPS:
         pos, default = _ALONG[_ALONG_OPS[func]]
-        d = _dim_of(bd)
+        d = dim_of(bd)
         dims = _dims_arg(func, args, kwargs, pos, default, ref.dim())
         if d is None or dims is None or d[0] in dims:
             return f"{name} along the batch dim (or a dim provenance could not read)"
@@ -340,7 +331,7 @@ def separation_verdict(func, args, kwargs, carrying, ref: Tensor, bd, out, out_b
                 notes.append((IN_ORDER, f"{name} by {BY_VALUES}"))  # signature is analysed)
             return (f"{name} by {BY_VALUES} (Longformer's narrow to the batch's largest count "
                     f"of global tokens): each sample's slice may depend on the others'")
-        own = {_dim_of(b) for _, b in carrying if not isinstance(b, Routed)}
+        own = {dim_of(b) for _, b in carrying if not isinstance(b, Routed)}
         if func in JOINS and len(own) > 1:
             return f"{name} of operands that carry the batch on different dims"
         if lost:
@@ -354,9 +345,9 @@ def separation_verdict(func, args, kwargs, carrying, ref: Tensor, bd, out, out_b
         return _product(func, args, kwargs, carrying, out, out_bd)
     if is_grouped_mm(func):
         return None if not lost else f"{name} whose output lost the batch dim"
-    d = _dim_of(bd)
+    d = dim_of(bd)
     if func in _SPATIAL_ALL:
-        ok = d is not None and d[0] == 0 and all(_dim_of(b) == d for _, b in carrying)
+        ok = d is not None and d[0] == 0 and all(dim_of(b) == d for _, b in carrying)
         return None if ok and not lost else (
             f"{name} with the batch on dim {bd} (a spatial op reads dim 0 as the batch)")
     if func in _LAST_NORMS:
@@ -371,7 +362,7 @@ def separation_verdict(func, args, kwargs, carrying, ref: Tensor, bd, out, out_b
         return None if carrying[0][0] is args[0] else f"{name} with statistics from the batch"
     if func in _ATTENTION:
         for t, b in carrying:
-            e = _dim_of(b)
+            e = dim_of(b)
             if e is None or e[0] >= t.dim() - 2:
                 return (f"{name} with the batch on the sequence or feature dim of shape "
                         f"{tuple(t.shape)}")
