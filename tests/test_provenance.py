@@ -578,6 +578,26 @@ def test_provenance_follows_the_batch_dim_not_the_sizes():
     assert prov.shared_calls == [] and prov.plain == set() and not prov.swapped
 
 
+@pytest.mark.parametrize("b", [2, 4])  # (one row: its stride is any, nothing to keep apart)
+def test_an_as_strided_view_keeps_the_batch_only_within_its_tensor(b):
+    """as_strided keeps the batch dim where its rows stay the samples' (Longformer's chunks:
+    windows within each row, or rows interleaved in memory); a view of part of a wider tensor
+    that reads past that part (memory its rows do not hold) loses it."""
+    from gradhooks.core.analysis.provenance import Provenance
+
+    x = torch.randn(b, 12)
+    noop = lambda *args: None
+    prov = Provenance(b, 0, [x], noop, noop, noop)
+    with prov:
+        h = x * 2
+        windows = h.as_strided((b, 5, 4), (12, 2, 1))
+        interleaved = h.t().contiguous().t().as_strided((b, 11, 2), (1, b, b))
+        left = h[:, :6]  # (its rows' strides reach the right half's memory)
+        past = left.as_strided((b, 12), (12, 1))
+    assert prov.look(windows)[2] == 0 and prov.look(interleaved)[2] == 0
+    assert prov.look(left)[2] == 0 and prov.look(past)[2] is None
+
+
 def test_transposed_layers_are_relayouted_and_their_signature_tracked_every_time():
     """A batch-first model that runs a Linear on (T, B, D) with T == B: the placement swaps its
     records back (so the rule reads the samples, not the positions), and the signature stays

@@ -226,8 +226,9 @@ def dim_of(bd) -> "tuple | None":
 
 def strided_dim(ref: Tensor, bd, out) -> "int | tuple | None":
     """The batch dim of ``out = ref.as_strided(size, stride)`` for ``ref`` with its batch on
-    dim 0 (``bd``: ``0`` or a merged ``(0, inner)``): kept where the view keeps dim 0's size,
-    stride ``s0`` and offset, and, in ``ref`` and ``out`` alike, the row of every element is
+    dim 0 (``bd``: ``0`` or a merged ``(0, inner)``): kept where ``ref`` fills its span of
+    storage (a permutation of a contiguous tensor) and ``out`` reads within it, the view keeps
+    dim 0's size, stride ``s0`` and offset, and, in ``ref`` and ``out`` alike, the row of every element is
     the one its offset says: each other dim's stride is either a multiple of ``N * s0`` (``N``
     rows: whole blocks of rows) or small, the small ones' extent ``sum((n_i - 1) * stride_i)``
     below ``s0`` (Longformer's sliding chunks over ``(B * H, T, d)`` rows, laid out
@@ -240,7 +241,21 @@ def strided_dim(ref: Tensor, bd, out) -> "int | tuple | None":
     if (out.shape[0] != ref.shape[0] or out.stride(0) != s0 or s0 <= 0
             or out.storage_offset() != ref.storage_offset()):
         return None
+    reach = sum((n - 1) * st for n, st in zip(out.shape, out.stride()))  # (its last offset)
+    if not _dense(ref) or out.numel() and reach >= ref.numel():
+        return None  # (it may read memory that is not ref's: another tensor's in its base)
     return bd if _rows_apart(ref, s0) and _rows_apart(out, s0) else None
+
+
+def _dense(t: Tensor) -> bool:
+    # Whether t's elements fill their span of storage once each (a permutation of a
+    # contiguous tensor): every offset in [offset, offset + numel) is one of its elements.
+    size = 1
+    for st, n in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if st != size:
+            return False
+        size *= n
+    return True
 
 
 def _rows_apart(t: Tensor, s0: int) -> bool:
